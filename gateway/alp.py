@@ -1,0 +1,228 @@
+"""The ALP REST client (PROTOCOL.md §1–3): register, poll, claim, status, progress, report, events."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from gateway.protocol import CAPABILITY
+from gateway.sse import SSESplitter
+from gateway.state import Registration
+
+log = logging.getLogger("gateway.alp")
+
+CHAT_JOB_TYPE = "chat_llm"
+
+
+class ServerUnavailable(Exception):
+    """The Server could not be reached, timed out or answered 5xx: worth retrying later."""
+
+
+class TokenRefused(Exception):
+    """The Server refused the runner token (401/403)."""
+
+
+class RegistrationRefused(Exception):
+    """Registration refused: only a user credential registers a runner."""
+
+
+class EventsUnavailable(Exception):
+    """The Server has no push route (``GET …/runners/events`` answered 404/405)."""
+
+
+class Refused(Exception):
+    """A non-retryable 4xx answer; the message names the path and status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def make_ssl_context(ca_file: Path | None) -> ssl.SSLContext:
+    """Certificates are verified; ``ca_file`` adds a private CA (a self-hosted hub)."""
+    ctx = ssl.create_default_context()
+    if ca_file is not None:
+        ctx.load_verify_locations(cafile=str(ca_file))
+    return ctx
+
+
+def is_chat_job(job: Any) -> bool:
+    """A Kind B job: ``agentDefinition.jobType == "chat_llm"`` or ``chat-llm:v1`` in its needs."""
+    if not isinstance(job, dict) or not isinstance(job.get("id"), str):
+        return False
+    definition = job.get("agentDefinition")
+    if not isinstance(definition, dict):
+        definition = {}
+    if definition.get("jobType") == CHAT_JOB_TYPE:
+        return True
+    for needs in (job.get("needs"), definition.get("needs")):
+        if isinstance(needs, list) and CAPABILITY in needs:
+            return True
+    return False
+
+
+_jobs_decoder = msgspec.json.Decoder()
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class AlpClient:
+    """Talks to one ALP Server for one project; every call is one HTTP request."""
+
+    def __init__(
+        self,
+        server: str,
+        owner: str,
+        project: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.server = server
+        self.owner = owner
+        self.project = project
+        self.base = f"{server}/api/owners/{owner}/projects/{project}"
+        self.token: str | None = None
+        self._client = httpx.AsyncClient(
+            verify=ssl_context if ssl_context is not None else True,
+            timeout=httpx.Timeout(timeout),
+            headers={"user-agent": "alp-gateway"},
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def _auth(self, token: str | None = None) -> dict[str, str]:
+        token = token or self.token
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    async def _request(
+        self, method: str, path: str, *, token: str | None = None, json: Any = None
+    ) -> httpx.Response:
+        url = f"{self.base}/{path}"
+        try:
+            resp = await self._client.request(method, url, json=json, headers=self._auth(token))
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"{method} {url}: {_describe(exc)}") from None
+        if resp.status_code >= 500:
+            raise ServerUnavailable(f"{method} {url}: Server answered {resp.status_code}")
+        return resp
+
+    async def register(self, user_token: str, name: str, labels: list[str]) -> Registration:
+        """``POST {base}/runners``, falling back to ``{base}/runners/register`` on 404/405."""
+        body = {"name": name, "labels": labels}
+        resp = await self._request("POST", "runners", token=user_token, json=body)
+        if resp.status_code in (404, 405):
+            resp = await self._request("POST", "runners/register", token=user_token, json=body)
+        if resp.status_code in (401, 403):
+            raise RegistrationRefused(
+                f"the Server refused registration ({resp.status_code}): a user credential "
+                "(--user-token or AGENTICS_USER_TOKEN) is needed, not a runner token"
+            )
+        if not resp.is_success:
+            raise Refused(f"registration failed: Server answered {resp.status_code}", resp.status_code)
+        try:
+            data = resp.json()
+            return Registration(
+                id=str(data["id"]),
+                name=str(data.get("name") or name),
+                token=str(data["token"]),
+                server=self.server,
+                owner=self.owner,
+                project=self.project,
+                registeredAt=data.get("registeredAt"),
+            )
+        except (ValueError, KeyError, TypeError):
+            raise Refused("registration reply lacks id/token", resp.status_code) from None
+
+    async def poll(self, capabilities: list[str]) -> list[dict[str, Any]]:
+        """``POST {base}/runners/jobs``: the offered jobs (never claims)."""
+        resp = await self._request("POST", "runners/jobs", json={"capabilities": capabilities})
+        if resp.status_code in (204, 404):
+            return []
+        if resp.status_code in (401, 403):
+            raise TokenRefused(f"the Server refused the runner token on poll ({resp.status_code})")
+        if not resp.is_success:
+            raise Refused(f"poll: Server answered {resp.status_code}", resp.status_code)
+        if not resp.content.strip():
+            return []
+        try:
+            data = _jobs_decoder.decode(resp.content)
+        except msgspec.DecodeError:
+            raise ServerUnavailable("poll: the Server's answer is not JSON") from None
+        if data is None:
+            return []
+        jobs = data.get("jobs") if isinstance(data, dict) else None
+        return [j for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else []
+
+    async def claim(self, job_id: str, name: str) -> str | None:
+        """``POST {base}/runners/generate-jitconfig``: the runId, or None when another runner has it."""
+        resp = await self._request(
+            "POST", "runners/generate-jitconfig", json={"jobId": job_id, "name": name}
+        )
+        if not resp.is_success:
+            return None
+        try:
+            run_id = resp.json().get("runId")
+        except (ValueError, AttributeError):
+            return None
+        return str(run_id) if run_id else None
+
+    async def set_status(self, run_id: str, job_id: str, body: dict[str, Any]) -> None:
+        resp = await self._request("PATCH", f"runs/{run_id}/jobs/{job_id}", json=body)
+        if not resp.is_success:
+            raise Refused(f"job status: Server answered {resp.status_code}", resp.status_code)
+
+    async def progress(self, run_id: str, job_id: str, stage: str) -> None:
+        resp = await self._request(
+            "POST", f"runs/{run_id}/jobs/{job_id}/progress", json={"stage": stage, "message": None}
+        )
+        if not resp.is_success:
+            raise Refused(f"progress: Server answered {resp.status_code}", resp.status_code)
+
+    async def report(self, run_id: str, job_id: str, conclusion: str, logs: str) -> None:
+        """The one final report of a job (PROTOCOL.md §3)."""
+        await self.set_status(
+            run_id,
+            job_id,
+            {
+                "status": "completed",
+                "conclusion": conclusion,
+                "logs": logs,
+                "completionReason": conclusion,
+            },
+        )
+
+    async def events(self) -> AsyncIterator[str]:
+        """``GET {base}/runners/events``: yields the jobId of every ``job_available`` event."""
+        url = f"{self.base}/runners/events"
+        timeout = httpx.Timeout(10.0, read=60.0)  # the Server sends a keepalive every 15 s
+        try:
+            async with self._client.stream(
+                "GET", url, headers={**self._auth(), "accept": "text/event-stream"}, timeout=timeout
+            ) as resp:
+                if resp.status_code in (404, 405):
+                    raise EventsUnavailable(f"{url}: {resp.status_code}")
+                if resp.status_code in (401, 403):
+                    raise TokenRefused(f"the Server refused the runner token on events ({resp.status_code})")
+                if not resp.is_success:
+                    raise ServerUnavailable(f"GET {url}: Server answered {resp.status_code}")
+                splitter = SSESplitter()
+                async for raw in resp.aiter_raw():
+                    for payload in splitter.feed(raw):
+                        try:
+                            job_id = msgspec.json.decode(payload).get("jobId")
+                        except (msgspec.DecodeError, AttributeError):
+                            job_id = None
+                        yield job_id if isinstance(job_id, str) else ""
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"GET {url}: {_describe(exc)}") from None

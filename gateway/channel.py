@@ -1,0 +1,309 @@
+"""One Chat Channel connection: a reader, a single writer, and one task per in-flight turn."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from gateway import protocol
+from gateway.backends import BackendError, BackendPool
+from gateway.sse import SSESplitter
+
+log = logging.getLogger("gateway.channel")
+
+SHUTTING_DOWN = "runner shutting down"
+_validate_json = msgspec.json.Decoder(msgspec.Raw).decode
+_DONE = b"[DONE]"
+_ERROR_BODY_LIMIT = 512
+
+
+@dataclass
+class ChannelEnd:
+    """How a channel connection ended: ``by`` is "server" (chat.end), "runner" (shutdown) or "drop"."""
+
+    by: str
+    reason: str
+
+
+class Channel:
+    """Serves one open Chat Channel WebSocket of one Chat Job until it ends or drops.
+
+    Turns run concurrently, each in its own task; their frames reach the socket
+    through one bounded outbox drained by a single writer, so a slow Server slows
+    the backend reads and memory stays bounded.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        ws: WebSocketConnection,
+        pool: BackendPool,
+        *,
+        shutdown: trio.Event,
+        grace: float = 30.0,
+        outbox_size: int = 64,
+    ) -> None:
+        self.job_id = job_id
+        self.ws = ws
+        self.pool = pool
+        self.shutdown = shutdown
+        self.grace = grace
+        self._outbox, self._outbox_recv = trio.open_memory_channel[str](outbox_size)
+        self._turns: dict[str, trio.CancelScope] = {}
+        self._cancel_reasons: dict[str, str] = {}
+        self._no_turns = trio.Event()
+        self._no_turns.set()
+        self._writer_done = trio.Event()
+        self._draining = False
+        self._end: ChannelEnd | None = None
+        self._nursery: trio.Nursery | None = None
+        self.turns_served = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._turns)
+
+    async def serve(self) -> ChannelEnd:
+        """Serve frames until ``chat.end``, runner shutdown, or the connection drops."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._writer)
+            nursery.start_soon(self._watch_shutdown)
+            await self._reader()
+            nursery.cancel_scope.cancel()
+        assert self._end is not None
+        return self._end
+
+    def _finish(self, end: ChannelEnd) -> None:
+        if self._end is None:
+            self._end = end
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # -- the socket --------------------------------------------------------------------
+
+    async def _writer(self) -> None:
+        try:
+            async with self._outbox_recv:
+                async for message in self._outbox_recv:
+                    try:
+                        await self.ws.send_message(message)
+                    except ConnectionClosed as exc:
+                        reason = f"channel closed while sending ({_close_text(exc)})"
+                        self._finish(ChannelEnd("drop", reason))
+                        return
+        finally:
+            self._writer_done.set()
+
+    async def _reader(self) -> None:
+        while self._end is None:
+            try:
+                message = await self.ws.get_message()
+            except ConnectionClosed as exc:
+                self._finish(ChannelEnd("drop", f"channel closed ({_close_text(exc)})"))
+                return
+            self._handle(message)
+
+    def _handle(self, message: str | bytes) -> None:
+        if isinstance(message, bytes):
+            log.warning("job %s: ignored a binary frame (%d bytes)", self.job_id, len(message))
+            return
+        try:
+            frame = protocol.decode_frame(message)
+        except protocol.FrameError as exc:
+            log.warning("job %s: ignored a bad frame: %s", self.job_id, exc)
+            if exc.request_id is not None:
+                self._post(protocol.error_frame(self.job_id, exc.request_id, f"bad frame: {exc}"))
+            return
+        if isinstance(frame, protocol.Unknown):
+            log.debug("job %s: ignored a frame of unknown type %r", self.job_id, frame.type)
+            return
+        if frame.jobId is not None and frame.jobId != self.job_id:
+            log.warning("job %s: ignored a frame for job %s", self.job_id, frame.jobId)
+            request_id = getattr(frame, "requestId", None)
+            if request_id is not None:
+                self._post(
+                    protocol.error_frame(
+                        self.job_id, request_id, f"frame for job {frame.jobId} on this job's channel"
+                    )
+                )
+            return
+        assert self._nursery is not None
+        if isinstance(frame, protocol.CompletionRequest):
+            self._start_turn(frame)
+        elif isinstance(frame, protocol.CompletionCancel):
+            self._cancel_turn(frame.requestId, protocol.CANCELLED)
+        elif isinstance(frame, protocol.ModelsRequest):
+            self._nursery.start_soon(self._answer_models, frame.requestId)
+        elif isinstance(frame, protocol.End):
+            reason = frame.reason or "ended by the Server"
+            log.info("job %s: chat.end from the Server (%s)", self.job_id, reason)
+            for request_id in list(self._turns):
+                self._cancel_turn(request_id, "session ended")
+            self._finish(ChannelEnd("server", reason))
+
+    def _post(self, frame: str) -> None:
+        """Queue a control frame without blocking the reader (a task waits if the outbox is full)."""
+        try:
+            self._outbox.send_nowait(frame)
+        except trio.WouldBlock:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._outbox.send, frame)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the channel is ending; there is no one to tell
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    async def _watch_shutdown(self) -> None:
+        await self.shutdown.wait()
+        self._draining = True
+        with trio.move_on_after(self.grace):
+            await self._no_turns.wait()
+        for request_id in list(self._turns):
+            self._cancel_turn(request_id, SHUTTING_DOWN)
+        await self._no_turns.wait()
+        await self._outbox.send(protocol.end_frame(self.job_id, SHUTTING_DOWN))
+        self._outbox.close()
+        with trio.move_on_after(5):  # the writer flushes what is queued, chat.end last
+            await self._writer_done.wait()
+        self._finish(ChannelEnd("runner", SHUTTING_DOWN))
+
+    # -- turns -------------------------------------------------------------------------
+
+    def _start_turn(self, frame: protocol.CompletionRequest) -> None:
+        request_id = frame.requestId
+        if self._draining:
+            self._post(protocol.error_frame(self.job_id, request_id, SHUTTING_DOWN))
+            return
+        if request_id in self._turns:
+            log.warning("job %s request %s: duplicate requestId refused", self.job_id, request_id)
+            self._post(
+                protocol.error_frame(
+                    self.job_id, request_id, "duplicate requestId: a turn with this id is in flight"
+                )
+            )
+            return
+        scope = trio.CancelScope()
+        self._turns[request_id] = scope
+        self._no_turns = trio.Event()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._turn, frame, scope)
+
+    def _cancel_turn(self, request_id: str, reason: str) -> None:
+        scope = self._turns.get(request_id)
+        if scope is not None:
+            self._cancel_reasons.setdefault(request_id, reason)
+            scope.cancel()
+
+    async def _turn(self, frame: protocol.CompletionRequest, scope: trio.CancelScope) -> None:
+        request_id = frame.requestId
+        try:
+            error: str | None = None
+            with scope:
+                error = await self._forward(frame)
+            if scope.cancelled_caught:
+                error = self._cancel_reasons.get(request_id, protocol.CANCELLED)
+            if error is not None:
+                if error != protocol.CANCELLED and error != "session ended":
+                    log.warning("job %s request %s: %s", self.job_id, request_id, error)
+                if error != "session ended":
+                    await self._outbox.send(protocol.error_frame(self.job_id, request_id, error))
+            self.turns_served += 1
+        finally:
+            del self._turns[request_id]
+            self._cancel_reasons.pop(request_id, None)
+            if not self._turns:
+                self._no_turns.set()
+
+    async def _forward(self, frame: protocol.CompletionRequest) -> str | None:
+        """Relay one turn to the backend; send its chunks and done frame. An error string on failure."""
+        body = bytes(frame.body)
+        model = frame.model
+        if model is not None:
+            body = protocol.with_model(body, model)
+        else:
+            model = protocol.body_model(body)
+            if model is None and self.pool.default_model:
+                model = self.pool.default_model
+                body = protocol.with_model(body, model)
+        try:
+            backend = self.pool.route(model)
+            async with backend.stream(body) as response:
+                return await self._relay(frame.requestId, backend.url, response)
+        except BackendError as exc:
+            return str(exc)
+        except httpx.TimeoutException:
+            return f"backend {self.pool.route(model).url} sent nothing for too long (idle timeout)"
+        except httpx.HTTPError as exc:
+            return f"backend {self.pool.route(model).url} stream broke: {type(exc).__name__}"
+
+    async def _relay(self, request_id: str, url: str, response: httpx.Response) -> str | None:
+        send = self._outbox.send
+        if not response.is_success:
+            text = await _read_limited(response, _ERROR_BODY_LIMIT)
+            return f"backend returned {response.status_code}: {text}"
+        prefix = protocol.chunk_prefix(self.job_id, request_id)
+        if "text/event-stream" not in response.headers.get("content-type", ""):
+            payload = (await response.aread()).strip()
+            try:
+                _validate_json(payload)
+            except msgspec.DecodeError:
+                return f"backend {url} answered something that is not JSON"
+            await send(protocol.chunk_frame(prefix, payload))
+            await send(protocol.done_frame(self.job_id, request_id))
+            return None
+        splitter = SSESplitter()
+        feed = splitter.feed
+        done = False
+        with trio.CancelScope() as drain:
+            async for raw in response.aiter_raw():
+                if done:
+                    continue  # after [DONE], read to the end so the connection can be reused
+                for payload in feed(raw):
+                    if payload == _DONE:
+                        await send(protocol.done_frame(self.job_id, request_id))
+                        done = True
+                        drain.deadline = trio.current_time() + 2
+                        break
+                    try:
+                        _validate_json(payload)
+                    except msgspec.DecodeError:
+                        return f"backend {url} sent a malformed SSE event"
+                    await send(protocol.chunk_frame(prefix, payload))
+        if done:
+            return None
+        for payload in splitter.flush():
+            if payload != _DONE:
+                try:
+                    _validate_json(payload)
+                except msgspec.DecodeError:
+                    return f"backend {url} sent a malformed SSE event"
+                await send(protocol.chunk_frame(prefix, payload))
+        await send(protocol.done_frame(self.job_id, request_id))
+        return None
+
+    async def _answer_models(self, request_id: str) -> None:
+        models = await self.pool.models()
+        await self._outbox.send(protocol.models_frame(self.job_id, request_id, models))
+
+
+async def _read_limited(response: httpx.Response, limit: int) -> str:
+    data = b""
+    async for part in response.aiter_raw():
+        data += part
+        if len(data) > limit:
+            return data[:limit].decode(errors="replace").strip() + "…"
+    return data.decode(errors="replace").strip()
+
+
+def _close_text(exc: ConnectionClosed) -> str:
+    reason = exc.reason
+    if reason is None:
+        return "no close frame"
+    text = f"code {reason.code}"
+    return f"{text}: {reason.reason}" if reason.reason else text

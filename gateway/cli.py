@@ -1,0 +1,173 @@
+"""The ``alp-gateway`` command: run, register, hub, sim, demo, --version."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from gateway import __version__
+from gateway.config import SETTINGS, ConfigError, load_config
+from gateway.observe import setup_logging
+from gateway.state import StateError
+
+log = logging.getLogger("gateway")
+
+_FLAG_HELP = {
+    "server": "ALP Server URL or host (env AGENTICS_SERVER; default agentics.dk)",
+    "project": "OWNER/PROJECT the runner serves",
+    "state_dir": "where the registration is kept (env ALP_GATEWAY_STATE_DIR)",
+    "backend": "backend base URL including /v1 (env CHAT_LLM_BACKEND_URL)",
+    "backend_key": "backend API key (env CHAT_LLM_BACKEND_KEY); never leaves this machine",
+    "model": "default model when a turn names none (env CHAT_LLM_MODEL)",
+    "user_token": "user credential used only to register (env AGENTICS_USER_TOKEN)",
+    "name": "runner name (default: host name)",
+    "labels": "comma-separated runner labels",
+    "poll_interval": "seconds between polls (default 10)",
+    "max_sessions": "concurrent chat sessions (default 64)",
+    "reconnect_window": "seconds to keep redialling a dropped channel (default 60)",
+    "grace": "seconds in-flight turns get at shutdown (default 30)",
+    "heartbeat_interval": "seconds between progress heartbeats (default 20)",
+    "idle_timeout": "seconds a backend may stay silent mid-answer (default 600)",
+    "connect_timeout": "seconds for a connect or handshake (default 10)",
+    "models_cache": "seconds a backend's model list is cached (default 30)",
+    "max_frame_size": "largest accepted channel frame in bytes (default 16 MiB)",
+    "ca_file": "extra CA certificate (PEM) to trust for the Server",
+    "log_format": "text or json",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+_FLOATS = {"poll_interval", "reconnect_window", "grace", "heartbeat_interval", "idle_timeout",
+           "connect_timeout", "models_cache"}
+_INTS = {"max_sessions", "max_frame_size"}
+_REGISTER_FLAGS = ("server", "project", "state_dir", "user_token", "name", "labels", "ca_file",
+                   "log_format", "log_level")
+
+
+def _add_settings(parser: argparse.ArgumentParser, keys: Sequence[str]) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
+    for setting in SETTINGS:
+        if setting.key not in keys:
+            continue
+        flag = "--" + setting.key.replace("_", "-")
+        kind: Any = float if setting.key in _FLOATS else int if setting.key in _INTS else str
+        parser.add_argument(flag, dest=setting.key, type=kind, default=None,
+                            help=_FLAG_HELP.get(setting.key))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alp-gateway",
+        description="A chat-llm:v1 Runner for the ALP platform: relays chat turns to a local model server.",
+    )
+    parser.add_argument("--version", action="version", version=f"alp-gateway {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="poll the Server and serve chat sessions")
+    _add_settings(run, [s.key for s in SETTINGS])
+    register = sub.add_parser("register", help="register this runner with the Server")
+    _add_settings(register, _REGISTER_FLAGS)
+    demo = sub.add_parser("demo", help="hub + runner + backend in one process, one prompt")
+    demo.add_argument("--prompt", default="Say hello from the edge, in one short sentence.")
+    demo.add_argument("--backend", help="use this backend URL instead of looking for one")
+    demo.add_argument("--model", help="model to ask (default: the backend's first)")
+    demo.add_argument("--sim", action="store_true", help="always use the built-in simulator")
+    sub.add_parser("hub", help="run the ALP Server emulator (see `alp-gateway hub --help`)",
+                   add_help=False)
+    sub.add_parser("sim", help="run the backend simulator (see `alp-gateway sim --help`)",
+                   add_help=False)
+    return parser
+
+
+def _config_from(args: argparse.Namespace) -> Any:
+    flags = {s.key: getattr(args, s.key, None) for s in SETTINGS}
+    return load_config(flags, os.environ, args.config)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"alp-gateway: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "hub":
+        from gateway.hub.cli import main as hub_main
+
+        return hub_main(argv[1:])
+    if argv and argv[0] == "sim":
+        from gateway.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "demo":
+            from gateway.demo import main as demo_main
+
+            return demo_main(args)
+        config = _config_from(args)
+        setup_logging(config.log_level, config.log_format)
+        if config.project is None:
+            return _fail("no project: give --project OWNER/PROJECT (or project = in the config file)")
+        if args.command == "register":
+            return _register(config)
+        return _run(config)
+    except (ConfigError, StateError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _register(config: Any) -> int:
+    from gateway.runner import Runner, RunnerExit
+
+    if not config.user_token:
+        return _fail("registering needs a user credential: --user-token or AGENTICS_USER_TOKEN")
+    runner = Runner(config)
+    try:
+        reg = trio.run(runner._register)
+    except RunnerExit as exc:
+        return _fail(str(exc), exc.code)
+    print(f"registered runner {reg.name} ({reg.id}) for {reg.key}; saved in {runner.store.path}")
+    return 0
+
+
+def _run(config: Any) -> int:
+    from gateway.runner import Runner, RunnerExit
+
+    runner = Runner(config)
+    if not runner.pool.available:
+        return _fail("no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. http://127.0.0.1:11434/v1")
+
+    fatal: list[RunnerExit | StateError] = []
+
+    async def main_task() -> int:
+        async with trio.open_nursery() as nursery:
+            stop = trio.CancelScope()
+
+            async def serve() -> None:
+                with stop:
+                    try:
+                        await runner.run()
+                    except (RunnerExit, StateError) as exc:
+                        fatal.append(exc)
+                    finally:
+                        nursery.cancel_scope.cancel()
+
+            nursery.start_soon(runner.watch_signals, stop)
+            nursery.start_soon(serve)
+        return 130 if stop.cancel_called else 0
+
+    code = trio.run(main_task)
+    if fatal:
+        exc = fatal[0]
+        return _fail(str(exc), exc.code if isinstance(exc, RunnerExit) else 2)
+    return code

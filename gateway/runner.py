@@ -1,0 +1,395 @@
+"""The supervisor: registration, the poll loop, push events, one session per Chat Job, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
+
+import trio
+import trio_websocket
+from trio_websocket import HandshakeError
+
+from gateway.alp import (
+    AlpClient,
+    EventsUnavailable,
+    Refused,
+    RegistrationRefused,
+    ServerUnavailable,
+    TokenRefused,
+    is_chat_job,
+    make_ssl_context,
+)
+from gateway.backends import Backend, BackendPool
+from gateway.channel import Channel, ChannelEnd
+from gateway.config import Config
+from gateway.protocol import CAPABILITY
+from gateway.state import Registration, StateStore
+
+log = logging.getLogger("gateway.runner")
+
+PROGRESS_STAGE = "chat_llm_active"
+REPORT_ATTEMPTS = 8
+
+
+class RunnerExit(Exception):
+    """The runner cannot go on; the message is one line for the user, ``code`` the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def backoff_delay(failures: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter: ``base·2^(n-1)`` scaled by U(0.5, 1], never above ``cap``."""
+    raw = min(cap, base * (2 ** max(0, failures - 1)))
+    return raw * random.uniform(0.5, 1.0)
+
+
+@dataclass
+class ChatJob:
+    """A claimed Kind B job."""
+
+    id: str
+    run_id: str
+    channel_url: str | None = None
+
+
+def channel_url(server: str, job: ChatJob, token: str) -> str:
+    """``ws(s)://{authority}/api/lives/chat/channel/ws?jobId=…&token=…`` (or the job's own URL)."""
+    if job.channel_url:
+        parts = urlsplit(job.channel_url)
+        query = parts.query
+        extra = {k: v for k, v in (("jobId", job.id), ("token", token)) if f"{k}=" not in query}
+        if extra:
+            query = f"{query}&{urlencode(extra)}" if query else urlencode(extra)
+        return urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
+    parts = urlsplit(server)
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    query = urlencode({"jobId": job.id, "token": token})
+    return f"{scheme}://{parts.netloc}/api/lives/chat/channel/ws?{query}"
+
+
+def _job_channel_url(job: dict[str, Any]) -> str | None:
+    for holder in (job, job.get("agentDefinition") or {}):
+        if isinstance(holder, dict):
+            url = holder.get("channelUrl")
+            if isinstance(url, str) and url.startswith(("ws://", "wss://")):
+                return url
+    return None
+
+
+class Runner:
+    """Polls the Server, claims Kind B jobs, and serves each as a session in its own task."""
+
+    def __init__(self, config: Config, *, pool: BackendPool | None = None) -> None:
+        self.config = config
+        self.ssl_context = make_ssl_context(config.ca_file)
+        self.store = StateStore(config.state_dir)
+        if pool is None:
+            backends = []
+            if config.backend:
+                backends.append(
+                    Backend(
+                        config.backend,
+                        config.backend_key,
+                        connect_timeout=config.connect_timeout,
+                        idle_timeout=config.idle_timeout,
+                        ssl_context=self.ssl_context,
+                    )
+                )
+            pool = BackendPool(backends, config.model, cache_ttl=config.models_cache)
+        self.pool = pool
+        self.registration: Registration | None = None
+        self.alp: AlpClient | None = None
+        self.sessions: dict[str, ChatJob] = {}
+        self.shutdown = trio.Event()
+        self._wake = trio.Event()
+        self.polls = 0
+        self.first_poll = trio.Event()
+        self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
+
+    # -- registration --------------------------------------------------------------------
+
+    async def _ensure_registration(self) -> Registration:
+        config = self.config
+        assert config.project
+        reg = self.store.load(config.project)
+        if reg is not None:
+            if reg.server != config.server and config.server_explicit:
+                log.info("server changed to %s for %s; updating the saved registration", config.server, reg.key)
+                reg = Registration(**{**reg.__dict__, "server": config.server})
+                self.store.save(reg)
+            return reg
+        if not config.user_token:
+            raise RunnerExit(
+                f"no saved registration for {config.project} on {config.server}: run "
+                "`alp-gateway register` or give a user credential (--user-token or AGENTICS_USER_TOKEN)",
+                2,
+            )
+        return await self._register()
+
+    async def _register(self) -> Registration:
+        config = self.config
+        assert config.project and config.user_token
+        client = AlpClient(config.server, config.owner, config.project_name, ssl_context=self.ssl_context)
+        try:
+            failures = 0
+            while True:
+                try:
+                    reg = await client.register(config.user_token, config.name, list(config.labels))
+                    break
+                except ServerUnavailable as exc:
+                    failures += 1
+                    delay = backoff_delay(failures, 1.0, 30.0)
+                    log.warning("registration: %s; retrying in %.1f s", exc, delay)
+                    await trio.sleep(delay)
+        except (RegistrationRefused, Refused) as exc:
+            raise RunnerExit(str(exc), 2) from None
+        finally:
+            await client.aclose()
+        self.store.save(reg)
+        log.info("registered as runner %s (%s) for %s on %s", reg.name, reg.id, reg.key, reg.server)
+        return reg
+
+    # -- main ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until shutdown (first SIGINT/SIGTERM) or a fatal error (RunnerExit)."""
+        self.registration = await self._ensure_registration()
+        reg = self.registration
+        self.alp = AlpClient(reg.server, reg.owner, reg.project, ssl_context=self.ssl_context)
+        self.alp.token = reg.token
+        log.info(
+            "runner %s serving %s on %s, backend %s",
+            reg.name,
+            reg.key,
+            reg.server,
+            ", ".join(b.url for b in self.pool.backends) or "(none)",
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._events_loop)
+                async with trio.open_nursery() as sessions:
+                    self._sessions_nursery = sessions
+                    await self._poll_loop()
+                    # shutting down: the sessions drain themselves; events are no longer needed
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.alp.aclose()
+                await self.pool.aclose()
+        log.info("runner stopped")
+
+    async def watch_signals(self, done: trio.CancelScope) -> None:
+        """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if not self.shutdown.is_set():
+                    log.info(
+                        "%s: shutting down (in-flight turns get up to %.0f s; signal again to stop now)",
+                        signal.Signals(signum).name,
+                        self.config.grace,
+                    )
+                    self.begin_shutdown()
+                else:
+                    log.warning("second signal: stopping now")
+                    done.cancel()
+                    return
+
+    def begin_shutdown(self) -> None:
+        self.shutdown.set()
+        self._wake.set()
+
+    def capabilities(self) -> list[str]:
+        """What can be served right now (recomputed on every poll)."""
+        if not self.pool.available or len(self.sessions) >= self.config.max_sessions:
+            return []
+        return [CAPABILITY]
+
+    async def _poll_loop(self) -> None:
+        assert self.alp is not None
+        interval = self.config.poll_interval
+        failures = 0
+        while not self.shutdown.is_set():
+            self._wake = trio.Event()
+            delay = interval
+            try:
+                jobs = await self.alp.poll(self.capabilities())
+                if failures:
+                    log.info("poll works again after %d failure(s)", failures)
+                failures = 0
+                await self._consider(jobs)
+            except ServerUnavailable as exc:
+                failures += 1
+                delay = backoff_delay(failures, interval, interval * 6)
+                log.warning("poll failed: %s; next try in %.1f s", exc, delay)
+            except TokenRefused as exc:
+                await self._token_refused(str(exc))
+                continue
+            except Refused as exc:
+                failures += 1
+                delay = backoff_delay(failures, interval, interval * 6)
+                log.warning("%s; next try in %.1f s", exc, delay)
+            finally:
+                self.polls += 1
+                self.first_poll.set()
+            if self.shutdown.is_set():
+                break
+            with trio.move_on_after(delay):
+                await self._wake.wait()
+
+    async def _token_refused(self, message: str) -> None:
+        if not self.config.user_token:
+            raise RunnerExit(
+                f"{message}: the runner registration is no longer valid; run `alp-gateway register` "
+                "again or give a user credential (AGENTICS_USER_TOKEN) so the runner re-registers",
+                3,
+            )
+        log.warning("%s: registering again with the user credential", message)
+        self.registration = await self._register()
+        assert self.alp is not None
+        self.alp.token = self.registration.token
+
+    async def _consider(self, jobs: list[dict[str, Any]]) -> None:
+        assert self.alp is not None and self.registration is not None
+        for job in jobs:
+            if self.shutdown.is_set() or len(self.sessions) >= self.config.max_sessions:
+                return
+            if not is_chat_job(job):
+                continue  # not ours: left queued for a capable runner
+            job_id = job["id"]
+            if job_id in self.sessions:
+                continue
+            try:
+                run_id = await self.alp.claim(job_id, self.registration.name)
+            except ServerUnavailable as exc:
+                log.warning("claim of job %s failed: %s", job_id, exc)
+                continue
+            if run_id is None:
+                log.debug("job %s was taken by another runner", job_id)
+                continue
+            chat = ChatJob(job_id, run_id, _job_channel_url(job))
+            self.sessions[job_id] = chat
+            self._sessions_nursery.start_soon(self._session, chat)
+
+    async def _events_loop(self) -> None:
+        """Subscribe to ``runners/events`` and poll at once on ``job_available``."""
+        assert self.alp is not None
+        failures = 0
+        while True:
+            try:
+                async for _job_id in self.alp.events():
+                    failures = 0
+                    self._wake.set()
+                log.debug("events stream ended; resubscribing")
+            except EventsUnavailable:
+                log.info("the Server offers no push events; short-polling every %.0f s", self.config.poll_interval)
+                await trio.sleep(600)
+                continue
+            except (ServerUnavailable, TokenRefused) as exc:
+                failures += 1
+                log.debug("events subscription: %s", exc)
+            await trio.sleep(backoff_delay(failures + 1, 1.0, self.config.poll_interval * 6))
+
+    # -- sessions --------------------------------------------------------------------
+
+    async def _session(self, job: ChatJob) -> None:
+        assert self.alp is not None
+        log.info("session start job=%s run=%s", job.id, job.run_id)
+        conclusion, reason = "failure", "session ended unexpectedly"
+        try:
+            try:
+                await self.alp.set_status(job.run_id, job.id, {"status": "in_progress"})
+            except (ServerUnavailable, Refused) as exc:
+                log.warning("job %s: in_progress not recorded: %s", job.id, exc)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeat, job)
+                conclusion, reason = await self._serve_channel(job)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._report(job, conclusion, reason)
+            del self.sessions[job.id]
+            self._wake.set()  # a slot is free: poll now
+            log.info("session end job=%s conclusion=%s reason=%s", job.id, conclusion, reason)
+
+    async def _heartbeat(self, job: ChatJob) -> None:
+        assert self.alp is not None
+        while True:
+            await trio.sleep(self.config.heartbeat_interval)
+            try:
+                await self.alp.progress(job.run_id, job.id, PROGRESS_STAGE)
+            except (ServerUnavailable, Refused) as exc:
+                log.warning("job %s: heartbeat failed: %s", job.id, exc)
+
+    async def _serve_channel(self, job: ChatJob) -> tuple[str, str]:
+        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason)."""
+        assert self.registration is not None
+        window = self.config.reconnect_window
+        dropped_at: float | None = None
+        last_problem = ""
+        failures = 0
+        while True:
+            if self.shutdown.is_set() and dropped_at is not None:
+                return "failure", f"runner shut down while the channel was down ({last_problem})"
+            url = channel_url(self.registration.server, job, self.registration.token)
+            end: ChannelEnd | None = None
+            try:
+                async with trio_websocket.open_websocket_url(
+                    url,
+                    ssl_context=self.ssl_context if url.startswith("wss:") else None,
+                    max_message_size=self.config.max_frame_size,
+                    connect_timeout=self.config.connect_timeout,
+                    disconnect_timeout=2,
+                ) as ws:
+                    if dropped_at is not None:
+                        log.info("job %s: channel redialled", job.id)
+                    failures = 0
+                    dropped_at = None
+                    channel = Channel(
+                        job.id, ws, self.pool, shutdown=self.shutdown, grace=self.config.grace
+                    )
+                    end = await channel.serve()
+            except HandshakeError as exc:
+                status = getattr(exc, "status_code", None)
+                if status is not None and 400 <= status < 500:
+                    return "failure", f"the Server refused the chat channel ({status})"
+                last_problem = f"channel handshake failed: {type(exc).__name__}"
+            except (OSError, trio_websocket.ConnectionTimeout, trio_websocket.DisconnectionTimeout) as exc:
+                last_problem = f"channel unreachable: {type(exc).__name__}"
+            if end is not None:
+                if end.by != "drop":
+                    return "success", end.reason
+                last_problem = end.reason
+                log.warning("job %s: %s; redialling", job.id, end.reason)
+            now = trio.current_time()
+            if dropped_at is None:
+                dropped_at = now
+            if now - dropped_at >= window:
+                return "failure", f"gave up redialling the chat channel after {window:.0f} s: {last_problem}"
+            failures += 1
+            delay = min(backoff_delay(failures, 0.25, 5.0), window - (now - dropped_at))
+            with trio.move_on_after(delay):
+                await self.shutdown.wait()
+
+    async def _report(self, job: ChatJob, conclusion: str, reason: str) -> None:
+        """The one final report; retried (bounded) while the Server is unavailable."""
+        assert self.alp is not None
+        for attempt in range(1, REPORT_ATTEMPTS + 1):
+            try:
+                await self.alp.report(job.run_id, job.id, conclusion, reason[:1000])
+                self.reports[job.id] = conclusion
+                return
+            except ServerUnavailable as exc:
+                if attempt == REPORT_ATTEMPTS:
+                    log.error("job %s: final report lost after %d attempts: %s", job.id, attempt, exc)
+                    return
+                await trio.sleep(backoff_delay(attempt, 0.5, 10.0))
+            except Refused as exc:
+                log.error("job %s: final report refused: %s", job.id, exc)
+                return

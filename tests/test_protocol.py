@@ -1,0 +1,67 @@
+"""Frame decoding and byte-spliced encoding (gateway.protocol)."""
+
+import json
+
+import pytest
+
+from gateway import protocol
+
+
+def test_completion_request_keeps_body_raw() -> None:
+    text = '{"type":"chat.completion.request","jobId":"j","requestId":"r","body":{"messages":[],"model":"m", "x" : 1}}'
+    frame = protocol.decode_frame(text)
+    assert isinstance(frame, protocol.CompletionRequest)
+    assert bytes(frame.body) == b'{"messages":[],"model":"m", "x" : 1}'
+    assert frame.model is None
+
+
+def test_frame_level_model_and_other_types() -> None:
+    frame = protocol.decode_frame(
+        '{"type":"chat.completion.request","requestId":"r","model":"big","body":{"messages":[]}}'
+    )
+    assert isinstance(frame, protocol.CompletionRequest) and frame.model == "big"
+    assert isinstance(protocol.decode_frame('{"type":"chat.end"}'), protocol.End)
+    assert isinstance(
+        protocol.decode_frame('{"type":"chat.models.request","requestId":"r"}'), protocol.ModelsRequest
+    )
+    assert isinstance(
+        protocol.decode_frame('{"type":"chat.completion.cancel","requestId":"r"}'),
+        protocol.CompletionCancel,
+    )
+    unknown = protocol.decode_frame('{"type":"chat.future","whatever":[1]}')
+    assert isinstance(unknown, protocol.Unknown) and unknown.type == "chat.future"
+
+
+@pytest.mark.parametrize(
+    ("text", "request_id"),
+    [
+        ("not json", None),
+        ("[1,2]", None),
+        ('{"notype":1}', None),
+        ('{"type":"chat.completion.request","requestId":"r1"}', "r1"),
+        ('{"type":"chat.completion.request","requestId":"r2","body":"text"}', "r2"),
+        ('{"type":"chat.completion.request","requestId":5,"body":{}}', None),
+        ('{"type":"chat.models.request"}', None),
+    ],
+)
+def test_bad_frames_raise_with_request_id(text: str, request_id: str | None) -> None:
+    with pytest.raises(protocol.FrameError) as info:
+        protocol.decode_frame(text)
+    assert info.value.request_id == request_id
+
+
+def test_chunk_frame_splices_payload_verbatim() -> None:
+    payload = b'{"id":"c1","choices":[{"delta":{"content":"h\\u00e9 \\"x\\""}}],  "odd" : 1}'
+    frame = protocol.chunk_frame(protocol.chunk_prefix("job\"1", "req"), payload)
+    decoded = json.loads(frame)
+    assert decoded["type"] == "chat.completion.chunk"
+    assert decoded["jobId"] == 'job"1' and decoded["requestId"] == "req"
+    assert frame.encode().endswith(b'"chunk":' + payload + b"}")
+
+
+def test_with_model_sets_or_keeps() -> None:
+    body = b'{"model":"a","messages":[]}'
+    assert protocol.with_model(body, "a") is body
+    assert json.loads(protocol.with_model(body, "b"))["model"] == "b"
+    assert json.loads(protocol.with_model(b'{"messages":[]}', "c"))["model"] == "c"
+    assert protocol.body_model(b'{"messages":[]}') is None
