@@ -1,0 +1,23 @@
+"""Re-export the simulator's public API: an OpenAI-compatible model server for tests and benchmarks."""
+
+from gateway.sim.server import (
+    FAULTS,
+    RecordedRequest,
+    SimOptions,
+    Simulator,
+    StreamRecord,
+    open_sim,
+    serve_sim,
+    token_text,
+)
+
+__all__ = [
+    "FAULTS",
+    "RecordedRequest",
+    "SimOptions",
+    "Simulator",
+    "StreamRecord",
+    "open_sim",
+    "serve_sim",
+    "token_text",
+]

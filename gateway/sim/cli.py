@@ -1,0 +1,102 @@
+"""Parse the simulator's command line and serve until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from functools import partial
+
+import trio
+
+from gateway.sim.server import FAULTS, SimOptions, Simulator, serve_sim
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` and ``:PORT`` too) into host and port."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"--listen wants HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "127.0.0.1", int(port_text)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alp-gateway sim",
+        description="Run a simulated OpenAI-compatible model server.",
+    )
+    parser.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to bind")
+    parser.add_argument("--chunks", type=int, default=8, help="content chunks per reply")
+    parser.add_argument("--interval", type=float, default=0.0, help="seconds between chunks")
+    parser.add_argument("--ttft", type=float, default=0.0, help="seconds before the first chunk")
+    parser.add_argument("--chunk-size", type=int, default=0, help="pad each token to N bytes")
+    parser.add_argument("--models", default="sim-model", help="comma-separated model ids")
+    parser.add_argument("--key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--fault", choices=sorted(FAULTS), default=None, help="inject a fault")
+    parser.add_argument("--fault-after", type=int, default=2, help="chunks before the fault")
+    parser.add_argument("--tool-calls", action="store_true", help="stream a tool call")
+    parser.add_argument("--usage", action="store_true", help="always send a usage chunk")
+    return parser
+
+
+async def _serve(
+    host: str, port: int, options: SimOptions, models: list[str], key: str | None
+) -> int:
+    serve = partial(
+        serve_sim,
+        host=host,
+        port=port,
+        options=options,
+        models=models,
+        require_key=key,
+        record=False,
+    )
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            try:
+                sim: Simulator = await nursery.start(serve)
+            except OSError as exc:
+                print(f"sim: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+                return 1
+            print(f"sim listening on {sim.url}", flush=True)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+    return 0
+
+
+def _only_interrupts(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_interrupts(e) for e in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the simulator until Ctrl-C; return the process exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_listen(args.listen)
+        options = SimOptions(
+            chunks=args.chunks,
+            interval=args.interval,
+            ttft=args.ttft,
+            tool_calls=args.tool_calls,
+            usage=args.usage,
+            fault=args.fault,
+            fault_after=args.fault_after,
+            chunk_size=args.chunk_size,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models:
+        parser.error("--models needs at least one model id")
+    try:
+        return trio.run(_serve, host, port, options, models, args.key)
+    except BaseException as exc:  # a Ctrl-C that beat the signal receiver
+        if _only_interrupts(exc):
+            return 0
+        raise

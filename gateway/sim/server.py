@@ -1,0 +1,759 @@
+"""Serve a simulated OpenAI-compatible model server over raw trio sockets and h11."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from http import HTTPStatus
+from typing import Any
+
+import h11
+import msgspec
+import trio
+
+__all__ = [
+    "FAULTS",
+    "RecordedRequest",
+    "SimOptions",
+    "Simulator",
+    "StreamRecord",
+    "open_sim",
+    "serve_sim",
+    "token_text",
+]
+
+logger = logging.getLogger(__name__)
+
+FAULTS: frozenset[str] = frozenset({"500", "stall", "disconnect", "malformed"})
+"""The fault names ``SimOptions.fault`` accepts."""
+
+_RECV_SIZE = 65536
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+_perf_counter = time.perf_counter
+_os_write = os.write
+
+_CHAT_PATH = "/v1/chat/completions"
+_MODELS_PATH = "/v1/models"
+_DONE = b"[DONE]"
+_MALFORMED = b"{not json"
+_CHUNK_HEAD = b'{"id":%b,"object":"chat.completion.chunk","created":%d,"model":%b,"choices":'
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+# Outcomes of a guarded response.
+_COMPLETED = "completed"
+_GONE = "gone"
+_ABORT = "abort"
+
+
+def token_text(i: int, chunk_size: int = 0) -> str:
+    """The content of token ``i``: ``"tok<i> "``, padded with dots to ``chunk_size`` characters."""
+    text = f"tok{i} "
+    if chunk_size > len(text):
+        text += "." * (chunk_size - len(text))
+    return text
+
+
+@dataclass(slots=True)
+class SimOptions:
+    """How the simulator answers a chat completion; every field can be overridden per request.
+
+    ``chunks`` content chunks (or tool-call argument fragments) are streamed, each token
+    padded to ``chunk_size`` characters (see ``token_text``); ``ttft`` seconds pass before
+    the first event and ``interval`` seconds before every later one (``[DONE]`` included).
+    A non-streamed reply waits ``ttft + interval * chunks``. ``fault`` is one of ``FAULTS``;
+    stream faults fire after ``fault_after`` events (at the latest just before ``[DONE]``).
+    """
+
+    chunks: int = 8
+    interval: float = 0.0
+    ttft: float = 0.0
+    tool_calls: bool = False
+    usage: bool = False
+    fault: str | None = None
+    fault_after: int = 2
+    chunk_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("chunks", "fault_after", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"sim option {name!r} must be a non-negative integer")
+        for name in ("interval", "ttft"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"sim option {name!r} must be a non-negative number")
+            setattr(self, name, float(value))
+        for name in ("tool_calls", "usage"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sim option {name!r} must be a boolean")
+        if isinstance(self.fault, int) and not isinstance(self.fault, bool):
+            self.fault = str(self.fault)
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"sim option 'fault' must be null or one of {sorted(FAULTS)}")
+
+    def override(self, overrides: Mapping[str, Any]) -> SimOptions:
+        """A copy with ``overrides`` applied; ``ValueError`` on unknown names or bad values."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown sim option(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+
+@dataclass(slots=True, eq=False)
+class RecordedRequest:
+    """One HTTP request as the simulator received it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(slots=True, eq=False)
+class StreamRecord:
+    """What happened to one ``/v1/chat/completions`` request, streamed or not.
+
+    ``payloads`` holds each SSE ``data:`` payload exactly as written (``[DONE]`` and a
+    malformed line included) or, for a non-streamed reply, the one response body;
+    ``sent_at[i]`` is ``time.perf_counter()`` right after ``payloads[i]`` was sent.
+
+    Each send is recorded before the simulator yields to other tasks, so a client in the
+    same trio run never sees bytes (the final ones included, with ``completed`` and
+    ``finished``) that the record does not show yet, unless a write had to wait for room in
+    the socket buffer. Every request to the chat path gets a record, errors included
+    (``status`` 401/400/404/500, the error body in ``payloads``).
+    """
+
+    body: bytes
+    request: RecordedRequest | None = field(default=None, repr=False)
+    payloads: list[bytes] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)
+    finished: trio.Event = field(default_factory=trio.Event)
+    client_closed: bool = False
+    completed: bool = False
+    status: int = 0
+    stream: bool = False
+    model: str | None = None
+    options: SimOptions | None = None
+    id: str = ""
+    _waiters: list[tuple[int, trio.Event]] = field(default_factory=list, repr=False)
+
+    async def wait_sent(self, n: int) -> bool:
+        """Wait until ``n`` payloads were sent or the stream ended; True if ``n`` were sent."""
+        if len(self.sent_at) < n and not self.finished.is_set():
+            event = trio.Event()
+            self._waiters.append((n, event))
+            await event.wait()
+        return len(self.sent_at) >= n
+
+    def _wake(self) -> None:
+        sent = len(self.sent_at)
+        keep = []
+        for n, event in self._waiters:
+            if n <= sent:
+                event.set()
+            else:
+                keep.append((n, event))
+        self._waiters = keep
+
+    def _finish(self) -> None:
+        for _, event in self._waiters:
+            event.set()
+        self._waiters = []
+        self.finished.set()
+
+
+class Simulator:
+    """A running simulator: its address, its model list, and what it has received and sent."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        options: SimOptions,
+        models: list[str],
+        require_key: str | None,
+        record: bool,
+    ) -> None:
+        self.host = host
+        self.port = port
+        url_host = f"[{host}]" if ":" in host else host
+        self.url = f"http://{url_host}:{port}/v1"
+        self.options = options
+        self.models = models
+        self.require_key = require_key
+        self.record = record
+        self.requests: list[RecordedRequest] = []
+        self.streams: list[StreamRecord] = []
+        self.connections = 0
+        self._changed = trio.Event()
+        self._ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"<Simulator {self.url} models={self.models!r}>"
+
+    async def wait_for_streams(self, n: int = 1) -> StreamRecord:
+        """Wait until at least ``n`` chat completions were received; return the ``n``-th."""
+        while len(self.streams) < n:
+            await self._changed.wait()
+        return self.streams[n - 1]
+
+    async def wait_for_requests(self, n: int = 1) -> RecordedRequest:
+        """Wait until at least ``n`` requests were received; return the ``n``-th."""
+        while len(self.requests) < n:
+            await self._changed.wait()
+        return self.requests[n - 1]
+
+    def clear(self) -> None:
+        """Forget the recorded requests and streams (the counts restart from zero)."""
+        self.requests.clear()
+        self.streams.clear()
+
+    def _notify(self) -> None:
+        event = self._changed
+        self._changed = trio.Event()
+        event.set()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        try:
+            await _Connection(self, stream).run()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            logger.exception("sim: connection handler failed")
+
+
+def _error(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return _encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _prompt_tokens(data: Mapping[str, Any]) -> int:
+    messages = data.get("messages")
+    count = 0
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                count += len(message["content"].split())
+    return count
+
+
+def _tool_name(data: Mapping[str, Any]) -> str:
+    tools = data.get("tools")
+    if isinstance(tools, list) and tools and isinstance(tools[0], dict):
+        function = tools[0].get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return function["name"]
+    return "sim_tool"
+
+
+def _tool_fragments(chunks: int) -> list[str]:
+    """Argument fragments whose concatenation is ``{"seq":"tok0 tok1 ... "}``."""
+    if chunks == 0:
+        return []
+    frags = [token_text(i) for i in range(chunks)]
+    frags[0] = '{"seq":"' + frags[0]
+    frags[-1] += '"}'
+    return frags
+
+
+class _Reply:
+    """The per-request constants a reply is built from, with pre-encoded chunk templates."""
+
+    __slots__ = ("id", "created", "model", "opts", "data", "include_usage", "head")
+
+    def __init__(self, sim: Simulator, model: str, opts: SimOptions, data: dict[str, Any]) -> None:
+        self.id = f"chatcmpl-sim-{next(sim._ids)}"
+        self.created = int(time.time())
+        self.model = model
+        self.opts = opts
+        self.data = data
+        stream_options = data.get("stream_options")
+        self.include_usage = opts.usage or (
+            isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        )
+        self.head = _CHUNK_HEAD % (_encode(self.id), self.created, _encode(model))
+
+    def usage(self) -> dict[str, int]:
+        prompt = _prompt_tokens(self.data)
+        completion = self.opts.chunks
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _choice(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return self.head + _encode([choice]) + b"}"
+
+    def payloads(self) -> Iterator[bytes]:
+        """The ``data:`` payloads of the stream, ``[DONE]`` excluded."""
+        opts = self.opts
+        n = opts.chunks
+        if opts.tool_calls:
+            frags = _tool_fragments(n)
+            call = {
+                "index": 0,
+                "id": f"call_sim_{self.id.rsplit('-', 1)[1]}",
+                "type": "function",
+                "function": {"name": _tool_name(self.data), "arguments": "" if frags else "{}"},
+            }
+            yield self._choice({"role": "assistant", "content": None, "tool_calls": [call]})
+            for frag in frags:
+                yield self._choice({"tool_calls": [{"index": 0, "function": {"arguments": frag}}]})
+            finish = "tool_calls"
+        else:
+            yield self._choice({"role": "assistant", "content": ""})
+            prefix = self.head + b'[{"index":0,"delta":{"content":"tok'
+            suffix = b' "},"finish_reason":null}]}'
+            size = opts.chunk_size
+            if size == 0:
+                for i in range(n):
+                    yield b"%b%d%b" % (prefix, i, suffix)
+            else:
+                pads: dict[int, bytes] = {}
+                for i in range(n):
+                    digits = b"%d" % i
+                    pad = pads.get(len(digits))
+                    if pad is None:
+                        pad = pads[len(digits)] = b"." * max(0, size - 4 - len(digits))
+                    yield b"".join((prefix, digits, b" ", pad, suffix[1:]))
+            finish = "stop"
+        yield self._choice({}, finish)
+        if self.include_usage:
+            yield self.head + b'[],"usage":' + _encode(self.usage()) + b"}"
+
+    def completion(self) -> bytes:
+        """The non-streamed ``chat.completion`` body."""
+        opts = self.opts
+        message: dict[str, Any]
+        if opts.tool_calls:
+            frags = _tool_fragments(opts.chunks)
+            call = {
+                "id": f"call_sim_{self.id.rsplit('-', 1)[1]}",
+                "type": "function",
+                "function": {"name": _tool_name(self.data), "arguments": "".join(frags) or "{}"},
+            }
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            finish = "tool_calls"
+        else:
+            text = "".join(token_text(i, opts.chunk_size) for i in range(opts.chunks))
+            message = {"role": "assistant", "content": text}
+            finish = "stop"
+        return _encode(
+            {
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": self.usage(),
+            }
+        )
+
+
+class _Connection:
+    """One accepted connection: reads requests with h11 and answers them in turn."""
+
+    __slots__ = ("sim", "stream", "fd", "conn", "gone")
+
+    def __init__(self, sim: Simulator, stream: trio.SocketStream) -> None:
+        self.sim = sim
+        self.stream = stream
+        self.fd = stream.socket.fileno()
+        self.conn = h11.Connection(h11.SERVER)
+        self.gone = False
+
+    async def _write(self, data: bytes) -> None:
+        """Write all of ``data`` straight to the socket, one ``write`` call when it fits.
+
+        It does not yield after the last byte is written, so the caller can record the send
+        before any other task (a client in the same trio run) can see the bytes.
+        """
+        fd = self.fd
+        try:
+            written = _os_write(fd, data)
+        except BlockingIOError:
+            written = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+        if written == len(data):
+            return
+        view = memoryview(data)[written:]
+        while view:
+            await trio.lowlevel.wait_writable(fd)
+            try:
+                written = _os_write(fd, view)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(str(exc)) from exc
+            view = view[written:]
+
+    async def run(self) -> None:
+        conn = self.conn
+        while True:
+            got = await self._read_request()
+            if got is None:
+                return
+            request, body = got
+            outcome = await self._dispatch(request, body)
+            if outcome == _ABORT:
+                self.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                await self.stream.aclose()
+                return
+            if outcome == _GONE or self.gone:
+                return
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+            else:
+                return
+
+    async def _read_request(self) -> tuple[h11.Request, bytes] | None:
+        conn = self.conn
+        request: h11.Request | None = None
+        parts: list[bytes] = []
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    body = _error(f"bad request: {exc}", "invalid_request_error", None)
+                    with contextlib.suppress(h11.LocalProtocolError):
+                        await self._send_simple(exc.error_status_hint, body)
+                return None
+            if event is h11.NEED_DATA:
+                try:
+                    data = await self.stream.receive_some(_RECV_SIZE)
+                except trio.BrokenResourceError:
+                    return None
+                conn.receive_data(data)
+            elif isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                assert request is not None
+                return request, b"".join(parts)
+            else:  # ConnectionClosed or PAUSED
+                return None
+
+    async def _send_simple(
+        self, status: int, body: bytes, content_type: bytes = b"application/json"
+    ) -> None:
+        conn = self.conn
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+        reason = HTTPStatus(status).phrase.encode()
+        data = conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
+        assert data is not None
+        if body:
+            data += conn.send(h11.Data(data=body)) or b""
+        data += conn.send(h11.EndOfMessage()) or b""
+        await self._write(data)
+
+    async def _dispatch(self, request: h11.Request, body: bytes) -> str:
+        sim = self.sim
+        method = request.method.decode("ascii", "replace")
+        target = request.target.decode("latin-1")
+        path = target.partition("?")[0]
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in request.headers:
+            name = raw_name.decode("latin-1")
+            value = raw_value.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        recorded = RecordedRequest(method=method, path=target, headers=headers, body=body)
+        if sim.record:
+            sim.requests.append(recorded)
+            sim._notify()
+
+        if path == _CHAT_PATH and method == "POST":
+            rec = StreamRecord(body=body, request=recorded)
+            if sim.record:
+                sim.streams.append(rec)
+                sim._notify()
+            try:
+                return await self._chat(rec, headers, body)
+            finally:
+                rec._finish()
+
+        if not self._authorized(headers):
+            await self._send_unauthorized()
+        elif path == _MODELS_PATH and method == "GET":
+            created = int(time.time())
+            data = [
+                {"id": m, "object": "model", "created": created, "owned_by": "sim"}
+                for m in sim.models
+            ]
+            await self._send_simple(200, _encode({"object": "list", "data": data}))
+        elif path in (_MODELS_PATH, _CHAT_PATH):
+            message = f"Method {method} not allowed for {path}"
+            await self._send_simple(405, _error(message, "invalid_request_error", None))
+        else:
+            message = f"Invalid URL ({method} {path})"
+            await self._send_simple(404, _error(message, "invalid_request_error", "not_found"))
+        return _COMPLETED
+
+    def _authorized(self, headers: Mapping[str, str]) -> bool:
+        key = self.sim.require_key
+        return key is None or headers.get("authorization") == f"Bearer {key}"
+
+    async def _send_unauthorized(self, rec: StreamRecord | None = None) -> None:
+        body = _error("Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+        await self._send_error(401, body, rec)
+
+    async def _send_error(self, status: int, body: bytes, rec: StreamRecord | None) -> None:
+        await self._send_simple(status, body)
+        if rec is not None:
+            rec.status = status
+            rec.payloads.append(body)
+            rec.sent_at.append(_perf_counter())
+
+    async def _chat(self, rec: StreamRecord, headers: Mapping[str, str], body: bytes) -> str:
+        sim = self.sim
+        if not self._authorized(headers):
+            await self._send_unauthorized(rec)
+            return _COMPLETED
+        try:
+            data = _decode(body)
+        except msgspec.DecodeError as exc:
+            message = f"We could not parse the JSON body of your request: {exc}"
+            await self._send_error(400, _error(message, "invalid_request_error", None), rec)
+            return _COMPLETED
+        if not isinstance(data, dict):
+            message = "The request body must be a JSON object."
+            await self._send_error(400, _error(message, "invalid_request_error", None), rec)
+            return _COMPLETED
+        model = data.get("model")
+        if not isinstance(model, str):
+            message = "you must provide a model parameter"
+            error = _error(message, "invalid_request_error", None, "model")
+            await self._send_error(400, error, rec)
+            return _COMPLETED
+        rec.model = model
+        if model not in sim.models:
+            message = f"The model `{model}` does not exist or you do not have access to it."
+            error = _error(message, "invalid_request_error", "model_not_found", "model")
+            await self._send_error(404, error, rec)
+            return _COMPLETED
+        overrides = data.get("sim")
+        try:
+            if overrides is None:
+                opts = sim.options
+            elif isinstance(overrides, dict):
+                opts = sim.options.override(overrides)
+            else:
+                raise ValueError("'sim' must be an object")
+        except (ValueError, TypeError) as exc:
+            await self._send_error(400, _error(str(exc), "invalid_request_error", None, "sim"), rec)
+            return _COMPLETED
+        rec.options = opts
+        rec.stream = data.get("stream") is True
+        if opts.fault == "500":
+            error = _error("The simulator failed on purpose.", "server_error", None)
+            await self._send_error(500, error, rec)
+            return _COMPLETED
+        reply = _Reply(sim, model, opts, data)
+        rec.id = reply.id
+        if rec.stream:
+            rec.status = 200
+            head = self.conn.send(h11.Response(status_code=200, headers=_SSE_HEADERS, reason=b"OK"))
+            assert head is not None
+            try:
+                await self._write(head)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                rec.client_closed = True
+                return _GONE
+            outcome = await self._guarded(partial(self._emit, rec, reply))
+        else:
+            outcome = await self._guarded(partial(self._complete, rec, reply))
+        if outcome == _GONE:
+            rec.client_closed = True
+        elif outcome == _COMPLETED:
+            rec.completed = True
+        return outcome
+
+    async def _guarded(self, respond: Callable[[], Awaitable[str]]) -> str:
+        """Run ``respond`` while watching the socket; ``_GONE`` as soon as the client leaves."""
+        outcome = _GONE
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch, scope)
+                try:
+                    outcome = await respond()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    outcome = _GONE
+                nursery.cancel_scope.cancel()
+        return outcome  # stays _GONE when the watcher cancelled ``respond``
+
+    async def _watch(self, scope: trio.CancelScope) -> None:
+        """Read while a response is being written, so a closed connection is noticed at once."""
+        while True:
+            try:
+                data = await self.stream.receive_some(_RECV_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                self.gone = True
+                scope.cancel()
+                return
+            self.conn.receive_data(data)  # a pipelined next request: h11 keeps it
+
+    async def _emit(self, rec: StreamRecord, reply: _Reply) -> str:
+        opts = reply.opts
+        write = self._write
+        record_payload = rec.payloads.append
+        record_time = rec.sent_at.append
+        checkpoint = trio.lowlevel.checkpoint
+        chunked = (self.conn.their_http_version or b"1.0") >= b"1.1"
+        interval = opts.interval
+        fault = opts.fault
+        fault_after = opts.fault_after
+        pending_fault = fault is not None
+        delay = opts.ttft
+        sent = 0
+        # Each event yields once (its pacing wait) before it is written, and is recorded
+        # right after the write, before the next yield.
+        for payload in itertools.chain(reply.payloads(), (None,)):
+            if pending_fault and (sent >= fault_after or payload is None):
+                pending_fault = False
+                if fault == "stall":
+                    await trio.sleep_forever()
+                if fault == "disconnect":
+                    return _ABORT
+                # "malformed": one broken event, then carry on normally
+                if delay > 0:
+                    await trio.sleep(delay)
+                else:
+                    await checkpoint()
+                delay = interval
+                if chunked:
+                    await write(b"%x\r\ndata: %b\n\n\r\n" % (len(_MALFORMED) + 8, _MALFORMED))
+                else:
+                    await write(b"data: %b\n\n" % _MALFORMED)
+                record_payload(_MALFORMED)
+                record_time(_perf_counter())
+                sent += 1
+                if rec._waiters:
+                    rec._wake()
+            if delay > 0:
+                await trio.sleep(delay)
+            else:
+                await checkpoint()
+            delay = interval
+            if payload is None:
+                end = self.conn.send(h11.EndOfMessage()) or b""
+                if chunked:
+                    await write(b"%x\r\ndata: [DONE]\n\n\r\n%b" % (len(_DONE) + 8, end))
+                else:
+                    await write(b"data: [DONE]\n\n%b" % end)
+                record_payload(_DONE)
+                record_time(_perf_counter())
+                rec.completed = True
+                rec._finish()
+                return _COMPLETED
+            if chunked:
+                await write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
+            else:
+                await write(b"data: %b\n\n" % payload)
+            record_payload(payload)
+            record_time(_perf_counter())
+            sent += 1
+            if rec._waiters:
+                rec._wake()
+        raise AssertionError("unreachable: the loop returns at [DONE]")
+
+    async def _complete(self, rec: StreamRecord, reply: _Reply) -> str:
+        opts = reply.opts
+        delay = opts.ttft + opts.interval * opts.chunks
+        if delay > 0:
+            await trio.sleep(delay)
+        if opts.fault == "stall":
+            await trio.sleep_forever()
+        if opts.fault == "disconnect":
+            return _ABORT
+        if opts.fault == "malformed":
+            body = _MALFORMED
+        else:
+            body = reply.completion()
+        rec.status = 200
+        await self._send_simple(200, body)
+        rec.payloads.append(body)
+        rec.sent_at.append(_perf_counter())
+        rec.completed = True
+        rec._finish()
+        return _COMPLETED
+
+
+async def serve_sim(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    options: SimOptions | None = None,
+    models: list[str] | None = None,
+    require_key: str | None = None,
+    record: bool = True,
+    task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Bind, report the ``Simulator`` through ``task_status``, and serve until cancelled.
+
+    With ``record=False`` nothing is kept in ``requests`` / ``streams`` (for long runs).
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    ports = {listener.socket.getsockname()[1] for listener in listeners}
+    if len(ports) > 1:  # port 0 on several addresses: keep the first one only
+        for extra in listeners[1:]:
+            await extra.aclose()
+        listeners = listeners[:1]
+    bound = listeners[0].socket.getsockname()
+    sim = Simulator(
+        host=host or bound[0],
+        port=bound[1],
+        options=options if options is not None else SimOptions(),
+        models=list(models) if models is not None else ["sim-model"],
+        require_key=require_key,
+        record=record,
+    )
+    task_status.started(sim)
+    await trio.serve_listeners(sim._handle, listeners)
+
+
+@contextlib.asynccontextmanager
+async def open_sim(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    options: SimOptions | None = None,
+    models: list[str] | None = None,
+    require_key: str | None = None,
+    record: bool = True,
+) -> AsyncIterator[Simulator]:
+    """Run ``serve_sim`` in a nursery for the duration of the block, yielding the ``Simulator``."""
+    async with trio.open_nursery() as nursery:
+        sim: Simulator = await nursery.start(
+            partial(
+                serve_sim,
+                host=host,
+                port=port,
+                options=options,
+                models=models,
+                require_key=require_key,
+                record=record,
+            )
+        )
+        try:
+            yield sim
+        finally:
+            nursery.cancel_scope.cancel()
