@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+import trio
+
 
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -40,3 +42,24 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     for noisy in ("httpx", "httpcore", "hypercorn.access", "trio-websocket"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class Counters:
+    """Named event counters that tasks can wait on (metrics read them; tests wait on them)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self._changed = trio.Event()
+
+    def inc(self, name: str, by: int = 1) -> None:
+        self.values[name] = self.values.get(name, 0) + by
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def get(self, name: str) -> int:
+        return self.values.get(name, 0)
+
+    async def wait(self, name: str, at_least: int) -> None:
+        """Return once counter ``name`` has reached ``at_least``."""
+        while self.values.get(name, 0) < at_least:
+            await self._changed.wait()

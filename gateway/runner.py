@@ -26,8 +26,9 @@ from gateway.alp import (
 from gateway.backends import Backend, BackendPool
 from gateway.channel import Channel, ChannelEnd
 from gateway.config import Config
+from gateway.observe import Counters
 from gateway.protocol import CAPABILITY
-from gateway.state import Registration, StateStore
+from gateway.state import Registration, StateError, StateStore
 
 log = logging.getLogger("gateway.runner")
 
@@ -108,7 +109,7 @@ class Runner:
         self.sessions: dict[str, ChatJob] = {}
         self.shutdown = trio.Event()
         self._wake = trio.Event()
-        self.polls = 0
+        self.counters = Counters()
         self.first_poll = trio.Event()
         self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
 
@@ -170,19 +171,25 @@ class Runner:
             reg.server,
             ", ".join(b.url for b in self.pool.backends) or "(none)",
         )
+        fatal: RunnerExit | StateError | None = None
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
                 nursery.start_soon(self._events_loop)
                 async with trio.open_nursery() as sessions:
                     self._sessions_nursery = sessions
-                    await self._poll_loop()
+                    try:
+                        await self._poll_loop()
+                    except (RunnerExit, StateError) as exc:
+                        fatal = exc  # raised below, outside the nurseries, unwrapped
+                        sessions.cancel_scope.cancel()
                     # shutting down: the sessions drain themselves; events are no longer needed
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await self.alp.aclose()
                 await self.pool.aclose()
+        if fatal is not None:
+            raise fatal
         log.info("runner stopped")
 
     async def watch_signals(self, done: trio.CancelScope) -> None:
@@ -236,7 +243,7 @@ class Runner:
                 delay = backoff_delay(failures, interval, interval * 6)
                 log.warning("%s; next try in %.1f s", exc, delay)
             finally:
-                self.polls += 1
+                self.counters.inc("polls")
                 self.first_poll.set()
             if self.shutdown.is_set():
                 break
@@ -302,6 +309,7 @@ class Runner:
         assert self.alp is not None
         log.info("session start job=%s run=%s", job.id, job.run_id)
         conclusion, reason = "failure", "session ended unexpectedly"
+        budget: float | None = None  # how long the final report may be retried
         try:
             try:
                 await self.alp.set_status(job.run_id, job.id, {"status": "in_progress"})
@@ -311,8 +319,11 @@ class Runner:
                 nursery.start_soon(self._heartbeat, job)
                 conclusion, reason = await self._serve_channel(job)
                 nursery.cancel_scope.cancel()
+        except BaseException:  # cancelled (a second signal) or crashed: report, but do not linger
+            reason, budget = "runner stopped at once", 2.0
+            raise
         finally:
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
                 await self._report(job, conclusion, reason)
             del self.sessions[job.id]
             self._wake.set()  # a slot is free: poll now
@@ -324,6 +335,7 @@ class Runner:
             await trio.sleep(self.config.heartbeat_interval)
             try:
                 await self.alp.progress(job.run_id, job.id, PROGRESS_STAGE)
+                self.counters.inc("heartbeats")
             except (ServerUnavailable, Refused) as exc:
                 log.warning("job %s: heartbeat failed: %s", job.id, exc)
 

@@ -1,0 +1,44 @@
+"""Shared fixtures: a hub and a backend simulator on loopback, an in-process runner, log capture."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import ADMIN, BACKEND_KEY, LogCapture, runner_config, running
+
+from gateway.hub import Hub, open_hub
+from gateway.runner import Runner
+from gateway.sim import Simulator, open_sim
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[Simulator]:
+    async with open_sim(require_key=BACKEND_KEY) as simulator:
+        yield simulator
+
+
+@pytest.fixture
+async def hub() -> AsyncIterator[tuple[Hub, str]]:
+    async with open_hub(Hub(admin_token=ADMIN)) as pair:
+        yield pair
+
+
+@pytest.fixture
+async def runner(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> AsyncIterator[Runner]:
+    async with running(runner_config(hub[1], sim.url, tmp_path / "state")) as r:
+        yield r
+
+
+@pytest.fixture
+def logs() -> Iterator[LogCapture]:
+    handler = LogCapture()
+    root = logging.getLogger()
+    old = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    yield handler
+    root.removeHandler(handler)
+    root.setLevel(old)

@@ -1,0 +1,164 @@
+"""The installed ``alp-gateway`` command as a subprocess: register, run, signals, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+from helpers import (
+    ADMIN,
+    BACKEND_KEY,
+    OWNER,
+    PROJECT,
+    Turns,
+    open_chat,
+    request_frame,
+    runner_config,
+)
+
+from gateway.hub import Hub, open_hub
+from gateway.runner import Runner, RunnerExit
+from gateway.sim import Simulator
+
+EXE = str(Path(sys.executable).with_name("alp-gateway"))
+
+
+def env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    base.update(extra)
+    return base
+
+
+async def cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess[bytes]:
+    return await trio.run_process([EXE, *args], env=env(**extra_env), capture_stdout=True,
+                                  capture_stderr=True, check=False)
+
+
+async def test_version() -> None:
+    result = await cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith(b"alp-gateway ")
+
+
+async def test_register_saves_owner_only_state(hub: tuple[Hub, str], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    result = await cli("register", "--server", hub[1], "--project", f"{OWNER}/{PROJECT}",
+                       "--state-dir", str(state), "--name", "box1", "--labels", "gpu,linux",
+                       AGENTICS_USER_TOKEN=ADMIN)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((state / "registration.json").read_text())["registrations"][f"{OWNER}/{PROJECT}"]
+    assert saved["name"] == "box1" and saved["server"] == hub[1] and saved["token"]
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / "registration.json").stat().st_mode) == 0o600
+    assert saved["token"].encode() not in result.stdout + result.stderr
+
+
+async def test_register_falls_back_to_spec_path(tmp_path: Path) -> None:
+    async with open_hub(Hub(admin_token=ADMIN, register_paths=("runners/register",))) as (_, url):
+        result = await cli("register", "--server", url, "--project", "o/p", "--state-dir",
+                           str(tmp_path), "--user-token", ADMIN)
+    assert result.returncode == 0, result.stderr
+
+
+async def test_register_refused_is_one_line(hub: tuple[Hub, str], tmp_path: Path) -> None:
+    result = await cli("register", "--server", hub[1], "--project", "o/p", "--state-dir",
+                       str(tmp_path), AGENTICS_USER_TOKEN="wrong")
+    assert result.returncode != 0
+    err = result.stderr.decode().strip()
+    assert "user credential" in err and "\n" not in err and "Traceback" not in err
+
+
+async def test_run_without_registration_says_what_to_do(tmp_path: Path) -> None:
+    result = await cli("run", "--server", "127.0.0.1:9", "--project", "o/p", "--state-dir",
+                       str(tmp_path), "--backend", "http://127.0.0.1:9/v1")
+    assert result.returncode == 2
+    err = result.stderr.decode().strip()
+    assert "alp-gateway register" in err and "\n" not in err
+
+
+async def test_invalid_setting_is_one_line(tmp_path: Path) -> None:
+    result = await cli("run", "--project", "o/p", "--poll-interval", "-3")
+    err = result.stderr.decode().strip()
+    assert result.returncode == 2 and "poll-interval" in err and "\n" not in err
+    result = await cli("run", "--project", "o/p", CHAT_LLM_BACKEND_URL="not a url")
+    err = result.stderr.decode().strip()
+    assert result.returncode == 2 and "CHAT_LLM_BACKEND_URL" in err and "\n" not in err
+
+
+async def test_run_serves_then_sigterm_drains(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    log_path = tmp_path / "runner.log"
+    with log_path.open("wb") as log:
+        proc = await trio.lowlevel.open_process(
+            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
+             "--log-level", "DEBUG"],
+            env=env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url,
+                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY, CHAT_LLM_MODEL="sim-model",
+                    AGENTICS_USER_TOKEN=ADMIN),
+            stdout=log, stderr=log,
+        )
+        try:
+            job, ch = await open_chat(hub[0], within=20)
+            await ch.send(request_frame(job.id, "t", sim={"chunks": 8, "interval": 0.05}))
+            stream = await sim.wait_for_streams(1)
+            await stream.wait_sent(2)
+            proc.send_signal(signal.SIGTERM)
+            turns = Turns(ch)
+            with trio.fail_after(15):
+                while not turns.other:
+                    await turns.next()
+            with trio.fail_after(15):
+                code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    assert code == 0
+    assert turns.last("t")["type"] == "chat.completion.done"
+    assert turns.other[0]["reason"] == "runner shutting down"
+    finals = [r for r in job.reports if r.get("status") == "completed"]
+    assert len(finals) == 1 and finals[0]["conclusion"] == "success"
+    text = log_path.read_text()
+    assert "session start" in text and "session end" in text
+    for secret in (BACKEND_KEY, ADMIN):
+        assert secret not in text
+    token = json.loads((tmp_path / "s" / "registration.json").read_text())["registrations"]
+    assert all(reg["token"] not in text for reg in token.values())
+
+
+async def test_revoked_token_exits_without_user_credential(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    config = runner_config(hub[1], sim.url, tmp_path)
+    first = Runner(config)
+    await first._register()
+    hub[0].faults["poll"] = [401]
+    runner = Runner(runner_config(hub[1], sim.url, tmp_path, user_token=None))
+    try:
+        with trio.fail_after(10):
+            await runner.run()
+    except RunnerExit as exc:
+        assert exc.code == 3 and "refused the runner token" in str(exc)
+    else:
+        raise AssertionError("the runner went on with a refused token")
+
+
+async def test_revoked_token_reregisters_with_user_credential(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    runner = Runner(runner_config(hub[1], sim.url, tmp_path))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner.run)
+        with trio.fail_after(10):
+            await runner.first_poll.wait()
+        old = runner.registration
+        hub[0].faults["poll"] = [401]
+        runner._wake.set()
+        with trio.fail_after(10):
+            await runner.counters.wait("polls", runner.counters.get("polls") + 2)
+        assert runner.registration is not old
+        await open_chat(hub[0])
+        nursery.cancel_scope.cancel()
