@@ -1,0 +1,189 @@
+"""The ``hub`` command line: serve the hub, and create, list or revoke its front-door API keys."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sqlite3
+import sys
+from functools import partial
+from typing import NoReturn
+
+import trio
+
+from gateway.hub.core import Hub, serve_hub
+from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
+
+PROG = "alp-gateway hub"
+DEFAULT_LISTEN = "127.0.0.1:8787"
+
+
+class _UsageError(Exception):
+    """A command-line mistake: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def default_data_dir() -> pathlib.Path:
+    """``$ALP_GATEWAY_STATE_DIR/hub``, else ``$XDG_STATE_HOME/alp-gateway/hub``, else ``~/.local/state/alp-gateway/hub``."""
+    state = os.environ.get("ALP_GATEWAY_STATE_DIR")
+    if state:
+        return pathlib.Path(state).expanduser() / "hub"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return pathlib.Path(xdg).expanduser() / "alp-gateway" / "hub"
+    return pathlib.Path.home() / ".local" / "state" / "alp-gateway" / "hub"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> ``(host, port)``; _UsageError when malformed."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise _UsageError(f"--listen must be HOST:PORT, not {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "127.0.0.1", int(port_text)
+
+
+def _build_parser() -> _Parser:
+    data = _Parser(add_help=False)
+    data.add_argument(
+        "--data",
+        type=pathlib.Path,
+        default=argparse.SUPPRESS,
+        help="state directory (default: $ALP_GATEWAY_STATE_DIR/hub or ~/.local/state/alp-gateway/hub)",
+    )
+    parser = _Parser(
+        prog=PROG,
+        description="Serve the hub (an ALP Server emulator) or manage its API keys.",
+        parents=[data],
+    )
+    parser.add_argument(
+        "--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_LISTEN})"
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
+    keys_sub = keys.add_subparsers(
+        dest="keys_command", metavar="{create,list,revoke}", parser_class=_Parser, required=True
+    )
+    create = keys_sub.add_parser("create", help="create an API key (printed once)", parents=[data])
+    create.add_argument("name")
+    create.add_argument(
+        "--project",
+        default=DEFAULT_KEY_PROJECT,
+        help=f"OWNER/PROJECT the key chats in (default {DEFAULT_KEY_PROJECT})",
+    )
+    keys_sub.add_parser("list", help="list API keys", parents=[data])
+    revoke = keys_sub.add_parser("revoke", help="revoke an API key", parents=[data])
+    revoke.add_argument("name")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``alp-gateway hub ...``; returns the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        data_dir: pathlib.Path = getattr(args, "data", None) or default_data_dir()
+        if args.command == "keys":
+            return _keys(args, data_dir)
+        host, port = parse_listen(args.listen)
+        return _serve(data_dir, host, port)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except _UsageError as exc:
+        return _fail(str(exc))
+    except (OSError, sqlite3.Error, ValueError) as exc:
+        return _fail(str(exc))
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
+    store = Store(data_dir)
+    try:
+        if args.keys_command == "create":
+            key = store.create_api_key(args.name, args.project)
+            print(
+                f"created API key {args.name!r} for {args.project}; it is shown only now:",
+                file=sys.stderr,
+            )
+            print(key)
+            return 0
+        if args.keys_command == "list":
+            keys = store.list_api_keys()
+            if not keys:
+                print("no API keys", file=sys.stderr)
+                return 0
+            width = max(len("NAME"), *(len(str(k["name"])) for k in keys))
+            print(f"{'NAME':<{width}}  {'PROJECT':<24}  {'CREATED':<20}  STATUS")
+            for k in keys:
+                project = f"{k['owner']}/{k['project']}"
+                status = "revoked" if k["revoked"] else "active"
+                print(f"{k['name']!s:<{width}}  {project:<24}  {k['createdAt']!s:<20}  {status}")
+            return 0
+        if store.revoke_api_key(args.name):
+            print(f"revoked API key {args.name!r}")
+            return 0
+        return _fail(f"no active API key named {args.name!r}")
+    finally:
+        store.close()
+
+
+def _serve(data_dir: pathlib.Path, host: str, port: int) -> int:
+    hub = Hub(data_dir)
+    if hub.admin_token_created:
+        print(
+            f"admin token (a user credential for runner registration; shown only now, kept in {data_dir / 'admin-token'}):"
+        )
+        print(f"  {hub.admin_token}", flush=True)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    logging.getLogger("gateway.hub.server").setLevel(logging.WARNING)
+    try:
+        trio.run(_run, hub, host, port)
+    except KeyboardInterrupt:
+        pass
+    except BaseExceptionGroup as group:
+        error = _first_os_error(group)
+        if error is None:
+            raise
+        return _fail(f"cannot listen on {host}:{port}: {error.strerror or error}")
+    except OSError as error:
+        return _fail(f"cannot listen on {host}:{port}: {error.strerror or error}")
+    finally:
+        hub.store.close()
+    return 0
+
+
+def _first_os_error(group: BaseExceptionGroup[BaseException]) -> OSError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, OSError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_os_error(exc)
+            if found is not None:
+                return found
+    return None
+
+
+async def _run(hub: Hub, host: str, port: int) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            base_url: str = await nursery.start(partial(serve_hub, hub, host=host, port=port))
+            print(f"hub listening on {base_url}", flush=True)
+            async for _ in signals:
+                break
+            print("hub stopping", flush=True)
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,601 @@
+"""Tests of the hub core: the runner API, the Chat Channel, auth, persistence and the hub CLI."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import stat
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio_websocket
+
+from gateway import protocol
+from gateway.hub import Hub, ServerChannel, open_hub
+from gateway.hub import core as hub_core
+from gateway.hub.cli import default_data_dir, main
+
+ADMIN = "alpa_test-admin-token"
+OWNER, PROJECT = "acme", "chat"
+BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
+CAPS = [protocol.CAPABILITY]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Hub, httpx.AsyncClient]]:
+    async with open_hub(Hub(admin_token=ADMIN)) as (hub, base_url):
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            yield hub, client
+
+
+def ws_url(client: httpx.AsyncClient, job_id: str, token: str) -> str:
+    base = str(client.base_url).rstrip("/").replace("http://", "ws://")
+    return f"{base}/api/lives/chat/channel/ws?jobId={job_id}&token={token}"
+
+
+async def claim(client: httpx.AsyncClient, token: str, job_id: str) -> str:
+    r = await client.post(
+        f"{BASE}/runners/generate-jitconfig",
+        json={"jobId": job_id, "name": "box"},
+        headers=bearer(token),
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["runId"]
+
+
+async def claimed_job(hub: Hub, client: httpx.AsyncClient) -> tuple[dict[str, Any], str, str]:
+    """A registered runner (its record), a job it claimed, and the run id."""
+    runner = hub.register_runner(OWNER, PROJECT, "box", [])
+    job = hub.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    run_id = await claim(client, runner["token"], job.id)
+    return runner, job.id, run_id
+
+
+# -- registration --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["runners", "runners/register"])
+async def test_register_both_paths(served: tuple[Hub, httpx.AsyncClient], path: str) -> None:
+    hub, client = served
+    r = await client.post(
+        f"{BASE}/{path}", json={"name": "box", "labels": ["linux"]}, headers=bearer(ADMIN)
+    )
+    assert r.status_code in (200, 201)
+    body = r.json()
+    assert set(body) == {"id", "name", "token", "registeredAt"}
+    assert body["name"] == "box"
+    assert body["token"].startswith("alpr_")
+    runner = hub.runner_by_token(body["token"])
+    assert runner is not None and runner.labels == ("linux",)
+    assert (runner.owner, runner.project) == (OWNER, PROJECT)
+
+
+async def test_register_paths_configurable() -> None:
+    async with open_hub(Hub(admin_token=ADMIN, register_paths=("runners/register",))) as (_, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post(f"{BASE}/runners", json={"name": "b"}, headers=bearer(ADMIN))
+            assert r.status_code == 404
+            r = await client.post(
+                f"{BASE}/runners/register", json={"name": "b"}, headers=bearer(ADMIN)
+            )
+            assert r.status_code in (200, 201)
+
+
+async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    url = f"{BASE}/runners"
+    body = {"name": "box", "labels": []}
+    assert (await client.post(url, json=body)).status_code == 401
+    assert (await client.post(url, json=body, headers=bearer("alpa_wrong"))).status_code == 401
+    runner = hub.register_runner(OWNER, PROJECT, "box", [])
+    r = await client.post(url, json=body, headers=bearer(runner["token"]))
+    assert r.status_code == 403
+    assert "only a user credential registers a runner" in r.json()["error"]
+    key = hub.create_api_key("k")
+    assert (await client.post(url, json=body, headers=bearer(key))).status_code == 403
+    assert (await client.post(url, content=b"not json", headers=bearer(ADMIN))).status_code == 400
+    assert (await client.post(url, json={"labels": []}, headers=bearer(ADMIN))).status_code == 400
+    assert (await client.get(url, headers=bearer(ADMIN))).status_code == 405
+
+
+# -- polling and claiming --------------------------------------------------------
+
+
+async def test_poll_matches_capabilities(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    url = f"{BASE}/runners/jobs"
+    r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
+    assert r.status_code == 204 and r.content == b""
+
+    chat = hub.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    hub.enqueue_job(OWNER, PROJECT, [*CAPS, "gpu"])
+    anyone = hub.enqueue_job(OWNER, PROJECT, [])
+    hub.enqueue_job(OWNER, "elsewhere", CAPS)
+
+    for _ in range(2):  # polling never claims
+        r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
+        assert r.status_code == 200
+        jobs = r.json()["jobs"]
+        assert [j["id"] for j in jobs] == [chat.id, anyone.id]
+    assert jobs[0] == {
+        "id": chat.id,
+        "runId": None,
+        "needs": CAPS,
+        "agentDefinition": {"jobType": "chat_llm"},
+    }
+    assert all(job.claimed_by is None for job in hub.jobs.values())
+    assert hub.last_seen[hub.runner_by_token(token).id] > 0  # type: ignore[union-attr]
+
+
+async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    url = f"{BASE}/runners/jobs"
+    body = {"capabilities": CAPS}
+    assert (await client.post(url, json=body)).status_code == 401
+    assert (await client.post(url, json=body, headers=bearer("alpr_nope"))).status_code == 401
+    assert (await client.post(url, json=body, headers=bearer(ADMIN))).status_code == 401
+    foreign = hub.register_runner(OWNER, "other", "box", [])["token"]
+    assert (await client.post(url, json=body, headers=bearer(foreign))).status_code == 403
+    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    assert (await client.post(url, content=b"{", headers=bearer(token))).status_code == 400
+    assert (
+        await client.post(url, json={"capabilities": "x"}, headers=bearer(token))
+    ).status_code == 400
+
+
+async def test_claim_once(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    first = hub.register_runner(OWNER, PROJECT, "one", [])
+    second = hub.register_runner(OWNER, PROJECT, "two", [])
+    job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    url = f"{BASE}/runners/generate-jitconfig"
+    run_id = await claim(client, first["token"], job.id)
+    assert job.claimed.is_set() and job.claimed_by == first["id"] and job.run_id == run_id
+    r = await client.post(
+        url, json={"jobId": job.id, "name": "two"}, headers=bearer(second["token"])
+    )
+    assert r.status_code == 409
+    r = await client.post(
+        url, json={"jobId": "nope", "name": "two"}, headers=bearer(second["token"])
+    )
+    assert r.status_code == 404
+    r = await client.post(url, json={"jobId": job.id}, headers=bearer(second["token"]))
+    assert r.status_code == 400
+    r = await client.post(
+        f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(second["token"])
+    )
+    assert r.status_code == 204  # a claimed job is no longer offered
+
+
+async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, run_id = await claimed_job(hub, client)
+    job = hub.jobs[job_id]
+    token = runner["token"]
+    other = hub.register_runner(OWNER, PROJECT, "other", [])["token"]
+    url = f"{BASE}/runs/{run_id}/jobs/{job_id}"
+
+    r = await client.patch(url, json={"status": "in_progress"}, headers=bearer(other))
+    assert r.status_code == 403
+    r = await client.patch(
+        f"{BASE}/runs/wrong/jobs/{job_id}", json={"status": "in_progress"}, headers=bearer(token)
+    )
+    assert r.status_code == 404
+    r = await client.patch(url, json={"status": "in_progress"}, headers=bearer(token))
+    assert r.status_code == 200 and job.status == "in_progress"
+
+    progress = {"stage": "chat_llm_active", "message": None}
+    r = await client.post(f"{url}/progress", json=progress, headers=bearer(token))
+    assert r.status_code == 200 and job.progress == [progress]
+    r = await client.post(f"{url}/progress", json=progress, headers=bearer(other))
+    assert r.status_code == 403
+    r = await client.patch(url, json={"status": "bogus"}, headers=bearer(token))
+    assert r.status_code == 400
+
+    done = {
+        "status": "completed",
+        "conclusion": "success",
+        "logs": "bye",
+        "completionReason": "success",
+    }
+    r = await client.patch(url, json=done, headers=bearer(token))
+    assert r.status_code == 200
+    assert job.completed.is_set() and job.status == "completed" and job.conclusion == "success"
+    r = await client.patch(url, json=done, headers=bearer(token))
+    assert r.status_code == 409
+    assert job.reports == [{"status": "in_progress"}, {"status": "bogus"}, done, done]
+    r = await client.post(f"{url}/progress", json=progress, headers=bearer(token))
+    assert r.status_code == 409
+
+
+# -- events (SSE) ------------------------------------------------------------------
+
+
+async def test_events_deliver_job_available(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    with trio.fail_after(10):
+        async with client.stream("GET", f"{BASE}/runners/events", headers=bearer(token)) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            hub.enqueue_job(OWNER, "elsewhere", CAPS)  # another project's subscribers only
+            job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+            buf = ""
+            async for text in r.aiter_text():
+                buf += text
+                if "\n\n" in buf:
+                    break
+            event, _, _ = buf.partition("\n\n")
+            assert (
+                event
+                == f"event: job_available\ndata: {json.dumps({'jobId': job.id}, separators=(',', ':'))}"
+            )
+
+
+async def test_events_keepalive_and_auth() -> None:
+    async with open_hub(Hub(admin_token=ADMIN, keepalive_interval=0.05)) as (hub, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.get(f"{BASE}/runners/events")).status_code == 401
+            token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+            with trio.fail_after(10):
+                async with client.stream(
+                    "GET", f"{BASE}/runners/events", headers=bearer(token)
+                ) as r:
+                    async for text in r.aiter_text():
+                        assert text.startswith(": keepalive\n\n")
+                        break
+
+
+async def test_events_disabled() -> None:
+    async with open_hub(Hub(admin_token=ADMIN, events=False)) as (hub, url):
+        token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (
+                await client.get(f"{BASE}/runners/events", headers=bearer(token))
+            ).status_code == 404
+
+
+# -- the Chat Channel ----------------------------------------------------------------
+
+
+async def test_channel_handshake_rejections(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, run_id = await claimed_job(hub, client)
+    other = hub.register_runner(OWNER, PROJECT, "other", [])["token"]
+    unclaimed = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    for jid, token in [
+        (job_id, "alpr_wrong"),
+        (job_id, other),
+        (job_id, ADMIN),
+        (unclaimed.id, runner["token"]),
+        ("nope", runner["token"]),
+    ]:
+        with pytest.raises(trio_websocket.ConnectionRejected) as info:
+            async with trio_websocket.open_websocket_url(ws_url(client, jid, token)):
+                pass
+        assert info.value.status_code == 403
+    # a completed job accepts no channel either
+    done = {
+        "status": "completed",
+        "conclusion": "success",
+        "logs": "",
+        "completionReason": "success",
+    }
+    r = await client.patch(
+        f"{BASE}/runs/{run_id}/jobs/{job_id}", json=done, headers=bearer(runner["token"])
+    )
+    assert r.status_code == 200
+    with pytest.raises(trio_websocket.ConnectionRejected):
+        async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
+            pass
+
+
+async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, _ = await claimed_job(hub, client)
+    with trio.fail_after(10):
+        async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])) as ws:
+            ch = await hub.wait_channel(job_id, timeout=5)
+            assert isinstance(ch, ServerChannel) and ch is hub.channel(job_id)
+            assert hub.runners_connected == {runner["id"]} and hub.open_channels() == [ch]
+            rx = ch.open_request("r1")
+            chunk = protocol.chunk_frame(protocol.chunk_prefix(job_id, "r1"), b'{"id":"c"}')
+            stray = protocol.done_frame(job_id, "r2")
+            await ws.send_message(b"\x00binary is ignored")
+            await ws.send_message("not json at all")
+            await ws.send_message(stray)
+            await ws.send_message(chunk)
+            await ws.send_message(protocol.end_frame(job_id, "bye"))
+            text, at = await rx.receive()
+            assert text == chunk and isinstance(at, float)
+            assert [(await ch.recv())[0] for _ in range(3)] == [
+                "not json at all",
+                stray,
+                protocol.end_frame(job_id, "bye"),
+            ]
+            ch.close_request("r1")
+            await ws.send_message(chunk)  # no longer routed to r1: recv() gets it
+            assert (await ch.recv())[0] == chunk
+
+            await ch.send({"type": protocol.MODELS_REQUEST, "jobId": job_id, "requestId": "m"})
+            assert json.loads(await ws.get_message()) == {
+                "type": protocol.MODELS_REQUEST,
+                "jobId": job_id,
+                "requestId": "m",
+            }
+            await ch.send("raw text")
+            assert await ws.get_message() == "raw text"
+            await ch.send(b"\x01\x02")
+            assert await ws.get_message() == b"\x01\x02"
+            await hub.end_job(job_id, "idle")
+            assert json.loads(await ws.get_message()) == {
+                "type": "chat.end",
+                "jobId": job_id,
+                "reason": "idle",
+            }
+
+            rx2 = ch.open_request("r3")
+            await ch.close(1011)
+            with pytest.raises(trio_websocket.ConnectionClosed) as info:
+                await ws.get_message()
+            assert info.value.reason.code == 1011
+            assert ch.closed.is_set() and hub.channel(job_id) is None and not hub.runners_connected
+            with pytest.raises(trio.EndOfChannel):
+                await rx2.receive()
+            with pytest.raises(trio.EndOfChannel):
+                await ch.recv()
+            await ch.send("dropped quietly")
+            with pytest.raises(trio.EndOfChannel):
+                await ch.open_request("late").receive()
+
+
+async def test_channel_runner_disconnect(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, _ = await claimed_job(hub, client)
+    with trio.fail_after(10):
+        async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])) as ws:
+            ch = await hub.wait_channel(job_id)
+            assert ch is not None
+            rx = ch.open_request("r1")
+            await ws.aclose()
+            await ch.closed.wait()
+            with pytest.raises(trio.EndOfChannel):
+                await rx.receive()
+        assert await hub.wait_channel(job_id, timeout=0.01) is None
+
+
+async def test_channel_replaced_on_reconnect(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, _ = await claimed_job(hub, client)
+    url = ws_url(client, job_id, runner["token"])
+    with trio.fail_after(10):
+        async with trio_websocket.open_websocket_url(url) as ws1:
+            first = await hub.wait_channel(job_id)
+            assert first is not None
+            async with trio_websocket.open_websocket_url(url) as ws2:
+                await first.closed.wait()
+                second = hub.channel(job_id)
+                assert second is not None and second is not first
+                with pytest.raises(trio_websocket.ConnectionClosed) as info:
+                    await ws1.get_message()
+                assert info.value.reason.code == hub_core.CLOSE_REPLACED
+                await second.send("still here")
+                assert await ws2.get_message() == "still here"
+                await ws2.send_message("hello")
+                assert (await second.recv())[0] == "hello"
+
+
+async def test_channel_message_limit() -> None:
+    async with open_hub(Hub(admin_token=ADMIN, max_body=1024)) as (hub, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            runner, job_id, _ = await claimed_job(hub, client)
+            with trio.fail_after(10):
+                async with trio_websocket.open_websocket_url(
+                    ws_url(client, job_id, runner["token"])
+                ) as ws:
+                    ch = await hub.wait_channel(job_id)
+                    assert ch is not None
+                    await ws.send_message("x" * 2048)
+                    with pytest.raises(trio_websocket.ConnectionClosed) as info:
+                        await ws.get_message()
+                    assert info.value.reason.code == 1009
+                    await ch.closed.wait()
+
+
+async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner = hub.register_runner(OWNER, PROJECT, "box", [])
+    queued = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    await hub.cancel_job(queued.id, "no runner")
+    assert queued.id not in hub.jobs and queued.cancelled
+    r = await client.post(
+        f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(runner["token"])
+    )
+    assert r.status_code == 204
+    r = await client.post(
+        f"{BASE}/runners/generate-jitconfig",
+        json={"jobId": queued.id, "name": "b"},
+        headers=bearer(runner["token"]),
+    )
+    assert r.status_code == 404
+
+    job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    await claim(client, runner["token"], job.id)
+    with trio.fail_after(10):
+        async with trio_websocket.open_websocket_url(ws_url(client, job.id, runner["token"])) as ws:
+            await hub.wait_channel(job.id)
+            await hub.cancel_job(job.id, "gone")
+            assert json.loads(await ws.get_message()) == {
+                "type": "chat.end",
+                "jobId": job.id,
+                "reason": "gone",
+            }
+            assert job.cancelled
+
+
+# -- faults, dispatch ------------------------------------------------------------------
+
+
+async def test_fault_injection(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    hub.faults["poll"] = [503, 500]
+    url = f"{BASE}/runners/jobs"
+    for expected in (503, 500, 204):
+        r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
+        assert r.status_code == expected
+        if expected != 204:
+            assert r.json() == {"error": "injected"}
+    hub.faults["register"].append(502)
+    r = await client.post(f"{BASE}/runners", json={"name": "b"}, headers=bearer(ADMIN))
+    assert r.status_code == 502
+    runner, job_id, _ = await claimed_job(hub, client)
+    hub.faults["channel"] = [500]
+    with pytest.raises(trio_websocket.ConnectionRejected) as info:
+        async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
+            pass
+    assert info.value.status_code == 500
+    async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
+        assert await hub.wait_channel(job_id, timeout=5) is not None
+
+
+async def test_dispatch_unknown_and_frontdoor(
+    served: tuple[Hub, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, client = served
+    r = await client.get("/nowhere")
+    assert r.status_code == 404 and r.json() == {"error": "not found"}
+    assert (await client.post(f"{BASE}/runners/unknown")).status_code == 404
+    monkeypatch.setattr(hub_core, "_frontdoor_module", lambda: None)
+    assert (await client.get("/v1/models")).status_code == 501
+
+
+# -- offline detection -----------------------------------------------------------------
+
+
+async def test_offline_runner_jobs_force_completed() -> None:
+    async with open_hub(Hub(admin_token=ADMIN, offline_after=0.5)) as (hub, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            runner, job_id, run_id = await claimed_job(hub, client)
+            job = hub.jobs[job_id]
+            assert await hub.check_offline() == []  # just seen: alive
+            with trio.fail_after(10):
+                async with trio_websocket.open_websocket_url(
+                    ws_url(client, job_id, runner["token"])
+                ) as ws:
+                    await job.completed.wait()
+                    with pytest.raises(trio_websocket.ConnectionClosed) as info:
+                        await ws.get_message()
+                    assert info.value.reason.code == hub_core.CLOSE_OFFLINE
+            assert job.conclusion == "failure"
+            assert job.reports[-1] == {
+                "status": "completed",
+                "conclusion": "failure",
+                "logs": "runner offline",
+                "forced": True,
+            }
+            done = {
+                "status": "completed",
+                "conclusion": "success",
+                "logs": "",
+                "completionReason": "success",
+            }
+            r = await client.patch(
+                f"{BASE}/runs/{run_id}/jobs/{job_id}", json=done, headers=bearer(runner["token"])
+            )
+            assert r.status_code == 409
+
+
+# -- persistence and auth storage ----------------------------------------------------------
+
+
+async def test_persistence_across_restart(tmp_path: pathlib.Path) -> None:
+    data = tmp_path / "hub"
+    first = Hub(data)
+    assert first.admin_token.startswith("alpa_") and first.admin_token_created
+    assert stat.S_IMODE((data / "admin-token").stat().st_mode) == 0o600
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    async with open_hub(first) as (_, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post(
+                f"{BASE}/runners", json={"name": "box"}, headers=bearer(first.admin_token)
+            )
+            token = r.json()["token"]
+    key = first.create_api_key("alice", "acme/chat")
+    first.store.close()
+
+    second = Hub(data)
+    assert second.admin_token == first.admin_token and not second.admin_token_created
+    found = second.check_api_key(key)
+    assert found is not None and (found.name, found.owner, found.project) == (
+        "alice",
+        "acme",
+        "chat",
+    )
+    async with open_hub(second) as (_, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post(
+                f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(token)
+            )
+            assert r.status_code == 204
+    raw = (data / "hub.sqlite3").read_bytes()
+    assert token.encode() not in raw and key.encode() not in raw
+
+
+def test_api_keys() -> None:
+    hub = Hub()
+    key = hub.create_api_key("bob")
+    assert key.startswith("alpk_")
+    found = hub.check_api_key(key)
+    assert found is not None and (found.owner, found.project) == ("local", "chat")
+    assert hub.check_api_key(key + "x") is None
+    with pytest.raises(ValueError):
+        hub.create_api_key("bob")
+    with pytest.raises(ValueError):
+        hub.create_api_key("carol", "no-slash")
+    assert [k["name"] for k in hub.list_api_keys()] == ["bob"]
+    assert hub.revoke_api_key("bob") and not hub.revoke_api_key("bob")
+    assert hub.check_api_key(key) is None
+    assert hub.list_api_keys()[0]["revoked"] is True
+
+
+# -- the hub CLI ---------------------------------------------------------------------------
+
+
+def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = str(tmp_path / "state")
+    assert main(["keys", "create", "alice", "--data", data]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("alpk_")
+    assert main(["keys", "create", "bob", "--project", "acme/chat", "--data", data]) == 0
+    capsys.readouterr()
+    assert main(["keys", "list", "--data", data]) == 0
+    out = capsys.readouterr().out
+    assert "alice" in out and "local/chat" in out and "acme/chat" in out and key not in out
+    assert main(["keys", "revoke", "alice", "--data", data]) == 0
+    assert main(["keys", "revoke", "alice", "--data", data]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "alice" in err
+    assert Hub(tmp_path / "state").check_api_key(key) is None
+    assert main(["keys", "create", "x", "--project", "bad", "--data", data]) == 2
+    assert main(["--listen", "nonsense", "--data", data]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("ALP_GATEWAY_STATE_DIR", str(tmp_path / "s"))
+    assert default_data_dir() == tmp_path / "s" / "hub"
+    monkeypatch.delenv("ALP_GATEWAY_STATE_DIR")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "x"))
+    assert default_data_dir() == tmp_path / "x" / "alp-gateway" / "hub"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_data_dir() == tmp_path / "home" / ".local" / "state" / "alp-gateway" / "hub"
