@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -12,6 +13,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from gateway import protocol
 from gateway.backends import BackendError, BackendPool
+from gateway.observe import Counters, Histogram
 from gateway.sse import SSESplitter
 
 log = logging.getLogger("gateway.channel")
@@ -47,6 +49,9 @@ class Channel:
         shutdown: trio.Event,
         grace: float = 30.0,
         outbox_size: int = 64,
+        counters: Counters | None = None,
+        ttft: Histogram | None = None,
+        relay: Histogram | None = None,
     ) -> None:
         self.job_id = job_id
         self.ws = ws
@@ -56,6 +61,7 @@ class Channel:
         self._outbox, self._outbox_recv = trio.open_memory_channel[str](outbox_size)
         self._turns: dict[str, trio.CancelScope] = {}
         self._cancel_reasons: dict[str, str] = {}
+        self._started: dict[str, float] = {}  # request id -> when its frame arrived
         self._no_turns = trio.Event()
         self._no_turns.set()
         self._writer_done = trio.Event()
@@ -63,6 +69,9 @@ class Channel:
         self._end: ChannelEnd | None = None
         self._nursery: trio.Nursery | None = None
         self.turns_served = 0
+        self.counters = counters if counters is not None else Counters()
+        self.ttft = ttft if ttft is not None else Histogram()
+        self.relay = relay if relay is not None else Histogram()
 
     @property
     def in_flight(self) -> int:
@@ -190,6 +199,7 @@ class Channel:
             return
         scope = trio.CancelScope()
         self._turns[request_id] = scope
+        self._started[request_id] = time.perf_counter()
         self._no_turns = trio.Event()
         assert self._nursery is not None
         self._nursery.start_soon(self._turn, frame, scope)
@@ -208,6 +218,12 @@ class Channel:
                 error = await self._forward(frame)
             if scope.cancelled_caught:
                 error = self._cancel_reasons.get(request_id, protocol.CANCELLED)
+            if error is None:
+                self.counters.inc("turns_done")
+            elif error in (protocol.CANCELLED, "session ended", SHUTTING_DOWN):
+                self.counters.inc("turns_cancelled")
+            else:
+                self.counters.inc("turns_error")
             if error is not None:
                 if error != protocol.CANCELLED and error != "session ended":
                     log.warning("job %s request %s: %s", self.job_id, request_id, error)
@@ -216,6 +232,7 @@ class Channel:
             self.turns_served += 1
         finally:
             del self._turns[request_id]
+            self._started.pop(request_id, None)
             self._cancel_reasons.pop(request_id, None)
             if not self._turns:
                 self._no_turns.set()
@@ -260,10 +277,19 @@ class Channel:
         splitter = SSESplitter()
         feed = splitter.feed
         done = False
+        chunks = 0
+        first = True
+        started = self._started.get(request_id, 0.0)
+        clock = time.perf_counter
+        observe_relay = self.relay.observe
         with trio.CancelScope() as drain:
             async for raw in response.aiter_raw():
                 if done:
                     continue  # after [DONE], read to the end so the connection can be reused
+                read_at = clock()
+                if first:
+                    first = False
+                    self.ttft.observe(read_at - started)
                 for payload in feed(raw):
                     if payload == _DONE:
                         await send(protocol.done_frame(self.job_id, request_id))
@@ -275,6 +301,9 @@ class Channel:
                     except msgspec.DecodeError:
                         return f"backend {url} sent a malformed SSE event"
                     await send(protocol.chunk_frame(prefix, payload))
+                    chunks += 1
+                observe_relay(clock() - read_at)  # backend read -> frames queued for the socket
+        self.counters.inc("chunks", chunks)
         if done:
             return None
         for payload in splitter.flush():

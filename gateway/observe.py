@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from bisect import bisect_left
 
 import trio
 
@@ -63,3 +64,24 @@ class Counters:
         """Return once counter ``name`` has reached ``at_least``."""
         while self.values.get(name, 0) < at_least:
             await self._changed.wait()
+
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    """A fixed-bucket histogram (Prometheus semantics: ``counts[i]`` counts values ≤ ``buckets[i]``,
+    not cumulative; the last slot counts values above every bound)."""
+
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1

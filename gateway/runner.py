@@ -26,7 +26,7 @@ from gateway.alp import (
 from gateway.backends import Backend, BackendPool
 from gateway.channel import Channel, ChannelEnd
 from gateway.config import Config
-from gateway.observe import Counters
+from gateway.observe import Counters, Histogram
 from gateway.protocol import CAPABILITY
 from gateway.state import Registration, StateError, StateStore
 
@@ -110,6 +110,9 @@ class Runner:
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
+        self.histograms = {"ttft_seconds": Histogram(), "relay_seconds": Histogram()}
+        self.last_poll_ok: float | None = None  # trio clock of the last successful poll
+        self.last_poll_error: str | None = None
         self.first_poll = trio.Event()
         self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
 
@@ -230,11 +233,14 @@ class Runner:
                 if failures:
                     log.info("poll works again after %d failure(s)", failures)
                 failures = 0
+                self.last_poll_ok, self.last_poll_error = trio.current_time(), None
                 await self._consider(jobs)
             except ServerUnavailable as exc:
                 failures += 1
                 delay = backoff_delay(failures, interval, interval * 6)
                 log.warning("poll failed: %s; next try in %.1f s", exc, delay)
+                self.counters.inc("poll_errors")
+                self.last_poll_error = str(exc)
             except TokenRefused as exc:
                 await self._token_refused(str(exc))
                 continue
@@ -308,6 +314,7 @@ class Runner:
     async def _session(self, job: ChatJob) -> None:
         assert self.alp is not None
         log.info("session start job=%s run=%s", job.id, job.run_id)
+        self.counters.inc("sessions_started")
         conclusion, reason = "failure", "session ended unexpectedly"
         budget: float | None = None  # how long the final report may be retried
         try:
@@ -326,6 +333,7 @@ class Runner:
             with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
                 await self._report(job, conclusion, reason)
             del self.sessions[job.id]
+            self.counters.inc("sessions_ended")
             self._wake.set()  # a slot is free: poll now
             log.info("session end job=%s conclusion=%s reason=%s", job.id, conclusion, reason)
 
@@ -361,10 +369,18 @@ class Runner:
                 ) as ws:
                     if dropped_at is not None:
                         log.info("job %s: channel redialled", job.id)
+                        self.counters.inc("reconnects")
                     failures = 0
                     dropped_at = None
                     channel = Channel(
-                        job.id, ws, self.pool, shutdown=self.shutdown, grace=self.config.grace
+                        job.id,
+                        ws,
+                        self.pool,
+                        shutdown=self.shutdown,
+                        grace=self.config.grace,
+                        counters=self.counters,
+                        ttft=self.histograms["ttft_seconds"],
+                        relay=self.histograms["relay_seconds"],
                     )
                     end = await channel.serve()
             except HandshakeError as exc:
