@@ -13,7 +13,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from gateway import protocol
 from gateway.backends import BackendError, BackendPool
-from gateway.observe import Counters, Histogram
+from gateway.observe import Counters, Histogram, Redactor
 from gateway.sse import SSESplitter
 
 log = logging.getLogger("gateway.channel")
@@ -52,6 +52,7 @@ class Channel:
         counters: Counters | None = None,
         ttft: Histogram | None = None,
         relay: Histogram | None = None,
+        frame_log: Redactor | None = None,
     ) -> None:
         self.job_id = job_id
         self.ws = ws
@@ -72,6 +73,7 @@ class Channel:
         self.counters = counters if counters is not None else Counters()
         self.ttft = ttft if ttft is not None else Histogram()
         self.relay = relay if relay is not None else Histogram()
+        self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
 
     @property
     def in_flight(self) -> int:
@@ -100,6 +102,8 @@ class Channel:
         try:
             async with self._outbox_recv:
                 async for message in self._outbox_recv:
+                    if self.frame_log is not None:
+                        log.info("job %s → %s", self.job_id, self.frame_log(message))
                     try:
                         await self.ws.send_message(message)
                     except ConnectionClosed as exc:
@@ -116,6 +120,8 @@ class Channel:
             except ConnectionClosed as exc:
                 self._finish(ChannelEnd("drop", f"channel closed ({_close_text(exc)})"))
                 return
+            if self.frame_log is not None:
+                log.info("job %s ← %s", self.job_id, self.frame_log(message))
             self._handle(message)
 
     def _handle(self, message: str | bytes) -> None:
@@ -334,5 +340,7 @@ def _close_text(exc: ConnectionClosed) -> str:
     reason = exc.reason
     if reason is None:
         return "no close frame"
+    if reason.code == 1009:
+        return "a frame from the Server exceeded max_frame_size and was refused (code 1009)"
     text = f"code {reason.code}"
     return f"{text}: {reason.reason}" if reason.reason else text

@@ -41,10 +41,14 @@ _FLAG_HELP = {
     "ca_file": "extra CA certificate (PEM) to trust for the Server",
     "log_format": "text or json",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "metrics_listen": "serve /healthz and /metrics on [HOST:]PORT (env ALP_GATEWAY_METRICS_LISTEN; "
+                      "off by default; a bare port binds 127.0.0.1)",
+    "verbose_frames": "log every channel frame, cut short and with credentials redacted",
 }
 _FLOATS = {"poll_interval", "reconnect_window", "grace", "heartbeat_interval", "idle_timeout",
            "connect_timeout", "models_cache"}
 _INTS = {"max_sessions", "max_frame_size"}
+_BOOLS = {"verbose_frames"}
 _REGISTER_FLAGS = ("server", "project", "state_dir", "user_token", "name", "labels", "ca_file",
                    "log_format", "log_level")
 
@@ -55,6 +59,10 @@ def _add_settings(parser: argparse.ArgumentParser, keys: Sequence[str]) -> None:
         if setting.key not in keys:
             continue
         flag = "--" + setting.key.replace("_", "-")
+        if setting.key in _BOOLS:
+            parser.add_argument(flag, dest=setting.key, action="store_const", const=True,
+                                default=None, help=_FLAG_HELP.get(setting.key))
+            continue
         kind: Any = float if setting.key in _FLOATS else int if setting.key in _INTS else str
         parser.add_argument(flag, dest=setting.key, type=kind, default=None,
                             help=_FLAG_HELP.get(setting.key))

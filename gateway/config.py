@@ -89,6 +89,30 @@ def _log_format(value: Any) -> str:
     return text
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+def parse_listen(value: Any) -> tuple[str, int]:
+    """``HOST:PORT``, ``[v6]:PORT`` or a bare ``PORT`` (loopback: ``9464`` = ``127.0.0.1:9464``)."""
+    text = str(value).strip()
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = "", text
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError("expected PORT or HOST:PORT, such as 9464 or 127.0.0.1:9464")
+    return host or "127.0.0.1", int(port_text)
+
+
 def _str(value: Any) -> str:
     return str(value)
 
@@ -124,6 +148,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ca_file", ("ALP_GATEWAY_CA_FILE",), lambda v: Path(str(v)).expanduser()),
     Setting("log_format", ("ALP_GATEWAY_LOG_FORMAT",), _log_format, "text"),
     Setting("log_level", ("ALP_GATEWAY_LOG_LEVEL",), lambda v: str(v).upper(), "INFO"),
+    Setting("metrics_listen", ("ALP_GATEWAY_METRICS_LISTEN",), parse_listen),
+    Setting("verbose_frames", ("ALP_GATEWAY_VERBOSE_FRAMES",), _bool, False),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
 
@@ -154,6 +180,8 @@ class Config:
     ca_file: Path | None = None
     log_format: str = "text"
     log_level: str = "INFO"
+    metrics_listen: tuple[str, int] | None = None  # health and metrics HTTP server; off when None
+    verbose_frames: bool = False
 
     @property
     def owner(self) -> str:

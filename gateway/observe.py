@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from bisect import bisect_left
+from typing import TextIO
 
 import trio
 
@@ -34,14 +36,26 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
-    """Route every log line to stderr in the chosen format; quiet the HTTP libraries."""
-    handler = logging.StreamHandler(sys.stderr)
+class _RedactFilter(logging.Filter):
+    """Last line of defence: bearer tokens and ``token=`` query values never reach the output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "token" in message.lower() or "bearer" in message.lower():
+            record.msg = _TOKEN_QUERY.sub(r"\1[redacted]", _BEARER.sub(r"\1[redacted]", message))
+            record.args = None
+        return True
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
+    """Route every log line to stderr (or ``stream``) in the chosen format; quiet the HTTP libraries."""
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    handler.addFilter(_RedactFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    for noisy in ("httpx", "httpcore", "hypercorn.access", "trio-websocket"):
+    for noisy in ("httpx", "httpcore", "hypercorn.access", "trio-websocket", "hpack"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -85,3 +99,30 @@ class Histogram:
         self.counts[bisect_left(self.buckets, value)] += 1
         self.sum += value
         self.count += 1
+
+
+_CREDENTIAL_FIELD = re.compile(
+    r'("(?:api[_-]?key|token|authorization|password|secret|key)"\s*:\s*")[^"]*(")', re.IGNORECASE
+)
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"']+")
+_TOKEN_QUERY = re.compile(r"(?i)([?&]token=)[^&\s\"']+")
+
+
+class Redactor:
+    """Makes text safe to log: known secrets, bearer tokens and credential fields masked, long text cut."""
+
+    def __init__(self, secrets: list[str | None], limit: int = 240) -> None:
+        self.secrets = [s for s in secrets if s and len(s) >= 4]
+        self.limit = limit
+
+    def __call__(self, text: str | bytes) -> str:
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        for secret in self.secrets:
+            text = text.replace(secret, "[redacted]")
+        size = len(text)
+        if size > self.limit:
+            text = text[: self.limit] + f"…({size} chars)"
+        text = _BEARER.sub(r"\1[redacted]", text)
+        text = _TOKEN_QUERY.sub(r"\1[redacted]", text)
+        return _CREDENTIAL_FIELD.sub(r"\1[redacted]\2", text)

@@ -26,7 +26,7 @@ from gateway.alp import (
 from gateway.backends import Backend, BackendPool
 from gateway.channel import Channel, ChannelEnd
 from gateway.config import Config
-from gateway.observe import Counters, Histogram
+from gateway.observe import Counters, Histogram, Redactor
 from gateway.protocol import CAPABILITY
 from gateway.state import Registration, StateError, StateStore
 
@@ -211,6 +211,12 @@ class Runner:
                     done.cancel()
                     return
 
+    def _frame_log(self) -> Redactor | None:
+        if not self.config.verbose_frames:
+            return None
+        reg = self.registration
+        return Redactor([self.config.backend_key, self.config.user_token, reg.token if reg else None])
+
     def begin_shutdown(self) -> None:
         self.shutdown.set()
         self._wake.set()
@@ -381,6 +387,7 @@ class Runner:
                         counters=self.counters,
                         ttft=self.histograms["ttft_seconds"],
                         relay=self.histograms["relay_seconds"],
+                        frame_log=self._frame_log(),
                     )
                     end = await channel.serve()
             except HandshakeError as exc:

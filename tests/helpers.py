@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
 
 from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
@@ -115,3 +117,63 @@ class LogCapture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record))
+
+
+class RecordingProxy:
+    """A loopback TCP proxy that keeps every byte each client connection sent (what the Server receives)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.connections: list[bytearray] = []
+        self.port = 0
+
+    def received(self) -> bytes:
+        """All bytes the Server received, with WebSocket frames unmasked into their messages."""
+        out = bytearray()
+        for data in self.connections:
+            head, sep, rest = bytes(data).partition(b"\r\n\r\n")
+            if b"upgrade: websocket" not in head.lower():
+                out += data
+                continue
+            out += head + sep
+            ws = WSConnection(ConnectionType.SERVER)
+            ws.receive_data(head + sep)
+            for event in ws.events():
+                if isinstance(event, Request):
+                    ws.send(AcceptConnection())
+            ws.receive_data(rest)
+            for event in ws.events():
+                if isinstance(event, TextMessage):
+                    out += event.data.encode()
+                elif isinstance(event, BytesMessage):
+                    out += bytes(event.data)
+        return bytes(out)
+
+    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        record = bytearray()
+        self.connections.append(record)
+        async with client:
+            try:
+                server = await trio.open_tcp_stream("127.0.0.1", self.target_port)
+            except OSError:
+                return
+            async with server, trio.open_nursery() as nursery:
+
+                async def pump(src: trio.SocketStream, dst: trio.SocketStream, keep: bool) -> None:
+                    try:
+                        while data := await src.receive_some(65536):
+                            if keep:
+                                record.extend(data)
+                            await dst.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(pump, client, server, True)
+                nursery.start_soon(pump, server, client, False)
