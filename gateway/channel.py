@@ -221,7 +221,10 @@ class Channel:
         try:
             error: str | None = None
             with scope:
-                error = await self._forward(frame)
+                try:
+                    error = await self._forward(frame)
+                except protocol.FrameError as exc:  # a body that cannot take the turn's model
+                    error = str(exc)
             if scope.cancelled_caught:
                 error = self._cancel_reasons.get(request_id, protocol.CANCELLED)
             if error is None:

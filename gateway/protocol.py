@@ -8,6 +8,7 @@ backend's ``data:`` payload goes into the frame unchanged, never re-encoded.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -106,6 +107,8 @@ def decode_frame(data: str | bytes) -> InboundFrame:
         envelope = _envelope_decoder.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise FrameError(f"not a JSON frame object: {exc}") from None
+    except RecursionError:
+        raise FrameError("frame nested too deeply", _scan_request_id(data)) from None
     request_id = envelope.requestId if isinstance(envelope.requestId, str) else None
     decoder = _decoders.get(envelope.type)
     if decoder is None:
@@ -114,6 +117,8 @@ def decode_frame(data: str | bytes) -> InboundFrame:
         frame = decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise FrameError(f"bad {envelope.type} frame: {exc}", request_id) from None
+    except RecursionError:
+        raise FrameError(f"bad {envelope.type} frame: nested too deeply", request_id) from None
     if isinstance(frame, CompletionRequest):
         body = bytes(frame.body).lstrip()
         if not body.startswith(b"{"):
@@ -121,11 +126,21 @@ def decode_frame(data: str | bytes) -> InboundFrame:
     return frame
 
 
+_REQUEST_ID = re.compile(r'"requestId"\s*:\s*"([^"\\]{1,256})"')
+
+
+def _scan_request_id(data: str | bytes) -> str | None:
+    """Best effort, on the error path only: the requestId of a frame too deep to decode."""
+    text = data if isinstance(data, str) else data.decode(errors="replace")
+    found = _REQUEST_ID.search(text)
+    return found.group(1) if found else None
+
+
 def body_model(body: bytes) -> str | None:
     """The ``model`` named inside a chat-completions body, if it is a string."""
     try:
         found = _body_model_decoder.decode(body).model
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     return found if isinstance(found, str) else None
 
@@ -134,9 +149,12 @@ def with_model(body: bytes, model: str) -> bytes:
     """``body`` with its ``model`` set to ``model`` (once per turn, never per chunk)."""
     if body_model(body) == model:
         return body
-    obj = msgspec.json.decode(body)
-    obj["model"] = model
-    return _encoder.encode(obj)
+    try:
+        obj = msgspec.json.decode(body)
+        obj["model"] = model
+        return _encoder.encode(obj)
+    except (msgspec.DecodeError, RecursionError, TypeError) as exc:
+        raise FrameError(f"body cannot carry a model: {type(exc).__name__}") from None
 
 
 def _json_str(value: str) -> bytes:
