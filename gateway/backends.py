@@ -1,21 +1,48 @@
-"""The backend pool: the local OpenAI-compatible model servers a turn can be forwarded to."""
+"""The backend pool: the local OpenAI-compatible model servers a turn can be forwarded to.
+
+A ``Backend`` is one model server: its URL and key, the models it serves (declared in
+the config or discovered from ``GET /models``), whether it is up, and a bounded FIFO of
+turns waiting for one of its ``max_concurrency`` slots. The ``BackendPool`` routes each
+turn: the model named by the frame, else by the body, else the default; aliases mapped
+to local names; the allowlist applied; then the least-loaded up backend serving it.
+``BackendPool.run`` keeps model lists fresh and probes health in the background.
+"""
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
 import trio
 
+from gateway import protocol
+
+if TYPE_CHECKING:
+    from gateway.config import BackendSpec, Config
+
 log = logging.getLogger("gateway.backends")
+
+PROBE_TIMEOUT = 10.0
+_DISCOVERY_ERRORS = (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError)
 
 
 class BackendError(Exception):
     """A turn could not be served by the backend; the message is safe for a frame (no key)."""
+
+
+class BackendUnreachable(BackendError):
+    """The connection to the backend failed: nothing was sent, so another backend may try."""
+
+
+class BackendBusy(BackendError):
+    """Every slot of the backend is taken and its wait-queue is full."""
 
 
 class _ModelList(msgspec.Struct):
@@ -30,8 +57,22 @@ def _ids(items: list[dict[str, object]], field: str) -> list[str]:
     return [str(item[field]) for item in items if isinstance(item, dict) and item.get(field)]
 
 
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "did not answer in time"
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"answered {exc.response.status_code}"
+    if isinstance(exc, httpx.HTTPError):
+        return f"unreachable ({type(exc).__name__})"
+    return f"sent a model list that is not JSON ({type(exc).__name__})"
+
+
 class Backend:
-    """One OpenAI-compatible backend at ``url`` (its base, including ``/v1``)."""
+    """One OpenAI-compatible backend at ``url`` (its base, including ``/v1``).
+
+    The counters ``in_flight``, ``waiting``, ``waited_seconds_total``, ``waits_total``,
+    ``busy_total`` and ``turns_total`` are plain attributes for the metrics to read.
+    """
 
     def __init__(
         self,
@@ -39,6 +80,9 @@ class Backend:
         key: str | None = None,
         *,
         name: str = "default",
+        models: Sequence[str] = (),
+        max_concurrency: int | None = None,
+        queue: int = 16,
         connect_timeout: float = 10.0,
         idle_timeout: float = 600.0,
         ssl_context: ssl.SSLContext | None = None,
@@ -46,6 +90,10 @@ class Backend:
         self.name = name
         self.url = url.rstrip("/")
         self.completions_url = f"{self.url}/chat/completions"
+        self.declared_models: tuple[str, ...] = tuple(models)
+        self.discovered_models: tuple[str, ...] | None = None  # None: never listed
+        self.max_concurrency = max_concurrency
+        self.queue_limit = queue
         self._headers = {"accept": "text/event-stream", "content-type": "application/json"}
         if key:
             self._headers["authorization"] = f"Bearer {key}"
@@ -55,12 +103,58 @@ class Backend:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             verify=ssl_context if ssl_context is not None else True,
         )
+        # health: optimistic until a probe says otherwise
+        self.up = True
+        self.down_reason: str | None = None
+        self.discovery_error: str | None = None
+        self._probe_now = trio.Event()
+        # concurrency
+        self.in_flight = 0
+        self.waiting = 0
+        self.waited_seconds_total = 0.0
+        self.waits_total = 0
+        self.busy_total = 0
+        self.turns_total = 0
+        self._waiters: deque[trio.Event] = deque()
+        self._changed = trio.Event()
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: BackendSpec,
+        *,
+        connect_timeout: float = 10.0,
+        idle_timeout: float = 600.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> Backend:
+        return cls(
+            spec.url,
+            spec.key,
+            name=spec.name,
+            models=spec.models,
+            max_concurrency=spec.max_concurrency,
+            queue=spec.queue,
+            connect_timeout=connect_timeout,
+            idle_timeout=idle_timeout,
+            ssl_context=ssl_context,
+        )
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.url!r})"
 
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models it serves: declared in the config, else as last discovered."""
+        return self.declared_models or self.discovered_models or ()
+
+    @property
+    def knows_models(self) -> bool:
+        return bool(self.models)
+
     async def aclose(self) -> None:
         await self.client.aclose()
+
+    # -- HTTP ----------------------------------------------------------------------------
 
     @asynccontextmanager
     async def stream(self, body: bytes) -> AsyncIterator[httpx.Response]:
@@ -71,6 +165,8 @@ class Backend:
         )
         try:
             response = await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise BackendUnreachable(f"backend {self.url} unreachable: {type(exc).__name__}") from None
         except httpx.TimeoutException:
             raise BackendError(f"backend {self.url} did not answer in time") from None
         except httpx.HTTPError as exc:
@@ -84,55 +180,367 @@ class Backend:
     async def list_models(self) -> list[str]:
         """Model ids from ``GET {url}/models`` (Ollama's ``/api/tags`` where that is missing)."""
         headers = {k: v for k, v in self._headers.items() if k == "authorization"}
-        resp = await self.client.get(f"{self.url}/models", headers=headers, timeout=10.0)
+        resp = await self.client.get(f"{self.url}/models", headers=headers, timeout=PROBE_TIMEOUT)
         if resp.status_code == 404 and self.url.endswith("/v1"):
-            tags = await self.client.get(f"{self.url[:-3]}/api/tags", timeout=10.0)
+            tags = await self.client.get(f"{self.url[:-3]}/api/tags", timeout=PROBE_TIMEOUT)
             tags.raise_for_status()
             return _ids(msgspec.json.decode(tags.content, type=_OllamaTags).models, "name")
         resp.raise_for_status()
         return _ids(msgspec.json.decode(resp.content, type=_ModelList).data, "id")
 
+    async def check(self) -> str | None:
+        """Probe ``GET {url}/models``: None when the backend answers, else why it is down.
+
+        A 404/405 still counts as up (the server lives, it just has no model list).
+        """
+        headers = {k: v for k, v in self._headers.items() if k == "authorization"}
+        try:
+            resp = await self.client.get(f"{self.url}/models", headers=headers, timeout=PROBE_TIMEOUT)
+        except httpx.HTTPError as exc:
+            return _describe(exc)
+        if resp.is_success or resp.status_code in (404, 405):
+            return None
+        if resp.status_code in (401, 403):
+            return f"answered {resp.status_code}: its key was refused"
+        return f"answered {resp.status_code}"
+
+    # -- concurrency ---------------------------------------------------------------------
+
+    @property
+    def has_free_slot(self) -> bool:
+        return self.max_concurrency is None or (
+            self.in_flight < self.max_concurrency and not self._waiters
+        )
+
+    @property
+    def queue_has_room(self) -> bool:
+        return len(self._waiters) < self.queue_limit
+
+    def _touch(self) -> None:
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    async def wait_until(self, predicate: Callable[[Backend], bool]) -> None:
+        """Wait until ``predicate(self)`` holds; rechecked whenever a slot, the queue or health changes."""
+        while not predicate(self):
+            await self._changed.wait()
+
+    def busy_text(self) -> str:
+        return f"backend {self.name} is busy ({self.in_flight} in flight, {self.waiting} waiting)"
+
+    async def acquire(self, job_id: str, request_id: str) -> None:
+        """Take a slot, waiting in FIFO order when all are taken; ``BackendBusy`` when the queue is full."""
+        if self.has_free_slot:
+            self.in_flight += 1
+            self._touch()
+            return
+        if not self.queue_has_room:
+            self.busy_total += 1
+            raise BackendBusy(self.busy_text())
+        event = trio.Event()
+        self._waiters.append(event)
+        self.waiting = len(self._waiters)
+        self.waits_total += 1
+        log.info(
+            "job %s request %s: waiting for backend %s (%d in flight, %d waiting)",
+            job_id, request_id, self.name, self.in_flight, self.waiting,
+        )
+        start = trio.current_time()
+        self._touch()
+        try:
+            await event.wait()
+        except BaseException:
+            if event.is_set():  # the slot was handed over as we were cancelled: pass it on
+                self.release()
+            else:
+                self._waiters.remove(event)
+            raise
+        finally:
+            self.waiting = len(self._waiters)
+            self.waited_seconds_total += trio.current_time() - start
+            self._touch()
+
+    def release(self) -> None:
+        """Give a slot back; it passes straight to the first waiting turn, if any."""
+        if self._waiters:
+            self._waiters.popleft().set()
+        else:
+            self.in_flight -= 1
+        self.waiting = len(self._waiters)
+        self._touch()
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one turn goes: the caller's model name, the local one, the body to send, the candidates."""
+
+    requested: str | None
+    model: str | None
+    body: bytes
+    candidates: tuple[Backend, ...]
+
 
 class BackendPool:
-    """Routes turns to backends and answers which models can be served, briefly cached."""
+    """Routes turns to backends, answers which models can be served, and watches health."""
 
-    def __init__(self, backends: list[Backend], default_model: str | None, cache_ttl: float = 30.0):
+    def __init__(
+        self,
+        backends: list[Backend],
+        default_model: str | None = None,
+        cache_ttl: float = 30.0,
+        *,
+        aliases: Mapping[str, str] | None = None,
+        allowed_models: Iterable[str] = (),
+        health_interval: float = 30.0,
+        models_refresh: float = 300.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.backends = backends
         self.default_model = default_model
         self.cache_ttl = cache_ttl
-        self._models: list[str] | None = None
-        self._models_at = -1e9
-        self._lock = trio.Lock()
+        self.aliases = dict(aliases or {})
+        self.allowed_models = tuple(allowed_models)
+        self._allowed = frozenset(self.allowed_models)
+        self.health_interval = health_interval
+        self.models_refresh = models_refresh
+        self.on_change = on_change
+        self._refresh_done: trio.Event | None = None
+        self._refreshed_at: float | None = None
+        self._changed = trio.Event()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> BackendPool:
+        backends = [
+            Backend.from_spec(
+                spec,
+                connect_timeout=config.connect_timeout,
+                idle_timeout=config.idle_timeout,
+                ssl_context=ssl_context,
+            )
+            for spec in config.backends
+        ]
+        return cls(
+            backends,
+            config.model,
+            cache_ttl=config.models_cache,
+            aliases=config.aliases,
+            allowed_models=config.allowed_models,
+            health_interval=config.health_interval,
+            models_refresh=config.models_refresh,
+            on_change=on_change,
+        )
 
     @property
     def available(self) -> bool:
+        """At least one backend is configured."""
         return bool(self.backends)
 
-    def route(self, model: str | None) -> Backend:
-        if not self.backends:
-            raise BackendError("no backend is configured on this runner")
-        return self.backends[0]
-
-    async def models(self) -> list[str]:
-        """Ids the backends can serve now; an empty list (and one log line) when they cannot say."""
-        async with self._lock:
-            now = trio.current_time()
-            if self._models is not None and now - self._models_at < self.cache_ttl:
-                return self._models
-            found: list[str] = []
-            for backend in self.backends:
-                try:
-                    for model in await backend.list_models():
-                        if model not in found:
-                            found.append(model)
-                except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.warning("backend %s cannot list its models: %s", backend.url, type(exc).__name__)
-            self._models, self._models_at = found, now
-            return found
+    @property
+    def any_up(self) -> bool:
+        """At least one backend is up now (what the chat-llm:v1 capability needs)."""
+        return any(b.up for b in self.backends)
 
     async def aclose(self) -> None:
         for backend in self.backends:
             await backend.aclose()
+
+    # -- models ------------------------------------------------------------------------
+
+    def allowed(self, requested: str | None, local: str | None) -> bool:
+        """The allowlist (empty = everything) names the caller's model or its local name."""
+        return not self._allowed or requested in self._allowed or local in self._allowed
+
+    def servable(self) -> list[str]:
+        """Models servable now: those of up backends, allowlist applied, plus aliases onto them."""
+        local: list[str] = []
+        for backend in self.backends:
+            if backend.up:
+                local.extend(m for m in backend.models if m not in local)
+        served = set(local)
+        found = [m for m in local if self.allowed(m, m)]
+        found.extend(
+            alias
+            for alias, target in self.aliases.items()
+            if target in served and alias not in found and self.allowed(alias, target)
+        )
+        return found
+
+    async def models(self) -> list[str]:
+        """Answer ``chat.models.request``: lists older than ``cache_ttl`` are refreshed first."""
+        now = trio.current_time()
+        if self._refreshed_at is None or now - self._refreshed_at >= self.cache_ttl:
+            await self.refresh_models()
+        return self.servable()
+
+    async def refresh_models(self) -> None:
+        """List the models of every backend without declared ones; concurrent calls share one pass."""
+        if self._refresh_done is not None:
+            await self._refresh_done.wait()
+            return
+        done = self._refresh_done = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                for backend in self.backends:
+                    if not backend.declared_models:
+                        nursery.start_soon(self._discover, backend)
+        finally:
+            self._refreshed_at = trio.current_time()
+            self._refresh_done = None
+            done.set()
+
+    async def _discover(self, backend: Backend) -> None:
+        try:
+            models = await backend.list_models()
+        except _DISCOVERY_ERRORS as exc:
+            reason = _describe(exc)
+            if reason != backend.discovery_error:
+                log.warning("backend %s (%s) cannot list its models: %s", backend.name, backend.url, reason)
+            backend.discovery_error = reason
+            return
+        if backend.discovery_error is not None:
+            log.info("backend %s lists its models again", backend.name)
+        backend.discovery_error = None
+        if tuple(models) != backend.discovered_models:
+            log.info("backend %s serves %s", backend.name, ", ".join(models) or "no models")
+        backend.discovered_models = tuple(models)
+        self._notify(health=False)
+
+    # -- routing -------------------------------------------------------------------------
+
+    def _candidates(self, model: str | None) -> list[Backend]:
+        if model is None:
+            return []
+        return [b for b in self.backends if model in b.models]
+
+    async def route(self, frame_model: str | None, body: bytes) -> Route:
+        """Resolve one turn's model and the backends that can serve it; ``BackendError`` if none.
+
+        The model is the frame's, else the body's, else the default; an alias is replaced
+        by its local name, which the body carries from here on (rewritten once per turn).
+        """
+        if not self.backends:
+            raise BackendError("no backend is configured on this runner")
+        in_body = protocol.body_model(body)
+        requested = frame_model or in_body or self.default_model
+        local = self.aliases.get(requested, requested) if requested is not None else None
+        if not self.allowed(requested, local):
+            what = f"model {requested!r} is" if requested is not None else "a turn without a model is"
+            raise BackendError(f"{what} not allowed on this runner; allowed: {', '.join(self.allowed_models)}")
+        if self._refreshed_at is None:
+            await self.refresh_models()
+        candidates = self._candidates(local)
+        if not candidates and local is not None and any(b.knows_models for b in self.backends):
+            await self.refresh_models()  # a model pulled since the last pass is found at once
+            candidates = self._candidates(local)
+        if not candidates:
+            if len(self.backends) == 1 and not any(b.knows_models for b in self.backends):
+                candidates = list(self.backends)  # nothing to check against: forward, as ever
+            else:
+                raise BackendError(self._unknown_text(requested))
+        if local is not None and local != in_body:
+            body = protocol.with_model(body, local)
+        return Route(requested, local, body, tuple(candidates))
+
+    def _unknown_text(self, requested: str | None) -> str:
+        available = self.servable()
+        listing = f"available: {', '.join(available)}" if available else "no model is available right now"
+        if requested is None:
+            return f"the turn names no model and this runner has no default (--model); {listing}"
+        return f"model {requested!r} is not available on this runner; {listing}"
+
+    def _choose(self, route: Route, exclude: Iterable[Backend]) -> Backend:
+        skip = set(exclude)
+        pool = [b for b in route.candidates if b not in skip]
+        if not pool:
+            raise BackendError(f"no other backend serves {route.requested or 'this turn'}")
+        up = [b for b in pool if b.up] or pool  # all down: try anyway, it may be back
+        free = [b for b in up if b.has_free_slot]
+        if free:
+            return min(free, key=lambda b: b.in_flight)
+        room = [b for b in up if b.queue_has_room]
+        if room:
+            return min(room, key=lambda b: (b.waiting, b.in_flight))
+        for backend in up:
+            backend.busy_total += 1
+        raise BackendBusy("; ".join(b.busy_text() for b in up))
+
+    @asynccontextmanager
+    async def turn(
+        self, route: Route, job_id: str, request_id: str, exclude: Iterable[Backend] = ()
+    ) -> AsyncIterator[Backend]:
+        """Hold a slot on the chosen backend for the length of the block (waiting in its queue)."""
+        backend = self._choose(route, exclude)
+        await backend.acquire(job_id, request_id)
+        backend.turns_total += 1
+        try:
+            yield backend
+        finally:
+            backend.release()
+
+    # -- health --------------------------------------------------------------------------
+
+    def suspect(self, backend: Backend) -> None:
+        """A turn failed to connect: probe that backend now (``run`` does it)."""
+        backend._probe_now.set()
+
+    async def probe(self, backend: Backend) -> bool:
+        """Probe one backend, log an up/down transition, and rediscover its models when it is back."""
+        reason = await backend.check()
+        was_up = backend.up
+        backend.up = reason is None
+        backend.down_reason = reason
+        backend._touch()
+        if was_up and reason is not None:
+            log.warning("backend %s (%s) is down: %s", backend.name, backend.url, reason)
+            self._notify()
+        elif not was_up and reason is None:
+            log.info("backend %s (%s) is up again", backend.name, backend.url)
+            if not backend.declared_models:
+                await self._discover(backend)
+            self._notify()
+        return backend.up
+
+    def _notify(self, health: bool = True) -> None:
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+        if health and self.on_change is not None:
+            self.on_change()
+
+    async def wait_changed(self) -> None:
+        """Wait for the next health transition or model-list change."""
+        await self._changed.wait()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Discover models and probe every backend now (then ``started``), refresh the models
+        every ``models_refresh`` s and probe each backend every ``health_interval`` s (and at
+        once after a failed connect); until cancelled."""
+        await self.refresh_models()
+        async with trio.open_nursery() as first:
+            for backend in self.backends:
+                first.start_soon(self.probe, backend)
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._refresh_loop)
+            for backend in self.backends:
+                nursery.start_soon(self._health_loop, backend)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await trio.sleep(self.models_refresh)
+            await self.refresh_models()
+
+    async def _health_loop(self, backend: Backend) -> None:
+        while True:
+            with trio.move_on_after(self.health_interval):
+                await backend._probe_now.wait()
+            backend._probe_now = trio.Event()
+            await self.probe(backend)
 
 
 LOCAL_SERVERS: tuple[tuple[str, str], ...] = (
@@ -152,7 +560,7 @@ async def discover_local(probe_timeout: float = 0.5) -> list[tuple[str, str, lis
         backend = Backend(url, connect_timeout=probe_timeout, idle_timeout=probe_timeout)
         try:
             models = await backend.list_models()
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
+        except _DISCOVERY_ERRORS:
             return
         finally:
             await backend.aclose()

@@ -117,6 +117,12 @@ def _str(value: Any) -> str:
     return str(value)
 
 
+def _model_list(value: Any) -> tuple[str, ...]:
+    """A list of model ids (TOML list or comma-separated text); duplicates dropped."""
+    items = _labels(value)
+    return tuple(dict.fromkeys(items))
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str  # TOML key and attribute name; the flag is --key-with-dashes
@@ -150,13 +156,38 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", ("ALP_GATEWAY_LOG_LEVEL",), lambda v: str(v).upper(), "INFO"),
     Setting("metrics_listen", ("ALP_GATEWAY_METRICS_LISTEN",), parse_listen),
     Setting("verbose_frames", ("ALP_GATEWAY_VERBOSE_FRAMES",), _bool, False),
+    Setting("allowed_models", ("ALP_GATEWAY_ALLOWED_MODELS",), _model_list, ()),
+    Setting("health_interval", ("ALP_GATEWAY_HEALTH_INTERVAL",), _positive_float, 30.0),
+    Setting("models_refresh", ("ALP_GATEWAY_MODELS_REFRESH",), _positive_float, 300.0),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
 
 
+DEFAULT_BACKEND = "default"
+DEFAULT_QUEUE = 16
+_BACKEND_KEYS = ("name", "url", "key", "key_env", "models", "max_concurrency", "queue")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One configured backend: its name, base URL (with ``/v1``), key, models and limits."""
+
+    name: str
+    url: str
+    key: str | None = field(default=None, repr=False)
+    models: tuple[str, ...] = ()  # declared model ids; empty = discover them
+    max_concurrency: int | None = None  # turns in flight at once; None = unlimited
+    queue: int = DEFAULT_QUEUE  # turns that may wait for a slot beyond that
+    shortcut: bool = False  # made from --backend / CHAT_LLM_BACKEND_URL
+
+
 @dataclass(frozen=True)
 class Config:
-    """Everything the Runner needs to know, validated once at start."""
+    """Everything the Runner needs to know, validated once at start.
+
+    ``backends`` lists every backend, the ``--backend`` shortcut (named "default") first;
+    it is kept in step with ``backend``/``backend_key`` whenever a Config is built.
+    """
 
     server: str = "https://agentics.dk"
     server_explicit: bool = False
@@ -182,6 +213,27 @@ class Config:
     log_level: str = "INFO"
     metrics_listen: tuple[str, int] | None = None  # health and metrics HTTP server; off when None
     verbose_frames: bool = False
+    backends: tuple[BackendSpec, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict, hash=False)
+    allowed_models: tuple[str, ...] = ()
+    health_interval: float = 30.0
+    models_refresh: float = 300.0
+
+    def __post_init__(self) -> None:
+        declared = [b for b in self.backends if not b.shortcut]
+        if self.backend:
+            declared.insert(
+                0, BackendSpec(DEFAULT_BACKEND, self.backend, self.backend_key, shortcut=True)
+            )
+        seen: set[str] = set()
+        for spec in declared:
+            if spec.name in seen:
+                extra = " (--backend makes a backend named default)" if spec.name == DEFAULT_BACKEND else ""
+                raise ConfigError(f"backend name {spec.name!r} is used twice{extra}: names must be unique")
+            seen.add(spec.name)
+        object.__setattr__(self, "backends", tuple(declared))
+        object.__setattr__(self, "aliases", dict(self.aliases))
+        object.__setattr__(self, "allowed_models", tuple(self.allowed_models))
 
     @property
     def owner(self) -> str:
@@ -212,6 +264,16 @@ def read_toml(path: Path) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in data.items():
         norm = key.replace("-", "_")
+        if norm == "backend" and not isinstance(value, str):
+            if not isinstance(value, list):
+                raise ConfigError(f"config file {path}: write backends as [[backend]] tables (an array), not [backend]")
+            flat["_backend_tables"] = value
+            continue
+        if norm == "aliases":
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: aliases must be a table: [aliases] then \"name\" = \"local-model\"")
+            flat["_aliases"] = value
+            continue
         if norm not in _BY_KEY:
             if isinstance(value, (dict, list)):  # tables of later features ([[backend]], ...)
                 continue
@@ -254,4 +316,79 @@ def load_config(
             values["server_explicit"] = True
     if "state_dir" not in values:
         values["state_dir"] = default_state_dir(env)
+    where = f"config file {config_file}" if config_file else "config"
+    values["backends"] = _backend_specs(file_values.get("_backend_tables", []), env, where)
+    values["aliases"] = _aliases(file_values.get("_aliases", {}), where)
     return Config(**values)
+
+
+def _backend_specs(tables: list[Any], env: Mapping[str, str], where: str) -> tuple[BackendSpec, ...]:
+    """Validate the ``[[backend]]`` tables; a key_env is read from ``env`` here, once."""
+    specs: list[BackendSpec] = []
+    for number, table in enumerate(tables, 1):
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [[backend]] #{number} is not a table")
+        name = table.get("name", f"backend-{number}")
+        label = f"{where}: [[backend]] #{number}"
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{label}: name must be a non-empty string")
+        name = name.strip()
+        label = f"{where}: backend {name!r}"
+        unknown = sorted(set(table) - set(_BACKEND_KEYS))
+        if unknown:
+            raise ConfigError(f"{label}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(_BACKEND_KEYS)})")
+        if "url" not in table:
+            raise ConfigError(f"{label}: missing url, e.g. url = \"http://127.0.0.1:11434/v1\"")
+        try:
+            url = _url(table["url"])
+        except ValueError as exc:
+            raise ConfigError(f"{label}: url {table['url']!r}: {exc}") from None
+        if "key" in table and "key_env" in table:
+            raise ConfigError(f"{label}: give key or key_env, not both")
+        key: str | None = None
+        if "key" in table:
+            if not isinstance(table["key"], str):
+                raise ConfigError(f"{label}: key must be a string")
+            key = table["key"] or None
+        elif "key_env" in table:
+            var = table["key_env"]
+            if not isinstance(var, str) or not var:
+                raise ConfigError(f"{label}: key_env must name an environment variable")
+            key = env.get(var) or None
+            if key is None:
+                raise ConfigError(f"{label}: key_env names {var}, which is not set (or empty) in the environment")
+        models: tuple[str, ...] = ()
+        if "models" in table:
+            raw = table["models"]
+            if not isinstance(raw, list) or not all(isinstance(m, str) and m.strip() for m in raw):
+                raise ConfigError(f"{label}: models must be a list of model ids, e.g. [\"qwen2.5:7b\"]")
+            models = tuple(dict.fromkeys(m.strip() for m in raw))
+        max_concurrency: int | None = None
+        if "max_concurrency" in table:
+            raw = table["max_concurrency"]
+            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+                raise ConfigError(f"{label}: max_concurrency must be a whole number ≥ 1 (leave it out for no limit)")
+            max_concurrency = raw
+        queue = DEFAULT_QUEUE
+        if "queue" in table:
+            raw = table["queue"]
+            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+                raise ConfigError(f"{label}: queue must be a whole number ≥ 0")
+            queue = raw
+        specs.append(BackendSpec(name, url, key, models, max_concurrency, queue))
+    return tuple(specs)
+
+
+def _aliases(table: Mapping[str, Any], where: str) -> dict[str, str]:
+    """Validate ``[aliases]``: caller's model name -> local model name, one level deep."""
+    aliases: dict[str, str] = {}
+    for name, target in table.items():
+        if not isinstance(target, str) or not target.strip():
+            raise ConfigError(f"{where}: alias {name!r} must name a local model, e.g. \"{name}\" = \"qwen2.5:7b\"")
+        aliases[name] = target.strip()
+    for name, target in aliases.items():
+        if target in aliases and target != name:
+            raise ConfigError(
+                f"{where}: alias {name!r} points to {target!r}, which is an alias too: point it at the local model name"
+            )
+    return aliases

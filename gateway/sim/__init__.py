@@ -1,6 +1,7 @@
 """Re-export the simulator's public API: an OpenAI-compatible model server for tests and benchmarks."""
 
 from gateway.sim.server import (
+    DIALECTS,
     FAULTS,
     RecordedRequest,
     SimOptions,
@@ -12,6 +13,7 @@ from gateway.sim.server import (
 )
 
 __all__ = [
+    "DIALECTS",
     "FAULTS",
     "RecordedRequest",
     "SimOptions",

@@ -9,7 +9,7 @@ from functools import partial
 
 import trio
 
-from gateway.sim.server import FAULTS, SimOptions, Simulator, serve_sim
+from gateway.sim.server import DIALECTS, FAULTS, SimOptions, Simulator, serve_sim
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -38,6 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-after", type=int, default=2, help="chunks before the fault")
     parser.add_argument("--tool-calls", action="store_true", help="stream a tool call")
     parser.add_argument("--usage", action="store_true", help="always send a usage chunk")
+    parser.add_argument("--dialect", choices=sorted(DIALECTS), default="openai",
+                        help="whose streaming chunk shape to imitate (default openai)")
     return parser
 
 
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             fault=args.fault,
             fault_after=args.fault_after,
             chunk_size=args.chunk_size,
+            dialect=args.dialect,
         )
     except ValueError as exc:
         parser.error(str(exc))

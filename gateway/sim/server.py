@@ -7,9 +7,12 @@ import dataclasses
 import itertools
 import logging
 import os
+import random
 import socket
+import string
 import struct
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +24,7 @@ import msgspec
 import trio
 
 __all__ = [
+    "DIALECTS",
     "FAULTS",
     "RecordedRequest",
     "SimOptions",
@@ -35,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 FAULTS: frozenset[str] = frozenset({"500", "stall", "disconnect", "malformed"})
 """The fault names ``SimOptions.fault`` accepts."""
+
+DIALECTS: frozenset[str] = frozenset({"openai", "ollama", "vllm", "llamacpp", "litellm"})
+"""The streaming shapes ``SimOptions.dialect`` can imitate (see ``_Reply`` for their sources)."""
 
 _RECV_SIZE = 65536
 _encode = msgspec.json.Encoder().encode
@@ -72,6 +79,7 @@ class SimOptions:
     the first event and ``interval`` seconds before every later one (``[DONE]`` included).
     A non-streamed reply waits ``ttft + interval * chunks``. ``fault`` is one of ``FAULTS``;
     stream faults fire after ``fault_after`` events (at the latest just before ``[DONE]``).
+    ``dialect`` picks whose chunk shape to imitate: one of ``DIALECTS``.
     """
 
     chunks: int = 8
@@ -82,6 +90,7 @@ class SimOptions:
     fault: str | None = None
     fault_after: int = 2
     chunk_size: int = 0
+    dialect: str = "openai"
 
     def __post_init__(self) -> None:
         for name in ("chunks", "fault_after", "chunk_size"):
@@ -100,6 +109,8 @@ class SimOptions:
             self.fault = str(self.fault)
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"sim option 'fault' must be null or one of {sorted(FAULTS)}")
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"sim option 'dialect' must be one of {sorted(DIALECTS)}")
 
     def override(self, overrides: Mapping[str, Any]) -> SimOptions:
         """A copy with ``overrides`` applied; ``ValueError`` on unknown names or bad values."""
@@ -275,7 +286,8 @@ class _Reply:
     __slots__ = ("id", "created", "model", "opts", "data", "include_usage", "head")
 
     def __init__(self, sim: Simulator, model: str, opts: SimOptions, data: dict[str, Any]) -> None:
-        self.id = f"chatcmpl-sim-{next(sim._ids)}"
+        number = next(sim._ids)
+        self.id = _dialect_id(opts.dialect, number)
         self.created = int(time.time())
         self.model = model
         self.opts = opts
@@ -302,6 +314,10 @@ class _Reply:
     def payloads(self) -> Iterator[bytes]:
         """The ``data:`` payloads of the stream, ``[DONE]`` excluded."""
         opts = self.opts
+        if opts.dialect != "openai":
+            for chunk in _DIALECT_STREAMS[opts.dialect](self):
+                yield _encode(chunk)
+            return
         n = opts.chunks
         if opts.tool_calls:
             frags = _tool_fragments(n)
@@ -353,16 +369,284 @@ class _Reply:
             text = "".join(token_text(i, opts.chunk_size) for i in range(opts.chunks))
             message = {"role": "assistant", "content": text}
             finish = "stop"
-        return _encode(
-            {
-                "id": self.id,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": self.usage(),
-            }
-        )
+        completion: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": self.usage(),
+        }
+        if opts.dialect == "ollama":
+            completion["system_fingerprint"] = "fp_ollama"
+        elif opts.dialect == "llamacpp":
+            completion["system_fingerprint"] = _LLAMACPP_BUILD
+            completion["timings"] = _llamacpp_timings(self)
+        return _encode(completion)
+
+    # -- what the dialects share -----------------------------------------------------------
+
+    def texts(self) -> list[str]:
+        return [token_text(i, self.opts.chunk_size) for i in range(self.opts.chunks)]
+
+    @property
+    def tool_name(self) -> str:
+        return _tool_name(self.data)
+
+
+# -- dialects ------------------------------------------------------------------------------
+#
+# Each builds the chunk objects (dicts, encoded in insertion order) of one server's
+# /v1/chat/completions stream. The sources each shape follows are named above each one.
+
+_ALNUM = string.ascii_letters + string.digits
+_LLAMACPP_BUILD = "b6000-sim0000"
+
+
+def _random_alnum(n: int) -> str:
+    return "".join(random.choices(_ALNUM, k=n))
+
+
+def _dialect_id(dialect: str, number: int) -> str:
+    if dialect == "ollama":  # middleware/openai.go: fmt.Sprintf("chatcmpl-%d", rand.Intn(999))
+        return f"chatcmpl-{number % 999}"
+    if dialect == "vllm":  # vllm: f"chatcmpl-{random_uuid()}" (32 hex digits)
+        return f"chatcmpl-{uuid.uuid4().hex}"
+    if dialect == "llamacpp":  # server: "chatcmpl-" + random_string() (32 alphanumerics)
+        return f"chatcmpl-{_random_alnum(32)}"
+    if dialect == "litellm":  # litellm: "chatcmpl-" + str(uuid.uuid4())
+        return f"chatcmpl-{uuid.uuid4()}"
+    return f"chatcmpl-sim-{number}"
+
+
+def _ollama_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
+    """Ollama's OpenAI layer: openai/openai.go ``ToChunk`` and middleware/openai.go ``ChatWriter``.
+
+    Every chunk has ``system_fingerprint: "fp_ollama"`` and a delta with ``role`` and
+    ``content``; a tool call comes whole in one chunk; the last chunk has empty content and
+    the finish reason. Usage only when ``stream_options.include_usage``: a copy of the last
+    chunk with ``choices: []`` and ``usage`` (prompt, completion, total).
+    """
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "id": reply.id,
+            "object": "chat.completion.chunk",
+            "created": reply.created,
+            "model": reply.model,
+            "system_fingerprint": "fp_ollama",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+
+    if reply.opts.tool_calls:
+        call = {
+            "id": f"call_{_random_alnum(8).lower()}",
+            "index": 0,
+            "type": "function",
+            "function": {"name": reply.tool_name, "arguments": "".join(_tool_fragments(reply.opts.chunks)) or "{}"},
+        }
+        yield chunk({"role": "assistant", "content": "", "tool_calls": [call]})
+        finish = "tool_calls"
+    else:
+        for text in reply.texts():
+            yield chunk({"role": "assistant", "content": text})
+        finish = "stop"
+    last = chunk({"role": "assistant", "content": ""}, finish)
+    yield last
+    if reply.include_usage:
+        u = reply.usage()
+        last["choices"] = []
+        last["usage"] = {
+            "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"],
+        }
+        yield last
+
+
+def _vllm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
+    """vLLM: vllm/entrypoints/openai/serving_chat.py ``chat_completion_stream_generator``.
+
+    Pydantic ``model_dump_json(exclude_unset=True)``: no ``system_fingerprint``, every choice
+    has ``logprobs: null``; a first chunk with ``role`` and empty content; the finish chunk
+    adds ``stop_reason``; tool calls stream as a header (id ``chatcmpl-tool-…``, name) then
+    argument fragments. With ``stream_options.include_usage`` a final chunk with empty
+    ``choices`` and ``usage`` in UsageInfo's field order (prompt, total, completion).
+    """
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": reply.id,
+            "object": "chat.completion.chunk",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": [choice],
+        }
+
+    def choice(delta: dict[str, Any]) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    yield chunk(choice({"role": "assistant", "content": ""}))
+    if reply.opts.tool_calls:
+        frags = _tool_fragments(reply.opts.chunks)
+        header = {
+            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+            "type": "function",
+            "index": 0,
+            "function": {"name": reply.tool_name},
+        }
+        yield chunk(choice({"tool_calls": [header]}))
+        for frag in frags:
+            yield chunk(choice({"tool_calls": [{"index": 0, "function": {"arguments": frag}}]}))
+        final: dict[str, Any] = {}
+        finish = "tool_calls"
+    else:
+        for text in reply.texts():
+            yield chunk(choice({"content": text}))
+        final = {"content": ""}
+        finish = "stop"
+    yield chunk({"index": 0, "delta": final, "logprobs": None, "finish_reason": finish, "stop_reason": None})
+    if reply.include_usage:
+        u = reply.usage()
+        yield {
+            "id": reply.id,
+            "object": "chat.completion.chunk",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": u["prompt_tokens"],
+                "total_tokens": u["total_tokens"],
+                "completion_tokens": u["completion_tokens"],
+            },
+        }
+
+
+def _llamacpp_timings(reply: _Reply) -> dict[str, Any]:
+    prompt_n = max(1, _prompt_tokens(reply.data))
+    predicted_n = reply.opts.chunks
+    prompt_ms = 1.25 * prompt_n
+    predicted_ms = max(reply.opts.interval * predicted_n * 1000.0, 0.5 * predicted_n)
+    return {
+        "cache_n": 0,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n,
+        "prompt_per_second": 1000.0 * prompt_n / prompt_ms,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": 1000.0 * predicted_n / predicted_ms if predicted_ms else 0.0,
+    }
+
+
+def _llamacpp_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
+    """llama.cpp's server: ``to_json_oaicompat_chat_stream`` (server-task.cpp) with ordered_json.
+
+    Keys in insertion order: ``choices`` first (each choice ``finish_reason``, ``index``,
+    ``delta``), then ``created``, ``id``, ``model``, ``system_fingerprint`` (the build),
+    ``object``. The first delta is ``{"role": "assistant", "content": null}``; the finish
+    chunk has an empty delta; with ``include_usage`` a chunk with ``choices: []`` and
+    ``usage`` follows; the last chunk carries the extra ``timings`` object.
+    """
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, choices: bool = True) -> dict[str, Any]:
+        return {
+            "choices": [{"finish_reason": finish, "index": 0, "delta": delta}] if choices else [],
+            "created": reply.created,
+            "id": reply.id,
+            "model": reply.model,
+            "system_fingerprint": _LLAMACPP_BUILD,
+            "object": "chat.completion.chunk",
+        }
+
+    yield chunk({"role": "assistant", "content": None})
+    if reply.opts.tool_calls:
+        frags = _tool_fragments(reply.opts.chunks) or ["{}"]
+        call_id = _random_alnum(32)
+        for i, frag in enumerate(frags):
+            call: dict[str, Any] = {"index": 0}
+            if i == 0:
+                call.update({"id": call_id, "type": "function", "function": {"name": reply.tool_name, "arguments": frag}})
+            else:
+                call["function"] = {"arguments": frag}
+            yield chunk({"tool_calls": [call]})
+        finish = "tool_calls"
+    else:
+        for text in reply.texts():
+            yield chunk({"content": text})
+        finish = "stop"
+    last = chunk({}, finish)
+    if reply.include_usage:
+        yield last
+        u = reply.usage()
+        last = chunk({}, choices=False)
+        last["usage"] = {
+            "completion_tokens": u["completion_tokens"],
+            "prompt_tokens": u["prompt_tokens"],
+            "total_tokens": u["total_tokens"],
+        }
+    last["timings"] = _llamacpp_timings(reply)
+    yield last
+
+
+def _litellm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
+    """LiteLLM's proxy: ``ModelResponseStream`` as litellm 1.82 sends it (recorded from its
+    ``/v1/chat/completions`` with a ``mock_response`` model, and in front of this simulator).
+
+    Keys ``id``, ``created``, ``model``, ``object``, ``choices``; no ``finish_reason`` key until
+    the finish chunk; ``role`` after ``content`` in the first delta; with ``include_usage`` a
+    last chunk whose one choice has an empty delta, plus ``usage`` with ``completion_tokens_details``.
+    """
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": reply.id,
+            "created": reply.created,
+            "model": reply.model,
+            "object": "chat.completion.chunk",
+            "choices": [choice],
+        }
+
+    if reply.opts.tool_calls:
+        frags = _tool_fragments(reply.opts.chunks)
+        header = {
+            "id": f"call_{_random_alnum(24)}",
+            "function": {"arguments": "", "name": reply.tool_name},
+            "type": "function",
+            "index": 0,
+        }
+        yield chunk({"index": 0, "delta": {"role": "assistant", "tool_calls": [header]}})
+        for frag in frags:
+            call = {"function": {"arguments": frag}, "type": "function", "index": 0}
+            yield chunk({"index": 0, "delta": {"tool_calls": [call]}})
+        finish = "tool_calls"
+    else:
+        for i, text in enumerate(reply.texts()):
+            delta: dict[str, Any] = {"content": text}
+            if i == 0:
+                delta["role"] = "assistant"
+            yield chunk({"index": 0, "delta": delta})
+        finish = "stop"
+    yield chunk({"finish_reason": finish, "index": 0, "delta": {}})
+    if reply.include_usage:
+        u = reply.usage()
+        last = chunk({"index": 0, "delta": {}})
+        last["usage"] = {
+            "completion_tokens": u["completion_tokens"],
+            "prompt_tokens": u["prompt_tokens"],
+            "total_tokens": u["total_tokens"],
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        }
+        yield last
+
+
+_DIALECT_STREAMS: dict[str, Callable[[_Reply], Iterator[dict[str, Any]]]] = {
+    "ollama": _ollama_stream,
+    "vllm": _vllm_stream,
+    "llamacpp": _llamacpp_stream,
+    "litellm": _litellm_stream,
+}
 
 
 class _Connection:

@@ -1,0 +1,157 @@
+"""``alp-gateway doctor`` against a real hub and simulators on loopback: healthy and broken setups."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, runner_config
+
+from gateway import doctor
+from gateway.config import BackendSpec
+from gateway.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
+from gateway.hub import Hub
+from gateway.runner import Runner
+from gateway.sim import Simulator, open_sim
+from gateway.state import Registration, StateStore
+
+EXE = str(Path(sys.executable).with_name("alp-gateway"))
+
+
+def table(checks: list[Check]) -> str:
+    out = io.StringIO()
+    render(checks, out)
+    return out.getvalue()
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {c.name.strip(): c for c in checks}
+
+
+async def dead_port() -> int:
+    with trio.socket.socket() as s:
+        await s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    config = runner_config(hub[1], sim.url, tmp_path / "state")
+    reg = await Runner(config)._register()
+    checks = await diagnose(config, deep=True)
+    text = table(checks)
+    assert [c.mark for c in checks] == [OK] * len(checks), text
+    found = by_name(checks)
+    assert set(found) == {"configuration", "state file", "Server", "backend default",
+                          "default completion", "models"}
+    assert "runner token accepted" in found["Server"].detail
+    assert "models: sim-model" in found["backend default"].detail
+    assert "one-token completion from sim-model in" in found["default completion"].detail
+    assert "All required checks passed." in text
+    deep = json.loads(sim.streams[-1].body)
+    assert deep["max_tokens"] == 1 and deep["stream"] is False and deep["model"] == "sim-model"
+    for secret in (BACKEND_KEY, ADMIN, reg.token):
+        assert secret not in text
+    assert hub[0].jobs == {} or all(j.claimed_by is None for j in hub[0].jobs.values())
+
+
+async def test_broken_setup_names_each_fault_and_its_fix(tmp_path: Path) -> None:
+    async with open_sim(require_key="sk-right-key-1234", models=["qwen2.5:7b"]) as sim:
+        state = tmp_path / "state"
+        StateStore(state).save(Registration("r-1", "box", "tok-secret-5678", "http://x", OWNER, PROJECT))
+        (state / "registration.json").chmod(0o644)
+        toml = tmp_path / "gw.toml"
+        toml.write_text(
+            f'server = "http://127.0.0.1:{await dead_port()}"\nproject = "{OWNER}/{PROJECT}"\n'
+            f'state_dir = "{state}"\nmodel = "mistral:7b"\n'
+            f'[[backend]]\nname = "gpu"\nurl = "{sim.url}"\nkey = "sk-wrong-key-0000"\n'
+            f'[[backend]]\nname = "ollama"\nurl = "http://127.0.0.1:{await dead_port()}/v1"\n'
+        )
+        out = io.StringIO()
+        code = await trio.to_thread.run_sync(lambda: run_doctor({}, {}, toml, out=out))
+    text = out.getvalue()
+    assert code == 1, text
+    lines = text.splitlines()
+
+    def row(name: str) -> str:
+        return next(line for line in lines if line.strip().startswith(f"{FAIL}  {name}"))
+
+    def hint_after(name: str) -> str:
+        return lines[lines.index(row(name)) + 1]
+
+    assert "mode 644" in row("state file") and "chmod 600" in hint_after("state file")
+    assert "unreachable" in row("Server") and "--server" in hint_after("Server")
+    assert "401" in row("backend gpu") and "key" in hint_after("backend gpu")
+    assert "unreachable" in row("backend ollama") and "is the model server running" in hint_after("backend ollama")
+    assert "no backend is up" in row("models")
+    assert "5 required checks failed." in text
+    for secret in ("sk-wrong-key-0000", "tok-secret-5678"):
+        assert secret not in text
+
+
+async def test_refused_token_and_unserved_default_model(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    StateStore(state).save(Registration("r-1", "box", "not-a-token-9999", hub[1], OWNER, PROJECT))
+    config = runner_config(hub[1], sim.url, state, model="mistral:7b", aliases={"gpt-4o": "llama3"},
+                           allowed_models=("sim-model", "phi3"))
+    checks = by_name(await diagnose(config))
+    assert checks["Server"].mark == FAIL and "refused the runner token" in checks["Server"].detail
+    assert "alp-gateway register" in (checks["Server"].hint or "")
+    assert checks["default model"].mark == FAIL and "sim-model" in (checks["default model"].hint or "")
+    assert checks["aliases"].mark == WARN and "gpt-4o → llama3" in checks["aliases"].detail
+    assert checks["allowlist"].mark == WARN and "phi3" in checks["allowlist"].detail
+    assert checks["backend default"].mark == OK
+
+
+async def test_unregistered_with_a_user_credential_is_only_a_warning(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    checks = by_name(await diagnose(runner_config(hub[1], sim.url, tmp_path / "fresh")))
+    assert checks["state file"].mark == WARN and "registers with the user credential" in checks["state file"].detail
+    assert checks["Server"].mark == OK and "not registered yet" in checks["Server"].detail
+    no_user = runner_config(hub[1], sim.url, tmp_path / "fresh", user_token=None)
+    checks = by_name(await diagnose(no_user))
+    assert checks["state file"].mark == FAIL and "alp-gateway register" in (checks["state file"].hint or "")
+
+
+async def test_backend_without_model_list_and_declared_models(hub: tuple[Hub, str], tmp_path: Path) -> None:
+    async with open_sim(models=["a"]) as sim:
+        specs = (BackendSpec("gpu", sim.url, models=("a", "b")),)
+        config = runner_config(hub[1], None, tmp_path, backends=specs, model="a")
+        checks = by_name(await diagnose(config))
+    assert checks["backend gpu"].mark == WARN and "declared but not listed: b" in checks["backend gpu"].detail
+
+
+async def test_no_backend_points_at_a_local_server(
+    hub: tuple[Hub, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def found() -> list[tuple[str, str, list[str]]]:
+        return [("Ollama", "http://127.0.0.1:11434/v1", ["qwen2.5:7b"])]
+
+    monkeypatch.setattr(doctor, "discover_local", found)
+    checks = by_name(await diagnose(runner_config(hub[1], None, tmp_path)))
+    backend = checks["backend"]
+    assert backend.mark == FAIL and "found Ollama at http://127.0.0.1:11434/v1" in backend.detail
+    assert "--backend http://127.0.0.1:11434/v1" in (backend.hint or "")
+    assert '[[backend]] name = "ollama" url = "http://127.0.0.1:11434/v1"' in (backend.hint or "")
+
+
+async def test_cli_exit_codes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    port = await dead_port()
+    bad = await trio.run_process(
+        [EXE, "doctor", "--project", "o/p", "--state-dir", str(tmp_path), "--server", f"http://127.0.0.1:{port}",
+         "--backend", f"http://127.0.0.1:{port}/v1"],
+        env=env, capture_stdout=True, capture_stderr=True, check=False)
+    out = bad.stdout.decode()
+    assert bad.returncode == 1, out + bad.stderr.decode()
+    assert out.startswith("alp-gateway doctor") and f"{FAIL}  Server" in out and "→ " in out
+    toml = tmp_path / "c.toml"
+    toml.write_text('[[backend]]\nname = "gpu"\n')
+    broken = await trio.run_process([EXE, "doctor", "--config", str(toml)], env=env,
+                                    capture_stdout=True, capture_stderr=True, check=False)
+    assert broken.returncode == 1 and "missing url" in broken.stdout.decode()
