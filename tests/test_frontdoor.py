@@ -16,6 +16,7 @@ from fake_runner import SLOW, TOOL_ARGUMENTS, FakeRunner, Script, stream_chunks
 
 from gateway.hub import frontdoor
 from gateway.hub.core import Hub, open_hub
+from gateway.hub.store import StoredSession
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 WEATHER_TOOL = {
@@ -468,3 +469,54 @@ async def test_unexpected_error_is_a_short_500(env: Env, monkeypatch: pytest.Mon
         and "secret" not in reply.text
         and "Traceback" not in reply.text
     )
+
+
+# -- sessions across a hub restart ----------------------------------------------------------------
+
+
+async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
+    data = tmp_path / "hub"
+    first = Hub(data)
+    caps = ["chat-llm:v1"]
+
+    def claimed(origin: str) -> Any:
+        job = first.enqueue_job("local", "chat", caps, origin=origin)
+        job.claimed_by, job.run_id = "runner-1", "run-1"
+        first.save_job(job)
+        return job
+
+    live, orphan, done, api_job = (claimed(o) for o in ("frontdoor", "frontdoor", "frontdoor", "api"))
+    unclaimed = first.enqueue_job("local", "chat", caps, origin="frontdoor")
+    done.status, done.conclusion = "completed", "success"
+    first.save_job(done)
+    first.store.save_session(StoredSession("tester", "s", "local", "chat", live.id))
+    first.store.save_session(StoredSession("tester", "old", "local", "chat", done.id))
+    first.store.close()
+
+    second = Hub(data)
+    async with open_hub(second):
+        assert frontdoor.sessions(second) == {("tester", "s"): live.id}
+        assert [(s.session_id, s.job_id) for s in second.store.load_sessions()] == [("s", live.id)]
+        # a front-door job no session points at lost its client: withdrawn, its redial refused
+        assert second.jobs[orphan.id].cancelled and unclaimed.id not in second.jobs
+        assert not second.jobs[live.id].cancelled and not second.jobs[api_job.id].cancelled
+    second.store.close()
+    third = Hub(data)
+    assert third.jobs[orphan.id].cancelled and unclaimed.id not in third.jobs
+    third.store.close()
+
+
+async def test_session_mapping_is_stored_and_follows_the_job(env: Env) -> None:
+    def stored() -> list[tuple[str, str, str]]:
+        return [(s.key_name, s.session_id, s.job_id) for s in env.hub.store.load_sessions()]
+
+    async with env.client("persisted") as client:
+        with trio.fail_after(LIMIT):
+            await _stream(client)
+            (first,) = env.runner.claimed
+            assert stored() == [("tester", "persisted", first)]
+            await env.runner.end_session(first)  # the runner ends it: the next turn opens a job
+            await env.hub.jobs[first].completed.wait()
+            await _stream(client)
+    second = env.runner.claimed[1]
+    assert second != first and stored() == [("tester", "persisted", second)]

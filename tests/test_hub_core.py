@@ -599,3 +599,242 @@ def test_cli_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib
     monkeypatch.delenv("XDG_STATE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_data_dir() == tmp_path / "home" / ".local" / "state" / "alp-gateway" / "hub"
+
+
+# -- fault kinds, hits, admin routes, re-offered claims, pausing a channel ---------------------
+
+
+async def _raw_poll(url: str, token: str) -> bytes:
+    """A poll over a bare socket: every byte the hub sends back (b"" if it closed)."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    body = json.dumps({"capabilities": CAPS}).encode()
+    request = (
+        f"POST {BASE}/runners/jobs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    stream = await trio.open_tcp_stream(host, int(port))
+    received = b""
+    async with stream:
+        await stream.send_all(request)
+        with trio.fail_after(10):
+            try:
+                while data := await stream.receive_some():
+                    received += data
+            except trio.BrokenResourceError:  # ECONNRESET
+                pass
+    return received
+
+
+async def test_fault_kinds(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    url = f"{BASE}/runners/jobs"
+    body = {"capabilities": CAPS}
+    hub.faults["poll"] = [hub_core.RESET]
+    assert await _raw_poll(str(client.base_url), token) == b""  # not one byte of an answer
+    hub.faults["poll"] = [hub_core.Hold(30.0), ("hold", 30.0), hub_core.Delay(0.2), ("delay", 0)]
+    for _ in range(2):  # held until the client gives up: a timeout, not an answer
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(url, json=body, headers=bearer(token), timeout=0.5)
+    start = trio.current_time()
+    r = await client.post(url, json=body, headers=bearer(token))
+    assert r.status_code == 204 and trio.current_time() - start >= 0.2  # late, but answered
+    assert (await client.post(url, json=body, headers=bearer(token))).status_code == 204
+    assert [h.fault for h in hub.hits] == [
+        hub_core.RESET,
+        hub_core.Hold(30.0),
+        hub_core.Hold(30.0),
+        hub_core.Delay(0.2),
+        hub_core.Delay(0.0),
+    ]
+    assert await hub.wait_hits("poll", 5) == list(hub.hits) and hub.hit_counts["poll"] == 5
+
+    # LOST: the claim takes effect, the answer never comes
+    job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    hub.faults["claim"] = [hub_core.LOST]
+    with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):  # reset, no answer
+        await client.post(
+            f"{BASE}/runners/generate-jitconfig",
+            json={"jobId": job.id, "name": "box"},
+            headers=bearer(token),
+        )
+    assert job.claimed_by is not None and job.run_id is not None
+
+    hub.faults["poll"] = [99]  # not a fault: the hub logs it and answers 500
+    assert (await client.post(url, json=body, headers=bearer(token))).status_code == 500
+    with pytest.raises(ValueError):
+        hub_core._normalize_fault(("wait", 1))
+
+
+async def test_reset_without_the_socket_is_the_nearest_thing(
+    served: tuple[Hub, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub, client = served
+    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    monkeypatch.setattr(hub_core, "_connection_stream", lambda: None)
+    hub.faults["poll"] = [hub_core.RESET]
+    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+        await client.post(f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(token))
+
+
+async def test_channel_faults(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, _ = await claimed_job(hub, client)
+    url = ws_url(client, job_id, runner["token"])
+    hub.faults["channel"] = [hub_core.RESET, hub_core.Delay(0.1)]
+    with pytest.raises(trio_websocket.HandshakeError):
+        async with trio_websocket.open_websocket_url(url, connect_timeout=1):
+            pass
+    with trio.fail_after(10):
+        async with trio_websocket.open_websocket_url(url):  # late, but accepted
+            assert await hub.wait_channel(job_id, timeout=5) is not None
+    assert [h.fault for h in hub.hits if h.route == "channel"] == [
+        hub_core.RESET,
+        hub_core.Delay(0.1),
+    ]
+
+
+async def test_admin_routes(served: tuple[Hub, httpx.AsyncClient]) -> None:
+    hub, client = served
+    runner, job_id, run_id = await claimed_job(hub, client)
+    assert (await client.get("/api/hub/jobs")).status_code == 401
+    assert (await client.get("/api/hub/jobs", headers=bearer(runner["token"]))).status_code == 403
+    assert (await client.get("/api/hub/nope", headers=bearer(ADMIN))).status_code == 404
+    assert (await client.post("/api/hub/jobs", headers=bearer(ADMIN))).status_code == 405
+    r = await client.get("/api/hub/jobs", headers=bearer(ADMIN))
+    assert r.status_code == 200
+    [job] = r.json()["jobs"]
+    assert job["id"] == job_id and job["runId"] == run_id and job["claimedBy"] == runner["id"]
+    assert job["status"] == "queued" and job["reports"] == [] and not job["finalReported"]
+    r = await client.get("/api/hub/sessions", headers=bearer(ADMIN))
+    assert r.status_code == 200 and r.json() == {"sessions": []}
+
+
+async def test_unstarted_claim_is_reoffered_to_its_runner_only() -> None:
+    async with open_hub(Hub(admin_token=ADMIN, reoffer_after=0.2)) as (hub, url):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            runner, job_id, run_id = await claimed_job(hub, client)
+            other = hub.register_runner(OWNER, PROJECT, "other", [])
+            poll = f"{BASE}/runners/jobs"
+
+            async def offered(token: str) -> list[str]:
+                r = await client.post(poll, json={"capabilities": CAPS}, headers=bearer(token))
+                return [j["id"] for j in r.json()["jobs"]] if r.status_code == 200 else []
+
+            assert await offered(runner["token"]) == []  # just claimed
+            await trio.sleep(0.3)  # past reoffer_after (the hub's own clock decides)
+            assert await offered(runner["token"]) == [job_id]
+            assert await offered(other["token"]) == []
+            assert await claim(client, runner["token"], job_id) == run_id  # idempotent
+            r = await client.post(
+                f"{BASE}/runners/generate-jitconfig",
+                json={"jobId": job_id, "name": "other"},
+                headers=bearer(other["token"]),
+            )
+            assert r.status_code == 409
+            async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
+                assert await hub.wait_channel(job_id, timeout=5) is not None
+                assert await offered(runner["token"]) == []  # started: never again
+                r = await client.post(
+                    f"{BASE}/runners/generate-jitconfig",
+                    json={"jobId": job_id, "name": "box"},
+                    headers=bearer(runner["token"]),
+                )
+                assert r.status_code == 409
+
+
+async def test_paused_channel_reads_nothing_until_resumed(
+    served: tuple[Hub, httpx.AsyncClient],
+) -> None:
+    hub, client = served
+    runner, job_id, _ = await claimed_job(hub, client)
+    total, pad = 300, "x" * 65536  # ~20 MB: far more than the socket buffers hold
+    sent = 0
+
+    async def sender(ws: trio_websocket.WebSocketConnection) -> None:
+        nonlocal sent
+        for i in range(total):
+            await ws.send_message(f"{i:06d}{pad}")
+            sent += 1
+
+    with trio.fail_after(30):
+        async with (
+            trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])) as ws,
+            trio.open_nursery() as nursery,
+        ):
+            ch = await hub.wait_channel(job_id, timeout=5)
+            assert ch is not None
+            ch.pause_reading()
+            assert ch.reading_paused
+            nursery.start_soon(sender, ws)
+            last = -1
+            while sent != last:  # a measurement: until the runner side's sends block
+                last = sent
+                await trio.sleep(0.25)
+            await trio.sleep(0.5)
+            assert 0 < sent == last < total  # TCP pushed back
+            await ch.send("the Server can still send")
+            assert await ws.get_message() == "the Server can still send"
+            ch.resume_reading()
+            assert not ch.reading_paused
+            for i in range(total):
+                assert (await ch.recv())[0] == f"{i:06d}{pad}"
+
+
+async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> None:
+    data = tmp_path / "hub"
+    first = Hub(data)
+    done = {"status": "completed", "conclusion": "success", "logs": "", "completionReason": "success"}
+    async with open_hub(first) as (_, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            runner, job_id, run_id = await claimed_job(first, client)
+            status = f"{BASE}/runs/{run_id}/jobs/{job_id}"
+            r = await client.patch(status, json={"status": "in_progress"}, headers=bearer(runner["token"]))
+            assert r.status_code == 200
+            _, finished_id, finished_run = await claimed_job(first, client)
+    queued = first.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    withdrawn = first.enqueue_job(OWNER, PROJECT, CAPS)
+    await first.cancel_job(withdrawn.id)
+    first.store.close()
+
+    second = Hub(data, offline_after=60)
+    assert set(second.jobs) == {job_id, finished_id, queued.id}
+    job = second.jobs[job_id]
+    assert (job.status, job.run_id, job.claimed_by) == ("in_progress", run_id, runner["id"])
+    assert job.claimed.is_set() and not job.completed.is_set()
+    assert job.reports == [{"status": "in_progress"}]
+    assert second.jobs[queued.id].agent_definition == {"jobType": "chat_llm"}
+    async with open_hub(second) as (_, url):
+        assert await second.check_offline() == []  # reloaded jobs get offline_after to show up
+        async with httpx.AsyncClient(base_url=url) as client:
+            with trio.fail_after(10):  # the runner's redial of the same job is accepted
+                async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
+                    assert await second.wait_channel(job_id, timeout=5) is not None
+            status = f"{BASE}/runs/{run_id}/jobs/{job_id}"
+            r = await client.patch(status, json=done, headers=bearer(runner["token"]))
+            assert r.status_code == 200
+            r = await client.post(
+                f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(runner["token"])
+            )
+            assert [j["id"] for j in r.json()["jobs"]] == [queued.id]
+    second.store.close()
+
+    third = Hub(data)
+    job = third.jobs[job_id]
+    assert job.status == "completed" and job.conclusion == "success" and job.final_reported
+    assert job.completed.is_set()
+    assert [r["status"] for r in job.reports] == ["in_progress", "completed"]
+    assert third.jobs[finished_id].run_id == finished_run
+    third.store.close()
+
+
+def test_tls_needs_cert_and_key(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = str(tmp_path / "state")
+    assert main(["--data", data, "--tls-cert", str(tmp_path / "c.pem")]) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    (tmp_path / "c.pem").write_text("not a certificate")
+    assert main(["--data", data, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "c.pem")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot use --tls-cert" in err
+    with pytest.raises(ValueError):
+        hub_core._hypercorn_config(Hub(), "127.0.0.1", 0, certfile="c.pem")

@@ -8,6 +8,7 @@ import os
 import pathlib
 import signal
 import sqlite3
+import ssl
 import sys
 from functools import partial
 from typing import NoReturn
@@ -62,10 +63,22 @@ def _build_parser() -> _Parser:
     parser = _Parser(
         prog=PROG,
         description="Serve the hub (an ALP Server emulator) or manage its API keys.",
+        epilog="Runners, API keys, Chat Jobs (with every report) and the front door's chat "
+        "sessions live in DATA/hub.sqlite3: a restarted hub goes on with them. With the admin "
+        "credential, GET /api/hub/jobs and GET /api/hub/sessions list them.",
         parents=[data],
     )
     parser.add_argument(
         "--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_LISTEN})"
+    )
+    parser.add_argument(
+        "--tls-cert",
+        type=pathlib.Path,
+        metavar="PEM",
+        help="serve HTTPS/WSS with this certificate (chain) file; needs --tls-key",
+    )
+    parser.add_argument(
+        "--tls-key", type=pathlib.Path, metavar="PEM", help="the private key of --tls-cert"
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
@@ -94,13 +107,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             return _keys(args, data_dir)
         host, port = parse_listen(args.listen)
-        return _serve(data_dir, host, port)
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise _UsageError("--tls-cert and --tls-key go together")
+        if args.tls_cert is not None:
+            _check_tls(args.tls_cert, args.tls_key)
+        return _serve(data_dir, host, port, args.tls_cert, args.tls_key)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     except _UsageError as exc:
         return _fail(str(exc))
     except (OSError, sqlite3.Error, ValueError) as exc:
         return _fail(str(exc))
+
+
+def _check_tls(cert: pathlib.Path, key: pathlib.Path) -> None:
+    """Load the certificate and key once, so a bad pair is a one-line error before serving."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+        raise _UsageError(f"cannot use --tls-cert {cert} with --tls-key {key}: {reason}") from None
 
 
 def _fail(message: str) -> int:
@@ -139,7 +166,13 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
         store.close()
 
 
-def _serve(data_dir: pathlib.Path, host: str, port: int) -> int:
+def _serve(
+    data_dir: pathlib.Path,
+    host: str,
+    port: int,
+    certfile: pathlib.Path | None = None,
+    keyfile: pathlib.Path | None = None,
+) -> int:
     hub = Hub(data_dir)
     if hub.admin_token_created:
         print(
@@ -152,7 +185,7 @@ def _serve(data_dir: pathlib.Path, host: str, port: int) -> int:
         )
     logging.getLogger("gateway.hub.server").setLevel(logging.WARNING)
     try:
-        trio.run(_run, hub, host, port)
+        trio.run(_run, hub, host, port, certfile, keyfile)
     except KeyboardInterrupt:
         pass
     except BaseExceptionGroup as group:
@@ -178,10 +211,19 @@ def _first_os_error(group: BaseExceptionGroup[BaseException]) -> OSError | None:
     return None
 
 
-async def _run(hub: Hub, host: str, port: int) -> None:
+async def _run(
+    hub: Hub,
+    host: str,
+    port: int,
+    certfile: pathlib.Path | None = None,
+    keyfile: pathlib.Path | None = None,
+) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            base_url: str = await nursery.start(partial(serve_hub, hub, host=host, port=port))
+            serve = partial(
+                serve_hub, hub, host=host, port=port, certfile=certfile, keyfile=keyfile
+            )
+            base_url: str = await nursery.start(serve)
             print(f"hub listening on {base_url}", flush=True)
             async for _ in signals:
                 break

@@ -1,13 +1,33 @@
-"""The hub's core: the Server side of PROTOCOL.md §1-4 and §6 as one ASGI app, with its state and serve_hub."""
+"""The hub's core: the Server side of PROTOCOL.md §1-4 and §6 as one ASGI app, with its state and serve_hub.
+
+Chat Jobs (and every status report received) are kept in the hub's SQLite store as well as in
+memory, and reloaded at start: a hub restarted on the same data directory accepts the redial of a
+job's runner and goes on serving it.
+
+Test hooks:
+
+- ``Hub.faults``: route name -> list of faults, each consumed by one request on that route (see
+  ``Fault``): an HTTP status, ``RESET`` (the TCP connection is closed abortively, no response),
+  ``LOST`` (the request is processed, then the connection is reset instead of answering),
+  ``Hold(s)`` (the request is held unanswered for ``s`` seconds, never processed, then reset) or
+  ``Delay(s)`` (the request is processed after ``s`` seconds, answered if the client still waits).
+- ``Hub.hits``: every request to a runner route, in order, with the fault it met.
+- ``ServerChannel.pause_reading()`` / ``resume_reading()``: a Server that stops reading a channel.
+- Admin routes (``Authorization: Bearer <admin token>``): ``GET /api/hub/jobs`` lists every job
+  with its reports; ``GET /api/hub/sessions`` the front door's session -> job mapping.
+"""
 
 from __future__ import annotations
 
+import collections
 import hmac
 import importlib
 import logging
 import math
 import pathlib
 import re
+import socket
+import struct
 import time
 import urllib.parse
 import uuid
@@ -30,13 +50,20 @@ from gateway.hub.store import (
     ApiKey,
     Runner,
     Store,
+    StoredJob,
     load_or_create_admin_token,
     new_token,
     token_hash,
 )
 
 __all__ = [
+    "LOST",
+    "RESET",
     "ApiKey",
+    "Delay",
+    "Fault",
+    "Hit",
+    "Hold",
     "Hub",
     "Job",
     "ServerChannel",
@@ -59,6 +86,7 @@ GENERAL_BUFFER = 1024  # inbound frames buffered for recv(); more are dropped
 SUBSCRIBER_BUFFER = 64  # job_available events buffered per events subscriber; more are dropped
 CLOSE_REPLACED = 4000  # an old channel replaced by a new connection for the same job
 CLOSE_OFFLINE = 1001  # the runner was declared offline
+HITS_KEPT = 4096  # Hub.hits keeps this many recent requests
 
 _BASE_RE = re.compile(r"^/api/owners/([^/]+)/projects/([^/]+)/(.+)$")
 _RUN_JOB_RE = re.compile(r"^runs/([^/]+)/jobs/([^/]+)$")
@@ -76,15 +104,99 @@ _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _json_encoder = msgspec.json.Encoder()
 
 
+# -- fault injection ------------------------------------------------------------------------
+
+RESET = "reset"
+"""A fault: close the TCP connection abortively (RST) without any response."""
+
+LOST = "lost"
+"""A fault: process the request, then reset the connection instead of answering (the Server
+acted, the client cannot know). On the channel route it is the same as ``RESET``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A fault: hold the request unanswered for ``seconds`` (or until the client gives up), then
+    reset the connection. The request is never processed: a hung Server, a lost request."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Delay:
+    """A fault: wait ``seconds``, then process the request as usual and answer if the client still
+    waits. With a client that times out first, the Server acted but its answer was lost."""
+
+    seconds: float
+
+
+Fault = int | str | Hold | Delay
+"""One injected fault: an HTTP status (a WebSocket handshake refused with it), ``RESET``, ``LOST``,
+``Hold(s)`` or ``Delay(s)``; the tuples ``("hold", s)`` and ``("delay", s)`` are accepted too."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One request to a runner route (``ROUTES``): when (trio clock), which route, which fault."""
+
+    at: float
+    route: str
+    fault: Fault | None
+
+
+def _normalize_fault(fault: Any) -> Fault:
+    if isinstance(fault, tuple) and len(fault) == 2 and fault[0] in ("hold", "delay"):
+        return Hold(float(fault[1])) if fault[0] == "hold" else Delay(float(fault[1]))
+    if isinstance(fault, Hold | Delay) or fault in (RESET, LOST):
+        return fault
+    if isinstance(fault, int) and not isinstance(fault, bool) and 200 <= fault <= 599:
+        return fault
+    raise ValueError(f"not a fault: {fault!r} (an HTTP status, RESET, LOST, Hold(s) or Delay(s))")
+
+
+def _connection_stream() -> trio.SocketStream | trio.SSLStream[trio.SocketStream] | None:
+    """The TCP (or TLS) stream under the current ASGI request, found through Hypercorn's trio worker.
+
+    Hypercorn runs each connection in a ``trio.serve_listeners`` handler task (whose frame holds
+    the accepted ``stream``) and the ASGI app in a nursery below it; ASGI itself offers no way to
+    the socket. None when the layout is not the expected one.
+    """
+    task: Any = trio.lowlevel.current_task()
+    while task is not None:
+        frame = getattr(task.coro, "cr_frame", None)
+        if frame is not None:
+            stream = frame.f_locals.get("stream")
+            if isinstance(stream, trio.SocketStream | trio.SSLStream):
+                return stream
+        nursery = task.parent_nursery
+        task = nursery.parent_task if nursery is not None else None
+    return None
+
+
+def _abort_connection() -> bool:
+    """Close the current request's TCP connection with an RST (SO_LINGER 0); False if not found."""
+    stream = _connection_stream()
+    if stream is None:
+        return False
+    sock = stream.socket if isinstance(stream, trio.SocketStream) else stream.transport_stream.socket
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass  # already closed
+    sock.close()
+    return True
+
+
 @dataclass(eq=False)
 class Job:
-    """One queued or claimed Job (in memory only)."""
+    """One queued or claimed Job (mirrored in the hub's SQLite store)."""
 
     id: str
     owner: str
     project: str
     needs: list[str]
     agent_definition: dict[str, Any]
+    origin: str = "api"  # "api" (enqueue_job) or "frontdoor" (a /v1 chat session)
     run_id: str | None = None
     claimed_by: str | None = None  # runner id
     runner_name: str | None = None  # the "name" sent with the claim
@@ -96,6 +208,74 @@ class Job:
     claimed: trio.Event = field(default_factory=trio.Event)
     cancelled: bool = False
     cancel_reason: str | None = None
+    final_reported: bool = False  # a runner's "completed" report was accepted
+    claimed_at: float | None = None  # trio clock; None for a job reloaded at start
+    channel_opened: bool = False  # a channel of this job was accepted (since this hub started)
+
+    def record(self) -> StoredJob:
+        """The job as the store keeps it (without its reports)."""
+        return StoredJob(
+            id=self.id,
+            owner=self.owner,
+            project=self.project,
+            needs=list(self.needs),
+            agent_definition=self.agent_definition,
+            origin=self.origin,
+            run_id=self.run_id,
+            claimed_by=self.claimed_by,
+            runner_name=self.runner_name,
+            status=self.status,
+            conclusion=self.conclusion,
+            final_reported=self.final_reported,
+            cancelled=self.cancelled,
+            cancel_reason=self.cancel_reason,
+        )
+
+    @classmethod
+    def from_record(cls, stored: StoredJob) -> Job:
+        """A job reloaded from the store, its events set to match its state."""
+        job = cls(
+            id=stored.id,
+            owner=stored.owner,
+            project=stored.project,
+            needs=list(stored.needs),
+            agent_definition=dict(stored.agent_definition),
+            origin=stored.origin,
+            run_id=stored.run_id,
+            claimed_by=stored.claimed_by,
+            runner_name=stored.runner_name,
+            status=stored.status,
+            conclusion=stored.conclusion,
+            reports=list(stored.reports),
+            cancelled=stored.cancelled,
+            cancel_reason=stored.cancel_reason,
+            final_reported=stored.final_reported,
+        )
+        if job.claimed_by is not None:
+            job.claimed.set()
+        if job.status == "completed":
+            job.completed.set()
+        return job
+
+    def admin_json(self) -> dict[str, Any]:
+        """Everything about the job, for ``GET /api/hub/jobs``."""
+        return {
+            "id": self.id,
+            "runId": self.run_id,
+            "owner": self.owner,
+            "project": self.project,
+            "needs": list(self.needs),
+            "agentDefinition": self.agent_definition,
+            "origin": self.origin,
+            "claimedBy": self.claimed_by,
+            "runnerName": self.runner_name,
+            "status": self.status,
+            "conclusion": self.conclusion,
+            "finalReported": self.final_reported,
+            "cancelled": self.cancelled,
+            "cancelReason": self.cancel_reason,
+            "reports": list(self.reports),
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The Job as a poll reply lists it."""
@@ -125,6 +305,8 @@ class ServerChannel:
         self._close_code: int | None = None
         self._close_reason: str | None = None
         self._terminated = trio.Event()
+        self._reading = trio.Event()  # set while the pump may read; cleared by pause_reading()
+        self._reading.set()
         self.dropped = 0  # inbound frames dropped because recv() was not read
 
     def __repr__(self) -> str:
@@ -173,6 +355,21 @@ class ServerChannel:
         if send_ch is not None:
             send_ch.close()
 
+    @property
+    def reading_paused(self) -> bool:
+        return not self._reading.is_set()
+
+    def pause_reading(self) -> None:
+        """Stop reading the WebSocket (a slow Server): inbound frames pile up in Hypercorn's
+        small queue, then in the TCP buffers, until the runner's sends block. While paused a
+        disconnect is noticed only on ``resume_reading()``; ``close()`` still works."""
+        if self._reading.is_set():
+            self._reading = trio.Event()
+
+    def resume_reading(self) -> None:
+        """Read the WebSocket again after ``pause_reading()``."""
+        self._reading.set()
+
     async def recv(self) -> tuple[str, float]:
         """The next inbound text message not routed to an open request; EndOfChannel once closed."""
         return await self._general_recv.receive()
@@ -214,7 +411,10 @@ class ServerChannel:
             send_ch = self._requests.get(request_id)
             if send_ch is not None:
                 try:
-                    await send_ch.send((text, at))
+                    try:
+                        send_ch.send_nowait((text, at))  # no scheduling point per frame
+                    except trio.WouldBlock:
+                        await send_ch.send((text, at))  # that request reads slowly: push back
                     return
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     if self._requests.get(request_id) is send_ch:
@@ -234,6 +434,8 @@ class ServerChannel:
         try:
             with self._loop_scope:
                 while True:
+                    if not self._reading.is_set():  # paused; receive() is the checkpoint
+                        await self._reading.wait()
                     message = await receive()
                     kind = message.get("type")
                     if kind == "websocket.disconnect":
@@ -360,6 +562,7 @@ class Hub:
         events: bool = True,
         register_paths: tuple[str, ...] = ("runners", "runners/register"),
         offline_after: float = 60.0,
+        reoffer_after: float = 10.0,
         session_idle_timeout: float = 600.0,
         runner_wait_timeout: float = 30.0,
         keepalive_interval: float = 15.0,
@@ -379,12 +582,16 @@ class Hub:
         self.events = events
         self.register_paths = tuple(register_paths)
         self.offline_after = offline_after
+        self.reoffer_after = reoffer_after
         self.session_idle_timeout = session_idle_timeout
         self.runner_wait_timeout = runner_wait_timeout
         self.keepalive_interval = keepalive_interval
         self.max_body = max_body
-        self.jobs: dict[str, Job] = {}
-        self.faults: dict[str, list[int]] = {route: [] for route in ROUTES}
+        self.jobs: dict[str, Job] = {job.id: Job.from_record(job) for job in self.store.load_jobs()}
+        self.faults: dict[str, list[Fault]] = {route: [] for route in ROUTES}
+        self.hits: collections.deque[Hit] = collections.deque(maxlen=HITS_KEPT)
+        self.hit_counts: collections.Counter[str] = collections.Counter()
+        self._hit_changed = trio.Event()
         self.last_seen: dict[
             str, float
         ] = {}  # runner id -> trio.current_time() of its last sign of life
@@ -415,6 +622,8 @@ class Hub:
         project: str,
         needs: list[str],
         agent_definition: dict[str, Any] | None = None,
+        *,
+        origin: str = "api",
     ) -> Job:
         """Queue a Job for ``owner/project`` and tell every events subscriber of that project."""
         job = Job(
@@ -423,8 +632,10 @@ class Hub:
             project=project,
             needs=list(needs),
             agent_definition=dict(agent_definition) if agent_definition is not None else {},
+            origin=origin,
         )
         self.jobs[job.id] = job
+        self.save_job(job)
         for send_ch in list(self._subscribers.get((owner, project), ())):
             try:
                 send_ch.send_nowait(job.id)
@@ -470,15 +681,36 @@ class Hub:
         job = self.jobs.get(job_id)
         if job is None or job.status == "completed":
             return
+        if job.claimed_by is not None:
+            job.cancel_reason = reason
+            await self.end_job(job_id, reason)
+        self.withdraw_job(job_id, reason)
+
+    def withdraw_job(self, job_id: str, reason: str) -> None:
+        """Mark a job cancelled without telling its runner (``cancel_job`` sends ``chat.end`` first).
+
+        A queued job is forgotten; a claimed one stays, cancelled: its channel is refused from now
+        on, so its runner ends the session and sends its final report.
+        """
+        job = self.jobs.get(job_id)
+        if job is None or job.status == "completed":
+            return
         job.cancel_reason = reason
+        job.cancelled = True
         if job.claimed_by is None:
             del self.jobs[job_id]
-            job.cancelled = True
-            self._notify_channel_change()
-            return
-        await self.end_job(job_id, reason)
-        job.cancelled = True
+            self.store.delete_job(job_id)
+        else:
+            self.save_job(job)
         self._notify_channel_change()
+
+    def save_job(self, job: Job) -> None:
+        """Write the job's state to the store (after every change)."""
+        self.store.save_job(job.record())
+
+    def _add_report(self, job: Job, report: dict[str, Any]) -> None:
+        job.reports.append(report)
+        self.store.add_job_report(job.id, report)
 
     def register_runner(
         self, owner: str, project: str, name: str, labels: list[str]
@@ -526,7 +758,10 @@ class Hub:
             if job.claimed_by is None or job.status == "completed":
                 continue
             last = self.last_seen.get(job.claimed_by)
-            if last is not None and now - last <= self.offline_after:
+            if last is None:  # a job reloaded at start: its runner gets offline_after to show up
+                self.last_seen[job.claimed_by] = now
+                continue
+            if now - last <= self.offline_after:
                 continue
             report = {
                 "status": "completed",
@@ -534,10 +769,11 @@ class Hub:
                 "logs": "runner offline",
                 "forced": True,
             }
-            job.reports.append(report)
+            self._add_report(job, report)
             job.status = "completed"
             job.conclusion = "failure"
             job.completed.set()
+            self.save_job(job)
             forced.append(job)
             log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
             ch = self._channels.get(job.id)
@@ -568,10 +804,78 @@ class Hub:
             del self._channels[ch.job_id]
             self._notify_channel_change()
 
-    def _take_fault(self, route: str) -> int | None:
-        codes = self.faults.get(route)
-        if codes:
-            return codes.pop(0)
+    def _take_fault(self, route: str) -> Fault | None:
+        faults = self.faults.get(route)
+        fault = _normalize_fault(faults.pop(0)) if faults else None
+        self.hits.append(Hit(trio.current_time(), route, fault))
+        self.hit_counts[route] += 1
+        self._hit_changed.set()
+        self._hit_changed = trio.Event()
+        return fault
+
+    async def wait_hits(self, route: str, n: int) -> list[Hit]:
+        """Wait until ``n`` requests reached ``route``; returns that route's (recent) hits."""
+        while self.hit_counts[route] < n:
+            await self._hit_changed.wait()
+        return [h for h in self.hits if h.route == route]
+
+    async def _hold(self, fault: Hold, receive: Receive) -> None:
+        """Hold a request unanswered for ``fault.seconds`` or until the client disconnects."""
+        with trio.move_on_after(fault.seconds):
+            while True:
+                message = await receive()
+                if message["type"] in ("http.disconnect", "websocket.disconnect"):
+                    return
+
+    async def _reset(self, receive: Receive, send: Send, websocket: bool) -> None:
+        """Close the connection without a response (an RST), then let Hypercorn notice."""
+        if not _abort_connection():
+            # Not under Hypercorn's trio worker as expected: the nearest thing. An HTTP client
+            # skips a 1xx answer and then sees the connection closed without a response.
+            log.warning("reset fault: the connection's socket was not found; closing it instead")
+            if websocket:
+                await send({"type": "websocket.close", "code": 1011})
+            else:
+                await send({"type": "http.response.start", "status": 199, "headers": []})
+            return
+        gone = ("http.disconnect", "websocket.disconnect")
+        with trio.move_on_after(2):
+            while (await receive())["type"] not in gone:
+                pass
+
+    async def _apply_fault(
+        self, fault: Fault, receive: Receive, send: Send, *, websocket: bool = False
+    ) -> Receive | None:
+        """Act out ``fault`` (``LOST`` here: a reset); returns the receive to process the request
+        with (``Delay``), else None."""
+        if isinstance(fault, int):
+            if websocket:
+                await self._reject_ws(send, fault, {"error": "injected"})
+            else:
+                await _send_json(send, fault, {"error": "injected"})
+            return None
+        if isinstance(fault, Hold):
+            await self._hold(fault, receive)
+            await self._reset(receive, send, websocket)
+            return None
+        if isinstance(fault, Delay):
+            if websocket:
+                await trio.sleep(fault.seconds)
+                return receive
+            # read the body now and replay it: the client may be gone when the handler runs
+            body = await _read_body(receive, self.max_body)
+            await trio.sleep(fault.seconds)
+            replayed = False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            return replay
+        await self._reset(receive, send, websocket)
         return None
 
     def _runner(self, scope: Scope, owner: str, project: str) -> Runner:
@@ -635,6 +939,9 @@ class Hub:
 
     async def _dispatch_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
+        if path.startswith("/api/hub/"):
+            await self._admin(scope, send, path)
+            return
         if path.startswith("/v1/"):
             frontdoor = _frontdoor_module()
             if frontdoor is None:
@@ -656,12 +963,70 @@ class Hub:
                 return
             route, handler = entry
             fault = self._take_fault(route)
-            if fault is not None:
-                await _send_json(send, fault, {"error": "injected"})
+            if fault == LOST:
+                await self._lose_answer(handler, scope, receive, owner, project, rm.groups())
+                await self._reset(receive, send, websocket=False)
                 return
+            if fault is not None:
+                replay = await self._apply_fault(fault, receive, send)
+                if replay is None:
+                    return
+                receive = replay
             await handler(scope, receive, send, owner, project, *rm.groups())
             return
         raise _HTTPError(404, "not found")
+
+    async def _lose_answer(
+        self,
+        handler: Any,
+        scope: Scope,
+        receive: Receive,
+        owner: str,
+        project: str,
+        groups: tuple[str, ...],
+    ) -> None:
+        """Run ``handler`` for its effect only: whatever it answers is dropped."""
+
+        async def drop(message: Message) -> None:
+            pass
+
+        try:
+            await handler(scope, receive, drop, owner, project, *groups)
+        except _HTTPError as exc:
+            log.info("lost answer: %s %s would have failed: %s", scope["method"], scope["path"], exc.message)
+
+    def _unstarted_claim(self, job: Job, runner_id: str) -> bool:
+        """The job is claimed by ``runner_id``, which has not started it (no in_progress, no channel)."""
+        return (
+            job.claimed_by == runner_id
+            and job.status == "queued"
+            and not job.cancelled
+            and not job.channel_opened
+        )
+
+    async def _admin(self, scope: Scope, send: Send, path: str) -> None:
+        """``GET /api/hub/jobs`` and ``GET /api/hub/sessions``, for the admin credential only."""
+        token = _bearer(scope)
+        if token is None:
+            raise _HTTPError(401, "the admin credential is required")
+        if not self.is_admin_token(token):
+            raise _HTTPError(403, "only the admin credential may use /api/hub/")
+        if path not in ("/api/hub/jobs", "/api/hub/sessions"):
+            raise _HTTPError(404, "not found")
+        if scope["method"] != "GET":
+            await _send_json(send, 405, {"error": "method not allowed"}, [(b"allow", b"GET")])
+            return
+        if path == "/api/hub/jobs":
+            await _send_json(send, 200, {"jobs": [job.admin_json() for job in self.jobs.values()]})
+            return
+        frontdoor = _frontdoor_module()
+        listing = getattr(frontdoor, "sessions", None) if frontdoor is not None else None
+        found = listing(self) if listing is not None else {}
+        sessions = [
+            {"key": key[0], "session": key[1], "jobId": job_id}
+            for key, job_id in found.items()
+        ]
+        await _send_json(send, 200, {"sessions": sessions})
 
     async def _register(
         self, scope: Scope, receive: Receive, send: Send, owner: str, project: str
@@ -691,17 +1056,24 @@ class Hub:
         self, scope: Scope, receive: Receive, send: Send, owner: str, project: str
     ) -> None:
         body = await _read_body(receive, self.max_body)
-        self._runner(scope, owner, project)
+        runner = self._runner(scope, owner, project)
         capabilities = set(_string_list(_json_object(body), "capabilities", required=True))
+        now = trio.current_time()
+
+        def offered(job: Job) -> bool:
+            if job.claimed_by is None:
+                return job.status == "queued" and not job.cancelled
+            # a claim whose answer this runner may have lost: offered to it again after a while
+            claimed_at = -math.inf if job.claimed_at is None else job.claimed_at
+            return self._unstarted_claim(job, runner.id) and now - claimed_at >= self.reoffer_after
+
         jobs = [
             job.to_json()
             for job in self.jobs.values()
             if job.owner == owner
             and job.project == project
-            and job.status == "queued"
-            and job.claimed_by is None
-            and not job.cancelled
             and set(job.needs) <= capabilities
+            and offered(job)
         ]
         if not jobs:
             await send({"type": "http.response.start", "status": 204, "headers": []})
@@ -722,12 +1094,19 @@ class Hub:
         job = self.jobs.get(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
             raise _HTTPError(404, "no such job")
+        if self._unstarted_claim(job, runner.id):
+            # the same runner again before starting the job: it lost our answer; same runId
+            log.info("job %s claimed again by runner %s: same run %s", job.id, runner.id, job.run_id)
+            await _send_json(send, 200, {"runId": job.run_id})
+            return
         if job.claimed_by is not None or job.status != "queued" or job.cancelled:
             raise _HTTPError(409, "this job is already claimed")
         job.claimed_by = runner.id
         job.runner_name = name
         job.run_id = str(uuid.uuid4())
+        job.claimed_at = trio.current_time()
         job.claimed.set()
+        self.save_job(job)
         await _send_json(send, 200, {"runId": job.run_id})
 
     async def _status(
@@ -744,12 +1123,13 @@ class Hub:
         runner = self._runner(scope, owner, project)
         job = self._own_job(runner, owner, project, run_id, job_id)
         obj = _json_object(body)
-        job.reports.append(obj)
+        self._add_report(job, obj)
         status = obj.get("status")
         if status == "in_progress":
             if job.status == "completed":
                 raise _HTTPError(409, "this job is already completed")
             job.status = "in_progress"
+            self.save_job(job)
         elif status == "completed":
             if job.status == "completed":
                 raise _HTTPError(409, "this job is already completed")
@@ -761,7 +1141,9 @@ class Hub:
                     raise _HTTPError(400, f'"{key}" must be a string')
             job.status = "completed"
             job.conclusion = conclusion
+            job.final_reported = True
             job.completed.set()
+            self.save_job(job)
             self._notify_channel_change()
         else:
             raise _HTTPError(400, '"status" must be "in_progress" or "completed"')
@@ -836,8 +1218,8 @@ class Hub:
             return
         fault = self._take_fault("channel")
         if fault is not None:
-            await self._reject_ws(send, fault, {"error": "injected"})
-            return
+            if await self._apply_fault(fault, receive, send, websocket=True) is None:
+                return
         query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
         job_id = (query.get("jobId") or [""])[0]
         token = (query.get("token") or [""])[0]
@@ -855,6 +1237,7 @@ class Hub:
             await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
             return
         await send({"type": "websocket.accept"})
+        job.channel_opened = True
         ch = ServerChannel(self, job.id, runner.id, send)
         old = self._channels.get(job.id)
         self._channels[job.id] = ch
@@ -878,13 +1261,24 @@ class Hub:
         await send({"type": "websocket.http.response.body", "body": body})
 
 
-def _hypercorn_config(hub: Hub, host: str, port: int) -> hypercorn.config.Config:
+def _hypercorn_config(
+    hub: Hub,
+    host: str,
+    port: int,
+    certfile: str | pathlib.Path | None = None,
+    keyfile: str | pathlib.Path | None = None,
+) -> hypercorn.config.Config:
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("TLS needs both a certificate and its key")
     config = hypercorn.config.Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("gateway.hub.server")
     config.websocket_max_message_size = hub.max_body
     config.graceful_timeout = 1.0
+    if certfile is not None and keyfile is not None:
+        config.certfile = str(certfile)
+        config.keyfile = str(keyfile)
     return config
 
 
@@ -893,13 +1287,21 @@ async def serve_hub(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    certfile: str | pathlib.Path | None = None,
+    keyfile: str | pathlib.Path | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``hub`` on ``host:port`` (0 = a free port) until cancelled; ``started`` gets the base URL."""
-    config = _hypercorn_config(hub, host, port)
+    """Serve ``hub`` on ``host:port`` (0 = a free port) until cancelled; ``started`` gets the base URL.
+
+    With ``certfile`` and ``keyfile`` (PEM) it serves HTTPS and WSS only; the URL is ``https://``.
+    """
+    config = _hypercorn_config(hub, host, port, certfile, keyfile)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hub.watch_offline)
         frontdoor = _frontdoor_module()
+        restore = getattr(frontdoor, "restore", None) if frontdoor is not None else None
+        if restore is not None:
+            restore(hub)  # the front door's sessions, before any request arrives
         run = getattr(frontdoor, "run", None) if frontdoor is not None else None
         if run is not None:
             nursery.start_soon(run, hub)

@@ -1,4 +1,8 @@
-"""The hub's OpenAI-compatible front door: serves ``/v1/*`` by relaying each chat turn down a session's Chat Channel."""
+"""The hub's OpenAI-compatible front door: serves ``/v1/*`` by relaying each chat turn down a session's Chat Channel.
+
+The session -> Chat Job mapping is kept in the hub's store too: after a restart (``restore``) a
+client's next turn on the same ``X-Chat-Session`` goes to the same job once its runner redials.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import msgspec
 import trio
 
 from gateway import protocol
+from gateway.hub.store import StoredSession
 
 if TYPE_CHECKING:
     from gateway.hub.core import Hub, ServerChannel
@@ -162,6 +167,7 @@ class _Door:
         self.drained: set[ServerChannel] = set()  # channels whose recv() a drain task reads
         self.to_drain: list[ServerChannel] = []  # adopted, their drain task not started yet
         self.ended_by_runner: set[str] = set()  # job ids whose runner sent chat.end
+        self.restored = False  # the stored sessions were loaded (once per hub)
 
     def poke(self) -> None:
         self.changed.set()
@@ -190,6 +196,50 @@ def sessions(hub: Hub) -> dict[tuple[str, str], str | None]:
     return {key: s.job_id for key, s in _door(hub).sessions.items()}
 
 
+def _bind(hub: Hub, session: _Session, job_id: str | None) -> None:
+    """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
+    session.job_id = job_id
+    if job_id is None:
+        hub.store.delete_session(*session.key)
+    else:
+        stored = StoredSession(session.key[0], session.key[1], session.owner, session.project, job_id)
+        hub.store.save_session(stored)
+
+
+def _forget(hub: Hub, door: _Door, key: tuple[str, str]) -> None:
+    door.sessions.pop(key, None)
+    hub.store.delete_session(*key)
+
+
+def restore(hub: Hub) -> None:
+    """Reload the stored sessions whose job can still serve (once per hub, before serving).
+
+    A front-door job that no stored session points at lost its client in the restart: it is
+    withdrawn, so its runner's redial is refused and the runner reports the job's outcome.
+    """
+    door = _door(hub)
+    if door.restored:
+        return
+    door.restored = True
+    now = trio.current_time()
+    live: set[str] = set()
+    for stored in hub.store.load_sessions():
+        key = (stored.key_name, stored.session_id)
+        if key in door.sessions or _job_over(hub, stored.job_id):
+            if key not in door.sessions:
+                hub.store.delete_session(*key)
+            continue
+        door.sessions[key] = _Session(
+            key, stored.owner, stored.project, job_id=stored.job_id, last_used=now
+        )
+        live.add(stored.job_id)
+    for job in list(hub.jobs.values()):
+        if job.origin == "frontdoor" and job.id not in live and not _job_over(hub, job.id):
+            hub.withdraw_job(job.id, "its chat session was lost in a hub restart")
+    if door.sessions:
+        log.info("restored %d chat session(s)", len(door.sessions))
+
+
 def _job_over(hub: Hub, job_id: str) -> bool:
     """True when no further turn can be served by this job (completed, cancelled, ended)."""
     job = hub.jobs.get(job_id)
@@ -202,7 +252,7 @@ async def _session_channel(hub: Hub, session: _Session) -> tuple[str, ServerChan
     """The session's (job id, open channel), opening a Chat Job when it has none. Lock held."""
     door = _door(hub)
     if session.job_id is not None and _job_over(hub, session.job_id):
-        session.job_id = None  # the runner ended it: this turn opens a new job
+        _bind(hub, session, None)  # the runner ended it: this turn opens a new job
     if session.job_id is not None:
         job_id = session.job_id
         ch = hub.channel(job_id)
@@ -210,7 +260,7 @@ async def _session_channel(hub: Hub, session: _Session) -> tuple[str, ServerChan
             within = _reconnect_timeout(hub)
             ch = await hub.wait_channel(job_id, within)
             if ch is None:
-                session.job_id = None
+                _bind(hub, session, None)
                 if not _job_over(hub, job_id):
                     with trio.CancelScope(shield=True):
                         await hub.cancel_job(job_id, "channel lost")
@@ -230,6 +280,7 @@ async def _session_channel(hub: Hub, session: _Session) -> tuple[str, ServerChan
         session.project,
         needs=[protocol.CAPABILITY],
         agent_definition={"jobType": "chat_llm", "needs": [protocol.CAPABILITY]},
+        origin="frontdoor",
     )
     ch = None
     try:
@@ -248,7 +299,7 @@ async def _session_channel(hub: Hub, session: _Session) -> tuple[str, ServerChan
             "service_unavailable",
             "no_runner",
         )
-    session.job_id = job.id
+    _bind(hub, session, job.id)
     door.adopt(ch)
     log.info("session %s/%s opened chat job %s", session.key[0], session.key[1], job.id)
     return job.id, ch
@@ -287,13 +338,13 @@ async def _reap(hub: Hub, door: _Door) -> float:
         if door.sessions.get(key) is not session or session.turns or session.lock.locked():
             continue  # replaced while we awaited, or busy
         if session.job_id is None or _job_over(hub, session.job_id):
-            del door.sessions[key]
+            _forget(hub, door, key)
             continue
         due = session.last_used + idle if idle and idle > 0 else math.inf
         if due > now:
             next_due = min(next_due, due)
             continue
-        del door.sessions[key]
+        _forget(hub, door, key)
         log.info("session %s/%s idle for %g s: ending job %s", key[0], key[1], idle, session.job_id)
         try:
             await hub.end_job(session.job_id, "idle")
@@ -586,11 +637,16 @@ def _sse_data(chunk: msgspec.Raw) -> bytes:
 async def _relay_stream(
     hub: Hub, turn: _Turn, rx: trio.MemoryReceiveChannel[tuple[str, float]], resp: _Response
 ) -> None:
+    """Relay a streamed turn as SSE. Chunk frames already queued when one is read go out with
+    it, as one body write (nothing waits for more); a done frame right behind them ends it."""
     keepalive = hub.keepalive_interval
     headers = [*_SSE_HEADERS, (b"x-request-id", turn.rid.encode())]
     first_chunk = False
+    pending: _Reply | None | object = _NOTHING  # a reply read ahead, to be handled next
     while True:
-        if not first_chunk and keepalive > 0:
+        if pending is not _NOTHING:
+            reply, pending = pending, _NOTHING
+        elif not first_chunk and keepalive > 0:
             with trio.move_on_after(keepalive) as wait:
                 reply = await _next_reply(rx)
             if wait.cancelled_caught:  # nothing yet: keep the client (and proxies) patient
@@ -608,14 +664,32 @@ async def _relay_stream(
                 raise HTTPError(503, message, "service_unavailable", "channel_lost")
             await _stream_error(resp, message, "channel_lost")
             return
+        assert isinstance(reply, _Reply)
         if reply.type == protocol.COMPLETION_CHUNK:
-            if not len(reply.chunk):
-                log.warning("job %s: ignoring a chunk frame without a chunk", turn.job_id)
+            events: list[bytes] = []
+            while True:
+                if len(reply.chunk):
+                    events.append(_sse_data(reply.chunk))
+                else:
+                    log.warning("job %s: ignoring a chunk frame without a chunk", turn.job_id)
+                pending = _queued_reply(rx)
+                if pending is _NOTHING or pending is None:
+                    break
+                assert isinstance(pending, _Reply)
+                if pending.type != protocol.COMPLETION_CHUNK:
+                    break
+                reply, pending = pending, _NOTHING
+            if not events:
                 continue
             if not resp.started:
                 await resp.start(200, headers)
             first_chunk = True
-            await resp.body(_sse_data(reply.chunk))
+            if isinstance(pending, _Reply) and pending.type == protocol.COMPLETION_DONE:
+                turn.finished = True  # the last chunks and the end of the stream, in one write
+                events.append(_DONE_EVENT)
+                await resp.body(b"".join(events), more=False)
+                return
+            await resp.body(events[0] if len(events) == 1 else b"".join(events))
         elif reply.type == protocol.COMPLETION_DONE:
             turn.finished = True
             if not resp.started:
@@ -630,6 +704,25 @@ async def _relay_stream(
                 raise HTTPError(502, message, "upstream_error", "upstream_error")
             await _stream_error(resp, message, "upstream_error")
             return
+
+
+_NOTHING = object()  # no reply queued right now
+
+
+def _queued_reply(rx: trio.MemoryReceiveChannel[tuple[str, float]]) -> _Reply | None | object:
+    """The next decodable reply if one is queued already: ``_NOTHING`` if none is, None if the
+    channel has ended (never waits)."""
+    while True:
+        try:
+            text, _t_recv = rx.receive_nowait()
+        except trio.WouldBlock:
+            return _NOTHING
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        try:
+            return _reply_decoder.decode(text)
+        except msgspec.DecodeError:
+            log.warning("ignoring an undecodable frame from the runner: %.200s", text)
 
 
 async def _stream_error(resp: _Response, message: str, code: str) -> None:

@@ -1,4 +1,5 @@
-"""SQLite persistence of the hub's registered runners and API keys (only token hashes are stored)."""
+"""SQLite persistence of the hub: runners and API keys (token hashes only), Chat Jobs and their
+reports, and the front door's session -> job mapping, so a restarted hub carries on where it stopped."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pathlib
 import secrets
 import sqlite3
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 RUNNER_TOKEN_PREFIX = "alpr_"
 API_KEY_PREFIX = "alpk_"
@@ -36,6 +38,39 @@ CREATE TABLE IF NOT EXISTS api_keys (
     key_hash TEXT NOT NULL,
     created_at TEXT NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    run_id TEXT,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    needs TEXT NOT NULL,
+    agent_definition TEXT NOT NULL,
+    origin TEXT NOT NULL,
+    claimed_by TEXT,
+    runner_name TEXT,
+    status TEXT NOT NULL,
+    conclusion TEXT,
+    final_reported INTEGER NOT NULL DEFAULT 0,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    cancel_reason TEXT,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS job_reports (
+    job_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    received_at TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    key_name TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    PRIMARY KEY (key_name, session_id)
 );
 """
 
@@ -86,6 +121,38 @@ class ApiKey:
     project: str
 
 
+@dataclass(slots=True)
+class StoredJob:
+    """A Chat Job as the database keeps it (``reports``: every status report received, in order)."""
+
+    id: str
+    owner: str
+    project: str
+    needs: list[str]
+    agent_definition: dict[str, Any]
+    origin: str = "api"  # "api" (enqueue_job) or "frontdoor" (a /v1 chat session)
+    run_id: str | None = None
+    claimed_by: str | None = None
+    runner_name: str | None = None
+    status: str = "queued"
+    conclusion: str | None = None
+    final_reported: bool = False  # a runner's "completed" report was accepted
+    cancelled: bool = False
+    cancel_reason: str | None = None
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    """A front-door chat session: (API key name, X-Chat-Session) -> its Chat Job."""
+
+    key_name: str
+    session_id: str
+    owner: str
+    project: str
+    job_id: str
+
+
 class Store:
     """The hub's SQLite database: ``data_dir/hub.sqlite3``, or in memory when ``data_dir`` is None."""
 
@@ -105,6 +172,121 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    # -- jobs --------------------------------------------------------------
+
+    def save_job(self, job: StoredJob) -> None:
+        """Insert or update a job's row (its reports are kept apart: ``add_job_report``)."""
+        now = utc_now()
+        with self._db:
+            self._db.execute(
+                "INSERT INTO jobs (id, run_id, owner, project, needs, agent_definition, origin,"
+                " claimed_by, runner_name, status, conclusion, final_reported, cancelled,"
+                " cancel_reason, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(id) DO UPDATE SET run_id = excluded.run_id,"
+                " claimed_by = excluded.claimed_by, runner_name = excluded.runner_name,"
+                " status = excluded.status, conclusion = excluded.conclusion,"
+                " final_reported = excluded.final_reported, cancelled = excluded.cancelled,"
+                " cancel_reason = excluded.cancel_reason, updated_at = excluded.updated_at",
+                (
+                    job.id,
+                    job.run_id,
+                    job.owner,
+                    job.project,
+                    json.dumps(job.needs),
+                    json.dumps(job.agent_definition),
+                    job.origin,
+                    job.claimed_by,
+                    job.runner_name,
+                    job.status,
+                    job.conclusion,
+                    int(job.final_reported),
+                    int(job.cancelled),
+                    job.cancel_reason,
+                    now,
+                    now,
+                ),
+            )
+
+    def delete_job(self, job_id: str) -> None:
+        """Forget a job (a queued job withdrawn before any runner claimed it)."""
+        with self._db:
+            self._db.execute("DELETE FROM job_reports WHERE job_id = ?", (job_id,))
+            self._db.execute("DELETE FROM sessions WHERE job_id = ?", (job_id,))
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
+        """Append one status report received for ``job_id`` (accepted or not)."""
+        with self._db:
+            self._db.execute(
+                "INSERT INTO job_reports (job_id, seq, body, received_at) VALUES (?,"
+                " (SELECT COALESCE(MAX(seq), 0) + 1 FROM job_reports WHERE job_id = ?), ?, ?)",
+                (job_id, job_id, json.dumps(body), utc_now()),
+            )
+
+    def load_jobs(self) -> list[StoredJob]:
+        """Every stored job with its reports, oldest first."""
+        reports: dict[str, list[dict[str, Any]]] = {}
+        for job_id, body in self._db.execute(
+            "SELECT job_id, body FROM job_reports ORDER BY job_id, seq"
+        ):
+            reports.setdefault(job_id, []).append(json.loads(body))
+        rows = self._db.execute(
+            "SELECT id, owner, project, needs, agent_definition, origin, run_id, claimed_by,"
+            " runner_name, status, conclusion, final_reported, cancelled, cancel_reason"
+            " FROM jobs ORDER BY created_at, rowid"
+        ).fetchall()
+        return [
+            StoredJob(
+                id=r[0],
+                owner=r[1],
+                project=r[2],
+                needs=json.loads(r[3]),
+                agent_definition=json.loads(r[4]),
+                origin=r[5],
+                run_id=r[6],
+                claimed_by=r[7],
+                runner_name=r[8],
+                status=r[9],
+                conclusion=r[10],
+                final_reported=bool(r[11]),
+                cancelled=bool(r[12]),
+                cancel_reason=r[13],
+                reports=reports.get(r[0], []),
+            )
+            for r in rows
+        ]
+
+    # -- front-door sessions -------------------------------------------------
+
+    def save_session(self, session: StoredSession) -> None:
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO sessions (key_name, session_id, owner, project, job_id)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (
+                    session.key_name,
+                    session.session_id,
+                    session.owner,
+                    session.project,
+                    session.job_id,
+                ),
+            )
+
+    def delete_session(self, key_name: str, session_id: str) -> None:
+        with self._db:
+            self._db.execute(
+                "DELETE FROM sessions WHERE key_name = ? AND session_id = ?",
+                (key_name, session_id),
+            )
+
+    def load_sessions(self) -> list[StoredSession]:
+        rows = self._db.execute(
+            "SELECT key_name, session_id, owner, project, job_id FROM sessions"
+            " ORDER BY key_name, session_id"
+        ).fetchall()
+        return [StoredSession(*row) for row in rows]
 
     # -- runners ---------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""Graceful shutdown under load: `alp-gateway run` gets SIGTERM while 20 turns stream in 4 sessions."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, open_chat, request_frame
+
+from gateway.hub import Hub, ServerChannel
+from gateway.sim import Simulator
+
+EXE = str(Path(sys.executable).with_name("alp-gateway"))
+SESSIONS, TURNS, CHUNKS, INTERVAL = 4, 5, 30, 0.1
+GRACE = 20.0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+    }
+    base.update(extra)
+    return base
+
+
+@dataclass
+class Turn:
+    """One turn's frames as the Server received them."""
+
+    job_id: str
+    request_id: str
+    frames: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        out = ""
+        for f in self.frames:
+            if f["type"] == "chat.completion.chunk":
+                for choice in f["chunk"].get("choices", []):
+                    out += choice.get("delta", {}).get("content") or ""
+        return out
+
+
+async def _collect(ch: ServerChannel, turn: Turn, rx: trio.MemoryReceiveChannel[Any]) -> None:
+    async with rx:
+        async for text, _ in rx:
+            frame = json.loads(text)
+            turn.frames.append(frame)
+            if frame["type"] in ("chat.completion.done", "chat.completion.error"):
+                return
+
+
+async def _collect_end(ch: ServerChannel, into: list[dict[str, Any]]) -> None:
+    while True:
+        try:
+            text, _ = await ch.recv()
+        except trio.EndOfChannel:
+            return
+        frame = json.loads(text)
+        if frame.get("type") == "chat.end":
+            into.append(frame)
+            return
+
+
+async def test_sigterm_under_load_drains_every_turn_and_session(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    server, url = hub
+    log_path = tmp_path / "runner.log"
+    with log_path.open("wb") as log:
+        proc = await trio.lowlevel.open_process(
+            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
+             "--grace", str(GRACE)],
+            env=_env(AGENTICS_SERVER=url, CHAT_LLM_BACKEND_URL=sim.url,
+                     CHAT_LLM_BACKEND_KEY=BACKEND_KEY, CHAT_LLM_MODEL="sim-model",
+                     AGENTICS_USER_TOKEN=ADMIN),
+            stdout=log, stderr=log,
+        )
+    turns: list[Turn] = []
+    ends: dict[str, list[dict[str, Any]]] = {}
+    jobs = []
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(SESSIONS):
+                job, ch = await open_chat(server, within=30)
+                jobs.append(job)
+                ends[job.id] = []
+                nursery.start_soon(_collect_end, ch, ends[job.id])
+                for t in range(TURNS):
+                    turn = Turn(job.id, f"t{t}")
+                    turns.append(turn)
+                    nursery.start_soon(_collect, ch, turn, ch.open_request(turn.request_id))
+                    sim_options = {"chunks": CHUNKS, "interval": INTERVAL}
+                    await ch.send(request_frame(job.id, turn.request_id, sim=sim_options))
+            with trio.fail_after(30):  # every turn is streaming
+                for n in range(1, SESSIONS * TURNS + 1):
+                    await (await sim.wait_for_streams(n)).wait_sent(1)
+            in_flight = sum(not s.finished.is_set() for s in sim.streams)
+            proc.send_signal(signal.SIGTERM)
+            signalled = trio.current_time()
+            with trio.fail_after(GRACE + 15):
+                code = await proc.wait()
+            took = trio.current_time() - signalled
+            nursery.cancel_scope.deadline = trio.current_time() + 10  # collectors end with the channels
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    log_text = log_path.read_text()
+    assert code == 0, log_text
+    assert in_flight >= 1 and took < GRACE, (in_flight, took)
+    expected = "".join(f"tok{i} " for i in range(CHUNKS))
+    for turn in turns:  # each turn finished normally, whole
+        assert turn.frames and turn.frames[-1]["type"] == "chat.completion.done", (turn, log_text)
+        assert turn.text == expected
+    assert all(s.completed for s in sim.streams) and len(sim.streams) == SESSIONS * TURNS
+    for job in jobs:  # each session was ended by the runner, then reported exactly once
+        assert ends[job.id] == [{"type": "chat.end", "jobId": job.id, "reason": "runner shutting down"}]
+        finals = [r for r in job.reports if r.get("status") == "completed"]
+        assert len(finals) == 1 and finals[0]["conclusion"] == "success", job.reports
