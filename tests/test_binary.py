@@ -1,0 +1,130 @@
+"""The frozen one-file executable itself (packaging/build.sh): version, demo, hub, sim, run and status.
+
+Runs against ``$ALP_GATEWAY_BINARY`` (default ``dist/alp-gateway``) and is skipped when it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, Turns, open_chat, request_frame
+
+from gateway import __version__
+from gateway.hub import Hub, open_hub
+from gateway.sim import Simulator
+
+ROOT = Path(__file__).resolve().parent.parent
+BINARY = Path(os.environ.get("ALP_GATEWAY_BINARY") or ROOT / "dist" / "alp-gateway")
+
+pytestmark = pytest.mark.skipif(
+    not (BINARY.is_file() and os.access(BINARY, os.X_OK)),
+    reason=f"no executable at {BINARY}: build it with packaging/build.sh (or set ALP_GATEWAY_BINARY)",
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    env.update(extra)
+    return env
+
+
+async def binary(*args: str, within: float = 60) -> subprocess.CompletedProcess[bytes]:
+    with trio.fail_after(within):
+        return await trio.run_process([str(BINARY), *args], env=clean_env(), capture_stdout=True,
+                                      capture_stderr=True, check=False)
+
+
+async def test_version() -> None:
+    result = await binary("--version")
+    assert result.returncode == 0
+    assert result.stdout.decode().strip() == f"alp-gateway {__version__}"
+
+
+async def test_demo_with_the_simulator() -> None:
+    result = await binary("demo", "--sim")
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()
+    assert "tok0 tok1" in out and "time to first token" in out
+
+
+async def test_hub_and_sim_subcommands_are_inside() -> None:
+    for command in ("hub", "sim"):
+        result = await binary(command, "--help")
+        assert result.returncode == 0 and f"alp-gateway {command}" in result.stdout.decode()
+
+
+async def test_run_serves_a_turn_and_status_reads_it(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    proc = await trio.lowlevel.open_process(
+        [str(BINARY), "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
+         "--metrics-listen", "127.0.0.1:0"],
+        env=clean_env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+                      CHAT_LLM_MODEL="sim-model", AGENTICS_USER_TOKEN=ADMIN),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    log = b""
+    try:
+        assert proc.stderr is not None
+        with trio.fail_after(30):  # the runner says where its metrics server listens
+            while (found := re.search(rb"health and metrics on (http://\S+)/healthz", log)) is None:
+                data = await proc.stderr.receive_some(65536)
+                assert data, f"the binary exited early: {log.decode()}"
+                log += data
+        url = found.group(1).decode()
+        job, ch = await open_chat(hub[0], within=20)
+        await ch.send(request_frame(job.id, "t", sim={"chunks": 3}))
+        turns = Turns(ch)
+        await turns.until("t")
+        assert turns.last("t")["type"] == "chat.completion.done"
+        result = await binary("status", "--metrics-url", url)
+        out = result.stdout.decode()
+        assert result.returncode == 0, out + result.stderr.decode()
+        assert "healthy: ok" in out and "1 done" in out
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            while data := await proc.stderr.receive_some(65536):
+                log += data
+            assert await proc.wait() == 0, log.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert BACKEND_KEY.encode() not in log and ADMIN.encode() not in log
+
+
+def _can_unshare_mounts() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs `unshare -m` (root) to hide the system CAs")
+async def test_finds_the_ca_bundle_of_another_distribution(tmp_path: Path) -> None:
+    """The bundled libssl looks for CAs where the build machine keeps them (Debian: /usr/lib/ssl ->
+    /etc/ssl/certs). In a mount namespace with those gone and the only bundle at Alpine's
+    /etc/ssl/cert.pem, the binary's runtime hook still finds it and registers over TLS."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key, ca_pem = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
+    cert.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    script = ('mount -t tmpfs tmpfs /etc/ssl && cp "$CA" /etc/ssl/cert.pem && exec "$BINARY" register '
+              '--server "$SERVER" --project "$PROJECT" --state-dir "$STATE"')
+    async with open_hub(Hub(admin_token=ADMIN), certfile=cert, keyfile=key) as (_hub, url):
+        assert url.startswith("https://")
+        env = {k: v for k, v in clean_env().items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+        env.update(CA=str(ca_pem), BINARY=str(BINARY), SERVER=url, PROJECT=f"{OWNER}/{PROJECT}",
+                   STATE=str(tmp_path / "state"), AGENTICS_USER_TOKEN=ADMIN)
+        with trio.fail_after(30):
+            result = await trio.run_process(["unshare", "-m", "sh", "-c", script], env=env,
+                                            capture_stdout=True, capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.startswith(b"registered runner ")

@@ -1,0 +1,273 @@
+"""The health and metrics server of a real runner (hub + simulator on loopback), and `alp-gateway status`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from helpers import Turns, open_chat, request_frame, runner_config, running
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import ConfigError, load_config
+from gateway.hub import Hub
+from gateway.metrics import CONTENT_TYPE, health, render
+from gateway.observe import Counters, Histogram
+from gateway.runner import Runner, RunnerExit
+from gateway.sim import Simulator
+from gateway.status import Samples, default_url
+
+EXE = str(Path(sys.executable).with_name("alp-gateway"))
+LOOPBACK_ANY_PORT = ("127.0.0.1", 0)
+
+
+def metrics_url(runner: Runner) -> str:
+    assert runner.metrics is not None
+    return runner.metrics.url
+
+
+async def get(url: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        return await client.get(url)
+
+
+def families(text: str) -> dict[str, Any]:
+    """Parsed with prometheus_client's reference parser (a test-only dependency)."""
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(fams: dict[str, Any], family: str, sample: str | None = None, **labels: str) -> float:
+    for s in fams[family].samples:
+        if s.name == (sample or family) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    raise AssertionError(f"no sample {sample or family} {labels} in {family}")
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+def test_metrics_listen_setting() -> None:
+    assert load_config({}, {}).metrics_listen is None  # off by default
+    assert load_config({"metrics_listen": "9464"}, {}).metrics_listen == ("127.0.0.1", 9464)
+    assert load_config({}, {"ALP_GATEWAY_METRICS_LISTEN": "0.0.0.0:9100"}).metrics_listen == ("0.0.0.0", 9100)
+    assert load_config({"metrics_listen": "[::1]:9464"}, {}).metrics_listen == ("::1", 9464)
+    with pytest.raises(ConfigError, match="--metrics-listen"):
+        load_config({"metrics_listen": "localhost:http"}, {})
+
+
+def test_status_default_url() -> None:
+    assert default_url({}) == "http://127.0.0.1:9464"
+    assert default_url({"ALP_GATEWAY_METRICS_LISTEN": "9100"}) == "http://127.0.0.1:9100"
+    assert default_url({"ALP_GATEWAY_METRICS_LISTEN": "0.0.0.0:9100"}) == "http://127.0.0.1:9100"
+    assert default_url({"ALP_GATEWAY_METRICS_URL": "http://box:1/"}) == "http://box:1"
+
+
+# -- health and rendering without a network -------------------------------------------------
+
+
+def fake_runner(*, age: float | None = 1.0, backends: list[Any] | None = None) -> Any:
+    now = trio.current_time()
+    return SimpleNamespace(
+        shutdown=trio.Event(),
+        last_poll_ok=None if age is None else now - age,
+        last_poll_error=None if age is not None and age < 30 else "POST …/runners/jobs: Server answered 503",
+        config=SimpleNamespace(poll_interval=10.0, max_sessions=8),
+        pool=SimpleNamespace(backends=[SimpleNamespace(name="default", url="http://127.0.0.1:1/v1")]
+                             if backends is None else backends),
+        sessions={},
+        counters=Counters(),
+        histograms={"ttft_seconds": Histogram()},
+    )
+
+
+async def test_health_rules() -> None:
+    assert health(fake_runner()) == (True, "ok")
+    ok, reason = health(fake_runner(age=None))
+    assert not ok and reason.startswith("no successful poll yet")
+    ok, reason = health(fake_runner(age=31))
+    assert not ok and "last successful poll 31" in reason and "503" in reason
+    down = SimpleNamespace(name="gpu", url="http://u:secret@127.0.0.1:1/v1", up=False)
+    ok, reason = health(fake_runner(backends=[down]))
+    assert (ok, reason) == (False, "no backend is up: gpu")
+    assert health(fake_runner(backends=[down, SimpleNamespace(name="cpu", url="x")]))[0]  # no `up`: up
+    assert health(fake_runner(backends=[])) == (False, "no backend configured")
+    stopping = fake_runner()
+    stopping.shutdown.set()
+    assert health(stopping) == (False, "shutting down")
+
+
+async def test_render_backends_and_histogram_buckets() -> None:
+    backends = [
+        SimpleNamespace(name="gpu", url="http://user:pw@10.0.0.2:8000/v1", up=False, in_flight=3, waiting=2),
+        SimpleNamespace(name="plain", url="http://127.0.0.1:11434/v1"),  # no up/in_flight/waiting yet
+    ]
+    runner = fake_runner(backends=backends)
+    for seconds in (0.0001, 0.3, 0.3, 99.0):
+        runner.histograms["ttft_seconds"].observe(seconds)
+    runner.counters.inc("turns_done", 2)
+    runner.counters.inc("something_new")
+    text = render(runner)
+    assert "pw" not in text  # a credential in a backend URL is not exposed
+    fams = families(text)
+    assert value(fams, "alp_gateway_backend_up", backend="gpu") == 0
+    assert value(fams, "alp_gateway_backend_in_flight", backend="gpu") == 3
+    assert value(fams, "alp_gateway_backend_waiting", backend="gpu") == 2
+    assert value(fams, "alp_gateway_backend_up", backend="plain", url="http://127.0.0.1:11434/v1") == 1
+    assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="done") == 2
+    assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="error") == 0
+    assert value(fams, "alp_gateway_something_new", "alp_gateway_something_new_total") == 1
+    hist = fams["alp_gateway_ttft_seconds"]
+    assert hist.type == "histogram"
+    buckets = [(s.labels["le"], s.value) for s in hist.samples if s.name.endswith("_bucket")]
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts)  # cumulative
+    assert dict(buckets)["0.0005"] == 1 and dict(buckets)["0.25"] == 1 and dict(buckets)["0.5"] == 3
+    assert buckets[-1] == ("+Inf", 4) and value(fams, "alp_gateway_ttft_seconds", "alp_gateway_ttft_seconds_count") == 4
+
+
+# -- a real runner ----------------------------------------------------------------------------
+
+
+async def test_healthz_and_metrics_count_a_served_turn(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
+    async with running(config) as runner:
+        url = metrics_url(runner)
+        assert url.startswith("http://127.0.0.1:")
+        resp = await get(url + "/healthz")
+        assert (resp.status_code, resp.text) == (200, "ok\n")
+        assert (await get(url + "/livez")).status_code == 200
+
+        job, ch = await open_chat(hub[0])
+        await ch.send(request_frame(job.id, "r1", sim={"chunks": 5}))
+        turns = Turns(ch)
+        await turns.until("r1")
+        with trio.fail_after(5):
+            await runner.counters.wait("turns_done", 1)
+        chunks = len(turns.chunks("r1"))
+
+        resp = await get(url + "/metrics")
+        assert resp.status_code == 200 and resp.headers["content-type"] == CONTENT_TYPE
+        fams = families(resp.text)
+        assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="done") == 1
+        assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="error") == 0
+        assert value(fams, "alp_gateway_chunks", "alp_gateway_chunks_total") == chunks >= 6
+        assert value(fams, "alp_gateway_sessions_open") == 1
+        assert value(fams, "alp_gateway_sessions_started", "alp_gateway_sessions_started_total") == 1
+        assert value(fams, "alp_gateway_polls", "alp_gateway_polls_total") >= 1
+        assert value(fams, "alp_gateway_healthy") == 1
+        assert value(fams, "alp_gateway_ttft_seconds", "alp_gateway_ttft_seconds_count") == 1
+        assert value(fams, "alp_gateway_relay_seconds", "alp_gateway_relay_seconds_count") >= 1
+        assert value(fams, "alp_gateway_backend_up", backend="default") == 1
+        assert value(fams, "alp_gateway_info", version=__import__("gateway").__version__) == 1
+        # nothing secret in the exposition
+        assert config.backend_key and config.backend_key not in resp.text
+        assert runner.registration is not None and runner.registration.token not in resp.text
+
+
+async def test_healthz_503_while_polls_fail_then_200_again(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT,
+                           poll_interval=0.1)
+    async with running(config) as runner:
+        url = metrics_url(runner) + "/healthz"
+        assert (await get(url)).status_code == 200
+        hub[0].faults["poll"] = [503] * 1000
+        errors = runner.counters.get("poll_errors")
+        with trio.fail_after(15):
+            while (resp := await get(url)).status_code == 200:  # each failed poll moves time on
+                errors += 1
+                await runner.counters.wait("poll_errors", errors)
+        assert resp.status_code == 503
+        assert "last successful poll" in resp.text and "503" in resp.text
+        hub[0].faults["poll"] = []
+        with trio.fail_after(15):
+            while (resp := await get(url)).status_code != 200:
+                await runner.counters.wait("polls", runner.counters.get("polls") + 1)
+        assert resp.text == "ok\n"
+
+
+async def test_http_edges(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
+    async with running(config) as runner, httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        url = metrics_url(runner)
+        assert (await client.get(url + "/nope")).status_code == 404
+        assert (await client.post(url + "/metrics", content=b"x")).status_code == 405
+        head = await client.head(url + "/metrics")
+        assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 100
+        assert (await client.get(url + "/healthz?verbose=1")).status_code == 200
+        # a client that connects and says nothing does not block the others
+        async with await trio.open_tcp_stream(runner.metrics.host, runner.metrics.port):
+            assert (await client.get(url + "/healthz")).status_code == 200
+
+
+async def test_busy_metrics_port_fails_the_start(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    try:
+        config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=("127.0.0.1", port))
+        with pytest.raises(RunnerExit, match=f"--metrics-listen 127.0.0.1:{port}") as caught:
+            with trio.fail_after(10):
+                await Runner(config).run()
+        assert caught.value.code == 2
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+
+
+async def test_off_by_default(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    async with running(runner_config(hub[1], sim.url, tmp_path / "state")) as runner:
+        assert runner.metrics is None
+
+
+# -- alp-gateway status ---------------------------------------------------------------------
+
+
+async def status(*args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALP_GATEWAY_")}
+    with trio.fail_after(30):
+        result = await trio.run_process([EXE, "status", *args], env=env, capture_stdout=True,
+                                        capture_stderr=True, check=False)
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
+    async with running(config) as runner:
+        job, ch = await open_chat(hub[0])
+        await ch.send(request_frame(job.id, "r1", sim={"chunks": 3}))
+        await Turns(ch).until("r1")
+        with trio.fail_after(5):
+            await runner.counters.wait("turns_done", 1)
+        url = metrics_url(runner)
+        code, out, err = await status("--metrics-url", url, "--rate")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].startswith("alp-gateway ") and url in lines[0]
+        assert "healthy: ok" in out
+        assert "1 open (max 64), 1 started, 0 ended" in out
+        assert "1 done, 0 error, 0 cancelled" in out
+        assert "/s over the last" in out
+        assert "first token p50 ≤" in out and "(1 samples)" in out
+        assert any(line.split()[1:3] == ["default", "up"] for line in lines if line.startswith("backends"))
+        assert len(lines) <= 24  # one screen
+        assert config.backend_key not in out
+
+        runner.pool.backends[0].up = False  # what the backend pool's health check sets
+        code, out, _ = await status("--metrics-url", url)
+        assert code == 1 and "NOT HEALTHY (503): no backend is up" in out and "DOWN" in out
+        runner.pool.backends[0].up = True
+    code, _, err = await status("--metrics-url", url)  # runner gone: nothing answers
+    assert code == 2 and "is not answering" in err
+
+
+def test_samples_parser_reads_what_render_writes() -> None:
+    text = 'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n# HELP x y\nalp_gateway_chunks_total 7\n'
+    samples = Samples.parse(text)
+    assert samples.get("backend_up", backend='a "b"') == 1 and samples.get("chunks_total") == 7
+
