@@ -70,9 +70,36 @@ def is_chat_job(job: Any) -> bool:
 _jobs_decoder = msgspec.json.Decoder()
 
 
-def _describe(exc: Exception) -> str:
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = 0
+    while (exc.__cause__ or exc.__context__) is not None and seen < 8:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """``ConnectError: …`` with the real reason: under trio httpx's own message is often empty
+    and the cause (a refused connection, a certificate failure) is a few levels down."""
     text = str(exc)
+    root = _root_cause(exc)
+    if root is not exc and str(root):
+        text = f"{text}: {root}" if text else str(root)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class CertificateRefused(ServerUnavailable):
+    """The Server's TLS certificate failed verification (retried like any outage once running,
+    but registration stops at once: retrying will not help)."""
+
+
+def _check_certificate(exc: BaseException, url: str) -> None:
+    root = _root_cause(exc)
+    if isinstance(root, ssl.SSLCertVerificationError):
+        raise CertificateRefused(
+            f"{url}: the Server's certificate was refused ({root.verify_message}); "
+            "if it is signed by a private CA, give it with --ca-file"
+        ) from None
 
 
 class AlpClient:
@@ -86,6 +113,7 @@ class AlpClient:
         *,
         ssl_context: ssl.SSLContext | None = None,
         timeout: float = 30.0,
+        connect_timeout: float = 10.0,
     ) -> None:
         self.server = server
         self.owner = owner
@@ -94,7 +122,7 @@ class AlpClient:
         self.token: str | None = None
         self._client = httpx.AsyncClient(
             verify=ssl_context if ssl_context is not None else True,
-            timeout=httpx.Timeout(timeout),
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
             headers={"user-agent": "alp-gateway"},
         )
 
@@ -112,7 +140,8 @@ class AlpClient:
         try:
             resp = await self._client.request(method, url, json=json, headers=self._auth(token))
         except httpx.HTTPError as exc:
-            raise ServerUnavailable(f"{method} {url}: {_describe(exc)}") from None
+            _check_certificate(exc, self.server)
+            raise ServerUnavailable(f"{method} {url}: {describe_error(exc)}") from None
         if resp.status_code >= 500:
             raise ServerUnavailable(f"{method} {url}: Server answered {resp.status_code}")
         return resp
@@ -129,7 +158,9 @@ class AlpClient:
                 "(--user-token or AGENTICS_USER_TOKEN) is needed, not a runner token"
             )
         if not resp.is_success:
-            raise Refused(f"registration failed: Server answered {resp.status_code}", resp.status_code)
+            raise Refused(
+                f"registration failed: Server answered {resp.status_code}", resp.status_code
+            )
         try:
             data = resp.json()
             return Registration(
@@ -213,7 +244,9 @@ class AlpClient:
                 if resp.status_code in (404, 405):
                     raise EventsUnavailable(f"{url}: {resp.status_code}")
                 if resp.status_code in (401, 403):
-                    raise TokenRefused(f"the Server refused the runner token on events ({resp.status_code})")
+                    raise TokenRefused(
+                        f"the Server refused the runner token on events ({resp.status_code})"
+                    )
                 if not resp.is_success:
                     raise ServerUnavailable(f"GET {url}: Server answered {resp.status_code}")
                 splitter = SSESplitter()
@@ -225,4 +258,4 @@ class AlpClient:
                             job_id = None
                         yield job_id if isinstance(job_id, str) else ""
         except httpx.HTTPError as exc:
-            raise ServerUnavailable(f"GET {url}: {_describe(exc)}") from None
+            raise ServerUnavailable(f"GET {url}: {describe_error(exc)}") from None

@@ -1,4 +1,4 @@
-"""The ``alp-gateway`` command: run, register, hub, sim, demo, --version."""
+"""The ``alp-gateway`` command: run, register, hub, sim, demo, status, --version."""
 
 from __future__ import annotations
 
@@ -44,9 +44,12 @@ _FLAG_HELP = {
     "metrics_listen": "serve /healthz and /metrics on [HOST:]PORT (env ALP_GATEWAY_METRICS_LISTEN; "
                       "off by default; a bare port binds 127.0.0.1)",
     "verbose_frames": "log every channel frame, cut short and with credentials redacted",
+    "allowed_models": "comma-separated allowlist of model ids (default: every model)",
+    "health_interval": "seconds between backend health probes (default 30)",
+    "models_refresh": "seconds between backend model-list refreshes (default 300)",
 }
 _FLOATS = {"poll_interval", "reconnect_window", "grace", "heartbeat_interval", "idle_timeout",
-           "connect_timeout", "models_cache"}
+           "connect_timeout", "models_cache", "health_interval", "models_refresh"}
 _INTS = {"max_sessions", "max_frame_size"}
 _BOOLS = {"verbose_frames"}
 _REGISTER_FLAGS = ("server", "project", "state_dir", "user_token", "name", "labels", "ca_file",
@@ -79,11 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(run, [s.key for s in SETTINGS])
     register = sub.add_parser("register", help="register this runner with the Server")
     _add_settings(register, _REGISTER_FLAGS)
+    doctor = sub.add_parser("doctor", help="check config, state file, Server and backends; say how to fix")
+    _add_settings(doctor, [s.key for s in SETTINGS])
+    doctor.add_argument("--deep", action="store_true",
+                        help="also ask each backend for a one-token completion and time it")
     demo = sub.add_parser("demo", help="hub + runner + backend in one process, one prompt")
     demo.add_argument("--prompt", default="Say hello from the edge, in one short sentence.")
     demo.add_argument("--backend", help="use this backend URL instead of looking for one")
     demo.add_argument("--model", help="model to ask (default: the backend's first)")
     demo.add_argument("--sim", action="store_true", help="always use the built-in simulator")
+    from gateway.status import add_arguments as add_status_arguments
+
+    add_status_arguments(sub.add_parser("status", help="health, sessions, turns and backends of a running "
+                                        "runner (from its --metrics-listen port)"))
     sub.add_parser("hub", help="run the ALP Server emulator (see `alp-gateway hub --help`)",
                    add_help=False)
     sub.add_parser("sim", help="run the backend simulator (see `alp-gateway sim --help`)",
@@ -121,6 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.demo import main as demo_main
 
             return demo_main(args)
+        if args.command == "status":
+            from gateway.status import main as status_main
+
+            return status_main(args)
+        if args.command == "doctor":
+            from gateway.doctor import main as doctor_main
+
+            return doctor_main(args)
         config = _config_from(args)
         setup_logging(config.log_level, config.log_format)
         if config.project is None:
@@ -153,7 +172,10 @@ def _run(config: Any) -> int:
 
     runner = Runner(config)
     if not runner.pool.available:
-        return _fail("no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. http://127.0.0.1:11434/v1")
+        return _fail(
+            "no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. http://127.0.0.1:11434/v1, "
+            "or [[backend]] tables in --config; `alp-gateway doctor` looks for local model servers"
+        )
 
     fatal: list[RunnerExit | StateError] = []
 

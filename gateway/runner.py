@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import signal
 from dataclasses import dataclass
@@ -15,17 +16,20 @@ from trio_websocket import HandshakeError
 
 from gateway.alp import (
     AlpClient,
+    CertificateRefused,
     EventsUnavailable,
     Refused,
     RegistrationRefused,
     ServerUnavailable,
     TokenRefused,
+    describe_error,
     is_chat_job,
     make_ssl_context,
 )
-from gateway.backends import Backend, BackendPool
+from gateway.backends import BackendPool
 from gateway.channel import Channel, ChannelEnd
 from gateway.config import Config
+from gateway.metrics import open_metrics
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.protocol import CAPABILITY
 from gateway.state import Registration, StateError, StateStore
@@ -34,6 +38,7 @@ log = logging.getLogger("gateway.runner")
 
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
+SIGNAL_ECHO = 0.5  # s: the same signal again this soon is one signal delivered twice
 
 
 class RunnerExit(Exception):
@@ -91,18 +96,10 @@ class Runner:
         self.ssl_context = make_ssl_context(config.ca_file)
         self.store = StateStore(config.state_dir)
         if pool is None:
-            backends = []
-            if config.backend:
-                backends.append(
-                    Backend(
-                        config.backend,
-                        config.backend_key,
-                        connect_timeout=config.connect_timeout,
-                        idle_timeout=config.idle_timeout,
-                        ssl_context=self.ssl_context,
-                    )
-                )
-            pool = BackendPool(backends, config.model, cache_ttl=config.models_cache)
+            # a backend going down or coming back changes the capabilities: poll at once
+            pool = BackendPool.from_config(
+                config, ssl_context=self.ssl_context, on_change=lambda: self._wake.set()
+            )
         self.pool = pool
         self.registration: Registration | None = None
         self.alp: AlpClient | None = None
@@ -124,7 +121,11 @@ class Runner:
         reg = self.store.load(config.project)
         if reg is not None:
             if reg.server != config.server and config.server_explicit:
-                log.info("server changed to %s for %s; updating the saved registration", config.server, reg.key)
+                log.info(
+                    "server changed to %s for %s; updating the saved registration",
+                    config.server,
+                    reg.key,
+                )
                 reg = Registration(**{**reg.__dict__, "server": config.server})
                 self.store.save(reg)
             return reg
@@ -139,7 +140,13 @@ class Runner:
     async def _register(self) -> Registration:
         config = self.config
         assert config.project and config.user_token
-        client = AlpClient(config.server, config.owner, config.project_name, ssl_context=self.ssl_context)
+        client = AlpClient(
+            config.server,
+            config.owner,
+            config.project_name,
+            ssl_context=self.ssl_context,
+            connect_timeout=config.connect_timeout,
+        )
         try:
             failures = 0
             while True:
@@ -147,10 +154,15 @@ class Runner:
                     reg = await client.register(config.user_token, config.name, list(config.labels))
                     break
                 except ServerUnavailable as exc:
+                    if isinstance(exc, CertificateRefused):
+                        raise RunnerExit(str(exc), 2) from None
                     failures += 1
                     delay = backoff_delay(failures, 1.0, 30.0)
                     log.warning("registration: %s; retrying in %.1f s", exc, delay)
-                    await trio.sleep(delay)
+                    with trio.move_on_after(delay):
+                        await self.shutdown.wait()
+                    if self.shutdown.is_set():
+                        raise RunnerExit("stopped before the runner could register", 0) from None
         except (RegistrationRefused, Refused) as exc:
             raise RunnerExit(str(exc), 2) from None
         finally:
@@ -165,7 +177,13 @@ class Runner:
         """Run until shutdown (first SIGINT/SIGTERM) or a fatal error (RunnerExit)."""
         self.registration = await self._ensure_registration()
         reg = self.registration
-        self.alp = AlpClient(reg.server, reg.owner, reg.project, ssl_context=self.ssl_context)
+        self.alp = AlpClient(
+            reg.server,
+            reg.owner,
+            reg.project,
+            ssl_context=self.ssl_context,
+            connect_timeout=self.config.connect_timeout,
+        )
         self.alp.token = reg.token
         log.info(
             "runner %s serving %s on %s, backend %s",
@@ -176,8 +194,14 @@ class Runner:
         )
         fatal: RunnerExit | StateError | None = None
         try:
+            self.metrics = await open_metrics(
+                self
+            )  # None unless --metrics-listen; binds now or fails
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._events_loop)
+                await nursery.start(self.pool.run)  # models discovered, backends probed: then poll
+                if self.metrics is not None:
+                    nursery.start_soon(self.metrics.serve)
                 async with trio.open_nursery() as sessions:
                     self._sessions_nursery = sessions
                     try:
@@ -196,16 +220,25 @@ class Runner:
         log.info("runner stopped")
 
     async def watch_signals(self, done: trio.CancelScope) -> None:
-        """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once."""
+        """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once.
+
+        The same signal again within half a second counts as the first one: a frozen
+        binary's launcher forwards a signal its process group also received, so a single
+        `kill -TERM -PGID` (or systemd's default KillMode) arrives twice."""
+        first: tuple[int, float] | None = None
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
-                if not self.shutdown.is_set():
+                now = trio.current_time()
+                if first is None:
+                    first = (signum, now)
                     log.info(
                         "%s: shutting down (in-flight turns get up to %.0f s; signal again to stop now)",
                         signal.Signals(signum).name,
                         self.config.grace,
                     )
                     self.begin_shutdown()
+                elif signum == first[0] and now - first[1] < SIGNAL_ECHO:
+                    continue
                 else:
                     log.warning("second signal: stopping now")
                     done.cancel()
@@ -215,7 +248,10 @@ class Runner:
         if not self.config.verbose_frames:
             return None
         reg = self.registration
-        return Redactor([self.config.backend_key, self.config.user_token, reg.token if reg else None])
+        keys = [spec.key for spec in self.config.backends]
+        return Redactor(
+            [*keys, self.config.backend_key, self.config.user_token, reg.token if reg else None]
+        )
 
     def begin_shutdown(self) -> None:
         self.shutdown.set()
@@ -223,8 +259,8 @@ class Runner:
 
     def capabilities(self) -> list[str]:
         """What can be served right now (recomputed on every poll)."""
-        if not self.pool.available or len(self.sessions) >= self.config.max_sessions:
-            return []
+        if not self.pool.any_up or len(self.sessions) >= self.config.max_sessions:
+            return []  # no backend up (or none configured), or no free session slot
         return [CAPABILITY]
 
     async def _poll_loop(self) -> None:
@@ -307,7 +343,10 @@ class Runner:
                     self._wake.set()
                 log.debug("events stream ended; resubscribing")
             except EventsUnavailable:
-                log.info("the Server offers no push events; short-polling every %.0f s", self.config.poll_interval)
+                log.info(
+                    "the Server offers no push events; short-polling every %.0f s",
+                    self.config.poll_interval,
+                )
                 await trio.sleep(600)
                 continue
             except (ServerUnavailable, TokenRefused) as exc:
@@ -324,11 +363,8 @@ class Runner:
         conclusion, reason = "failure", "session ended unexpectedly"
         budget: float | None = None  # how long the final report may be retried
         try:
-            try:
-                await self.alp.set_status(job.run_id, job.id, {"status": "in_progress"})
-            except (ServerUnavailable, Refused) as exc:
-                log.warning("job %s: in_progress not recorded: %s", job.id, exc)
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._mark_in_progress, job)  # the dial does not wait for it
                 nursery.start_soon(self._heartbeat, job)
                 conclusion, reason = await self._serve_channel(job)
                 nursery.cancel_scope.cancel()
@@ -342,6 +378,13 @@ class Runner:
             self.counters.inc("sessions_ended")
             self._wake.set()  # a slot is free: poll now
             log.info("session end job=%s conclusion=%s reason=%s", job.id, conclusion, reason)
+
+    async def _mark_in_progress(self, job: ChatJob) -> None:
+        assert self.alp is not None
+        try:
+            await self.alp.set_status(job.run_id, job.id, {"status": "in_progress"})
+        except (ServerUnavailable, Refused) as exc:
+            log.warning("job %s: in_progress not recorded: %s", job.id, exc)
 
     async def _heartbeat(self, job: ChatJob) -> None:
         assert self.alp is not None
@@ -365,38 +408,36 @@ class Runner:
                 return "failure", f"runner shut down while the channel was down ({last_problem})"
             url = channel_url(self.registration.server, job, self.registration.token)
             end: ChannelEnd | None = None
+            # our own deadline on the dial: trio-websocket's connect_timeout does not end a
+            # handshake that the Server holds open without answering
+            dial = trio.CancelScope(deadline=trio.current_time() + self.config.connect_timeout)
             try:
-                async with trio_websocket.open_websocket_url(
-                    url,
-                    ssl_context=self.ssl_context if url.startswith("wss:") else None,
-                    max_message_size=self.config.max_frame_size,
-                    connect_timeout=self.config.connect_timeout,
-                    disconnect_timeout=2,
-                ) as ws:
-                    if dropped_at is not None:
-                        log.info("job %s: channel redialled", job.id)
-                        self.counters.inc("reconnects")
-                    failures = 0
-                    dropped_at = None
-                    channel = Channel(
-                        job.id,
-                        ws,
-                        self.pool,
-                        shutdown=self.shutdown,
-                        grace=self.config.grace,
-                        counters=self.counters,
-                        ttft=self.histograms["ttft_seconds"],
-                        relay=self.histograms["relay_seconds"],
-                        frame_log=self._frame_log(),
+                with dial:
+                    ws_context = trio_websocket.open_websocket_url(
+                        url,
+                        ssl_context=self.ssl_context if url.startswith("wss:") else None,
+                        max_message_size=self.config.max_frame_size,
+                        connect_timeout=self.config.connect_timeout,
+                        disconnect_timeout=2,
                     )
-                    end = await channel.serve()
+                    async with ws_context as ws:
+                        dial.deadline = math.inf
+                        end = await self._serve_connected(job, ws, dropped_at is not None)
+                        failures = 0
+                        dropped_at = None
             except HandshakeError as exc:
                 status = getattr(exc, "status_code", None)
                 if status is not None and 400 <= status < 500:
                     return "failure", f"the Server refused the chat channel ({status})"
                 last_problem = f"channel handshake failed: {type(exc).__name__}"
-            except (OSError, trio_websocket.ConnectionTimeout, trio_websocket.DisconnectionTimeout) as exc:
-                last_problem = f"channel unreachable: {type(exc).__name__}"
+            except (
+                OSError,
+                trio_websocket.ConnectionTimeout,
+                trio_websocket.DisconnectionTimeout,
+            ) as exc:
+                last_problem = f"channel unreachable: {describe_error(exc)}"
+            if dial.cancelled_caught and end is None:
+                last_problem = f"channel handshake took over {self.config.connect_timeout:.0f} s"
             if end is not None:
                 if end.by != "drop":
                     return "success", end.reason
@@ -406,11 +447,34 @@ class Runner:
             if dropped_at is None:
                 dropped_at = now
             if now - dropped_at >= window:
-                return "failure", f"gave up redialling the chat channel after {window:.0f} s: {last_problem}"
+                return (
+                    "failure",
+                    f"gave up redialling the chat channel after {window:.0f} s: {last_problem}",
+                )
             failures += 1
             delay = min(backoff_delay(failures, 0.25, 5.0), window - (now - dropped_at))
             with trio.move_on_after(delay):
                 await self.shutdown.wait()
+
+    async def _serve_connected(
+        self, job: ChatJob, ws: trio_websocket.WebSocketConnection, redial: bool
+    ) -> ChannelEnd:
+        """Serve one open channel connection until it ends."""
+        if redial:
+            log.info("job %s: channel redialled", job.id)
+            self.counters.inc("reconnects")
+        channel = Channel(
+            job.id,
+            ws,
+            self.pool,
+            shutdown=self.shutdown,
+            grace=self.config.grace,
+            counters=self.counters,
+            ttft=self.histograms["ttft_seconds"],
+            relay=self.histograms["relay_seconds"],
+            frame_log=self._frame_log(),
+        )
+        return await channel.serve()
 
     async def _report(self, job: ChatJob, conclusion: str, reason: str) -> None:
         """The one final report; retried (bounded) while the Server is unavailable."""
@@ -422,9 +486,17 @@ class Runner:
                 return
             except ServerUnavailable as exc:
                 if attempt == REPORT_ATTEMPTS:
-                    log.error("job %s: final report lost after %d attempts: %s", job.id, attempt, exc)
+                    log.error(
+                        "job %s: final report lost after %d attempts: %s", job.id, attempt, exc
+                    )
                     return
                 await trio.sleep(backoff_delay(attempt, 0.5, 10.0))
             except Refused as exc:
+                if (
+                    exc.status == 409 and attempt > 1
+                ):  # our earlier attempt landed; its answer was lost
+                    log.info("job %s: final report was already recorded", job.id)
+                    self.reports[job.id] = conclusion
+                    return
                 log.error("job %s: final report refused: %s", job.id, exc)
                 return

@@ -177,3 +177,16 @@ class RecordingProxy:
 
                 nursery.start_soon(pump, client, server, True)
                 nursery.start_soon(pump, server, client, False)
+
+
+async def start_killable_sim(nursery: trio.Nursery, **kwargs: Any) -> tuple[Any, trio.CancelScope]:
+    """A simulator the test can kill mid-test (cancel the returned scope): a backend that dies."""
+    from gateway.sim import serve_sim
+
+    scope = trio.CancelScope()
+
+    async def serve(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await serve_sim(task_status=task_status, **kwargs)
+
+    return await nursery.start(serve), scope

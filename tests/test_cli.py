@@ -107,6 +107,7 @@ async def test_run_serves_then_sigterm_drains(hub: tuple[Hub, str], sim: Simulat
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
             proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # an echo (as a binary's launcher forwards it): still graceful
             turns = Turns(ch)
             with trio.fail_after(15):
                 while not turns.other:
@@ -162,3 +163,56 @@ async def test_revoked_token_reregisters_with_user_credential(
         assert runner.registration is not old
         await open_chat(hub[0])
         nursery.cancel_scope.cancel()
+
+
+async def test_second_signal_stops_at_once(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    log_path = tmp_path / "runner.log"
+    with log_path.open("wb") as log:
+        proc = await trio.lowlevel.open_process(
+            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
+             "--grace", "60"],
+            env=env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_MODEL="sim-model",
+                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY, AGENTICS_USER_TOKEN=ADMIN),
+            stdout=log, stderr=log,
+        )
+    try:
+        with trio.fail_after(20):
+            job, ch = await open_chat(hub[0], within=20)
+            await ch.send(request_frame(job.id, "long", sim={"chunks": 1000, "interval": 0.05}))
+            stream = await sim.wait_for_streams(1)
+            await stream.wait_sent(2)
+        proc.send_signal(signal.SIGTERM)  # graceful: would wait up to 60 s for the turn
+        turns = Turns(ch)
+        with trio.fail_after(10):
+            seen = len(stream.payloads)
+            while len(turns.chunks("long")) < seen + 3:  # still relaying after the first signal
+                await turns.next()
+        proc.send_signal(signal.SIGINT)
+        with trio.fail_after(10):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    assert code == 130, log_path.read_text()
+    with trio.fail_after(5):
+        await stream.finished.wait()
+    assert stream.client_closed
+
+
+async def test_sigterm_while_the_server_is_unreachable(tmp_path: Path) -> None:
+    proc = await trio.lowlevel.open_process(
+        [EXE, "run", "--project", "o/p", "--server", "127.0.0.1:9", "--state-dir", str(tmp_path),
+         "--backend", "http://127.0.0.1:9/v1", "--user-token", "u"],
+        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        with trio.fail_after(10):
+            await proc.stderr.receive_some()  # it has started and logged its first failed attempt
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    assert code == 0

@@ -21,7 +21,7 @@ from helpers import (
 
 from gateway.hub import Hub, open_hub
 from gateway.runner import ChatJob, Runner, backoff_delay, channel_url
-from gateway.sim import Simulator
+from gateway.sim import Simulator, serve_sim
 
 
 async def test_one_turn_streams_verbatim_chunks(hub: tuple[Hub, str], sim: Simulator, runner: Runner) -> None:
@@ -149,17 +149,23 @@ async def test_backend_errors_become_error_frames(
 
 
 async def test_unreachable_backend_names_url_not_key(hub: tuple[Hub, str], tmp_path: Path) -> None:
-    with trio.socket.socket() as s:  # a port with nobody listening
-        await s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/v1"
-    async with running(runner_config(hub[1], url, tmp_path)):
-        job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "x"))
-        turns = Turns(ch)
-        await turns.until("x")
-        error = turns.last("x")["error"]
-        assert url in error and BACKEND_KEY not in error
+    async with trio.open_nursery() as nursery:
+        backend_scope = trio.CancelScope()
+
+        async def backend(task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED) -> None:
+            with backend_scope:
+                await serve_sim(require_key=BACKEND_KEY, task_status=task_status)
+
+        doomed: Simulator = await nursery.start(backend)
+        url = doomed.url
+        async with running(runner_config(hub[1], url, tmp_path, health_interval=3600)):
+            job, ch = await open_chat(hub[0])
+            backend_scope.cancel()  # the backend dies after the session opened
+            await ch.send(request_frame(job.id, "x"))
+            turns = Turns(ch)
+            await turns.until("x")
+            error = turns.last("x")["error"]
+            assert url in error and BACKEND_KEY not in error
 
 
 async def test_bad_frames_leave_the_channel_up(

@@ -131,6 +131,8 @@ async def test_soak(tmp_path: Path) -> None:
                     for _ in range(SESSIONS)]
             for job in jobs:
                 assert await hub.wait_channel(job.id, 20) is not None
+            with trio.fail_after(10):
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # every session settled
             baseline_tasks = runner_tasks(runner)
             start = trio.current_time()
             rss: dict[str, int] = {}
