@@ -12,7 +12,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from gateway import protocol
-from gateway.backends import BackendError, BackendPool
+from gateway.backends import Backend, BackendError, BackendPool, BackendUnreachable
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.sse import SSESplitter
 
@@ -99,17 +99,34 @@ class Channel:
     # -- the socket --------------------------------------------------------------------
 
     async def _writer(self) -> None:
+        """The one task that writes to the socket. Whatever is queued when it wakes goes out
+        together, as one socket write of ready-made text frames; it never waits for more."""
+        outbox = self._outbox_recv
+        take = outbox.receive_nowait
+        ws = self.ws
+        batched = _can_write_frames(ws)
         try:
-            async with self._outbox_recv:
-                async for message in self._outbox_recv:
+            async with outbox:
+                async for message in outbox:
+                    batch = [message]
+                    while len(batch) < _BATCH_LIMIT:
+                        try:
+                            batch.append(take())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
                     if self.frame_log is not None:
-                        log.info("job %s → %s", self.job_id, self.frame_log(message))
+                        for item in batch:
+                            log.info("job %s → %s", self.job_id, self.frame_log(item))
                     try:
-                        await self.ws.send_message(message)
+                        if batched:
+                            await _write_frames(ws, protocol.ws_text_frames(batch, mask=ws.is_client))
+                        else:
+                            await _send_each(ws, batch)
                     except ConnectionClosed as exc:
                         reason = f"channel closed while sending ({_close_text(exc)})"
                         self._finish(ChannelEnd("drop", reason))
                         return
+                    del batch, message  # an idle channel holds none of its last burst
         finally:
             self._writer_done.set()
 
@@ -247,29 +264,43 @@ class Channel:
                 self._no_turns.set()
 
     async def _forward(self, frame: protocol.CompletionRequest) -> str | None:
-        """Relay one turn to the backend; send its chunks and done frame. An error string on failure."""
-        body = bytes(frame.body)
-        model = frame.model
-        if model is not None:
-            body = protocol.with_model(body, model)
-        else:
-            model = protocol.body_model(body)
-            if model is None and self.pool.default_model:
-                model = self.pool.default_model
-                body = protocol.with_model(body, model)
+        """Route one turn, hold a slot on a backend serving its model, relay its chunks and
+        done frame. An error string on failure. A backend that cannot be reached (nothing was
+        sent) is probed at once, and the turn goes to the next backend serving the model."""
+        request_id = frame.requestId
         try:
-            backend = self.pool.route(model)
-            async with backend.stream(body) as response:
-                return await self._relay(frame.requestId, backend.url, response)
+            route = await self.pool.route(frame.model, bytes(frame.body))
         except BackendError as exc:
             return str(exc)
-        except httpx.TimeoutException:
-            return f"backend {self.pool.route(model).url} sent nothing for too long (idle timeout)"
-        except httpx.HTTPError as exc:
-            return f"backend {self.pool.route(model).url} stream broke: {type(exc).__name__}"
+        tried: list[Backend] = []
+        while True:
+            backend: Backend | None = None
+            try:
+                async with self.pool.turn(route, self.job_id, request_id, tried) as backend:
+                    async with backend.stream(route.body) as response:
+                        return await self._relay(request_id, backend.url, response)
+            except BackendUnreachable as exc:
+                assert backend is not None
+                self.pool.suspect(backend)
+                tried.append(backend)
+                if len(tried) >= len(route.candidates):
+                    return str(exc)
+                log.warning("job %s request %s: %s; trying another backend", self.job_id, request_id, exc)
+            except BackendError as exc:
+                return str(exc)
+            except httpx.TimeoutException:
+                url = backend.url if backend is not None else "?"
+                return f"backend {url} sent nothing for too long (idle timeout)"
+            except httpx.HTTPError as exc:
+                url = backend.url if backend is not None else "?"
+                return f"backend {url} stream broke: {type(exc).__name__}"
 
     async def _relay(self, request_id: str, url: str, response: httpx.Response) -> str | None:
-        send = self._outbox.send
+        """Relay one backend answer: every SSE event becomes a chunk frame queued the moment its
+        read is split, then the done frame. Frames are queued without a scheduling point each
+        (the read that brought them is one); a full outbox makes the relay wait (backpressure)."""
+        outbox = self._outbox
+        send, send_nowait = outbox.send, outbox.send_nowait
         if not response.is_success:
             text = await _read_limited(response, _ERROR_BODY_LIMIT)
             return f"backend returned {response.status_code}: {text}"
@@ -280,7 +311,9 @@ class Channel:
                 _validate_json(payload)
             except msgspec.DecodeError:
                 return f"backend {url} answered something that is not JSON"
-            await send(protocol.chunk_frame(prefix, payload))
+            if not _is_utf8(payload):
+                return f"backend {url} answered something that is not UTF-8 JSON"
+            await send(protocol.chunk_frame_bytes(prefix, payload))
             await send(protocol.done_frame(self.job_id, request_id))
             return None
         splitter = SSESplitter()
@@ -309,7 +342,13 @@ class Channel:
                         _validate_json(payload)
                     except msgspec.DecodeError:
                         return f"backend {url} sent a malformed SSE event"
-                    await send(protocol.chunk_frame(prefix, payload))
+                    if not payload.isascii() and not _is_utf8(payload):
+                        return f"backend {url} sent an SSE event that is not UTF-8"
+                    frame = prefix + payload + b"}"  # protocol.chunk_frame_bytes, inlined
+                    try:
+                        send_nowait(frame)
+                    except (trio.WouldBlock, trio.BrokenResourceError):
+                        await send(frame)  # waits for room; or, the writer gone, is cancelled
                     chunks += 1
                 observe_relay(clock() - read_at)  # backend read -> frames queued for the socket
         self.counters.inc("chunks", chunks)
@@ -321,13 +360,63 @@ class Channel:
                     _validate_json(payload)
                 except msgspec.DecodeError:
                     return f"backend {url} sent a malformed SSE event"
-                await send(protocol.chunk_frame(prefix, payload))
+                if not _is_utf8(payload):
+                    return f"backend {url} sent an SSE event that is not UTF-8"
+                await send(protocol.chunk_frame_bytes(prefix, payload))
         await send(protocol.done_frame(self.job_id, request_id))
         return None
 
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()
         await self._outbox.send(protocol.models_frame(self.job_id, request_id, models))
+
+
+def _is_utf8(data: bytes) -> bool:
+    """A payload goes into a text frame: it must be UTF-8 (JSON validation does not check)."""
+    if data.isascii():
+        return True
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+_BATCH_LIMIT = 256  # frames in one socket write at most
+
+
+def _can_write_frames(ws: WebSocketConnection) -> bool:
+    """Can ``_write_frames`` reach this connection's stream? (trio-websocket internals, checked
+    once per channel; without them the writer sends message by message through the public API)."""
+    return all(hasattr(ws, name) for name in ("_stream", "_stream_lock", "_close_reason", "_abort_web_socket"))
+
+
+async def _send_each(ws: WebSocketConnection, batch: list[str | bytes]) -> None:
+    """Without ``_write_frames``: one message at a time, through the public API."""
+    for item in batch:
+        await ws.send_message(item if isinstance(item, str) else item.decode())
+
+
+async def _write_frames(ws: WebSocketConnection, data: bytes) -> None:
+    """Write ready-made WebSocket frames in one go, as ``WebSocketConnection.send_message`` does
+    for one message: under the connection's send lock, ``ConnectionClosed`` once it is closed."""
+    if ws._close_reason:
+        raise ConnectionClosed(ws._close_reason)
+    lock = ws._stream_lock
+    if lock.locked():  # the reader is answering a ping or a close: wait for it
+        await lock.acquire()
+        if ws._close_reason:  # closed while we waited
+            lock.release()
+            raise ConnectionClosed(ws._close_reason)
+    else:
+        lock.acquire_nowait()  # free: take it without a scheduling point (send_all has one)
+    try:
+        await ws._stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await ws._abort_web_socket()
+        raise ConnectionClosed(ws._close_reason) from None
+    finally:
+        lock.release()
 
 
 async def _read_limited(response: httpx.Response, limit: int) -> str:

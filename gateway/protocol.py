@@ -8,7 +8,10 @@ backend's ``data:`` payload goes into the frame unchanged, never re-encoded.
 
 from __future__ import annotations
 
+import os
 import re
+import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -175,6 +178,50 @@ def chunk_prefix(job_id: str, request_id: str) -> bytes:
 def chunk_frame(prefix: bytes, payload: bytes | memoryview) -> str:
     """One ``chat.completion.chunk`` frame around an unparsed JSON payload."""
     return (prefix + payload + b"}").decode()
+
+
+def chunk_frame_bytes(prefix: bytes, payload: bytes | memoryview) -> bytes:
+    """The same frame as UTF-8 bytes, for a writer that sends them as a text message unchanged
+    (``ws_text_frames``): the payload is copied once and never decoded."""
+    return prefix + payload + b"}"
+
+
+_FRAME_HEAD_16 = struct.Struct("!BBH")
+_FRAME_HEAD_64 = struct.Struct("!BBQ")
+_TEXT_FIN = 0x81  # FIN + opcode 1 (text)
+
+
+def ws_text_frames(
+    messages: Sequence[str | bytes], *, mask: bool, entropy: Callable[[int], bytes] = os.urandom
+) -> bytes:
+    """WebSocket text frames (RFC 6455 §5.2) holding ``messages``, one frame each, ready to go
+    out in one write. ``bytes`` messages must be UTF-8 text; they are framed as they are.
+
+    A client (``mask``) masks every frame with its own fresh key (§5.3), drawn from ``entropy``
+    (a CSPRNG: ``os.urandom``) in one call for the whole batch.
+    """
+    keys = entropy(4 * len(messages)) if mask else b""
+    parts: list[bytes] = []
+    append = parts.append
+    for i, message in enumerate(messages):
+        data = message.encode() if isinstance(message, str) else message
+        n = len(data)
+        if n < 126:
+            head = bytes((_TEXT_FIN, n | 0x80)) if mask else bytes((_TEXT_FIN, n))
+        elif n < 65536:
+            head = _FRAME_HEAD_16.pack(_TEXT_FIN, 0xFE if mask else 126, n)
+        else:
+            head = _FRAME_HEAD_64.pack(_TEXT_FIN, 0xFF if mask else 127, n)
+        append(head)
+        if mask:
+            key = keys[4 * i : 4 * i + 4]
+            append(key)
+            if n:
+                # XOR by whole-number arithmetic: one C-level pass, no per-byte Python work
+                pad = (key * ((n >> 2) + 1))[:n]
+                data = (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
+        append(data)
+    return b"".join(parts)
 
 
 def done_frame(job_id: str, request_id: str) -> str:

@@ -3,6 +3,12 @@
 Feed it whatever the socket gave; it returns the ``data:`` payloads of every
 event completed so far, as bytes, without decoding them. Multi-line data is
 joined with ``\\n`` as the SSE spec says; comments and other fields are skipped.
+
+The common event, one ``data:`` line, costs no per-line work: a read is cut at
+event boundaries (a blank line) in one C-level split, and each single-line data
+event is sliced out as it is. Anything else (comments, other fields, several data
+lines, an event begun in an earlier read) goes through the line-by-line parser,
+which gives the same results.
 """
 
 from __future__ import annotations
@@ -16,24 +22,62 @@ class SSESplitter:
     __slots__ = ("_buf", "_data")
 
     def __init__(self) -> None:
-        self._buf = b""
-        self._data: list[bytes] = []
+        self._buf = b""  # an unfinished line
+        self._data: list[bytes] = []  # data lines of the event in progress
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Return the data payloads of the events that ``chunk`` completes."""
+        if not self._buf and not self._data and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # the usual read: whole events only
+            if chunk.find(b"\n") == len(chunk) - 2 and chunk.startswith(_DATA):  # just one
+                return [chunk[6:-2] if chunk[5:6] == b" " else chunk[5:-2]]
+            out: list[bytes] = []
+            append = out.append
+            find = chunk.find
+            startswith = chunk.startswith
+            pos = 0
+            end = len(chunk)
+            while pos < end:
+                nl = find(b"\n", pos)
+                if nl + 1 < end and chunk[nl + 1] == 10 and startswith(_DATA, pos):  # "data:…\n\n"
+                    append(chunk[pos + 6 if chunk[pos + 5] == 32 else pos + 5 : nl])
+                    pos = nl + 2
+                else:  # anything else: the line parser, up to the end of this event
+                    pos = self._lines(chunk, pos, out, stop_at_event=True)
+            return out
         buf = self._buf + chunk if self._buf else chunk
+        keep_cr = False
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
             if buf.endswith(b"\r"):  # a CRLF may be split across reads: keep the CR
                 buf = buf[:-1]
                 keep_cr = True
-            else:
-                keep_cr = False
             buf = buf.replace(b"\r", b"\n")
+        out = []
+        if self._buf or self._data or b"\n\n" not in buf:
+            # an event (or line) begun in an earlier read: the line parser finishes it
+            start = self._lines(buf, 0, out, stop_at_event=True)
         else:
-            keep_cr = False
-        out: list[bytes] = []
-        start = 0
+            start = 0
+        last = buf.rfind(b"\n\n", start)  # the end of the last complete event
+        if last >= 0:
+            for event in buf[start:last].split(b"\n\n"):
+                if event.startswith(_DATA) and b"\n" not in event:
+                    out.append(event[6:] if event[5:6] == b" " else event[5:])
+                elif event:
+                    self._lines(event + b"\n\n", 0, out)
+            start = last + 2
+        if start < len(buf):
+            start = self._lines(buf, start, out)
+        rest = buf[start:]
+        self._buf = rest + b"\r" if keep_cr else rest
+        return out
+
+    def _lines(self, buf: bytes, start: int, out: list[bytes], stop_at_event: bool = False) -> int:
+        """Parse the complete lines of ``buf`` from ``start``; the offset of the first unparsed byte.
+
+        With ``stop_at_event``, stop right after the first event dispatched (or ignored).
+        """
         end = len(buf)
         while start < end:
             nl = buf.find(b"\n", start)
@@ -46,6 +90,8 @@ class SSESplitter:
                     data = self._data
                     out.append(data[0] if len(data) == 1 else b"\n".join(data))
                     self._data = []
+                if stop_at_event:
+                    break
                 continue
             if line.startswith(_DATA):
                 value = line[5:]
@@ -53,9 +99,7 @@ class SSESplitter:
                     value = value[1:]
                 self._data.append(value)
             # comments (":...") and other fields (event:, id:, retry:) are skipped
-        rest = buf[start:]
-        self._buf = rest + b"\r" if keep_cr else rest
-        return out
+        return start
 
     def pending(self) -> bool:
         """True when bytes of an unfinished event are held (the stream ended mid-event)."""
