@@ -1,0 +1,1 @@
+"""Benchmarks of the relay, run on demand (``python -m bench``), never as timed tests in CI."""

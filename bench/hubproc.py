@@ -1,0 +1,92 @@
+"""The hub (control plane, Chat Channel and front door) in a process of its own, driven over stdin.
+
+Commands: ``apikey`` (a front-door key), ``enqueue`` (Kind B jobs, optionally carrying their own
+channel URL so the runner dials the bench's lean sink instead of the hub), ``hubsink`` (streams
+through a channel that ends in this hub, read by the hub's own receive path: how fast can the
+hub take frames?), ``jobs`` (how many jobs are in each state).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import trio
+
+from bench.common import reply_line, serve_commands
+from gateway import protocol
+from gateway.hub import Hub
+from gateway.hub.core import serve_hub
+from gateway.hub.store import DEFAULT_KEY_PROJECT
+
+ADMIN = "alpa_bench_admin_credential"
+OWNER, PROJECT = DEFAULT_KEY_PROJECT.split("/")
+DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
+
+
+async def main() -> None:
+    hub = Hub(admin_token=ADMIN, offline_after=3600.0)
+    sink_job: list[str] = []
+
+    async def hubsink(streams: int, body: dict[str, Any]) -> dict[str, Any]:
+        if not sink_job:
+            sink_job.append(hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION)).id)
+        job_id = sink_job[0]
+        ch = await hub.wait_channel(job_id, 30)
+        assert ch is not None, "no runner took the hub-sink job"
+        events = 0
+        last = 0.0
+
+        async def one(rid: str) -> None:
+            nonlocal events, last
+            rx = ch.open_request(rid)
+            frame = {"type": protocol.COMPLETION_REQUEST, "jobId": job_id, "requestId": rid, "body": body}
+            await ch.send(frame)
+            async for text, at in rx:
+                if text.startswith('{"type":"chat.completion.chunk"'):
+                    events += 1
+                    last = at
+                else:
+                    break
+            ch.close_request(rid)
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one, uuid.uuid4().hex)
+        return {"events": events, "elapsed": last - start}
+
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_hub, hub)
+        reply_line({"url": url, "admin": ADMIN, "project": DEFAULT_KEY_PROJECT})
+
+        async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+            if cmd["cmd"] == "apikey":
+                return {"key": hub.create_api_key(f"bench-{uuid.uuid4().hex[:8]}")}
+            if cmd["cmd"] == "enqueue":
+                definition = dict(DEFINITION)
+                if cmd.get("channel_url"):
+                    definition["channelUrl"] = cmd["channel_url"]
+                ids = [
+                    hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(definition)).id
+                    for _ in range(cmd["n"])
+                ]
+                return {"ids": ids}
+            if cmd["cmd"] == "hubsink":
+                return await hubsink(cmd["streams"], cmd["body"])
+            if cmd["cmd"] == "seen":
+                return {"runners": len(hub.last_seen)}
+            if cmd["cmd"] == "jobs":
+                states: dict[str, int] = {}
+                for job in hub.jobs.values():
+                    states[job.status] = states.get(job.status, 0) + 1
+                return {"states": states}
+            raise ValueError(f"unknown command {cmd['cmd']!r}")
+
+        await serve_commands(handle)
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    trio.run(main)

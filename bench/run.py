@@ -1,0 +1,479 @@
+"""``python -m bench``: every path side by side in one run, then the scale test; a table and JSON.
+
+Processes (each measured by its own CPU counters): the simulator; the floor; the runner
+(``python -m gateway run``); the hub (control plane, hub channel and front door); the LiteLLM
+proxy. The bench process holds the lean sinks and clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path as FsPath
+from typing import Any
+
+import trio
+
+from bench import report
+from bench.common import Child, machine, percentile
+from bench.paths import FloorPath, HttpPath, Outcome, Path, RunnerPath
+from bench.sinks import FloorSink, SSEClient, Stream, WsSink, clock
+
+SIZES: dict[str, dict[str, int]] = {
+    # chunks per stream at full speed (1 stream, 64 streams), paced chunks, TTFT turns, scale sessions
+    "full": {"single": 10000, "c64": 300, "paced": 100, "ttft": 30, "scale": 1000, "scale_chunks": 20},
+    "quick": {"single": 3000, "c64": 100, "paced": 30, "ttft": 15, "scale": 200, "scale_chunks": 10},
+}
+REPEAT = 3  # every path measurement is run this many times; the median is reported
+LITELLM_SHARE = 10  # LiteLLM relays 1/10 of the chunks at full speed (it is that much slower)
+PACE = 0.020  # s per token in the latency runs
+SESSIONS = 8
+PATHS = ("floor", "direct", "runner", "e2e", "litellm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _py(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AGENTICS_", "ALP_", "CHAT_LLM_", "OPENAI_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.sizes = SIZES["quick" if args.quick else "full"]
+        self.tmp = FsPath(tempfile.mkdtemp(prefix="alp-bench-"))
+        self.children: list[Child] = []
+        self.results: dict[str, Any] = {"paths": {}, "notes": []}
+        self.run_no = 0
+
+    def note(self, text: str) -> None:
+        print(f"  · {text}", flush=True)
+        self.results["notes"].append(text)
+
+    async def child(self, name: str, argv: list[str], rpc: bool = True,
+                    env: dict[str, str] | None = None) -> tuple[Child, dict[str, Any] | None]:
+        c = Child(name, argv, self.tmp, env or _env())
+        self.children.append(c)
+        hello = await c.start(rpc)
+        return c, hello
+
+    def runner_argv(self, hub_url: str, sim_url: str, name: str, max_sessions: int) -> list[str]:
+        module = "bench.whatif_pool" if self.args.whatif_pool else "gateway"
+        return _py(
+            "-m", module, "run",
+            "--server", hub_url, "--project", self.hub_info["project"],
+            "--backend", sim_url, "--model", "sim-model",
+            "--user-token", self.hub_info["admin"], "--name", name,
+            "--state-dir", str(self.tmp / f"state-{name}"),
+            "--max-sessions", str(max_sessions), "--poll-interval", "5",
+            "--log-level", "WARNING",
+        )
+
+    # -- setup ---------------------------------------------------------------------------
+
+    async def setup(self, nursery: trio.Nursery) -> None:
+        self.sim, hello = await self.child("sim", _py("-m", "bench.simproc"))
+        assert hello is not None
+        self.sim_url, self.sim_port = hello["url"], hello["port"]
+        self.hub, hub_hello = await self.child("hub", _py("-m", "bench.hubproc"))
+        assert hub_hello is not None
+        self.hub_info = hub_hello
+        self.hub_port = int(hub_hello["url"].rsplit(":", 1)[1])
+        self.api_key = (await self.hub.rpc("apikey"))["key"]
+        self.litellm: Child | None = None
+        self.litellm_ready = trio.Event()  # started, or known to be missing
+        if "litellm" in self.args.paths:
+            nursery.start_soon(self._start_litellm)
+        else:
+            self.litellm_ready.set()
+        self.ws_sink = WsSink()
+        await nursery.start(self.ws_sink.serve)
+        self.floor_sink = FloorSink()
+        await nursery.start(self.floor_sink.serve)
+        self.runner, _ = await self.child(
+            "runner", self.runner_argv(hub_hello["url"], self.sim_url, "bench-runner", 64), rpc=False
+        )
+        self.floor, _ = await self.child("floor", _py("-m", "bench.floor", "127.0.0.1", str(self.sim_port)))
+        await self.floor.rpc("dial", host="127.0.0.1", port=self.floor_sink.port, n=SESSIONS)
+        await self.floor_sink.wait_sessions(SESSIONS)
+        ids = (await self.hub.rpc("enqueue", n=SESSIONS, channel_url=self.ws_sink.url))["ids"]
+        channels = await self.ws_sink.wait_channels(ids, 60)
+        self.paths: dict[str, Path] = {
+            "floor": FloorPath(self.floor, self.floor_sink.sessions),
+            "direct": HttpPath("direct", SSEClient("127.0.0.1", self.sim_port), {}, sessions=False),
+            "runner": RunnerPath(self.runner, channels),
+            "e2e": HttpPath(
+                "e2e",
+                SSEClient("127.0.0.1", self.hub_port, headers={"authorization": f"Bearer {self.api_key}"}),
+                {"runner": (self.runner, False), "hub": (self.hub, False)},
+                sessions=True,
+            ),
+        }
+        # open the front door's sessions (one Chat Job each) before anything is measured
+        await self.sim.rpc("opts", opts={"chunks": 1})
+        warm = self.paths["e2e"]
+        out = await warm.run(SESSIONS, SESSIONS, False, "warm")
+        if out.errors:
+            raise RuntimeError(f"front door warm-up failed: {out.errors[:3]}")
+
+    async def _start_litellm(self) -> None:
+        try:
+            await self._open_litellm()
+        finally:
+            self.litellm_ready.set()
+
+    async def _open_litellm(self) -> None:
+        exe = shutil.which("litellm", path=str(FsPath(sys.executable).parent))
+        if exe is None:
+            self.note("LiteLLM is not installed (pip install 'litellm[proxy]'): its row is skipped")
+            return
+        port = _free_port()
+        config = self.tmp / "litellm.yaml"
+        config.write_text(
+            "model_list:\n"
+            "  - model_name: sim-model\n"
+            "    litellm_params:\n"
+            "      model: openai/sim-model\n"
+            f"      api_base: {self.sim_url}\n"
+            "      api_key: sk-bench\n"
+            "litellm_settings:\n"
+            "  telemetry: false\n"
+        )
+        env = _env()
+        env.update({
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the cost map
+            "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR", "LITELLM_DONT_SHOW_FEEDBACK_BOX": "True",
+            "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",  # no network
+            "NO_PROXY": "127.0.0.1,localhost",
+        })
+        child, _ = await self.child(
+            "litellm",
+            [exe, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+            rpc=False, env=env,
+        )
+        with trio.fail_after(90):
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    await stream.aclose()
+                    break
+                except OSError:
+                    await trio.sleep(0.2)
+        self.litellm = child
+        client = SSEClient("127.0.0.1", port, headers={"authorization": "Bearer sk-bench"})
+        self.paths["litellm"] = HttpPath("litellm", client, {"litellm": (child, True)}, sessions=False)
+
+    # -- measuring -----------------------------------------------------------------------
+
+    async def measure(self, path: Path, n: int, sessions: int, chunks: int, interval: float = 0.0) -> dict[str, Any]:
+        self.run_no += 1
+        latency = interval > 0
+        await self.sim.rpc("opts", opts={"chunks": chunks, "interval": interval})
+        if latency:
+            await self.sim.rpc("record", on=True)
+        procs = {**path.procs, "sim": (self.sim, False)}
+        cpu0 = {k: c.cpu(tree) for k, (c, tree) in procs.items()}
+        own0 = time.process_time()
+        # paced streams start spread over one interval, as turns arrive in life (not in lockstep)
+        stagger = interval / n if latency else 0.0
+        out = await path.run(n, sessions, latency, f"r{self.run_no}", stagger)
+        own1 = time.process_time()
+        cpu1 = {k: c.cpu(tree) for k, (c, tree) in procs.items()}
+        elapsed = max(out.end - out.start, 1e-9)
+        result: dict[str, Any] = {
+            "streams": n,
+            "sessions": sessions,
+            "chunks": out.events,
+            "seconds": round(elapsed, 4),
+            "chunks_per_s": round(out.events / elapsed),
+            "cpu_us_per_chunk": {k: round((cpu1[k] - cpu0[k]) / max(out.events, 1) * 1e6, 2) for k in procs},
+            "cpu_busy": {k: round((cpu1[k] - cpu0[k]) / elapsed, 3) for k in procs},
+            "bench_busy": round((own1 - own0) / elapsed, 3),
+        }
+        if out.errors:
+            result["errors"] = out.errors[:5]
+            self.note(f"{path.name}: {len(out.errors)} stream error(s), e.g. {out.errors[0]}")
+        if latency:
+            dump = (await self.sim.rpc("dump"))["streams"]
+            await self.sim.rpc("record", on=False)
+            result.update(self._latency(out, dump))
+        return result
+
+    def _latency(self, out: Outcome, dump: list[dict[str, Any]]) -> dict[str, Any]:
+        by_key: dict[tuple[str, str], list[float]] = {}
+        for rec in dump:
+            by_key[("id", rec["id"])] = rec["sent_at"]
+            if rec["tag"]:
+                by_key[("tag", rec["tag"])] = rec["sent_at"]
+        # steady state: once every stream is streaming (their openings are what TTFT measures)
+        steady_from = max((rec["sent_at"][0] for rec in dump if rec["sent_at"]), default=0.0)
+        delays, steady = [], []
+        for key, tok, at in out.tokens:
+            sent = by_key.get(key)
+            if sent is not None and tok + 1 < len(sent):
+                delay = at - sent[tok + 1]  # payload 0 is the role chunk, 1 + i is token i
+                delays.append(delay)
+                if sent[tok + 1] > steady_from:
+                    steady.append(delay)
+        return {
+            "latency_samples": len(steady),
+            "latency_ms": {
+                "p50": _ms(percentile(steady, 50)),
+                "p99": _ms(percentile(steady, 99)),
+                "max": _ms(max(steady) if steady else None),
+            },
+            "latency_all_ms": {
+                "samples": len(delays),
+                "p50": _ms(percentile(delays, 50)),
+                "p99": _ms(percentile(delays, 99)),
+            },
+        }
+
+    async def ttft(self, path: Path, turns: int) -> dict[str, Any]:
+        await self.sim.rpc("opts", opts={"chunks": 1, "interval": 0.0})
+        values: list[float] = []
+        for i in range(turns):
+            self.run_no += 1
+            out = await path.run(1, 1, False, f"t{self.run_no}-{i}")
+            values.extend(out.firsts)
+            await trio.sleep(0.002)
+        return {"turns": turns, "ttft_ms": {"p50": _ms(percentile(values, 50)), "p99": _ms(percentile(values, 99))}}
+
+    async def measure_path(self, name: str) -> None:
+        """Every measurement of one path, each repeated ``REPEAT`` times (the median is kept:
+        the machine is shared, and one run can meet another process's burst)."""
+        path = self.paths[name]
+        sizes = self.sizes
+        share = LITELLM_SHARE if name == "litellm" else 1
+        print(f"\n== {name}", flush=True)
+        res: dict[str, Any] = {}
+
+        async def median_of(fn: Any, *args: Any) -> dict[str, Any]:
+            return _median([await fn(*args) for _ in range(REPEAT)])
+
+        res["single"] = await median_of(self.measure, path, 1, 1, sizes["single"] // share)
+        print(f"  1 stream: {res['single']['chunks_per_s']} chunks/s {res['single']['cpu_us_per_chunk']}", flush=True)
+        res["c64"] = await median_of(self.measure, path, 64, 1, sizes["c64"] // share)
+        print(f"  64 streams, one session: {res['c64']['chunks_per_s']} chunks/s {res['c64']['cpu_us_per_chunk']}", flush=True)
+        if path.sessions:
+            res["c64s8"] = await median_of(self.measure, path, 64, SESSIONS, sizes["c64"] // share)
+            print(f"  64 streams, {SESSIONS} sessions: {res['c64s8']['chunks_per_s']} chunks/s "
+                  f"{res['c64s8']['cpu_us_per_chunk']}", flush=True)
+        res["paced"] = await median_of(self.measure, path, 64, 1, sizes["paced"], PACE)
+        print(f"  64 paced streams: latency {res['paced']['latency_ms']} ({res['paced']['latency_samples']} samples) "
+              f"{res['paced']['cpu_us_per_chunk']}", flush=True)
+        res["ttft"] = await median_of(self.ttft, path, sizes["ttft"])
+        print(f"  TTFT {res['ttft']['ttft_ms']}", flush=True)
+        self.results["paths"][name] = res
+
+    async def sink_check(self) -> None:
+        """Is the hub's WebSocket receive path a bottleneck? The same streams, read by the hub."""
+        print("\n== sink check: runner → hub channel (the hub's own receive path)", flush=True)
+        out: dict[str, Any] = {}
+        for label, n, chunks in (("single", 1, self.sizes["single"]), ("c64", 64, self.sizes["c64"])):
+            await self.sim.rpc("opts", opts={"chunks": chunks, "interval": 0.0})
+            cpu0 = self.hub.cpu()
+            reply = await self.hub.rpc("hubsink", streams=n, body={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hubsink"}], "stream": True})
+            cpu1 = self.hub.cpu()
+            rate = reply["events"] / max(reply["elapsed"], 1e-9)
+            lean_run = self.results["paths"].get("runner", {}).get(label, {})
+            lean = lean_run.get("chunks_per_s")
+            out[label] = {
+                "chunks": reply["events"],
+                "chunks_per_s": round(rate),
+                "hub_busy": round((cpu1 - cpu0) / max(reply["elapsed"], 1e-9), 3),
+                "hub_cpu_us_per_chunk": round((cpu1 - cpu0) / max(reply["events"], 1) * 1e6, 2),
+                "lean_sink_chunks_per_s": lean,
+                "lean_sink_busy": lean_run.get("bench_busy"),  # the bench process, sink included
+            }
+            print(f"  {label}: hub as sink {round(rate)} chunks/s (hub busy {out[label]['hub_busy']:.0%}); "
+                  f"lean sink {lean}", flush=True)
+        self.results["sink_check"] = out
+
+    # -- scale -----------------------------------------------------------------------------
+
+    async def scale(self) -> None:
+        total = self.sizes["scale"]
+        half = total // 2
+        print(f"\n== scale: {total} idle sessions on one fresh runner, then {total} concurrent turns", flush=True)
+        seen = (await self.hub.rpc("seen"))["runners"]
+        runner, _ = await self.child(
+            "runner-scale",
+            self.runner_argv(self.hub_info["url"], self.sim_url, "bench-scale", total + 16),
+            rpc=False,
+        )
+        with trio.fail_after(60):  # registered and polled: a runner serving nothing yet
+            while (await self.hub.rpc("seen"))["runners"] < seen + 1:  # noqa: ASYNC110 (another process)
+                await trio.sleep(0.1)
+        await trio.sleep(1.0)
+        rss = {"0": runner.rss()}
+        opened = time.perf_counter()
+        ids = (await self.hub.rpc("enqueue", n=half, channel_url=self.ws_sink.url))["ids"]
+        await self.ws_sink.wait_channels(ids, 120)
+        half_s = time.perf_counter() - opened
+        await trio.sleep(1.0)
+        rss[str(half)] = runner.rss()
+        ids += (await self.hub.rpc("enqueue", n=total - half, channel_url=self.ws_sink.url))["ids"]
+        channels = await self.ws_sink.wait_channels(ids, 180)
+        all_s = time.perf_counter() - opened
+        await trio.sleep(1.0)
+        rss[str(total)] = runner.rss()
+        print(f"  RSS MB: {', '.join(f'{k} sessions {v / 1e6:.1f}' for k, v in rss.items())}; "
+              f"opened {total} sessions in {all_s:.1f} s", flush=True)
+        # 1,000 concurrent turns, one per session
+        chunks = self.sizes["scale_chunks"]
+        await self.sim.rpc("opts", opts={"chunks": chunks, "interval": 0.0})
+        streams = [Stream(f"scale-{i}") for i in range(total)]
+        peak = 0
+        cpu0 = runner.cpu()
+        start = clock()
+
+        async def sample_rss(scope: trio.CancelScope) -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, runner.rss())
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as outer:
+            outer.start_soon(sample_rss, outer.cancel_scope)
+            async with trio.open_nursery() as nursery:
+                for ch, s in zip(channels, streams, strict=True):
+                    nursery.start_soon(ch.turn, {"model": "sim-model", "messages": [
+                        {"role": "user", "content": "scale"}], "stream": True}, s)
+            outer.cancel_scope.cancel()
+        cpu1 = runner.cpu()
+        end = max(s.last_at for s in streams)
+        events = sum(s.events for s in streams)
+        errors = [s.error for s in streams if s.error]
+        firsts = [s.first_at - s.sent for s in streams if s.first_at is not None]
+        after = runner.rss()
+        self.results["scale"] = {
+            "sessions": total,
+            "rss_bytes": rss,
+            "open_seconds": {str(half): round(half_s, 2), str(total): round(all_s, 2)},
+            "marginal_bytes_per_session": {
+                f"0-{half}": round((rss[str(half)] - rss["0"]) / half),
+                f"{half}-{total}": round((rss[str(total)] - rss[str(half)]) / (total - half)),
+            },
+            "turns": {
+                "turns": total,
+                "chunks_each": chunks + 2,
+                "chunks": events,
+                "errors": len(errors),
+                "seconds": round(end - start, 3),
+                "chunks_per_s": round(events / max(end - start, 1e-9)),
+                "ttft_ms": {"p50": _ms(percentile(firsts, 50)), "p99": _ms(percentile(firsts, 99))},
+                "cpu_us_per_chunk": round((cpu1 - cpu0) / max(events, 1) * 1e6, 2),
+                "rss_peak_bytes": peak,
+                "rss_after_bytes": after,
+            },
+        }
+        if errors:
+            self.note(f"scale turns: {len(errors)} errors, e.g. {errors[0]}")
+        print(f"  {total} turns: {self.results['scale']['turns']}", flush=True)
+
+    # -- the whole run -----------------------------------------------------------------
+
+    async def main(self) -> dict[str, Any]:
+        began = time.perf_counter()
+        self.results["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        self.results["machine"] = machine()
+        self.results["mode"] = "quick" if self.args.quick else "full"
+        self.results["whatif_pool"] = bool(self.args.whatif_pool)
+        self.results["sizes"] = self.sizes
+        self.results["repeat"] = REPEAT
+        try:
+            async with trio.open_nursery() as nursery:
+                await self.setup(nursery)
+                for name in PATHS:
+                    if name not in self.args.paths:
+                        continue
+                    if name == "litellm":
+                        with trio.fail_after(90):
+                            await self.litellm_ready.wait()
+                        if "litellm" not in self.paths:
+                            continue
+                    await self.measure_path(name)
+                if "runner" in self.args.paths:
+                    await self.sink_check()
+                # the scale test gets the machine to itself: stop what it does not need
+                for c in list(self.children):
+                    if c.name in ("runner", "floor", "litellm"):
+                        await c.stop()
+                if not self.args.no_scale:
+                    await self.scale()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                for c in reversed(self.children):
+                    await c.stop()
+        self.results["bench_seconds"] = round(time.perf_counter() - began, 1)
+        return self.results
+
+
+def _median(runs: list[Any]) -> Any:
+    """Runs of one measurement folded into one: the median of every number, lists joined."""
+    first = runs[0]
+    if isinstance(first, dict):
+        out = {k: _median([r[k] for r in runs if k in r]) for k in first}
+        for r in runs[1:]:
+            for k in r.keys() - first.keys():
+                out[k] = r[k]
+        return out
+    if isinstance(first, bool) or not isinstance(first, int | float):
+        if isinstance(first, list):
+            return [x for r in runs for x in r]
+        return first
+    values = sorted(v for v in runs if v is not None)
+    if not values:
+        return None
+    middle = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return round(middle, 3) if isinstance(middle, float) else middle
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller runs (about a minute)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
+    parser.add_argument("--no-scale", action="store_true", help="skip the 1,000-session test")
+    parser.add_argument("--whatif-pool", action="store_true",
+                        help="run the runner with httpcore's pool bookkeeping made linear "
+                             "(bench/whatif_pool.py): what that fix is worth")
+    parser.add_argument("--out", default=str(FsPath(__file__).parent / "results.json"), help="JSON output")
+    args = parser.parse_args(argv)
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    bench = Bench(args)
+    results = trio.run(bench.main)
+    results["id"] = uuid.uuid4().hex[:8]
+    FsPath(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print()
+    print(report.render(results))
+    print(f"\nwritten to {args.out}; logs in {bench.tmp}")
+    return 0
