@@ -100,7 +100,10 @@ class Backend:
         # Per-read idle timeout, never an overall deadline: long generations are normal.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect_timeout, read=idle_timeout, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            # Few idle connections kept: httpcore's pool bookkeeping costs (idle x open) per request
+            # start and end; with 64 kept it was 1.2 ms of CPU per turn (bench: keeping 8 doubled
+            # the 64-stream throughput and halved the TTFT; a new loopback connect is cheaper).
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=8),
             verify=ssl_context if ssl_context is not None else True,
         )
         # health: optimistic until a probe says otherwise
