@@ -431,6 +431,12 @@ class BackendPool:
             raise BackendError("no backend is configured on this runner")
         in_body = protocol.body_model(body)
         requested = frame_model or in_body or self.default_model
+        if requested is None:  # no model named and no default: the one model served, if just one
+            if self._refreshed_at is None:
+                await self.refresh_models()
+            servable = self.servable()
+            if len(servable) == 1:
+                requested = servable[0]
         local = self.aliases.get(requested, requested) if requested is not None else None
         if not self.allowed(requested, local):
             what = f"model {requested!r} is" if requested is not None else "a turn without a model is"

@@ -401,3 +401,13 @@ async def test_backend_unreachable_error_names_url_and_not_key(hub: tuple[Hub, s
             error = turns.last("x")["error"]
             assert url in error and "sk-gone-secret-4321" not in error
 
+
+
+async def test_no_model_and_no_default_uses_the_only_model(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    async with running(runner_config(hub[1], sim.url, tmp_path, model=None)):
+        job, ch = await open_chat(hub[0])
+        await ch.send(request_frame(job.id, "one", sim={"chunks": 2}))  # the body names no model
+        turns = Turns(ch)
+        await turns.until("one")
+        assert turns.last("one")["type"] == "chat.completion.done"
+        assert json.loads(sim.streams[-1].body)["model"] == "sim-model"
