@@ -321,7 +321,7 @@ class Runner:
             if job_id in self.sessions:
                 continue
             try:
-                run_id = await self.alp.claim(job_id, self.registration.name)
+                run_id = await self._claim(job_id)
             except ServerUnavailable as exc:
                 log.warning("claim of job %s failed: %s", job_id, exc)
                 continue
@@ -331,6 +331,16 @@ class Runner:
             chat = ChatJob(job_id, run_id, _job_channel_url(job))
             self.sessions[job_id] = chat
             self._sessions_nursery.start_soon(self._session, chat)
+
+    async def _claim(self, job_id: str) -> str | None:
+        """Claim a job; when the answer is lost on the way, ask once more at once: the claim may
+        have landed, and a Server that stops offering a claimed job would otherwise lose it."""
+        assert self.alp is not None and self.registration is not None
+        try:
+            return await self.alp.claim(job_id, self.registration.name)
+        except ServerUnavailable as exc:
+            log.info("claim of job %s: %s; asking once more", job_id, exc)
+            return await self.alp.claim(job_id, self.registration.name)
 
     async def _events_loop(self) -> None:
         """Subscribe to ``runners/events`` and poll at once on ``job_available``."""

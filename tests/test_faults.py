@@ -129,6 +129,17 @@ async def test_lost_claim_answer_is_reoffered_and_claimed_once(
             assert job.reports[0] == {"status": "in_progress"}
 
 
+async def test_lost_claim_answer_on_a_server_that_never_reoffers(sim: Simulator, tmp_path: Path) -> None:
+    # like the Server that stops offering a claimed job: the runner asks again at once
+    async with open_hub(Hub(admin_token=ADMIN, reoffer_after=float("inf"))) as (server, url):
+        server.faults["claim"] = [LOST]
+        async with running(runner_config(url, sim.url, tmp_path, poll_interval=0.2)) as runner:
+            job, _ = await open_chat(server, within=20)
+            await serve_turn(server, job.id)
+            assert server.hit_counts["claim"] == 2
+            assert runner.counters.get("sessions_started") == 1
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
 async def test_status_and_progress_faults_are_logged_and_the_session_goes_on(
     hub: tuple[Hub, str],
