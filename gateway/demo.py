@@ -62,7 +62,7 @@ async def _demo(args: argparse.Namespace) -> int:
             sim = await nursery.start(partial(serve_sim, options=options))
             backend_url = sim.url
             model = model or "sim-model"
-            label = f"built-in simulator at {backend_url} (its tokens are numbered)"
+            label = f"built-in simulator at {backend_url} (numbered tokens, 100 ms to the first, 30 ms apart)"
         hub = Hub(None)
         hub_url: str = await nursery.start(partial(serve_hub, hub))
         api_key = hub.create_api_key("demo", PROJECT)
