@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -59,7 +60,7 @@ class Channel:
         self.pool = pool
         self.shutdown = shutdown
         self.grace = grace
-        self._outbox, self._outbox_recv = trio.open_memory_channel[str](outbox_size)
+        self._outbox, self._outbox_recv = trio.open_memory_channel[str | bytes](outbox_size)
         self._turns: dict[str, trio.CancelScope] = {}
         self._cancel_reasons: dict[str, str] = {}
         self._started: dict[str, float] = {}  # request id -> when its frame arrived
@@ -391,7 +392,7 @@ def _can_write_frames(ws: WebSocketConnection) -> bool:
     return all(hasattr(ws, name) for name in ("_stream", "_stream_lock", "_close_reason", "_abort_web_socket"))
 
 
-async def _send_each(ws: WebSocketConnection, batch: list[str | bytes]) -> None:
+async def _send_each(ws: WebSocketConnection, batch: Sequence[str | bytes]) -> None:
     """Without ``_write_frames``: one message at a time, through the public API."""
     for item in batch:
         await ws.send_message(item if isinstance(item, str) else item.decode())

@@ -169,10 +169,10 @@ class Doctor:
             return
         assert config.project
         owner, project = config.project.split("/", 1)
-        client = AlpClient(server, owner, project, ssl_context=ssl_context, timeout=self.probe_timeout)
-        client.token = registration.token
+        alp = AlpClient(server, owner, project, ssl_context=ssl_context, timeout=self.probe_timeout)
+        alp.token = registration.token
         try:
-            await client.poll([])  # no capabilities: a poll like this never claims a job
+            await alp.poll([])  # no capabilities: a poll like this never claims a job
         except ServerUnavailable as exc:
             self.add(FAIL, "Server", f"{server} unreachable: {exc}", fix_server)
             return
@@ -186,7 +186,7 @@ class Doctor:
                      f"is {config.project} the right project, and {server} an ALP Server?")
             return
         finally:
-            await client.aclose()
+            await alp.aclose()
         self.add(OK, "Server", f"{server} reachable; runner token accepted (a poll with no capabilities)")
 
     # -- backends --------------------------------------------------------------------------

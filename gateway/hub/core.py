@@ -1306,7 +1306,7 @@ async def serve_hub(
         if run is not None:
             nursery.start_soon(run, hub)
         binds: list[str] = await nursery.start(
-            partial(hypercorn.trio.serve, hub.app, config, mode="asgi")
+            partial(hypercorn.trio.serve, hub.app, config, mode="asgi")  # type: ignore[arg-type]
         )
         task_status.started(binds[0])
 
