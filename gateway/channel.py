@@ -308,12 +308,9 @@ class Channel:
         prefix = protocol.chunk_prefix(self.job_id, request_id)
         if "text/event-stream" not in response.headers.get("content-type", ""):
             payload = (await response.aread()).strip()
-            try:
-                _validate_json(payload)
-            except msgspec.DecodeError:
-                return f"backend {url} answered something that is not JSON"
-            if not _is_utf8(payload):
-                return f"backend {url} answered something that is not UTF-8 JSON"
+            problem = _payload_problem(payload)
+            if problem is not None:
+                return f"backend {url} answered {problem}"
             await send(protocol.chunk_frame_bytes(prefix, payload))
             await send(protocol.done_frame(self.job_id, request_id))
             return None
@@ -339,7 +336,7 @@ class Channel:
                         done = True
                         drain.deadline = trio.current_time() + 2
                         break
-                    try:
+                    try:  # _payload_problem, inlined: this runs for every chunk
                         _validate_json(payload)
                     except msgspec.DecodeError:
                         return f"backend {url} sent a malformed SSE event"
@@ -357,12 +354,9 @@ class Channel:
             return None
         for payload in splitter.flush():
             if payload != _DONE:
-                try:
-                    _validate_json(payload)
-                except msgspec.DecodeError:
-                    return f"backend {url} sent a malformed SSE event"
-                if not _is_utf8(payload):
-                    return f"backend {url} sent an SSE event that is not UTF-8"
+                problem = _payload_problem(payload)
+                if problem is not None:
+                    return f"backend {url} sent an SSE event that is {problem}"
                 await send(protocol.chunk_frame_bytes(prefix, payload))
         await send(protocol.done_frame(self.job_id, request_id))
         return None
@@ -370,6 +364,15 @@ class Channel:
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()
         await self._outbox.send(protocol.models_frame(self.job_id, request_id, models))
+
+
+def _payload_problem(payload: bytes) -> str | None:
+    """Why a payload cannot go into a frame unchanged, or None when it can."""
+    try:
+        _validate_json(payload)
+    except msgspec.DecodeError:
+        return "malformed (not JSON)"
+    return None if _is_utf8(payload) else "not UTF-8"
 
 
 def _is_utf8(data: bytes) -> bool:

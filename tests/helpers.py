@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -190,3 +192,13 @@ async def start_killable_sim(nursery: trio.Nursery, **kwargs: Any) -> tuple[Any,
             await serve_sim(task_status=task_status, **kwargs)
 
     return await nursery.start(serve), scope
+
+
+EXE = str(Path(sys.executable).with_name("alp-gateway"))  # the installed command
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any of the runner's own settings, plus ``extra``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    base.update(extra)
+    return base

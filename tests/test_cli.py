@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import trio
 from helpers import (
     ADMIN,
     BACKEND_KEY,
+    EXE,
     OWNER,
     PROJECT,
     Turns,
+    clean_env,
     open_chat,
     request_frame,
     runner_config,
@@ -26,17 +26,9 @@ from gateway.hub import Hub, open_hub
 from gateway.runner import Runner, RunnerExit
 from gateway.sim import Simulator
 
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
-
-
-def env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
-    base.update(extra)
-    return base
-
 
 async def cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess[bytes]:
-    return await trio.run_process([EXE, *args], env=env(**extra_env), capture_stdout=True,
+    return await trio.run_process([EXE, *args], env=clean_env(**extra_env), capture_stdout=True,
                                   capture_stderr=True, check=False)
 
 
@@ -96,7 +88,7 @@ async def test_run_serves_then_sigterm_drains(hub: tuple[Hub, str], sim: Simulat
         proc = await trio.lowlevel.open_process(
             [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
              "--log-level", "DEBUG"],
-            env=env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url,
+            env=clean_env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url,
                     CHAT_LLM_BACKEND_KEY=BACKEND_KEY, CHAT_LLM_MODEL="sim-model",
                     AGENTICS_USER_TOKEN=ADMIN),
             stdout=log, stderr=log,
@@ -171,7 +163,7 @@ async def test_second_signal_stops_at_once(hub: tuple[Hub, str], sim: Simulator,
         proc = await trio.lowlevel.open_process(
             [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
              "--grace", "60"],
-            env=env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_MODEL="sim-model",
+            env=clean_env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_MODEL="sim-model",
                     CHAT_LLM_BACKEND_KEY=BACKEND_KEY, AGENTICS_USER_TOKEN=ADMIN),
             stdout=log, stderr=log,
         )
@@ -203,7 +195,7 @@ async def test_sigterm_while_the_server_is_unreachable(tmp_path: Path) -> None:
     proc = await trio.lowlevel.open_process(
         [EXE, "run", "--project", "o/p", "--server", "127.0.0.1:9", "--state-dir", str(tmp_path),
          "--backend", "http://127.0.0.1:9/v1", "--user-token", "u"],
-        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:
         assert proc.stderr is not None

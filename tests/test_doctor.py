@@ -5,12 +5,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, runner_config
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, runner_config
 
 from gateway import doctor
 from gateway.config import BackendSpec
@@ -19,8 +18,6 @@ from gateway.hub import Hub
 from gateway.runner import Runner
 from gateway.sim import Simulator, open_sim
 from gateway.state import Registration, StateStore
-
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 
 
 def table(checks: list[Check]) -> str:

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
 import pytest
 import trio
-from helpers import OWNER, PROJECT, runner_config, running
+from helpers import EXE, OWNER, PROJECT, runner_config, running
 
 from gateway.hub import Hub, open_hub
 from gateway.runner import Runner
 from gateway.sim import Simulator
 
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
 
 

@@ -8,11 +8,9 @@ a turn and restarts it on the same port and data directory.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +21,10 @@ import pytest
 import trio
 from helpers import (
     ADMIN,
+    EXE,
     LogCapture,
     Turns,
+    clean_env,
     open_chat,
     request_frame,
     runner_config,
@@ -39,7 +39,6 @@ from gateway.hub.store import Store, load_or_create_admin_token
 from gateway.runner import Runner
 from gateway.sim import Simulator
 
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 REQUEST_TIMEOUT = 2.5  # the runner's Server request timeout in these tests (30 s in production)
 HOLD = Hold(60.0)  # held past the runner's timeout: the runner gives up first (a hung Server)
 KINDS: list[Fault] = [500, 502, 503, RESET, HOLD]
@@ -227,10 +226,6 @@ async def test_channel_handshake_faults_are_redialled(
 # -- the Server restarts mid-session -----------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
 
 
 def _free_port() -> int:
@@ -255,7 +250,7 @@ class HubProcess:
                 [EXE, "hub", "--listen", f"127.0.0.1:{self.port}", "--data", str(self.data)],
                 stdout=subprocess.PIPE,
                 stderr=log,
-                env=_env(),
+                env=clean_env(),
             )
         assert self.proc.stdout is not None
         seen = b""

@@ -7,19 +7,26 @@ import json
 import logging
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, Turns, open_chat, request_frame
+from helpers import (
+    ADMIN,
+    BACKEND_KEY,
+    EXE,
+    OWNER,
+    PROJECT,
+    Turns,
+    open_chat,
+    request_frame,
+)
 
 from gateway.hub import Hub
 from gateway.observe import setup_logging
 from gateway.sim import Simulator
 
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 FIELDS = {"ts", "level", "logger", "msg"}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import Turns, open_chat, request_frame, runner_config, running
+from helpers import EXE, Turns, open_chat, request_frame, runner_config, running
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
@@ -22,7 +21,6 @@ from gateway.runner import Runner, RunnerExit
 from gateway.sim import Simulator
 from gateway.status import Samples, default_url
 
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 LOOPBACK_ANY_PORT = ("127.0.0.1", 0)
 
 

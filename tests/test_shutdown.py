@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
-from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, open_chat, request_frame
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, open_chat, request_frame
 
 from gateway.hub import Hub, ServerChannel
 from gateway.sim import Simulator
 
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 SESSIONS, TURNS, CHUNKS, INTERVAL = 4, 5, 30, 0.1
 GRACE = 20.0
 
 
-def _env(**extra: str) -> dict[str, str]:
-    base = {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
-    base.update(extra)
-    return base
 
 
 @dataclass
@@ -77,7 +68,7 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
         proc = await trio.lowlevel.open_process(
             [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
              "--grace", str(GRACE)],
-            env=_env(AGENTICS_SERVER=url, CHAT_LLM_BACKEND_URL=sim.url,
+            env=clean_env(AGENTICS_SERVER=url, CHAT_LLM_BACKEND_URL=sim.url,
                      CHAT_LLM_BACKEND_KEY=BACKEND_KEY, CHAT_LLM_MODEL="sim-model",
                      AGENTICS_USER_TOKEN=ADMIN),
             stdout=log, stderr=log,

@@ -3,9 +3,7 @@ and served with ``ca_file``; there is no way to turn verification off."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -15,9 +13,11 @@ import trio
 import trustme
 from helpers import (
     ADMIN,
+    EXE,
     OWNER,
     PROJECT,
     Turns,
+    clean_env,
     open_chat,
     request_frame,
     runner_config,
@@ -28,8 +28,6 @@ from gateway.config import SETTINGS, Config
 from gateway.hub import Hub, open_hub
 from gateway.runner import Runner, RunnerExit
 from gateway.sim import Simulator
-
-EXE = str(Path(sys.executable).with_name("alp-gateway"))
 
 
 @dataclass
@@ -95,10 +93,6 @@ def test_no_setting_turns_verification_off() -> None:
 # -- the command line: `alp-gateway hub --tls-cert/--tls-key`, `alp-gateway register` ----------
 
 
-def _env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
 
 
 @pytest.fixture
@@ -107,7 +101,7 @@ async def hub_cli(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
     proc = await trio.lowlevel.open_process(
         [EXE, "hub", "--listen", "127.0.0.1:0", "--data", str(tmp_path / "hub"),
          "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=clean_env(),
     )
     try:
         assert proc.stdout is not None
@@ -133,7 +127,7 @@ async def _register(url: str, token: str, state: Path, *extra: str) -> subproces
     return await trio.run_process(
         [EXE, "register", "--server", url, "--project", f"{OWNER}/{PROJECT}", "--state-dir",
          str(state), "--user-token", token, *extra],
-        env=_env(), capture_stdout=True, capture_stderr=True, check=False,
+        env=clean_env(), capture_stdout=True, capture_stderr=True, check=False,
     )
 
 
@@ -155,7 +149,7 @@ async def test_cli_register_without_ca_fails_naming_the_certificate(
     proc = await trio.lowlevel.open_process(
         [EXE, "register", "--server", url, "--project", f"{OWNER}/{PROJECT}", "--state-dir",
          str(tmp_path / "s"), "--user-token", token],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
     )
     assert proc.stderr is not None
     err = b""

@@ -1109,6 +1109,14 @@ class Hub:
         self.save_job(job)
         await _send_json(send, 200, {"runId": job.run_id})
 
+    async def _job_request(
+        self, scope: Scope, receive: Receive, owner: str, project: str, run_id: str, job_id: str
+    ) -> tuple[Job, dict[str, Any]]:
+        """A runner's request about one of its jobs: the job and the JSON object sent."""
+        body = await _read_body(receive, self.max_body)
+        runner = self._runner(scope, owner, project)
+        return self._own_job(runner, owner, project, run_id, job_id), _json_object(body)
+
     async def _status(
         self,
         scope: Scope,
@@ -1119,10 +1127,7 @@ class Hub:
         run_id: str,
         job_id: str,
     ) -> None:
-        body = await _read_body(receive, self.max_body)
-        runner = self._runner(scope, owner, project)
-        job = self._own_job(runner, owner, project, run_id, job_id)
-        obj = _json_object(body)
+        job, obj = await self._job_request(scope, receive, owner, project, run_id, job_id)
         self._add_report(job, obj)
         status = obj.get("status")
         if status == "in_progress":
@@ -1159,10 +1164,7 @@ class Hub:
         run_id: str,
         job_id: str,
     ) -> None:
-        body = await _read_body(receive, self.max_body)
-        runner = self._runner(scope, owner, project)
-        job = self._own_job(runner, owner, project, run_id, job_id)
-        obj = _json_object(body)
+        job, obj = await self._job_request(scope, receive, owner, project, run_id, job_id)
         job.progress.append(obj)
         if not isinstance(obj.get("stage"), str):
             raise _HTTPError(400, '"stage" must be a string')

@@ -908,6 +908,23 @@ class _Connection:
         pending_fault = fault is not None
         delay = opts.ttft
         sent = 0
+        async def event(data: bytes, tail: bytes = b"") -> None:
+            """Pace, write one ``data:`` event (and ``tail``), record it, wake its waiters."""
+            nonlocal delay
+            if delay > 0:
+                await trio.sleep(delay)
+            else:
+                await checkpoint()
+            delay = interval
+            if chunked:
+                await write(b"%x\r\ndata: %b\n\n\r\n%b" % (len(data) + 8, data, tail))
+            else:
+                await write(b"data: %b\n\n%b" % (data, tail))
+            record_payload(data)
+            record_time(_perf_counter())
+            if rec._waiters:
+                rec._wake()
+
         # Each event yields once (its pacing wait) before it is written, and is recorded
         # right after the write, before the next yield.
         for payload in itertools.chain(reply.payloads(), (None,)):
@@ -917,46 +934,15 @@ class _Connection:
                     await trio.sleep_forever()
                 if fault == "disconnect":
                     return _ABORT
-                # "malformed": one broken event, then carry on normally
-                if delay > 0:
-                    await trio.sleep(delay)
-                else:
-                    await checkpoint()
-                delay = interval
-                if chunked:
-                    await write(b"%x\r\ndata: %b\n\n\r\n" % (len(_MALFORMED) + 8, _MALFORMED))
-                else:
-                    await write(b"data: %b\n\n" % _MALFORMED)
-                record_payload(_MALFORMED)
-                record_time(_perf_counter())
+                await event(_MALFORMED)  # "malformed": one broken event, then carry on normally
                 sent += 1
-                if rec._waiters:
-                    rec._wake()
-            if delay > 0:
-                await trio.sleep(delay)
-            else:
-                await checkpoint()
-            delay = interval
             if payload is None:
-                end = self.conn.send(h11.EndOfMessage()) or b""
-                if chunked:
-                    await write(b"%x\r\ndata: [DONE]\n\n\r\n%b" % (len(_DONE) + 8, end))
-                else:
-                    await write(b"data: [DONE]\n\n%b" % end)
-                record_payload(_DONE)
-                record_time(_perf_counter())
+                await event(_DONE, self.conn.send(h11.EndOfMessage()) or b"")
                 rec.completed = True
                 rec._finish()
                 return _COMPLETED
-            if chunked:
-                await write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
-            else:
-                await write(b"data: %b\n\n" % payload)
-            record_payload(payload)
-            record_time(_perf_counter())
+            await event(payload)
             sent += 1
-            if rec._waiters:
-                rec._wake()
         raise AssertionError("unreachable: the loop returns at [DONE]")
 
     async def _complete(self, rec: StreamRecord, reply: _Reply) -> str:
