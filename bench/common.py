@@ -131,7 +131,9 @@ def machine() -> dict[str, Any]:
 class Child:
     """A bench child process: JSON commands on its stdin, one JSON line back per command."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_dir / f"{name}.log"

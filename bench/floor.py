@@ -40,7 +40,9 @@ class Floor:
         await sock.connect((self.host, self.port))
         return sock
 
-    async def forward(self, body: bytes, out: trio.socket.SocketType, lock: trio.StrictFIFOLock) -> None:
+    async def forward(
+        self, body: bytes, out: trio.socket.SocketType, lock: trio.StrictFIFOLock
+    ) -> None:
         self.active += 1
         try:
             sock = await self._connect()

@@ -31,7 +31,9 @@ async def main() -> None:
 
     async def hubsink(streams: int, body: dict[str, Any]) -> dict[str, Any]:
         if not sink_job:
-            sink_job.append(hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION)).id)
+            sink_job.append(
+                hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION)).id
+            )
         job_id = sink_job[0]
         ch = await hub.wait_channel(job_id, 30)
         assert ch is not None, "no runner took the hub-sink job"
@@ -41,7 +43,12 @@ async def main() -> None:
         async def one(rid: str) -> None:
             nonlocal events, last
             rx = ch.open_request(rid)
-            frame = {"type": protocol.COMPLETION_REQUEST, "jobId": job_id, "requestId": rid, "body": body}
+            frame = {
+                "type": protocol.COMPLETION_REQUEST,
+                "jobId": job_id,
+                "requestId": rid,
+                "body": body,
+            }
             await ch.send(frame)
             async for text, at in rx:
                 if text.startswith('{"type":"chat.completion.chunk"'):

@@ -54,7 +54,9 @@ class Path:
     sessions = True  # False: "n streams over k sessions" means nothing here
     procs: dict[str, tuple[Child, bool]]  # label -> (process, count its descendants too)
 
-    async def run(self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0) -> Outcome:
+    async def run(
+        self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0
+    ) -> Outcome:
         """``n`` streams over ``sessions``; stream ``i`` starts ``i * stagger`` s after the first."""
         raise NotImplementedError
 
@@ -74,26 +76,33 @@ class RunnerPath(Path):
         self.procs = {"runner": (runner, False)}
         self.channels = channels
 
-    async def run(self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0) -> Outcome:
+    async def run(
+        self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0
+    ) -> Outcome:
         streams = [Stream(f"{tag}-{i}", latency) for i in range(n)]
         start = clock()
         async with trio.open_nursery() as nursery:
             for i, s in enumerate(streams):
-                nursery.start_soon(_later, i * stagger, self.channels[i % sessions].turn, chat_body(s.tag), s)
+                nursery.start_soon(
+                    _later, i * stagger, self.channels[i % sessions].turn, chat_body(s.tag), s
+                )
         return _collect(streams, start)
 
 
 class HttpPath(Path):
     """An SSE client reading one HTTP endpoint: the simulator, the hub's front door, LiteLLM."""
 
-    def __init__(self, name: str, client: SSEClient, procs: dict[str, tuple[Child, bool]],
-                 sessions: bool) -> None:
+    def __init__(
+        self, name: str, client: SSEClient, procs: dict[str, tuple[Child, bool]], sessions: bool
+    ) -> None:
         self.name = name
         self.client = client
         self.procs = procs
         self.sessions = sessions
 
-    async def run(self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0) -> Outcome:
+    async def run(
+        self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0
+    ) -> Outcome:
         streams = [Stream(f"{tag}-{i}", latency) for i in range(n)]
         start = clock()
         async with trio.open_nursery() as nursery:
@@ -114,7 +123,9 @@ class FloorPath(Path):
         self.floor = floor
         self.socks = sessions
 
-    async def run(self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0) -> Outcome:
+    async def run(
+        self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0
+    ) -> Outcome:
         used = self.socks[:sessions]
         for s in used:
             s.reset(latency)

@@ -68,7 +68,9 @@ def summarise(collapsed: Path, top: int = 35) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    bench_args = argparse.Namespace(quick=True, paths=[args.path], no_scale=True, whatif_pool=args.whatif_pool)
+    bench_args = argparse.Namespace(
+        quick=True, paths=[args.path], no_scale=True, whatif_pool=args.whatif_pool
+    )
     bench = Bench(bench_args)
     n, sessions, chunks, interval = SCENARIOS[args.scenario]
     OUT.mkdir(exist_ok=True)
@@ -77,17 +79,39 @@ async def main(args: argparse.Namespace) -> None:
         async with trio.open_nursery() as nursery:
             await bench.setup(nursery)
             path = bench.paths[args.path]
-            target = {"runner": bench.runner, "hub": bench.hub, "floor": bench.floor, "sim": bench.sim}[args.proc]
+            target = {
+                "runner": bench.runner,
+                "hub": bench.hub,
+                "floor": bench.floor,
+                "sim": bench.sim,
+            }[args.proc]
             await bench.sim.rpc("opts", opts={"chunks": chunks, "interval": interval})
-            spy = await trio.lowlevel.open_process([
-                args.py_spy, "record", "--pid", str(target.pid), "--duration", str(args.seconds),
-                "--rate", str(args.rate), "--format", "raw", "--output", str(raw), "--nonblocking",
-            ], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = await trio.lowlevel.open_process(
+                [
+                    args.py_spy,
+                    "record",
+                    "--pid",
+                    str(target.pid),
+                    "--duration",
+                    str(args.seconds),
+                    "--rate",
+                    str(args.rate),
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(raw),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             turns = 0
             while spy.returncode is None:
                 with trio.move_on_after(0.05):
                     await spy.wait()
-                out = await path.run(n, sessions, interval > 0, f"p{turns}", interval / n if interval else 0)
+                out = await path.run(
+                    n, sessions, interval > 0, f"p{turns}", interval / n if interval else 0
+                )
                 turns += n
                 if out.errors:
                     raise RuntimeError(out.errors[0])
@@ -97,8 +121,10 @@ async def main(args: argparse.Namespace) -> None:
         with trio.CancelScope(shield=True):
             for c in reversed(bench.children):
                 await c.stop()
-    text = (f"{args.proc} process, path {args.path}, scenario {args.scenario}: {turns} streams of "
-            f"{chunks} chunks\n\n" + summarise(raw))
+    text = (
+        f"{args.proc} process, path {args.path}, scenario {args.scenario}: {turns} streams of "
+        f"{chunks} chunks\n\n" + summarise(raw)
+    )
     (OUT / f"{args.path}-{args.proc}-{args.scenario}{args.suffix}.txt").write_text(text + "\n")
     print(text)
 
@@ -107,12 +133,20 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="c64")
     parser.add_argument("--path", choices=["runner", "e2e", "floor"], default="runner")
-    parser.add_argument("--proc", choices=["runner", "hub", "floor", "sim"], default="runner",
-                        help="the process to sample")
+    parser.add_argument(
+        "--proc",
+        choices=["runner", "hub", "floor", "sim"],
+        default="runner",
+        help="the process to sample",
+    )
     parser.add_argument("--seconds", type=int, default=8)
-    parser.add_argument("--whatif-pool", action="store_true", help="the runner with bench/whatif_pool.py")
+    parser.add_argument(
+        "--whatif-pool", action="store_true", help="the runner with bench/whatif_pool.py"
+    )
     parser.add_argument("--rate", type=int, default=250)
     parser.add_argument("--suffix", default="", help="appended to the output names (before/after)")
-    parser.add_argument("--py-spy", default=shutil.which("py-spy", path=str(Path(sys.executable).parent))
-                        or "py-spy")
+    parser.add_argument(
+        "--py-spy",
+        default=shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy",
+    )
     trio.run(main, parser.parse_args())

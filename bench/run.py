@@ -30,8 +30,22 @@ from bench.sinks import FloorSink, SSEClient, Stream, WsSink, clock
 
 SIZES: dict[str, dict[str, int]] = {
     # chunks per stream at full speed (1 stream, 64 streams), paced chunks, TTFT turns, scale sessions
-    "full": {"single": 10000, "c64": 300, "paced": 100, "ttft": 30, "scale": 1000, "scale_chunks": 20},
-    "quick": {"single": 3000, "c64": 100, "paced": 30, "ttft": 15, "scale": 200, "scale_chunks": 10},
+    "full": {
+        "single": 10000,
+        "c64": 300,
+        "paced": 100,
+        "ttft": 30,
+        "scale": 1000,
+        "scale_chunks": 20,
+    },
+    "quick": {
+        "single": 3000,
+        "c64": 100,
+        "paced": 30,
+        "ttft": 15,
+        "scale": 200,
+        "scale_chunks": 10,
+    },
 }
 REPEAT = 3  # every path measurement is run this many times; the median is reported
 LITELLM_SHARE = 10  # LiteLLM relays 1/10 of the chunks at full speed (it is that much slower)
@@ -51,8 +65,11 @@ def _py(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AGENTICS_", "ALP_", "CHAT_LLM_", "OPENAI_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("AGENTICS_", "ALP_", "CHAT_LLM_", "OPENAI_"))
+    }
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -70,8 +87,9 @@ class Bench:
         print(f"  · {text}", flush=True)
         self.results["notes"].append(text)
 
-    async def child(self, name: str, argv: list[str], rpc: bool = True,
-                    env: dict[str, str] | None = None) -> tuple[Child, dict[str, Any] | None]:
+    async def child(
+        self, name: str, argv: list[str], rpc: bool = True, env: dict[str, str] | None = None
+    ) -> tuple[Child, dict[str, Any] | None]:
         c = Child(name, argv, self.tmp, env or _env())
         self.children.append(c)
         hello = await c.start(rpc)
@@ -80,13 +98,29 @@ class Bench:
     def runner_argv(self, hub_url: str, sim_url: str, name: str, max_sessions: int) -> list[str]:
         module = "bench.whatif_pool" if self.args.whatif_pool else "gateway"
         return _py(
-            "-m", module, "run",
-            "--server", hub_url, "--project", self.hub_info["project"],
-            "--backend", sim_url, "--model", "sim-model",
-            "--user-token", self.hub_info["admin"], "--name", name,
-            "--state-dir", str(self.tmp / f"state-{name}"),
-            "--max-sessions", str(max_sessions), "--poll-interval", "5",
-            "--log-level", "WARNING",
+            "-m",
+            module,
+            "run",
+            "--server",
+            hub_url,
+            "--project",
+            self.hub_info["project"],
+            "--backend",
+            sim_url,
+            "--model",
+            "sim-model",
+            "--user-token",
+            self.hub_info["admin"],
+            "--name",
+            name,
+            "--state-dir",
+            str(self.tmp / f"state-{name}"),
+            "--max-sessions",
+            str(max_sessions),
+            "--poll-interval",
+            "5",
+            "--log-level",
+            "WARNING",
         )
 
     # -- setup ---------------------------------------------------------------------------
@@ -111,9 +145,13 @@ class Bench:
         self.floor_sink = FloorSink()
         await nursery.start(self.floor_sink.serve)
         self.runner, _ = await self.child(
-            "runner", self.runner_argv(hub_hello["url"], self.sim_url, "bench-runner", 64), rpc=False
+            "runner",
+            self.runner_argv(hub_hello["url"], self.sim_url, "bench-runner", 64),
+            rpc=False,
         )
-        self.floor, _ = await self.child("floor", _py("-m", "bench.floor", "127.0.0.1", str(self.sim_port)))
+        self.floor, _ = await self.child(
+            "floor", _py("-m", "bench.floor", "127.0.0.1", str(self.sim_port))
+        )
         await self.floor.rpc("dial", host="127.0.0.1", port=self.floor_sink.port, n=SESSIONS)
         await self.floor_sink.wait_sessions(SESSIONS)
         ids = (await self.hub.rpc("enqueue", n=SESSIONS, channel_url=self.ws_sink.url))["ids"]
@@ -124,7 +162,9 @@ class Bench:
             "runner": RunnerPath(self.runner, channels),
             "e2e": HttpPath(
                 "e2e",
-                SSEClient("127.0.0.1", self.hub_port, headers={"authorization": f"Bearer {self.api_key}"}),
+                SSEClient(
+                    "127.0.0.1", self.hub_port, headers={"authorization": f"Bearer {self.api_key}"}
+                ),
                 {"runner": (self.runner, False), "hub": (self.hub, False)},
                 sessions=True,
             ),
@@ -160,16 +200,32 @@ class Bench:
             "  telemetry: false\n"
         )
         env = _env()
-        env.update({
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the cost map
-            "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR", "LITELLM_DONT_SHOW_FEEDBACK_BOX": "True",
-            "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",  # no network
-            "NO_PROXY": "127.0.0.1,localhost",
-        })
+        env.update(
+            {
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the cost map
+                "LITELLM_TELEMETRY": "False",
+                "LITELLM_LOG": "ERROR",
+                "LITELLM_DONT_SHOW_FEEDBACK_BOX": "True",
+                "HTTP_PROXY": "http://127.0.0.1:9",
+                "HTTPS_PROXY": "http://127.0.0.1:9",  # no network
+                "NO_PROXY": "127.0.0.1,localhost",
+            }
+        )
         child, _ = await self.child(
             "litellm",
-            [exe, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-            rpc=False, env=env,
+            [
+                exe,
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num_workers",
+                "1",
+            ],
+            rpc=False,
+            env=env,
         )
         with trio.fail_after(90):
             while True:
@@ -181,11 +237,15 @@ class Bench:
                     await trio.sleep(0.2)
         self.litellm = child
         client = SSEClient("127.0.0.1", port, headers={"authorization": "Bearer sk-bench"})
-        self.paths["litellm"] = HttpPath("litellm", client, {"litellm": (child, True)}, sessions=False)
+        self.paths["litellm"] = HttpPath(
+            "litellm", client, {"litellm": (child, True)}, sessions=False
+        )
 
     # -- measuring -----------------------------------------------------------------------
 
-    async def measure(self, path: Path, n: int, sessions: int, chunks: int, interval: float = 0.0) -> dict[str, Any]:
+    async def measure(
+        self, path: Path, n: int, sessions: int, chunks: int, interval: float = 0.0
+    ) -> dict[str, Any]:
         self.run_no += 1
         latency = interval > 0
         await self.sim.rpc("opts", opts={"chunks": chunks, "interval": interval})
@@ -206,7 +266,9 @@ class Bench:
             "chunks": out.events,
             "seconds": round(elapsed, 4),
             "chunks_per_s": round(out.events / elapsed),
-            "cpu_us_per_chunk": {k: round((cpu1[k] - cpu0[k]) / max(out.events, 1) * 1e6, 2) for k in procs},
+            "cpu_us_per_chunk": {
+                k: round((cpu1[k] - cpu0[k]) / max(out.events, 1) * 1e6, 2) for k in procs
+            },
             "cpu_busy": {k: round((cpu1[k] - cpu0[k]) / elapsed, 3) for k in procs},
             "bench_busy": round((own1 - own0) / elapsed, 3),
         }
@@ -257,7 +319,10 @@ class Bench:
             out = await path.run(1, 1, False, f"t{self.run_no}-{i}")
             values.extend(out.firsts)
             await trio.sleep(0.002)
-        return {"turns": turns, "ttft_ms": {"p50": _ms(percentile(values, 50)), "p99": _ms(percentile(values, 99))}}
+        return {
+            "turns": turns,
+            "ttft_ms": {"p50": _ms(percentile(values, 50)), "p99": _ms(percentile(values, 99))},
+        }
 
     async def measure_path(self, name: str) -> None:
         """Every measurement of one path, each repeated ``REPEAT`` times (the median is kept:
@@ -272,16 +337,28 @@ class Bench:
             return _median([await fn(*args) for _ in range(REPEAT)])
 
         res["single"] = await median_of(self.measure, path, 1, 1, sizes["single"] // share)
-        print(f"  1 stream: {res['single']['chunks_per_s']} chunks/s {res['single']['cpu_us_per_chunk']}", flush=True)
+        print(
+            f"  1 stream: {res['single']['chunks_per_s']} chunks/s {res['single']['cpu_us_per_chunk']}",
+            flush=True,
+        )
         res["c64"] = await median_of(self.measure, path, 64, 1, sizes["c64"] // share)
-        print(f"  64 streams, one session: {res['c64']['chunks_per_s']} chunks/s {res['c64']['cpu_us_per_chunk']}", flush=True)
+        print(
+            f"  64 streams, one session: {res['c64']['chunks_per_s']} chunks/s {res['c64']['cpu_us_per_chunk']}",
+            flush=True,
+        )
         if path.sessions:
             res["c64s8"] = await median_of(self.measure, path, 64, SESSIONS, sizes["c64"] // share)
-            print(f"  64 streams, {SESSIONS} sessions: {res['c64s8']['chunks_per_s']} chunks/s "
-                  f"{res['c64s8']['cpu_us_per_chunk']}", flush=True)
+            print(
+                f"  64 streams, {SESSIONS} sessions: {res['c64s8']['chunks_per_s']} chunks/s "
+                f"{res['c64s8']['cpu_us_per_chunk']}",
+                flush=True,
+            )
         res["paced"] = await median_of(self.measure, path, 64, 1, sizes["paced"], PACE)
-        print(f"  64 paced streams: latency {res['paced']['latency_ms']} ({res['paced']['latency_samples']} samples) "
-              f"{res['paced']['cpu_us_per_chunk']}", flush=True)
+        print(
+            f"  64 paced streams: latency {res['paced']['latency_ms']} ({res['paced']['latency_samples']} samples) "
+            f"{res['paced']['cpu_us_per_chunk']}",
+            flush=True,
+        )
         res["ttft"] = await median_of(self.ttft, path, sizes["ttft"])
         print(f"  TTFT {res['ttft']['ttft_ms']}", flush=True)
         self.results["paths"][name] = res
@@ -290,11 +367,21 @@ class Bench:
         """Is the hub's WebSocket receive path a bottleneck? The same streams, read by the hub."""
         print("\n== sink check: runner → hub channel (the hub's own receive path)", flush=True)
         out: dict[str, Any] = {}
-        for label, n, chunks in (("single", 1, self.sizes["single"]), ("c64", 64, self.sizes["c64"])):
+        for label, n, chunks in (
+            ("single", 1, self.sizes["single"]),
+            ("c64", 64, self.sizes["c64"]),
+        ):
             await self.sim.rpc("opts", opts={"chunks": chunks, "interval": 0.0})
             cpu0 = self.hub.cpu()
-            reply = await self.hub.rpc("hubsink", streams=n, body={
-                "model": "sim-model", "messages": [{"role": "user", "content": "hubsink"}], "stream": True})
+            reply = await self.hub.rpc(
+                "hubsink",
+                streams=n,
+                body={
+                    "model": "sim-model",
+                    "messages": [{"role": "user", "content": "hubsink"}],
+                    "stream": True,
+                },
+            )
             cpu1 = self.hub.cpu()
             rate = reply["events"] / max(reply["elapsed"], 1e-9)
             lean_run = self.results["paths"].get("runner", {}).get(label, {})
@@ -307,8 +394,11 @@ class Bench:
                 "lean_sink_chunks_per_s": lean,
                 "lean_sink_busy": lean_run.get("bench_busy"),  # the bench process, sink included
             }
-            print(f"  {label}: hub as sink {round(rate)} chunks/s (hub busy {out[label]['hub_busy']:.0%}); "
-                  f"lean sink {lean}", flush=True)
+            print(
+                f"  {label}: hub as sink {round(rate)} chunks/s (hub busy {out[label]['hub_busy']:.0%}); "
+                f"lean sink {lean}",
+                flush=True,
+            )
         self.results["sink_check"] = out
 
     # -- scale -----------------------------------------------------------------------------
@@ -316,7 +406,10 @@ class Bench:
     async def scale(self) -> None:
         total = self.sizes["scale"]
         half = total // 2
-        print(f"\n== scale: {total} idle sessions on one fresh runner, then {total} concurrent turns", flush=True)
+        print(
+            f"\n== scale: {total} idle sessions on one fresh runner, then {total} concurrent turns",
+            flush=True,
+        )
         seen = (await self.hub.rpc("seen"))["runners"]
         runner, _ = await self.child(
             "runner-scale",
@@ -339,8 +432,11 @@ class Bench:
         all_s = time.perf_counter() - opened
         await trio.sleep(1.0)
         rss[str(total)] = runner.rss()
-        print(f"  RSS MB: {', '.join(f'{k} sessions {v / 1e6:.1f}' for k, v in rss.items())}; "
-              f"opened {total} sessions in {all_s:.1f} s", flush=True)
+        print(
+            f"  RSS MB: {', '.join(f'{k} sessions {v / 1e6:.1f}' for k, v in rss.items())}; "
+            f"opened {total} sessions in {all_s:.1f} s",
+            flush=True,
+        )
         # 1,000 concurrent turns, one per session
         chunks = self.sizes["scale_chunks"]
         await self.sim.rpc("opts", opts={"chunks": chunks, "interval": 0.0})
@@ -359,8 +455,15 @@ class Bench:
             outer.start_soon(sample_rss, outer.cancel_scope)
             async with trio.open_nursery() as nursery:
                 for ch, s in zip(channels, streams, strict=True):
-                    nursery.start_soon(ch.turn, {"model": "sim-model", "messages": [
-                        {"role": "user", "content": "scale"}], "stream": True}, s)
+                    nursery.start_soon(
+                        ch.turn,
+                        {
+                            "model": "sim-model",
+                            "messages": [{"role": "user", "content": "scale"}],
+                            "stream": True,
+                        },
+                        s,
+                    )
             outer.cancel_scope.cancel()
         cpu1 = runner.cpu()
         end = max(s.last_at for s in streams)
@@ -448,7 +551,11 @@ def _median(runs: list[Any]) -> Any:
     values = sorted(v for v in runs if v is not None)
     if not values:
         return None
-    middle = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    middle = (
+        values[len(values) // 2]
+        if len(values) % 2
+        else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    )
     return round(middle, 3) if isinstance(middle, float) else middle
 
 
@@ -459,12 +566,19 @@ def _ms(value: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller runs (about a minute)")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
+    parser.add_argument(
+        "--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}"
+    )
     parser.add_argument("--no-scale", action="store_true", help="skip the 1,000-session test")
-    parser.add_argument("--whatif-pool", action="store_true",
-                        help="run the runner with httpcore's pool bookkeeping made linear "
-                             "(bench/whatif_pool.py): what that fix is worth")
-    parser.add_argument("--out", default=str(FsPath(__file__).parent / "results.json"), help="JSON output")
+    parser.add_argument(
+        "--whatif-pool",
+        action="store_true",
+        help="run the runner with httpcore's pool bookkeeping made linear "
+        "(bench/whatif_pool.py): what that fix is worth",
+    )
+    parser.add_argument(
+        "--out", default=str(FsPath(__file__).parent / "results.json"), help="JSON output"
+    )
     args = parser.parse_args(argv)
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

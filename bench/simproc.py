@@ -53,9 +53,11 @@ class _FixedRate:
 async def main() -> None:
     sim_server.trio = _FixedRate()  # type: ignore[assignment]
     async with trio.open_nursery() as nursery:
-        sim: Simulator = await nursery.start(lambda task_status: serve_sim(
-            record=False, models=["sim-model"], task_status=task_status
-        ))
+        sim: Simulator = await nursery.start(
+            lambda task_status: serve_sim(
+                record=False, models=["sim-model"], task_status=task_status
+            )
+        )
         reply_line({"url": sim.url, "port": sim.port})
 
         async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
@@ -70,11 +72,13 @@ async def main() -> None:
                 streams = []
                 for rec in sim.streams:
                     found = TAG.search(rec.body)
-                    streams.append({
-                        "id": rec.id,
-                        "tag": found.group(1).decode() if found else None,
-                        "sent_at": rec.sent_at,
-                    })
+                    streams.append(
+                        {
+                            "id": rec.id,
+                            "tag": found.group(1).decode() if found else None,
+                            "sent_at": rec.sent_at,
+                        }
+                    )
                 sim.clear()
                 return {"streams": streams}
             raise ValueError(f"unknown command {cmd['cmd']!r}")

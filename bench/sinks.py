@@ -94,7 +94,12 @@ class SinkChannel:
         """Send one ``chat.completion.request`` and wait for its done (or error) frame."""
         rid = uuid.uuid4().hex
         self.turns[rid] = stream
-        frame = {"type": "chat.completion.request", "jobId": self.job_id, "requestId": rid, "body": body}
+        frame = {
+            "type": "chat.completion.request",
+            "jobId": self.job_id,
+            "requestId": rid,
+            "body": body,
+        }
         stream.sent = clock()
         await self.send_text(msgspec.json.encode(frame))
         await stream.done.wait()
@@ -342,8 +347,13 @@ class FloorSink:
 class SSEClient:
     """POSTs chat-completions bodies to ``host:port`` and reads the SSE answers (kept-alive)."""
 
-    def __init__(self, host: str, port: int, path: str = "/v1/chat/completions",
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        path: str = "/v1/chat/completions",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.path = path

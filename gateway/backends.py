@@ -169,7 +169,9 @@ class Backend:
         try:
             response = await self.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise BackendUnreachable(f"backend {self.url} unreachable: {type(exc).__name__}") from None
+            raise BackendUnreachable(
+                f"backend {self.url} unreachable: {type(exc).__name__}"
+            ) from None
         except httpx.TimeoutException:
             raise BackendError(f"backend {self.url} did not answer in time") from None
         except httpx.HTTPError as exc:
@@ -198,7 +200,9 @@ class Backend:
         """
         headers = {k: v for k, v in self._headers.items() if k == "authorization"}
         try:
-            resp = await self.client.get(f"{self.url}/models", headers=headers, timeout=PROBE_TIMEOUT)
+            resp = await self.client.get(
+                f"{self.url}/models", headers=headers, timeout=PROBE_TIMEOUT
+            )
         except httpx.HTTPError as exc:
             return _describe(exc)
         if resp.is_success or resp.status_code in (404, 405):
@@ -246,7 +250,11 @@ class Backend:
         self.waits_total += 1
         log.info(
             "job %s request %s: waiting for backend %s (%d in flight, %d waiting)",
-            job_id, request_id, self.name, self.in_flight, self.waiting,
+            job_id,
+            request_id,
+            self.name,
+            self.in_flight,
+            self.waiting,
         )
         start = trio.current_time()
         self._touch()
@@ -403,7 +411,9 @@ class BackendPool:
         except _DISCOVERY_ERRORS as exc:
             reason = _describe(exc)
             if reason != backend.discovery_error:
-                log.warning("backend %s (%s) cannot list its models: %s", backend.name, backend.url, reason)
+                log.warning(
+                    "backend %s (%s) cannot list its models: %s", backend.name, backend.url, reason
+                )
             backend.discovery_error = reason
             return
         if backend.discovery_error is not None:
@@ -439,8 +449,12 @@ class BackendPool:
                 requested = servable[0]
         local = self.aliases.get(requested, requested) if requested is not None else None
         if not self.allowed(requested, local):
-            what = f"model {requested!r} is" if requested is not None else "a turn without a model is"
-            raise BackendError(f"{what} not allowed on this runner; allowed: {', '.join(self.allowed_models)}")
+            what = (
+                f"model {requested!r} is" if requested is not None else "a turn without a model is"
+            )
+            raise BackendError(
+                f"{what} not allowed on this runner; allowed: {', '.join(self.allowed_models)}"
+            )
         if self._refreshed_at is None:
             await self.refresh_models()
         candidates = self._candidates(local)
@@ -458,7 +472,9 @@ class BackendPool:
 
     def _unknown_text(self, requested: str | None) -> str:
         available = self.servable()
-        listing = f"available: {', '.join(available)}" if available else "no model is available right now"
+        listing = (
+            f"available: {', '.join(available)}" if available else "no model is available right now"
+        )
         if requested is None:
             return f"the turn names no model and this runner has no default (--model); {listing}"
         return f"model {requested!r} is not available on this runner; {listing}"

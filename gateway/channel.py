@@ -120,7 +120,9 @@ class Channel:
                             log.info("job %s → %s", self.job_id, self.frame_log(item))
                     try:
                         if batched:
-                            await _write_frames(ws, protocol.ws_text_frames(batch, mask=ws.is_client))
+                            await _write_frames(
+                                ws, protocol.ws_text_frames(batch, mask=ws.is_client)
+                            )
                         else:
                             await _send_each(ws, batch)
                     except ConnectionClosed as exc:
@@ -162,7 +164,9 @@ class Channel:
             if request_id is not None:
                 self._post(
                     protocol.error_frame(
-                        self.job_id, request_id, f"frame for job {frame.jobId} on this job's channel"
+                        self.job_id,
+                        request_id,
+                        f"frame for job {frame.jobId} on this job's channel",
                     )
                 )
             return
@@ -286,7 +290,9 @@ class Channel:
                 tried.append(backend)
                 if len(tried) >= len(route.candidates):
                     return str(exc)
-                log.warning("job %s request %s: %s; trying another backend", self.job_id, request_id, exc)
+                log.warning(
+                    "job %s request %s: %s; trying another backend", self.job_id, request_id, exc
+                )
             except BackendError as exc:
                 return str(exc)
             except httpx.TimeoutException:
@@ -392,7 +398,10 @@ _BATCH_LIMIT = 256  # frames in one socket write at most
 def _can_write_frames(ws: WebSocketConnection) -> bool:
     """Can ``_write_frames`` reach this connection's stream? (trio-websocket internals, checked
     once per channel; without them the writer sends message by message through the public API)."""
-    return all(hasattr(ws, name) for name in ("_stream", "_stream_lock", "_close_reason", "_abort_web_socket"))
+    return all(
+        hasattr(ws, name)
+        for name in ("_stream", "_stream_lock", "_close_reason", "_abort_web_socket")
+    )
 
 
 async def _send_each(ws: WebSocketConnection, batch: Sequence[str | bytes]) -> None:

@@ -42,18 +42,36 @@ _FLAG_HELP = {
     "log_format": "text or json",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "metrics_listen": "serve /healthz and /metrics on [HOST:]PORT (env ALP_GATEWAY_METRICS_LISTEN; "
-                      "off by default; a bare port binds 127.0.0.1)",
+    "off by default; a bare port binds 127.0.0.1)",
     "verbose_frames": "log every channel frame, cut short and with credentials redacted",
     "allowed_models": "comma-separated allowlist of model ids (default: every model)",
     "health_interval": "seconds between backend health probes (default 30)",
     "models_refresh": "seconds between backend model-list refreshes (default 300)",
 }
-_FLOATS = {"poll_interval", "reconnect_window", "grace", "heartbeat_interval", "idle_timeout",
-           "connect_timeout", "models_cache", "health_interval", "models_refresh"}
+_FLOATS = {
+    "poll_interval",
+    "reconnect_window",
+    "grace",
+    "heartbeat_interval",
+    "idle_timeout",
+    "connect_timeout",
+    "models_cache",
+    "health_interval",
+    "models_refresh",
+}
 _INTS = {"max_sessions", "max_frame_size"}
 _BOOLS = {"verbose_frames"}
-_REGISTER_FLAGS = ("server", "project", "state_dir", "user_token", "name", "labels", "ca_file",
-                   "log_format", "log_level")
+_REGISTER_FLAGS = (
+    "server",
+    "project",
+    "state_dir",
+    "user_token",
+    "name",
+    "labels",
+    "ca_file",
+    "log_format",
+    "log_level",
+)
 
 
 def _add_settings(parser: argparse.ArgumentParser, keys: Sequence[str]) -> None:
@@ -63,12 +81,19 @@ def _add_settings(parser: argparse.ArgumentParser, keys: Sequence[str]) -> None:
             continue
         flag = "--" + setting.key.replace("_", "-")
         if setting.key in _BOOLS:
-            parser.add_argument(flag, dest=setting.key, action="store_const", const=True,
-                                default=None, help=_FLAG_HELP.get(setting.key))
+            parser.add_argument(
+                flag,
+                dest=setting.key,
+                action="store_const",
+                const=True,
+                default=None,
+                help=_FLAG_HELP.get(setting.key),
+            )
             continue
         kind: Any = float if setting.key in _FLOATS else int if setting.key in _INTS else str
-        parser.add_argument(flag, dest=setting.key, type=kind, default=None,
-                            help=_FLAG_HELP.get(setting.key))
+        parser.add_argument(
+            flag, dest=setting.key, type=kind, default=None, help=_FLAG_HELP.get(setting.key)
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,10 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(run, [s.key for s in SETTINGS])
     register = sub.add_parser("register", help="register this runner with the Server")
     _add_settings(register, _REGISTER_FLAGS)
-    doctor = sub.add_parser("doctor", help="check config, state file, Server and backends; say how to fix")
+    doctor = sub.add_parser(
+        "doctor", help="check config, state file, Server and backends; say how to fix"
+    )
     _add_settings(doctor, [s.key for s in SETTINGS])
-    doctor.add_argument("--deep", action="store_true",
-                        help="also ask each backend for a one-token completion and time it")
+    doctor.add_argument(
+        "--deep",
+        action="store_true",
+        help="also ask each backend for a one-token completion and time it",
+    )
     demo = sub.add_parser("demo", help="hub + runner + backend in one process, one prompt")
     demo.add_argument("--prompt", default="Say hello from the edge, in one short sentence.")
     demo.add_argument("--backend", help="use this backend URL instead of looking for one")
@@ -93,12 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sim", action="store_true", help="always use the built-in simulator")
     from gateway.status import add_arguments as add_status_arguments
 
-    add_status_arguments(sub.add_parser("status", help="health, sessions, turns and backends of a running "
-                                        "runner (from its --metrics-listen port)"))
-    sub.add_parser("hub", help="run the ALP Server emulator (see `alp-gateway hub --help`)",
-                   add_help=False)
-    sub.add_parser("sim", help="run the backend simulator (see `alp-gateway sim --help`)",
-                   add_help=False)
+    add_status_arguments(
+        sub.add_parser(
+            "status",
+            help="health, sessions, turns and backends of a running "
+            "runner (from its --metrics-listen port)",
+        )
+    )
+    sub.add_parser(
+        "hub", help="run the ALP Server emulator (see `alp-gateway hub --help`)", add_help=False
+    )
+    sub.add_parser(
+        "sim", help="run the backend simulator (see `alp-gateway sim --help`)", add_help=False
+    )
     return parser
 
 
@@ -143,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config_from(args)
         setup_logging(config.log_level, config.log_format)
         if config.project is None:
-            return _fail("no project: give --project OWNER/PROJECT (or project = in the config file)")
+            return _fail(
+                "no project: give --project OWNER/PROJECT (or project = in the config file)"
+            )
         if args.command == "register":
             return _register(config)
         return _run(config)

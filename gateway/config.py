@@ -228,8 +228,14 @@ class Config:
         seen: set[str] = set()
         for spec in declared:
             if spec.name in seen:
-                extra = " (--backend makes a backend named default)" if spec.name == DEFAULT_BACKEND else ""
-                raise ConfigError(f"backend name {spec.name!r} is used twice{extra}: names must be unique")
+                extra = (
+                    " (--backend makes a backend named default)"
+                    if spec.name == DEFAULT_BACKEND
+                    else ""
+                )
+                raise ConfigError(
+                    f"backend name {spec.name!r} is used twice{extra}: names must be unique"
+                )
             seen.add(spec.name)
         object.__setattr__(self, "backends", tuple(declared))
         object.__setattr__(self, "aliases", dict(self.aliases))
@@ -266,12 +272,16 @@ def read_toml(path: Path) -> dict[str, Any]:
         norm = key.replace("-", "_")
         if norm == "backend" and not isinstance(value, str):
             if not isinstance(value, list):
-                raise ConfigError(f"config file {path}: write backends as [[backend]] tables (an array), not [backend]")
+                raise ConfigError(
+                    f"config file {path}: write backends as [[backend]] tables (an array), not [backend]"
+                )
             flat["_backend_tables"] = value
             continue
         if norm == "aliases":
             if not isinstance(value, dict):
-                raise ConfigError(f"config file {path}: aliases must be a table: [aliases] then \"name\" = \"local-model\"")
+                raise ConfigError(
+                    f'config file {path}: aliases must be a table: [aliases] then "name" = "local-model"'
+                )
             flat["_aliases"] = value
             continue
         if norm not in _BY_KEY:
@@ -322,7 +332,9 @@ def load_config(
     return Config(**values)
 
 
-def _backend_specs(tables: list[Any], env: Mapping[str, str], where: str) -> tuple[BackendSpec, ...]:
+def _backend_specs(
+    tables: list[Any], env: Mapping[str, str], where: str
+) -> tuple[BackendSpec, ...]:
     """Validate the ``[[backend]]`` tables; a key_env is read from ``env`` here, once."""
     specs: list[BackendSpec] = []
     for number, table in enumerate(tables, 1):
@@ -336,9 +348,11 @@ def _backend_specs(tables: list[Any], env: Mapping[str, str], where: str) -> tup
         label = f"{where}: backend {name!r}"
         unknown = sorted(set(table) - set(_BACKEND_KEYS))
         if unknown:
-            raise ConfigError(f"{label}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(_BACKEND_KEYS)})")
+            raise ConfigError(
+                f"{label}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(_BACKEND_KEYS)})"
+            )
         if "url" not in table:
-            raise ConfigError(f"{label}: missing url, e.g. url = \"http://127.0.0.1:11434/v1\"")
+            raise ConfigError(f'{label}: missing url, e.g. url = "http://127.0.0.1:11434/v1"')
         try:
             url = _url(table["url"])
         except ValueError as exc:
@@ -356,18 +370,24 @@ def _backend_specs(tables: list[Any], env: Mapping[str, str], where: str) -> tup
                 raise ConfigError(f"{label}: key_env must name an environment variable")
             key = env.get(var) or None
             if key is None:
-                raise ConfigError(f"{label}: key_env names {var}, which is not set (or empty) in the environment")
+                raise ConfigError(
+                    f"{label}: key_env names {var}, which is not set (or empty) in the environment"
+                )
         models: tuple[str, ...] = ()
         if "models" in table:
             raw = table["models"]
             if not isinstance(raw, list) or not all(isinstance(m, str) and m.strip() for m in raw):
-                raise ConfigError(f"{label}: models must be a list of model ids, e.g. [\"qwen2.5:7b\"]")
+                raise ConfigError(
+                    f'{label}: models must be a list of model ids, e.g. ["qwen2.5:7b"]'
+                )
             models = tuple(dict.fromkeys(m.strip() for m in raw))
         max_concurrency: int | None = None
         if "max_concurrency" in table:
             raw = table["max_concurrency"]
             if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-                raise ConfigError(f"{label}: max_concurrency must be a whole number ≥ 1 (leave it out for no limit)")
+                raise ConfigError(
+                    f"{label}: max_concurrency must be a whole number ≥ 1 (leave it out for no limit)"
+                )
             max_concurrency = raw
         queue = DEFAULT_QUEUE
         if "queue" in table:
@@ -384,7 +404,9 @@ def _aliases(table: Mapping[str, Any], where: str) -> dict[str, str]:
     aliases: dict[str, str] = {}
     for name, target in table.items():
         if not isinstance(target, str) or not target.strip():
-            raise ConfigError(f"{where}: alias {name!r} must name a local model, e.g. \"{name}\" = \"qwen2.5:7b\"")
+            raise ConfigError(
+                f'{where}: alias {name!r} must name a local model, e.g. "{name}" = "qwen2.5:7b"'
+            )
         aliases[name] = target.strip()
     for name, target in aliases.items():
         if target in aliases and target != name:

@@ -110,7 +110,9 @@ async def _demo(args: argparse.Namespace) -> int:
     print(f"tokens               {len(times)} at {rate:.1f} tokens/s", file=out)
     if sim is not None and sim.streams:
         stream = sim.streams[0]
-        pairs = [(s, p) for s, p in zip(stream.sent_at, stream.payloads, strict=False) if p != b"[DONE]"]
+        pairs = [
+            (s, p) for s, p in zip(stream.sent_at, stream.payloads, strict=False) if p != b"[DONE]"
+        ]
         sent = [s for s, p in pairs if b'"content":"tok' in p]
         if len(sent) == len(times):
             delays = sorted(r - s for r, s in zip(times, sent, strict=True))
@@ -123,7 +125,9 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ask(hub_url: str, api_key: str, model: str | None, prompt: str) -> tuple[int, list[float], float]:
+async def _ask(
+    hub_url: str, api_key: str, model: str | None, prompt: str
+) -> tuple[int, list[float], float]:
     """Stream one prompt through the front door, printing content as it arrives."""
     body = {"model": model, "stream": True, "messages": [{"role": "user", "content": prompt}]}
     times: list[float] = []
@@ -137,7 +141,10 @@ async def _ask(hub_url: str, api_key: str, model: str | None, prompt: str) -> tu
         ) as resp:
             if resp.status_code != 200:
                 await resp.aread()
-                print(f"alp-gateway demo: the hub answered {resp.status_code}: {resp.text}", file=sys.stderr)
+                print(
+                    f"alp-gateway demo: the hub answered {resp.status_code}: {resp.text}",
+                    file=sys.stderr,
+                )
                 return 1, times, started
             splitter = SSESplitter()
             async for raw in resp.aiter_raw():

@@ -69,7 +69,9 @@ class Doctor:
         self.secrets = [config.user_token, config.backend_key, *(b.key for b in config.backends)]
 
     def add(self, mark: str, name: str, detail: str, hint: str | None = None) -> Check:
-        check = Check(mark, name, _redact(detail, self.secrets), _redact(hint, self.secrets) if hint else None)
+        check = Check(
+            mark, name, _redact(detail, self.secrets), _redact(hint, self.secrets) if hint else None
+        )
         self.checks.append(check)
         return check
 
@@ -86,8 +88,12 @@ class Doctor:
     def check_config(self) -> None:
         config = self.config
         if not config.project:
-            self.add(FAIL, "configuration", "no project",
-                     "give --project OWNER/PROJECT (or ALP_PROJECT, or project = in the config file)")
+            self.add(
+                FAIL,
+                "configuration",
+                "no project",
+                "give --project OWNER/PROJECT (or ALP_PROJECT, or project = in the config file)",
+            )
             return
         count = len(config.backends)
         parts = [
@@ -115,35 +121,64 @@ class Doctor:
         )
         if not path.exists():
             if config.user_token:
-                self.add(WARN, "state file", f"{path} does not exist yet; `run` registers with the user credential")
+                self.add(
+                    WARN,
+                    "state file",
+                    f"{path} does not exist yet; `run` registers with the user credential",
+                )
             else:
-                self.add(FAIL, "state file", f"{path} does not exist: this runner is not registered", register)
+                self.add(
+                    FAIL,
+                    "state file",
+                    f"{path} does not exist: this runner is not registered",
+                    register,
+                )
             return None
         try:
             registration = store.load(config.project)
         except StateError as exc:
             mode = stat.S_IMODE(path.stat().st_mode)
             if mode & 0o077:
-                self.add(FAIL, "state file", f"{path} is readable by others (mode {mode:o}), and it holds "
-                         "the runner token", f"chmod 600 {path}")
+                self.add(
+                    FAIL,
+                    "state file",
+                    f"{path} is readable by others (mode {mode:o}), and it holds the runner token",
+                    f"chmod 600 {path}",
+                )
             else:
                 self.add(FAIL, "state file", str(exc), "move the file away and register again")
             return None
         mode = stat.S_IMODE(path.stat().st_mode)
         if registration is None:
             if config.user_token:
-                self.add(WARN, "state file", f"{path} (mode {mode:o}) has no registration for "
-                         f"{config.project}; `run` registers with the user credential")
+                self.add(
+                    WARN,
+                    "state file",
+                    f"{path} (mode {mode:o}) has no registration for "
+                    f"{config.project}; `run` registers with the user credential",
+                )
             else:
-                self.add(FAIL, "state file", f"{path} (mode {mode:o}) has no registration for {config.project}",
-                         register)
+                self.add(
+                    FAIL,
+                    "state file",
+                    f"{path} (mode {mode:o}) has no registration for {config.project}",
+                    register,
+                )
             return None
         dir_mode = stat.S_IMODE(store.dir.stat().st_mode)
         if dir_mode & 0o077:
-            self.add(WARN, "state file", f"{path} is private, but its directory is mode {dir_mode:o}",
-                     f"chmod 700 {store.dir}")
+            self.add(
+                WARN,
+                "state file",
+                f"{path} is private, but its directory is mode {dir_mode:o}",
+                f"chmod 700 {store.dir}",
+            )
         else:
-            self.add(OK, "state file", f"{path} (mode {mode:o}): runner {registration.name} ({registration.id})")
+            self.add(
+                OK,
+                "state file",
+                f"{path} (mode {mode:o}): runner {registration.name} ({registration.id})",
+            )
         return registration
 
     # -- the Server ------------------------------------------------------------------------
@@ -157,15 +192,21 @@ class Doctor:
         config = self.config
         server = self._server_for(registration)
         ssl_context = make_ssl_context(config.ca_file)
-        fix_server = "check --server (or AGENTICS_SERVER) and that the Server is up and reachable from here"
+        fix_server = (
+            "check --server (or AGENTICS_SERVER) and that the Server is up and reachable from here"
+        )
         if registration is None:
             try:
-                async with httpx.AsyncClient(verify=ssl_context, timeout=self.probe_timeout) as client:
+                async with httpx.AsyncClient(
+                    verify=ssl_context, timeout=self.probe_timeout
+                ) as client:
                     await client.get(server)
             except httpx.HTTPError as exc:
                 self.add(FAIL, "Server", f"{server} unreachable: {_kind(exc)}", fix_server)
                 return
-            self.add(OK, "Server", f"{server} reachable (runner token not checked: not registered yet)")
+            self.add(
+                OK, "Server", f"{server} reachable (runner token not checked: not registered yet)"
+            )
             return
         assert config.project
         owner, project = config.project.split("/", 1)
@@ -177,17 +218,27 @@ class Doctor:
             self.add(FAIL, "Server", f"{server} unreachable: {exc}", fix_server)
             return
         except TokenRefused as exc:
-            self.add(FAIL, "Server", f"{server} reachable, but {exc}",
-                     f"register again: `alp-gateway register --project {config.project} --user-token …` "
-                     "(or give AGENTICS_USER_TOKEN so `run` re-registers)")
+            self.add(
+                FAIL,
+                "Server",
+                f"{server} reachable, but {exc}",
+                f"register again: `alp-gateway register --project {config.project} --user-token …` "
+                "(or give AGENTICS_USER_TOKEN so `run` re-registers)",
+            )
             return
         except Refused as exc:
-            self.add(FAIL, "Server", f"{server}: {exc}",
-                     f"is {config.project} the right project, and {server} an ALP Server?")
+            self.add(
+                FAIL,
+                "Server",
+                f"{server}: {exc}",
+                f"is {config.project} the right project, and {server} an ALP Server?",
+            )
             return
         finally:
             await alp.aclose()
-        self.add(OK, "Server", f"{server} reachable; runner token accepted (a poll with no capabilities)")
+        self.add(
+            OK, "Server", f"{server} reachable; runner token accepted (a poll with no capabilities)"
+        )
 
     # -- backends --------------------------------------------------------------------------
 
@@ -199,7 +250,12 @@ class Doctor:
         ssl_context = make_ssl_context(config.ca_file)
         timeout = min(config.connect_timeout, self.probe_timeout)
         backends = [
-            Backend.from_spec(spec, connect_timeout=timeout, idle_timeout=max(timeout, 60.0), ssl_context=ssl_context)
+            Backend.from_spec(
+                spec,
+                connect_timeout=timeout,
+                idle_timeout=max(timeout, 60.0),
+                ssl_context=ssl_context,
+            )
             for spec in config.backends
         ]
         pool = BackendPool(
@@ -214,13 +270,19 @@ class Doctor:
 
     async def check_backend(self, backend: Backend, pool: BackendPool) -> None:
         name = f"backend {backend.name}"
-        where = "--backend / CHAT_LLM_BACKEND_URL" if backend.name == "default" else f"[[backend]] {backend.name}"
+        where = (
+            "--backend / CHAT_LLM_BACKEND_URL"
+            if backend.name == "default"
+            else f"[[backend]] {backend.name}"
+        )
         reason = await backend.check()
         backend.up = reason is None
         backend.down_reason = reason
         if reason is not None:
             if "key" in reason:
-                hint = f"check the key of {where} (key / key_env; CHAT_LLM_BACKEND_KEY for --backend)"
+                hint = (
+                    f"check the key of {where} (key / key_env; CHAT_LLM_BACKEND_KEY for --backend)"
+                )
             else:
                 hint = f"is the model server running at {backend.url}? start it, or fix the url of {where}"
             self.add(FAIL, name, f"{backend.url}: {reason}", hint)
@@ -235,20 +297,37 @@ class Doctor:
             problem = _kind(exc)
         if listed is None:
             if backend.declared_models:
-                self.add(OK, name, f"{backend.url} reachable; models (declared): {', '.join(backend.declared_models)}")
+                self.add(
+                    OK,
+                    name,
+                    f"{backend.url} reachable; models (declared): {', '.join(backend.declared_models)}",
+                )
             else:
-                self.add(WARN, name, f"{backend.url} reachable, but it lists no models ({problem})",
-                         f"declare them: models = [\"…\"] in {where}")
+                self.add(
+                    WARN,
+                    name,
+                    f"{backend.url} reachable, but it lists no models ({problem})",
+                    f'declare them: models = ["…"] in {where}',
+                )
         else:
             backend.discovered_models = tuple(listed)
             missing = [m for m in backend.declared_models if m not in listed]
             shown = ", ".join(listed) or "none"
             if missing:
-                self.add(WARN, name, f"{backend.url} reachable; lists {shown}; declared but not listed: "
-                         f"{', '.join(missing)}", f"pull or load {', '.join(missing)}, or fix models in {where}")
+                self.add(
+                    WARN,
+                    name,
+                    f"{backend.url} reachable; lists {shown}; declared but not listed: "
+                    f"{', '.join(missing)}",
+                    f"pull or load {', '.join(missing)}, or fix models in {where}",
+                )
             elif not backend.models:
-                self.add(WARN, name, f"{backend.url} reachable, but serves no model yet",
-                         "load or pull a model (e.g. `ollama pull qwen2.5:7b`)")
+                self.add(
+                    WARN,
+                    name,
+                    f"{backend.url} reachable, but serves no model yet",
+                    "load or pull a model (e.g. `ollama pull qwen2.5:7b`)",
+                )
             else:
                 self.add(OK, name, f"{backend.url} reachable; models: {shown}")
         if self.deep:
@@ -269,32 +348,52 @@ class Doctor:
         if model is None:
             self.add(SKIP, name, "no model to ask (none listed, no --model)")
             return
-        body = msgspec.json.encode({
-            "model": model,
-            "messages": [{"role": "user", "content": _DEEP_PROMPT}],
-            "max_tokens": 1,
-            "stream": False,
-        })
+        body = msgspec.json.encode(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": _DEEP_PROMPT}],
+                "max_tokens": 1,
+                "stream": False,
+            }
+        )
         headers = {"content-type": "application/json"}
         key = next((s.key for s in self.config.backends if s.name == backend.name), None)
         if key:
             headers["authorization"] = f"Bearer {key}"
         start = time.perf_counter()
         try:
-            resp = await backend.client.post(backend.completions_url, content=body, headers=headers,
-                                             timeout=httpx.Timeout(self.probe_timeout, read=120.0))
+            resp = await backend.client.post(
+                backend.completions_url,
+                content=body,
+                headers=headers,
+                timeout=httpx.Timeout(self.probe_timeout, read=120.0),
+            )
         except httpx.HTTPError as exc:
-            self.add(FAIL, name, f"{model}: {_kind(exc)}", "the backend answers /models but not a completion: check its logs")
+            self.add(
+                FAIL,
+                name,
+                f"{model}: {_kind(exc)}",
+                "the backend answers /models but not a completion: check its logs",
+            )
             return
         elapsed = (time.perf_counter() - start) * 1000.0
         if not resp.is_success:
-            self.add(FAIL, name, f"{model}: backend returned {resp.status_code}: {_cut(resp.text)}",
-                     f"can {backend.name} load {model}? check its logs and memory")
+            self.add(
+                FAIL,
+                name,
+                f"{model}: backend returned {resp.status_code}: {_cut(resp.text)}",
+                f"can {backend.name} load {model}? check its logs and memory",
+            )
             return
         try:
             msgspec.json.decode(resp.content)
         except msgspec.DecodeError:
-            self.add(FAIL, name, f"{model}: the answer is not JSON", "is this an OpenAI-compatible /v1 URL?")
+            self.add(
+                FAIL,
+                name,
+                f"{model}: the answer is not JSON",
+                "is this an OpenAI-compatible /v1 URL?",
+            )
             return
         self.add(OK, name, f"one-token completion from {model} in {elapsed:.0f} ms")
 
@@ -302,22 +401,38 @@ class Doctor:
         config = self.config
         servable = pool.servable()
         if not any(b.up for b in pool.backends):
-            self.add(FAIL, "models", "no backend is up: the runner will not advertise chat-llm:v1",
-                     "start a backend (see the lines above)")
+            self.add(
+                FAIL,
+                "models",
+                "no backend is up: the runner will not advertise chat-llm:v1",
+                "start a backend (see the lines above)",
+            )
             return
         known = any(b.knows_models for b in pool.backends)
         if not known:
-            self.add(WARN, "models", "no backend lists a model; turns are forwarded unchecked (one backend only)")
+            self.add(
+                WARN,
+                "models",
+                "no backend lists a model; turns are forwarded unchecked (one backend only)",
+            )
             return
         self.add(OK, "models", f"servable now: {', '.join(servable) or 'none'}")
         if config.model is not None and config.model not in servable:
-            self.add(FAIL, "default model", f"{config.model} is not served by any backend that is up",
-                     f"set --model (CHAT_LLM_MODEL) to one of: {', '.join(servable) or '(none)'}")
+            self.add(
+                FAIL,
+                "default model",
+                f"{config.model} is not served by any backend that is up",
+                f"set --model (CHAT_LLM_MODEL) to one of: {', '.join(servable) or '(none)'}",
+            )
         local = {m for b in pool.backends if b.up for m in b.models}
         dangling = [f"{a} → {t}" for a, t in config.aliases.items() if t not in local]
         if dangling:
-            self.add(WARN, "aliases", f"target not served: {', '.join(dangling)}",
-                     "point each alias at a model a backend serves")
+            self.add(
+                WARN,
+                "aliases",
+                f"target not served: {', '.join(dangling)}",
+                "point each alias at a model a backend serves",
+            )
         unserved = [m for m in config.allowed_models if m not in local and m not in config.aliases]
         if unserved:
             self.add(WARN, "allowlist", f"allowed but not served: {', '.join(unserved)}")
@@ -325,9 +440,13 @@ class Doctor:
     async def no_backend(self) -> None:
         found = await discover_local()
         if not found:
-            self.add(FAIL, "backend", "none configured, and no model server answers at the usual local ports",
-                     "start one (Ollama, vLLM, llama.cpp, LM Studio, LiteLLM), then give --backend URL, "
-                     "e.g. --backend http://127.0.0.1:11434/v1")
+            self.add(
+                FAIL,
+                "backend",
+                "none configured, and no model server answers at the usual local ports",
+                "start one (Ollama, vLLM, llama.cpp, LM Studio, LiteLLM), then give --backend URL, "
+                "e.g. --backend http://127.0.0.1:11434/v1",
+            )
             return
         kind, url, models = found[0]
         others = "; ".join(f"{k} at {u}" for k, u, _ in found[1:])
@@ -335,8 +454,10 @@ class Doctor:
         if others:
             detail += f" (also: {others})"
         name = kind.lower().replace(" ", "").replace(".", "")
-        hint = (f"use it: --backend {url} (or CHAT_LLM_BACKEND_URL={url}), or in the config file: "
-                f'[[backend]] name = "{name}" url = "{url}"')
+        hint = (
+            f"use it: --backend {url} (or CHAT_LLM_BACKEND_URL={url}), or in the config file: "
+            f'[[backend]] name = "{name}" url = "{url}"'
+        )
         self.add(FAIL, "backend", detail, hint)
 
 
@@ -353,7 +474,9 @@ def render(checks: Sequence[Check], out: TextIO) -> None:
         out.write("\nAll required checks passed.\n")
 
 
-async def diagnose(config: Config, *, deep: bool = False, probe_timeout: float = 5.0) -> list[Check]:
+async def diagnose(
+    config: Config, *, deep: bool = False, probe_timeout: float = 5.0
+) -> list[Check]:
     return await Doctor(config, deep=deep, probe_timeout=probe_timeout).run()
 
 
@@ -371,9 +494,18 @@ def run_doctor(
     try:
         config = load_config(flags, env, config_file)
     except ConfigError as exc:
-        render([Check(FAIL, "configuration", str(exc),
-                      "fix that setting (flags > environment > config file); "
-                      "config/alp-gateway.example.toml shows every one")], out)
+        render(
+            [
+                Check(
+                    FAIL,
+                    "configuration",
+                    str(exc),
+                    "fix that setting (flags > environment > config file); "
+                    "config/alp-gateway.example.toml shows every one",
+                )
+            ],
+            out,
+        )
         return 1
     checks = trio.run(lambda: diagnose(config, deep=deep))
     render(checks, out)

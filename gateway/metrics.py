@@ -126,7 +126,9 @@ class _Exposition:
 
     def sample(self, name: str, value: float, labels: Iterable[tuple[str, str]] = ()) -> None:
         text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-        self.lines.append(f"{name}{{{text}}} {_value(value)}" if text else f"{name} {_value(value)}")
+        self.lines.append(
+            f"{name}{{{text}}} {_value(value)}" if text else f"{name} {_value(value)}"
+        )
 
     def histogram(self, name: str, help_text: str, hist: Histogram) -> None:
         full = self.family(name, "histogram", help_text)
@@ -146,15 +148,27 @@ def render(runner: Runner) -> str:
     """Everything the runner counts, in the Prometheus text exposition format (version 0.0.4)."""
     counts = dict(runner.counters.values)
     out = _Exposition()
-    out.sample(out.family("info", "gauge", "The running alp-gateway version."), 1, [("version", __version__)])
+    out.sample(
+        out.family("info", "gauge", "The running alp-gateway version."),
+        1,
+        [("version", __version__)],
+    )
     healthy, _ = health(runner)
     out.sample(out.family("healthy", "gauge", "1 when /healthz answers 200, else 0."), int(healthy))
-    out.sample(out.family("sessions_open", "gauge", "Chat sessions open now."), len(runner.sessions))
-    out.sample(out.family("max_sessions", "gauge", "Most chat sessions served at once."),
-               runner.config.max_sessions)
+    out.sample(
+        out.family("sessions_open", "gauge", "Chat sessions open now."), len(runner.sessions)
+    )
+    out.sample(
+        out.family("max_sessions", "gauge", "Most chat sessions served at once."),
+        runner.config.max_sessions,
+    )
     if runner.last_poll_ok is not None:
-        out.sample(out.family("last_poll_ok_age_seconds", "gauge", "Seconds since the last successful poll."),
-                   round(trio.current_time() - runner.last_poll_ok, 3))
+        out.sample(
+            out.family(
+                "last_poll_ok_age_seconds", "gauge", "Seconds since the last successful poll."
+            ),
+            round(trio.current_time() - runner.last_poll_ok, 3),
+        )
 
     # counters: the sample name (with _total) is the family name in the 0.0.4 text format
     turns = out.family("turns_total", "counter", "Chat turns finished, by outcome.")
@@ -171,14 +185,29 @@ def render(runner: Runner) -> str:
 
     backends = list(runner.pool.backends)
     per_backend = (
-        ("backend_up", "1 when the backend answers, else 0.", lambda b: int(bool(getattr(b, "up", True)))),
-        ("backend_in_flight", "Turns being served by the backend now.", lambda b: getattr(b, "in_flight", 0)),
-        ("backend_waiting", "Turns waiting for a free slot on the backend.", lambda b: getattr(b, "waiting", 0)),
+        (
+            "backend_up",
+            "1 when the backend answers, else 0.",
+            lambda b: int(bool(getattr(b, "up", True))),
+        ),
+        (
+            "backend_in_flight",
+            "Turns being served by the backend now.",
+            lambda b: getattr(b, "in_flight", 0),
+        ),
+        (
+            "backend_waiting",
+            "Turns waiting for a free slot on the backend.",
+            lambda b: getattr(b, "waiting", 0),
+        ),
     )
     for name, help_text, read in per_backend:
         full = out.family(name, "gauge", help_text)
         for backend in backends:
-            labels = [("backend", _backend_label(backend)), ("url", _safe_url(str(getattr(backend, "url", ""))))]
+            labels = [
+                ("backend", _backend_label(backend)),
+                ("url", _safe_url(str(getattr(backend, "url", "")))),
+            ]
             out.sample(full, read(backend), labels)
     return out.text()
 
@@ -227,7 +256,9 @@ class MetricsServer:
                 if request is None:
                     return
                 method = request.method.decode("ascii", "replace")
-                status, content_type, text = self.respond(method, request.target.decode("ascii", "replace"))
+                status, content_type, text = self.respond(
+                    method, request.target.decode("ascii", "replace")
+                )
                 body = text.encode()
                 headers = [
                     ("content-type", content_type),

@@ -62,7 +62,9 @@ class StateStore:
                 raise TypeError
             return regs
         except (ValueError, KeyError, TypeError):
-            raise StateError(f"{self.path} is not a registration file; move it away to register anew") from None
+            raise StateError(
+                f"{self.path} is not a registration file; move it away to register anew"
+            ) from None
         except OSError as exc:
             raise StateError(f"{self.path}: {exc.strerror}") from None
 
@@ -74,7 +76,9 @@ class StateStore:
         try:
             return Registration(**raw)
         except TypeError:
-            raise StateError(f"{self.path}: the entry for {project} is damaged; register again") from None
+            raise StateError(
+                f"{self.path}: the entry for {project} is damaged; register again"
+            ) from None
 
     def save(self, reg: Registration) -> None:
         """Persist ``reg`` atomically, owner-only."""

@@ -69,7 +69,9 @@ class Samples:
 
     def quantile(self, name: str, q: float) -> tuple[float, int] | None:
         """The upper bound of the bucket holding quantile ``q``, and the count; None when empty."""
-        buckets = sorted((float(labels["le"]), v) for labels, v in self.rows(name + "_bucket") if "le" in labels)
+        buckets = sorted(
+            (float(labels["le"]), v) for labels, v in self.rows(name + "_bucket") if "le" in labels
+        )
         count = int(self.get(name + "_count"))
         if not buckets or count == 0:
             return None
@@ -95,7 +97,9 @@ def read(url: str, timeout: float = 5.0) -> Reading:
         health = client.get(url + "/healthz")
         metrics = client.get(url + "/metrics")
         metrics.raise_for_status()
-    return Reading(health.status_code, health.text.strip(), Samples.parse(metrics.text), time.monotonic())
+    return Reading(
+        health.status_code, health.text.strip(), Samples.parse(metrics.text), time.monotonic()
+    )
 
 
 def _n(value: float) -> str:
@@ -119,7 +123,9 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
     )
     lines.append(
         "turns       "
-        + ", ".join(f"{_n(s.get('turns_total', outcome=o))} {o}" for o in ("done", "error", "cancelled"))
+        + ", ".join(
+            f"{_n(s.get('turns_total', outcome=o))} {o}" for o in ("done", "error", "cancelled")
+        )
     )
     chunks = s.get("chunks_total")
     rate = ""
@@ -129,14 +135,20 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
     lines.append(f"chunks      {_n(chunks)}{rate}")
     age = s.get("last_poll_ok_age_seconds", -1.0)
     last = f"; last good {age:.1f} s ago" if age >= 0 else "; none good yet"
-    lines.append(f"polls       {_n(s.get('polls_total'))}, {_n(s.get('poll_errors_total'))} failed{last}")
-    lines.append(f"channels    {_n(s.get('reconnects_total'))} redials, {_n(s.get('heartbeats_total'))} heartbeats")
+    lines.append(
+        f"polls       {_n(s.get('polls_total'))}, {_n(s.get('poll_errors_total'))} failed{last}"
+    )
+    lines.append(
+        f"channels    {_n(s.get('reconnects_total'))} redials, {_n(s.get('heartbeats_total'))} heartbeats"
+    )
     for name, title in (("ttft_seconds", "first token"), ("relay_seconds", "relay")):
         p50, p95 = s.quantile(name, 0.5), s.quantile(name, 0.95)
         if p50 is None or p95 is None:
             lines.append(f"{title:<12}no samples yet")
         else:
-            lines.append(f"{title:<12}p50 {_seconds(p50[0])}, p95 {_seconds(p95[0])} ({p50[1]} samples)")
+            lines.append(
+                f"{title:<12}p50 {_seconds(p50[0])}, p95 {_seconds(p95[0])} ({p50[1]} samples)"
+            )
     rows = s.rows("backend_up")
     if not rows:
         lines.append("backends    none")
@@ -153,10 +165,16 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-url", default=None, metavar="URL",
-                        help=f"where the runner serves /metrics (default {DEFAULT_URL}, or from "
-                             "ALP_GATEWAY_METRICS_URL / ALP_GATEWAY_METRICS_LISTEN)")
-    parser.add_argument("--rate", action="store_true", help="read twice, a second apart, for a chunk rate")
+    parser.add_argument(
+        "--metrics-url",
+        default=None,
+        metavar="URL",
+        help=f"where the runner serves /metrics (default {DEFAULT_URL}, or from "
+        "ALP_GATEWAY_METRICS_URL / ALP_GATEWAY_METRICS_LISTEN)",
+    )
+    parser.add_argument(
+        "--rate", action="store_true", help="read twice, a second apart, for a chunk rate"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -172,8 +190,11 @@ def main(args: argparse.Namespace) -> int:
             time.sleep(1.0)  # the sampling interval of the rate, not a synchronisation
             before, now = first, read(url)
     except httpx.HTTPError as exc:
-        print(f"alp-gateway status: {url} is not answering ({type(exc).__name__}); is the runner "
-              "started with --metrics-listen?", file=sys.stderr)
+        print(
+            f"alp-gateway status: {url} is not answering ({type(exc).__name__}); is the runner "
+            "started with --metrics-listen?",
+            file=sys.stderr,
+        )
         return 2
     print(summary(url, now, before))
     return 0 if now.health_status == 200 else 1

@@ -40,7 +40,11 @@ class PollClock:
         hub.app = self  # type: ignore[method-assign,assignment]  # serve_hub serves `hub.app`
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].endswith("/runners/jobs") and not self.arrived.is_set():
+        if (
+            scope["type"] == "http"
+            and scope["path"].endswith("/runners/jobs")
+            and not self.arrived.is_set()
+        ):
             self.at = time.perf_counter()
             self.arrived.set()
         await self.app(scope, receive, send)
@@ -49,8 +53,9 @@ class PollClock:
 async def one_run(command: list[str], env: dict[str, str], clock: PollClock) -> float:
     clock.arrived = trio.Event()
     started = time.perf_counter()
-    proc = await trio.lowlevel.open_process(command, env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
+    proc = await trio.lowlevel.open_process(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         with trio.fail_after(60):
             await clock.arrived.wait()
@@ -73,10 +78,20 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
         hub_url: str = await nursery.start(partial(serve_hub, hub))
         for label, prefix in args.commands.items():
             with tempfile.TemporaryDirectory(prefix="alp-startup-") as state:
-                env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
-                env.update(AGENTICS_SERVER=hub_url, AGENTICS_USER_TOKEN=hub.admin_token,
-                           CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_MODEL="sim-model",
-                           ALP_GATEWAY_STATE_DIR=state, ALP_PROJECT=PROJECT, ALP_GATEWAY_LOG_LEVEL="WARNING")
+                env = {
+                    k: v
+                    for k, v in os.environ.items()
+                    if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+                }
+                env.update(
+                    AGENTICS_SERVER=hub_url,
+                    AGENTICS_USER_TOKEN=hub.admin_token,
+                    CHAT_LLM_BACKEND_URL=sim.url,
+                    CHAT_LLM_MODEL="sim-model",
+                    ALP_GATEWAY_STATE_DIR=state,
+                    ALP_PROJECT=PROJECT,
+                    ALP_GATEWAY_LOG_LEVEL="WARNING",
+                )
                 command = [*prefix, "run"]
                 await one_run(command, env, clock)  # warm-up: registers, fills the page cache
                 results[label] = [await one_run(command, env, clock) for _ in range(args.runs)]
@@ -94,10 +109,14 @@ def main() -> int:
         print(f"no binary at {args.binary}: measuring from source only", file=sys.stderr)
         del args.commands["binary"]
     results = trio.run(measure, args)
-    print(f"start-up, process start → first poll at the hub ({args.runs} runs each, after a warm-up):")
+    print(
+        f"start-up, process start → first poll at the hub ({args.runs} runs each, after a warm-up):"
+    )
     for label, times in results.items():
         ms = sorted(t * 1000 for t in times)
-        print(f"  {label:<7} median {statistics.median(ms):6.0f} ms   min {ms[0]:6.0f} ms   max {ms[-1]:6.0f} ms")
+        print(
+            f"  {label:<7} median {statistics.median(ms):6.0f} ms   min {ms[0]:6.0f} ms   max {ms[-1]:6.0f} ms"
+        )
     return 0
 
 

@@ -65,12 +65,19 @@ async def open_chat(hub: Hub, within: float = 10) -> tuple[Any, ServerChannel]:
     return job, channel
 
 
-def request_frame(job_id: str, request_id: str, sim: dict[str, Any] | None = None, **body: Any) -> dict[str, Any]:
+def request_frame(
+    job_id: str, request_id: str, sim: dict[str, Any] | None = None, **body: Any
+) -> dict[str, Any]:
     payload: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
     payload.update(body)
     if sim is not None:
         payload["sim"] = sim
-    return {"type": "chat.completion.request", "jobId": job_id, "requestId": request_id, "body": payload}
+    return {
+        "type": "chat.completion.request",
+        "jobId": job_id,
+        "requestId": request_id,
+        "body": payload,
+    }
 
 
 class Turns:
@@ -199,6 +206,8 @@ EXE = str(Path(sys.executable).with_name("alp-gateway"))  # the installed comman
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any of the runner's own settings, plus ``extra``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+    }
     base.update(extra)
     return base

@@ -11,15 +11,21 @@ from gateway.hub import Hub
 from gateway.sim import Simulator
 
 
-async def test_faults_end_their_own_turn_only(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_faults_end_their_own_turn_only(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     async with running(runner_config(hub[1], sim.url, tmp_path, idle_timeout=0.5)):
         job_a, ch_a = await open_chat(hub[0])
         job_b, ch_b = await open_chat(hub[0])
         # session B streams steadily the whole time; session A meets every fault at once
         await ch_b.send(request_frame(job_b.id, "steady", sim={"chunks": 30, "interval": 0.05}))
         await ch_a.send(request_frame(job_a.id, "stall", sim={"fault": "stall", "fault_after": 2}))
-        await ch_a.send(request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3}))
-        await ch_a.send(request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1}))
+        await ch_a.send(
+            request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3})
+        )
+        await ch_a.send(
+            request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1})
+        )
         await ch_a.send(request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
         a, b = Turns(ch_a), Turns(ch_b)
         async with trio.open_nursery() as nursery:
@@ -48,7 +54,9 @@ async def test_a_long_silent_generation_is_not_cut_by_an_overall_deadline(
     # each read comes within the idle timeout, the whole turn takes far longer than it
     async with running(runner_config(hub[1], sim.url, tmp_path, idle_timeout=0.3)):
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "slow", sim={"chunks": 12, "interval": 0.15, "ttft": 0.2}))
+        await ch.send(
+            request_frame(job.id, "slow", sim={"chunks": 12, "interval": 0.15, "ttft": 0.2})
+        )
         turns = Turns(ch)
         await turns.until("slow")
         assert turns.last("slow")["type"] == "chat.completion.done"

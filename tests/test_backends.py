@@ -34,7 +34,11 @@ EXAMPLE = ROOT / "config" / "alp-gateway.example.toml"
 
 
 def body(model: str | None = None, **extra: Any) -> bytes:
-    payload: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+    payload: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        **extra,
+    }
     if model is not None:
         payload["model"] = model
     return json.dumps(payload).encode()
@@ -61,8 +65,11 @@ def test_backend_tables_aliases_and_limits(tmp_path: Path) -> None:
         '[[backend]]\nname = "ollama"\nurl = "http://127.0.0.1:11434/v1"\nkey = "sk-inline-1234"\n'
         '[aliases]\n"gpt-4o-mini" = "qwen2.5:7b"\n'
     )
-    env = {"GPU_KEY": "sk-from-env-5678", "CHAT_LLM_BACKEND_URL": "http://127.0.0.1:1234/v1",
-           "CHAT_LLM_BACKEND_KEY": "sk-shortcut-9999"}
+    env = {
+        "GPU_KEY": "sk-from-env-5678",
+        "CHAT_LLM_BACKEND_URL": "http://127.0.0.1:1234/v1",
+        "CHAT_LLM_BACKEND_KEY": "sk-shortcut-9999",
+    }
     config = load_config({}, env, toml)
     assert [b.name for b in config.backends] == ["default", "gpu", "ollama"]  # the shortcut first
     default, gpu, ollama = config.backends
@@ -86,7 +93,9 @@ def test_backend_tables_aliases_and_limits(tmp_path: Path) -> None:
 
 def test_shortcut_backend_follows_backend_field() -> None:
     config = Config(backend="http://127.0.0.1:1/v1", backend_key="k-1234")
-    assert config.backends == (BackendSpec("default", "http://127.0.0.1:1/v1", "k-1234", shortcut=True),)
+    assert config.backends == (
+        BackendSpec("default", "http://127.0.0.1:1/v1", "k-1234", shortcut=True),
+    )
     moved = replace(config, backend="http://127.0.0.1:2/v1")
     assert [b.url for b in moved.backends] == ["http://127.0.0.1:2/v1"]
     assert replace(config, backend=None).backends == ()
@@ -99,14 +108,23 @@ def test_shortcut_backend_follows_backend_field() -> None:
     ("toml", "message"),
     [
         ('[[backend]]\nname = "gpu"\n', "missing url"),
-        ('[[backend]]\nname = "gpu"\nurl = "http://x:1/v1"\nkey_env = "NOPE_UNSET"\n', "NOPE_UNSET, which is not set"),
-        ('[[backend]]\nurl = "http://x:1/v1"\nkey = "sk-secret-77"\nkey_env = "K"\n', "key or key_env, not both"),
+        (
+            '[[backend]]\nname = "gpu"\nurl = "http://x:1/v1"\nkey_env = "NOPE_UNSET"\n',
+            "NOPE_UNSET, which is not set",
+        ),
+        (
+            '[[backend]]\nurl = "http://x:1/v1"\nkey = "sk-secret-77"\nkey_env = "K"\n',
+            "key or key_env, not both",
+        ),
         ('[[backend]]\nurl = "http://x:1/v1"\nmodel = "m"\n', "unknown setting(s) model"),
         ('[[backend]]\nurl = "http://x:1/v1"\nmax_concurrency = 0\n', "max_concurrency"),
         ('[[backend]]\nurl = "http://x:1/v1"\nqueue = -1\n', "queue"),
         ('[[backend]]\nurl = "ftp://x"\n', "http(s) URL"),
         ('[[backend]]\nurl = "http://x:1/v1"\nmodels = "m"\n', "list of model ids"),
-        ('[[backend]]\nname = "a"\nurl = "http://x:1/v1"\n[[backend]]\nname = "a"\nurl = "http://y:1/v1"\n', "used twice"),
+        (
+            '[[backend]]\nname = "a"\nurl = "http://x:1/v1"\n[[backend]]\nname = "a"\nurl = "http://y:1/v1"\n',
+            "used twice",
+        ),
         ('[backend]\nurl = "http://x:1/v1"\n', "[[backend]]"),
         ('[aliases]\n"a" = "b"\n"b" = "c"\n', "alias too"),
         ('[aliases]\n"a" = 3\n', "must name a local model"),
@@ -136,7 +154,9 @@ def test_example_config_loads_and_documents_every_setting() -> None:
     assert config.backends[0].key == "sk-vllm-example" and config.backends[0].max_concurrency == 8
     assert config.aliases and config.allowed_models and config.project == "acme/chat"
     text = EXAMPLE.read_text()
-    missing = [s.key for s in SETTINGS if f"\n{s.key} = " not in text and f"\n# {s.key} = " not in text]
+    missing = [
+        s.key for s in SETTINGS if f"\n{s.key} = " not in text and f"\n# {s.key} = " not in text
+    ]
     assert not missing, f"document these settings in {EXAMPLE.name}: {missing}"
     with pytest.raises(ConfigError, match="VLLM_API_KEY"):
         load_config({}, {}, EXAMPLE)
@@ -147,8 +167,12 @@ def test_example_config_loads_and_documents_every_setting() -> None:
 
 async def test_route_by_model_alias_and_frame_model() -> None:
     async with open_sim(models=["a-model"]) as a, open_sim(models=["b-model", "shared"]) as b:
-        async with pool_of(Backend(a.url, name="a"), Backend(b.url, name="b"),
-                           aliases={"gpt-4o-mini": "b-model"}, default_model="a-model") as pool:
+        async with pool_of(
+            Backend(a.url, name="a"),
+            Backend(b.url, name="b"),
+            aliases={"gpt-4o-mini": "b-model"},
+            default_model="a-model",
+        ) as pool:
             route = await pool.route(None, body("a-model"))
             assert [x.name for x in route.candidates] == ["a"] and route.body == body("a-model")
             route = await pool.route(None, body())  # no model anywhere: the default
@@ -175,12 +199,18 @@ async def test_model_pulled_since_discovery_is_found() -> None:
 
 async def test_allowlist_on_turns_and_models() -> None:
     async with open_sim(models=["a-model", "b-model", "c-model"]) as sim:
-        async with pool_of(Backend(sim.url, name="s"), aliases={"gpt-4o-mini": "c-model"},
-                           allowed_models=["a-model", "gpt-4o-mini"]) as pool:
+        async with pool_of(
+            Backend(sim.url, name="s"),
+            aliases={"gpt-4o-mini": "c-model"},
+            allowed_models=["a-model", "gpt-4o-mini"],
+        ) as pool:
             assert await pool.models() == ["a-model", "gpt-4o-mini"]
             with pytest.raises(BackendError) as info:
                 await pool.route(None, body("b-model"))
-            assert str(info.value) == "model 'b-model' is not allowed on this runner; allowed: a-model, gpt-4o-mini"
+            assert (
+                str(info.value)
+                == "model 'b-model' is not allowed on this runner; allowed: a-model, gpt-4o-mini"
+            )
             route = await pool.route(None, body("gpt-4o-mini"))
             assert route.model == "c-model"
             with pytest.raises(BackendError, match="without a model is not allowed"):
@@ -189,7 +219,10 @@ async def test_allowlist_on_turns_and_models() -> None:
 
 
 async def test_single_backend_without_model_list_forwards_anyway() -> None:
-    async with open_sim(require_key="sk-needed-1234") as sim, pool_of(Backend(sim.url, name="only")) as pool:
+    async with (
+        open_sim(require_key="sk-needed-1234") as sim,
+        pool_of(Backend(sim.url, name="only")) as pool,
+    ):
         route = await pool.route(None, body("anything"))  # discovery failed (401): forward as ever
         assert [b.name for b in route.candidates] == ["only"]
         assert pool.backends[0].discovery_error == "answered 401"
@@ -202,8 +235,13 @@ async def test_single_backend_without_model_list_forwards_anyway() -> None:
 # -- concurrency ---------------------------------------------------------------------------------
 
 
-async def test_slots_are_granted_first_come_first_served_and_queue_is_bounded(logs: LogCapture) -> None:
-    async with open_sim() as sim, pool_of(Backend(sim.url, name="gpu", max_concurrency=2, queue=2)) as pool:
+async def test_slots_are_granted_first_come_first_served_and_queue_is_bounded(
+    logs: LogCapture,
+) -> None:
+    async with (
+        open_sim() as sim,
+        pool_of(Backend(sim.url, name="gpu", max_concurrency=2, queue=2)) as pool,
+    ):
         backend = pool.backends[0]
         route = await pool.route(None, body("sim-model"))
         order: list[str] = []
@@ -241,7 +279,10 @@ async def test_slots_are_granted_first_come_first_served_and_queue_is_bounded(lo
 
 
 async def test_cancelled_waiter_leaves_the_queue() -> None:
-    async with open_sim() as sim, pool_of(Backend(sim.url, name="gpu", max_concurrency=1, queue=1)) as pool:
+    async with (
+        open_sim() as sim,
+        pool_of(Backend(sim.url, name="gpu", max_concurrency=1, queue=1)) as pool,
+    ):
         backend = pool.backends[0]
         route = await pool.route(None, body("sim-model"))
         done = trio.Event()
@@ -267,7 +308,9 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
         assert backend.in_flight == 0
 
 
-async def test_busy_backend_through_the_runner(hub: tuple[Hub, str], tmp_path: Path, logs: LogCapture) -> None:
+async def test_busy_backend_through_the_runner(
+    hub: tuple[Hub, str], tmp_path: Path, logs: LogCapture
+) -> None:
     async with open_sim(options=SimOptions(chunks=200, interval=0.02)) as sim:
         spec = BackendSpec("gpu", sim.url, models=("sim-model",), max_concurrency=1, queue=1)
         config = runner_config(hub[1], None, tmp_path, backends=(spec,))
@@ -299,8 +342,13 @@ async def test_failover_to_another_backend_serving_the_model(
 ) -> None:
     async with open_sim(models=["m"]) as good, trio.open_nursery() as nursery:
         doomed, kill = await start_killable_sim(nursery, models=["m"])
-        specs = (BackendSpec("first", doomed.url, models=("m",)), BackendSpec("second", good.url, models=("m",)))
-        config = runner_config(hub[1], None, tmp_path, backends=specs, model="m", health_interval=3600)
+        specs = (
+            BackendSpec("first", doomed.url, models=("m",)),
+            BackendSpec("second", good.url, models=("m",)),
+        )
+        config = runner_config(
+            hub[1], None, tmp_path, backends=specs, model="m", health_interval=3600
+        )
         async with running(config) as runner:
             first, second = runner.pool.backends
             assert first.up and runner.capabilities() == [CAPABILITY]
@@ -325,7 +373,9 @@ async def test_failover_to_another_backend_serving_the_model(
     assert all(BACKEND_KEY not in line for line in logs.lines)
 
 
-async def test_capability_follows_backend_health(hub: tuple[Hub, str], tmp_path: Path, logs: LogCapture) -> None:
+async def test_capability_follows_backend_health(
+    hub: tuple[Hub, str], tmp_path: Path, logs: LogCapture
+) -> None:
     sim_scope = trio.CancelScope()
 
     async def serve(task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED) -> None:
@@ -335,8 +385,15 @@ async def test_capability_follows_backend_health(hub: tuple[Hub, str], tmp_path:
     async with trio.open_nursery() as nursery:
         sim: Simulator = await nursery.start(serve)
         spec = BackendSpec("box", sim.url, models=("m",))
-        config = runner_config(hub[1], None, tmp_path, backends=(spec,), model="m",
-                               health_interval=0.1, poll_interval=0.2)
+        config = runner_config(
+            hub[1],
+            None,
+            tmp_path,
+            backends=(spec,),
+            model="m",
+            health_interval=0.1,
+            poll_interval=0.2,
+        )
         async with running(config) as runner:
             backend = runner.pool.backends[0]
             assert runner.capabilities() == [CAPABILITY]
@@ -364,13 +421,21 @@ async def test_capability_follows_backend_health(hub: tuple[Hub, str], tmp_path:
     assert len(down) == 1 and len(up) == 1
 
 
-async def test_models_response_lists_only_servable_models(hub: tuple[Hub, str], tmp_path: Path) -> None:
+async def test_models_response_lists_only_servable_models(
+    hub: tuple[Hub, str], tmp_path: Path
+) -> None:
     async with open_sim(models=["a", "b"]) as live:
         async with open_sim(models=["c"]) as dead:
             specs = (BackendSpec("live", live.url), BackendSpec("dead", dead.url, models=("c",)))
-            config = runner_config(hub[1], None, tmp_path, backends=specs, model="a",
-                                   aliases={"alias-a": "a", "alias-c": "c", "alias-b": "b"},
-                                   allowed_models=("a", "alias-b", "alias-c", "c"))
+            config = runner_config(
+                hub[1],
+                None,
+                tmp_path,
+                backends=specs,
+                model="a",
+                aliases={"alias-a": "a", "alias-c": "c", "alias-b": "b"},
+                allowed_models=("a", "alias-b", "alias-c", "c"),
+            )
         async with running(config) as runner:
             live_b, dead_b = runner.pool.backends
             await runner.pool.refresh_models()
@@ -387,12 +452,16 @@ async def test_models_response_lists_only_servable_models(hub: tuple[Hub, str], 
             assert "unreachable" in turns.last("t")["error"]  # the only backend serving c is down
 
 
-async def test_backend_unreachable_error_names_url_and_not_key(hub: tuple[Hub, str], tmp_path: Path) -> None:
+async def test_backend_unreachable_error_names_url_and_not_key(
+    hub: tuple[Hub, str], tmp_path: Path
+) -> None:
     async with trio.open_nursery() as nursery:
         sim, kill = await start_killable_sim(nursery)
         url = sim.url
         spec = BackendSpec("gone", url, key="sk-gone-secret-4321", models=("sim-model",))
-        async with running(runner_config(hub[1], None, tmp_path, backends=(spec,), health_interval=3600)):
+        async with running(
+            runner_config(hub[1], None, tmp_path, backends=(spec,), health_interval=3600)
+        ):
             job, ch = await open_chat(hub[0])
             kill.cancel()
             await ch.send(request_frame(job.id, "x"))
@@ -402,8 +471,9 @@ async def test_backend_unreachable_error_names_url_and_not_key(hub: tuple[Hub, s
             assert url in error and "sk-gone-secret-4321" not in error
 
 
-
-async def test_no_model_and_no_default_uses_the_only_model(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_no_model_and_no_default_uses_the_only_model(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     async with running(runner_config(hub[1], sim.url, tmp_path, model=None)):
         job, ch = await open_chat(hub[0])
         await ch.send(request_frame(job.id, "one", sim={"chunks": 2}))  # the body names no model

@@ -24,17 +24,27 @@ from gateway.sim import open_sim
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
 )
-TYPES = [protocol.COMPLETION_REQUEST, protocol.COMPLETION_CANCEL, protocol.MODELS_REQUEST,
-         protocol.END, "chat.completion.chunk", "chat.other", ""]
+TYPES = [
+    protocol.COMPLETION_REQUEST,
+    protocol.COMPLETION_CANCEL,
+    protocol.MODELS_REQUEST,
+    protocol.END,
+    "chat.completion.chunk",
+    "chat.other",
+    "",
+]
 
 
 @st.composite
 def frame_objects(draw: Callable[..., Any], types: list[str] = TYPES) -> dict[str, Any]:
-    obj: dict[str, Any] = draw(st.dictionaries(st.sampled_from(["jobId", "model", "body", "x"]),
-                                               json_values, max_size=3))
+    obj: dict[str, Any] = draw(
+        st.dictionaries(st.sampled_from(["jobId", "model", "body", "x"]), json_values, max_size=3)
+    )
     obj["type"] = draw(st.sampled_from(types) | st.text(max_size=10))
     rid = draw(st.none() | st.text(min_size=1, max_size=12) | st.integers())
     if rid is not None:
@@ -45,25 +55,45 @@ def frame_objects(draw: Callable[..., Any], types: list[str] = TYPES) -> dict[st
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.one_of(st.binary(max_size=64), st.text(max_size=64), frame_objects().map(json.dumps),
-                 json_values.map(json.dumps)))
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.text(max_size=64),
+        frame_objects().map(json.dumps),
+        json_values.map(json.dumps),
+    )
+)
 def test_decoder_never_raises_anything_but_frame_error(data: str | bytes) -> None:
     try:
         frame = protocol.decode_frame(data)
     except protocol.FrameError:
         return
-    assert isinstance(frame, (protocol.CompletionRequest, protocol.CompletionCancel,
-                              protocol.ModelsRequest, protocol.End, protocol.Unknown))
+    assert isinstance(
+        frame,
+        (
+            protocol.CompletionRequest,
+            protocol.CompletionCancel,
+            protocol.ModelsRequest,
+            protocol.End,
+            protocol.Unknown,
+        ),
+    )
 
 
 def test_deep_nesting_is_a_frame_error_with_the_request_id() -> None:
-    deep = '{"type":"chat.completion.request","requestId":"r9","body":{"a":' + "[" * 5000 + "]" * 5000 + "}}"
+    deep = (
+        '{"type":"chat.completion.request","requestId":"r9","body":{"a":'
+        + "[" * 5000
+        + "]" * 5000
+        + "}}"
+    )
     with pytest.raises(protocol.FrameError) as info:
         protocol.decode_frame(deep)
     assert info.value.request_id == "r9"
 
 
 # -- a live channel, driven from hypothesis' thread -------------------------------------------
+
 
 class Live:
     """Hub, simulator and runner in a trio loop on a thread; one open chat session."""
@@ -137,9 +167,13 @@ def bad_frames(draw: Callable[..., Any]) -> tuple[str | bytes, str | None]:
         return json.dumps(draw(json_values)), None
     rid = "f" + draw(st.text(alphabet="abcdefghij0123456789", min_size=1, max_size=8))
     if kind == "huge":
-        body = {"messages": [{"role": "user", "content": "x" * draw(st.integers(1, 200_000))}],
-                "sim": {"chunks": 1}}
-        return json.dumps({"type": protocol.COMPLETION_REQUEST, "requestId": rid, "body": body}), rid
+        body = {
+            "messages": [{"role": "user", "content": "x" * draw(st.integers(1, 200_000))}],
+            "sim": {"chunks": 1},
+        }
+        return json.dumps(
+            {"type": protocol.COMPLETION_REQUEST, "requestId": rid, "body": body}
+        ), rid
     if kind == "deep":
         depth = draw(st.integers(600, 5000))
         nested = "[" * depth + "]" * depth
@@ -159,10 +193,15 @@ def bad_frames(draw: Callable[..., Any]) -> tuple[str | bytes, str | None]:
     return json.dumps(obj), None
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(st.lists(bad_frames(), min_size=1, max_size=5))
-def test_channel_survives_arbitrary_frames(live: Live, frames: list[tuple[str | bytes, str | None]]) -> None:
+def test_channel_survives_arbitrary_frames(
+    live: Live, frames: list[tuple[str | bytes, str | None]]
+) -> None:
     n = next(live.counter)
     sent: list[str | bytes] = []
     expect: set[str] = set()
@@ -178,7 +217,10 @@ def test_channel_survives_arbitrary_frames(live: Live, frames: list[tuple[str | 
     live.call(live.exchange, sent, expect)
     for rid in expect:
         assert live.turns.last(rid)["type"] in (
-            "chat.completion.done", "chat.completion.error", "chat.models.response")
+            "chat.completion.done",
+            "chat.completion.error",
+            "chat.models.response",
+        )
 
 
 def test_duplicate_request_id_in_flight_is_refused(live: Live) -> None:

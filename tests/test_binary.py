@@ -31,15 +31,22 @@ pytestmark = pytest.mark.skipif(
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+    }
     env.update(extra)
     return env
 
 
 async def binary(*args: str, within: float = 60) -> subprocess.CompletedProcess[bytes]:
     with trio.fail_after(within):
-        return await trio.run_process([str(BINARY), *args], env=clean_env(), capture_stdout=True,
-                                      capture_stderr=True, check=False)
+        return await trio.run_process(
+            [str(BINARY), *args],
+            env=clean_env(),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
 
 
 async def test_version() -> None:
@@ -61,13 +68,29 @@ async def test_hub_and_sim_subcommands_are_inside() -> None:
         assert result.returncode == 0 and f"alp-gateway {command}" in result.stdout.decode()
 
 
-async def test_run_serves_a_turn_and_status_reads_it(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_run_serves_a_turn_and_status_reads_it(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     proc = await trio.lowlevel.open_process(
-        [str(BINARY), "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
-         "--metrics-listen", "127.0.0.1:0"],
-        env=clean_env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                      CHAT_LLM_MODEL="sim-model", AGENTICS_USER_TOKEN=ADMIN),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            str(BINARY),
+            "run",
+            "--project",
+            f"{OWNER}/{PROJECT}",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        env=clean_env(
+            AGENTICS_SERVER=hub[1],
+            CHAT_LLM_BACKEND_URL=sim.url,
+            CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+            CHAT_LLM_MODEL="sim-model",
+            AGENTICS_USER_TOKEN=ADMIN,
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     log = b""
     try:
@@ -105,7 +128,9 @@ def _can_unshare_mounts() -> bool:
     return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs `unshare -m` (root) to hide the system CAs")
+@pytest.mark.skipif(
+    not _can_unshare_mounts(), reason="needs `unshare -m` (root) to hide the system CAs"
+)
 async def test_finds_the_ca_bundle_of_another_distribution(tmp_path: Path) -> None:
     """The bundled libssl looks for CAs where the build machine keeps them (Debian: /usr/lib/ssl ->
     /etc/ssl/certs). In a mount namespace with those gone and the only bundle at Alpine's
@@ -116,15 +141,28 @@ async def test_finds_the_ca_bundle_of_another_distribution(tmp_path: Path) -> No
     cert.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
     issued.private_key_pem.write_to_path(str(key))
     ca.cert_pem.write_to_path(str(ca_pem))
-    script = ('mount -t tmpfs tmpfs /etc/ssl && cp "$CA" /etc/ssl/cert.pem && exec "$BINARY" register '
-              '--server "$SERVER" --project "$PROJECT" --state-dir "$STATE"')
+    script = (
+        'mount -t tmpfs tmpfs /etc/ssl && cp "$CA" /etc/ssl/cert.pem && exec "$BINARY" register '
+        '--server "$SERVER" --project "$PROJECT" --state-dir "$STATE"'
+    )
     async with open_hub(Hub(admin_token=ADMIN), certfile=cert, keyfile=key) as (_hub, url):
         assert url.startswith("https://")
         env = {k: v for k, v in clean_env().items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
-        env.update(CA=str(ca_pem), BINARY=str(BINARY), SERVER=url, PROJECT=f"{OWNER}/{PROJECT}",
-                   STATE=str(tmp_path / "state"), AGENTICS_USER_TOKEN=ADMIN)
+        env.update(
+            CA=str(ca_pem),
+            BINARY=str(BINARY),
+            SERVER=url,
+            PROJECT=f"{OWNER}/{PROJECT}",
+            STATE=str(tmp_path / "state"),
+            AGENTICS_USER_TOKEN=ADMIN,
+        )
         with trio.fail_after(30):
-            result = await trio.run_process(["unshare", "-m", "sh", "-c", script], env=env,
-                                            capture_stdout=True, capture_stderr=True, check=False)
+            result = await trio.run_process(
+                ["unshare", "-m", "sh", "-c", script],
+                env=env,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.startswith(b"registered runner ")

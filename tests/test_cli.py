@@ -28,8 +28,13 @@ from gateway.sim import Simulator
 
 
 async def cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess[bytes]:
-    return await trio.run_process([EXE, *args], env=clean_env(**extra_env), capture_stdout=True,
-                                  capture_stderr=True, check=False)
+    return await trio.run_process(
+        [EXE, *args],
+        env=clean_env(**extra_env),
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
 
 
 async def test_version() -> None:
@@ -39,11 +44,24 @@ async def test_version() -> None:
 
 async def test_register_saves_owner_only_state(hub: tuple[Hub, str], tmp_path: Path) -> None:
     state = tmp_path / "state"
-    result = await cli("register", "--server", hub[1], "--project", f"{OWNER}/{PROJECT}",
-                       "--state-dir", str(state), "--name", "box1", "--labels", "gpu,linux",
-                       AGENTICS_USER_TOKEN=ADMIN)
+    result = await cli(
+        "register",
+        "--server",
+        hub[1],
+        "--project",
+        f"{OWNER}/{PROJECT}",
+        "--state-dir",
+        str(state),
+        "--name",
+        "box1",
+        "--labels",
+        "gpu,linux",
+        AGENTICS_USER_TOKEN=ADMIN,
+    )
     assert result.returncode == 0, result.stderr
-    saved = json.loads((state / "registration.json").read_text())["registrations"][f"{OWNER}/{PROJECT}"]
+    saved = json.loads((state / "registration.json").read_text())["registrations"][
+        f"{OWNER}/{PROJECT}"
+    ]
     assert saved["name"] == "box1" and saved["server"] == hub[1] and saved["token"]
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     assert stat.S_IMODE((state / "registration.json").stat().st_mode) == 0o600
@@ -52,22 +70,48 @@ async def test_register_saves_owner_only_state(hub: tuple[Hub, str], tmp_path: P
 
 async def test_register_falls_back_to_spec_path(tmp_path: Path) -> None:
     async with open_hub(Hub(admin_token=ADMIN, register_paths=("runners/register",))) as (_, url):
-        result = await cli("register", "--server", url, "--project", "o/p", "--state-dir",
-                           str(tmp_path), "--user-token", ADMIN)
+        result = await cli(
+            "register",
+            "--server",
+            url,
+            "--project",
+            "o/p",
+            "--state-dir",
+            str(tmp_path),
+            "--user-token",
+            ADMIN,
+        )
     assert result.returncode == 0, result.stderr
 
 
 async def test_register_refused_is_one_line(hub: tuple[Hub, str], tmp_path: Path) -> None:
-    result = await cli("register", "--server", hub[1], "--project", "o/p", "--state-dir",
-                       str(tmp_path), AGENTICS_USER_TOKEN="wrong")
+    result = await cli(
+        "register",
+        "--server",
+        hub[1],
+        "--project",
+        "o/p",
+        "--state-dir",
+        str(tmp_path),
+        AGENTICS_USER_TOKEN="wrong",
+    )
     assert result.returncode != 0
     err = result.stderr.decode().strip()
     assert "user credential" in err and "\n" not in err and "Traceback" not in err
 
 
 async def test_run_without_registration_says_what_to_do(tmp_path: Path) -> None:
-    result = await cli("run", "--server", "127.0.0.1:9", "--project", "o/p", "--state-dir",
-                       str(tmp_path), "--backend", "http://127.0.0.1:9/v1")
+    result = await cli(
+        "run",
+        "--server",
+        "127.0.0.1:9",
+        "--project",
+        "o/p",
+        "--state-dir",
+        str(tmp_path),
+        "--backend",
+        "http://127.0.0.1:9/v1",
+    )
     assert result.returncode == 2
     err = result.stderr.decode().strip()
     assert "alp-gateway register" in err and "\n" not in err
@@ -82,16 +126,31 @@ async def test_invalid_setting_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and "CHAT_LLM_BACKEND_URL" in err and "\n" not in err
 
 
-async def test_run_serves_then_sigterm_drains(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_run_serves_then_sigterm_drains(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     log_path = tmp_path / "runner.log"
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
-            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
-             "--log-level", "DEBUG"],
-            env=clean_env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url,
-                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY, CHAT_LLM_MODEL="sim-model",
-                    AGENTICS_USER_TOKEN=ADMIN),
-            stdout=log, stderr=log,
+            [
+                EXE,
+                "run",
+                "--project",
+                f"{OWNER}/{PROJECT}",
+                "--state-dir",
+                str(tmp_path / "s"),
+                "--log-level",
+                "DEBUG",
+            ],
+            env=clean_env(
+                AGENTICS_SERVER=hub[1],
+                CHAT_LLM_BACKEND_URL=sim.url,
+                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+                CHAT_LLM_MODEL="sim-model",
+                AGENTICS_USER_TOKEN=ADMIN,
+            ),
+            stdout=log,
+            stderr=log,
         )
         try:
             job, ch = await open_chat(hub[0], within=20)
@@ -99,7 +158,9 @@ async def test_run_serves_then_sigterm_drains(hub: tuple[Hub, str], sim: Simulat
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
             proc.send_signal(signal.SIGTERM)
-            proc.send_signal(signal.SIGTERM)  # an echo (as a binary's launcher forwards it): still graceful
+            proc.send_signal(
+                signal.SIGTERM
+            )  # an echo (as a binary's launcher forwards it): still graceful
             turns = Turns(ch)
             with trio.fail_after(15):
                 while not turns.other:
@@ -157,15 +218,31 @@ async def test_revoked_token_reregisters_with_user_credential(
         nursery.cancel_scope.cancel()
 
 
-async def test_second_signal_stops_at_once(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_second_signal_stops_at_once(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     log_path = tmp_path / "runner.log"
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
-            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
-             "--grace", "60"],
-            env=clean_env(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_MODEL="sim-model",
-                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY, AGENTICS_USER_TOKEN=ADMIN),
-            stdout=log, stderr=log,
+            [
+                EXE,
+                "run",
+                "--project",
+                f"{OWNER}/{PROJECT}",
+                "--state-dir",
+                str(tmp_path / "s"),
+                "--grace",
+                "60",
+            ],
+            env=clean_env(
+                AGENTICS_SERVER=hub[1],
+                CHAT_LLM_BACKEND_URL=sim.url,
+                CHAT_LLM_MODEL="sim-model",
+                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+                AGENTICS_USER_TOKEN=ADMIN,
+            ),
+            stdout=log,
+            stderr=log,
         )
     try:
         with trio.fail_after(20):
@@ -193,9 +270,23 @@ async def test_second_signal_stops_at_once(hub: tuple[Hub, str], sim: Simulator,
 
 async def test_sigterm_while_the_server_is_unreachable(tmp_path: Path) -> None:
     proc = await trio.lowlevel.open_process(
-        [EXE, "run", "--project", "o/p", "--server", "127.0.0.1:9", "--state-dir", str(tmp_path),
-         "--backend", "http://127.0.0.1:9/v1", "--user-token", "u"],
-        env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            EXE,
+            "run",
+            "--project",
+            "o/p",
+            "--server",
+            "127.0.0.1:9",
+            "--state-dir",
+            str(tmp_path),
+            "--backend",
+            "http://127.0.0.1:9/v1",
+            "--user-token",
+            "u",
+        ],
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         assert proc.stderr is not None

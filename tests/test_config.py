@@ -24,7 +24,9 @@ def test_defaults() -> None:
 
 def test_precedence_flags_env_file(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
-    toml.write_text('model = "file"\nbackend = "http://file:1/v1"\npoll_interval = 3\nproject = "o/p"\n')
+    toml.write_text(
+        'model = "file"\nbackend = "http://file:1/v1"\npoll_interval = 3\nproject = "o/p"\n'
+    )
     env = {"CHAT_LLM_MODEL": "env", "AGENTICS_SERVER": "localhost:9"}
     config = load_config({"model": None, "poll_interval": 2.5}, env, toml)
     assert config.model == "env"

@@ -43,8 +43,14 @@ async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pat
     text = table(checks)
     assert [c.mark for c in checks] == [OK] * len(checks), text
     found = by_name(checks)
-    assert set(found) == {"configuration", "state file", "Server", "backend default",
-                          "default completion", "models"}
+    assert set(found) == {
+        "configuration",
+        "state file",
+        "Server",
+        "backend default",
+        "default completion",
+        "models",
+    }
     assert "runner token accepted" in found["Server"].detail
     assert "models: sim-model" in found["backend default"].detail
     assert "one-token completion from sim-model in" in found["default completion"].detail
@@ -59,7 +65,9 @@ async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pat
 async def test_broken_setup_names_each_fault_and_its_fix(tmp_path: Path) -> None:
     async with open_sim(require_key="sk-right-key-1234", models=["qwen2.5:7b"]) as sim:
         state = tmp_path / "state"
-        StateStore(state).save(Registration("r-1", "box", "tok-secret-5678", "http://x", OWNER, PROJECT))
+        StateStore(state).save(
+            Registration("r-1", "box", "tok-secret-5678", "http://x", OWNER, PROJECT)
+        )
         (state / "registration.json").chmod(0o644)
         toml = tmp_path / "gw.toml"
         toml.write_text(
@@ -83,22 +91,34 @@ async def test_broken_setup_names_each_fault_and_its_fix(tmp_path: Path) -> None
     assert "mode 644" in row("state file") and "chmod 600" in hint_after("state file")
     assert "unreachable" in row("Server") and "--server" in hint_after("Server")
     assert "401" in row("backend gpu") and "key" in hint_after("backend gpu")
-    assert "unreachable" in row("backend ollama") and "is the model server running" in hint_after("backend ollama")
+    assert "unreachable" in row("backend ollama") and "is the model server running" in hint_after(
+        "backend ollama"
+    )
     assert "no backend is up" in row("models")
     assert "5 required checks failed." in text
     for secret in ("sk-wrong-key-0000", "tok-secret-5678"):
         assert secret not in text
 
 
-async def test_refused_token_and_unserved_default_model(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_refused_token_and_unserved_default_model(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     state = tmp_path / "state"
     StateStore(state).save(Registration("r-1", "box", "not-a-token-9999", hub[1], OWNER, PROJECT))
-    config = runner_config(hub[1], sim.url, state, model="mistral:7b", aliases={"gpt-4o": "llama3"},
-                           allowed_models=("sim-model", "phi3"))
+    config = runner_config(
+        hub[1],
+        sim.url,
+        state,
+        model="mistral:7b",
+        aliases={"gpt-4o": "llama3"},
+        allowed_models=("sim-model", "phi3"),
+    )
     checks = by_name(await diagnose(config))
     assert checks["Server"].mark == FAIL and "refused the runner token" in checks["Server"].detail
     assert "alp-gateway register" in (checks["Server"].hint or "")
-    assert checks["default model"].mark == FAIL and "sim-model" in (checks["default model"].hint or "")
+    assert checks["default model"].mark == FAIL and "sim-model" in (
+        checks["default model"].hint or ""
+    )
     assert checks["aliases"].mark == WARN and "gpt-4o → llama3" in checks["aliases"].detail
     assert checks["allowlist"].mark == WARN and "phi3" in checks["allowlist"].detail
     assert checks["backend default"].mark == OK
@@ -108,19 +128,29 @@ async def test_unregistered_with_a_user_credential_is_only_a_warning(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
     checks = by_name(await diagnose(runner_config(hub[1], sim.url, tmp_path / "fresh")))
-    assert checks["state file"].mark == WARN and "registers with the user credential" in checks["state file"].detail
+    assert (
+        checks["state file"].mark == WARN
+        and "registers with the user credential" in checks["state file"].detail
+    )
     assert checks["Server"].mark == OK and "not registered yet" in checks["Server"].detail
     no_user = runner_config(hub[1], sim.url, tmp_path / "fresh", user_token=None)
     checks = by_name(await diagnose(no_user))
-    assert checks["state file"].mark == FAIL and "alp-gateway register" in (checks["state file"].hint or "")
+    assert checks["state file"].mark == FAIL and "alp-gateway register" in (
+        checks["state file"].hint or ""
+    )
 
 
-async def test_backend_without_model_list_and_declared_models(hub: tuple[Hub, str], tmp_path: Path) -> None:
+async def test_backend_without_model_list_and_declared_models(
+    hub: tuple[Hub, str], tmp_path: Path
+) -> None:
     async with open_sim(models=["a"]) as sim:
         specs = (BackendSpec("gpu", sim.url, models=("a", "b")),)
         config = runner_config(hub[1], None, tmp_path, backends=specs, model="a")
         checks = by_name(await diagnose(config))
-    assert checks["backend gpu"].mark == WARN and "declared but not listed: b" in checks["backend gpu"].detail
+    assert (
+        checks["backend gpu"].mark == WARN
+        and "declared but not listed: b" in checks["backend gpu"].detail
+    )
 
 
 async def test_no_backend_points_at_a_local_server(
@@ -138,17 +168,38 @@ async def test_no_backend_points_at_a_local_server(
 
 
 async def test_cli_exit_codes(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+    }
     port = await dead_port()
     bad = await trio.run_process(
-        [EXE, "doctor", "--project", "o/p", "--state-dir", str(tmp_path), "--server", f"http://127.0.0.1:{port}",
-         "--backend", f"http://127.0.0.1:{port}/v1"],
-        env=env, capture_stdout=True, capture_stderr=True, check=False)
+        [
+            EXE,
+            "doctor",
+            "--project",
+            "o/p",
+            "--state-dir",
+            str(tmp_path),
+            "--server",
+            f"http://127.0.0.1:{port}",
+            "--backend",
+            f"http://127.0.0.1:{port}/v1",
+        ],
+        env=env,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     out = bad.stdout.decode()
     assert bad.returncode == 1, out + bad.stderr.decode()
     assert out.startswith("alp-gateway doctor") and f"{FAIL}  Server" in out and "→ " in out
     toml = tmp_path / "c.toml"
     toml.write_text('[[backend]]\nname = "gpu"\n')
-    broken = await trio.run_process([EXE, "doctor", "--config", str(toml)], env=env,
-                                    capture_stdout=True, capture_stderr=True, check=False)
+    broken = await trio.run_process(
+        [EXE, "doctor", "--config", str(toml)],
+        env=env,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     assert broken.returncode == 1 and "missing url" in broken.stdout.decode()

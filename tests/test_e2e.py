@@ -26,28 +26,48 @@ async def path(sim: Simulator, tmp_path: Path) -> AsyncIterator[tuple[Hub, str, 
             yield hub, hub.create_api_key("e2e", f"{OWNER}/{PROJECT}"), runner
 
 
-def client(hub_and_key: tuple[Hub, str, Runner], url: str, session: str = "s") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=hub_and_key[1], max_retries=0,
-                              timeout=15, default_headers={"X-Chat-Session": session})
+def client(
+    hub_and_key: tuple[Hub, str, Runner], url: str, session: str = "s"
+) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=url + "/v1",
+        api_key=hub_and_key[1],
+        max_retries=0,
+        timeout=15,
+        default_headers={"X-Chat-Session": session},
+    )
 
 
 def hub_url(runner: Runner) -> str:
     return runner.config.server
 
 
-async def test_openai_stream_tool_calls_and_usage_intact(path: tuple[Hub, str, Runner], sim: Simulator) -> None:
+async def test_openai_stream_tool_calls_and_usage_intact(
+    path: tuple[Hub, str, Runner], sim: Simulator
+) -> None:
     oc = client(path, hub_url(path[2]))
     stream = await oc.chat.completions.create(
-        model="sim-model", messages=[{"role": "user", "content": "x"}], tools=[TOOL], stream=True,
-        stream_options={"include_usage": True}, extra_body={"sim": {"tool_calls": True, "chunks": 4}},
+        model="sim-model",
+        messages=[{"role": "user", "content": "x"}],
+        tools=[TOOL],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"sim": {"tool_calls": True, "chunks": 4}},
     )
     chunks = [c async for c in stream]
     args = "".join(
         tc.function.arguments or ""
-        for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])
+        for c in chunks
+        if c.choices
+        for tc in (c.choices[0].delta.tool_calls or [])
     )
-    names = [tc.function.name for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])
-             if tc.function and tc.function.name]
+    names = [
+        tc.function.name
+        for c in chunks
+        if c.choices
+        for tc in (c.choices[0].delta.tool_calls or [])
+        if tc.function and tc.function.name
+    ]
     assert names == ["lookup"]
     assert json.loads(args) == {"seq": "tok0 tok1 tok2 tok3 "}
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
@@ -59,7 +79,9 @@ async def test_openai_stream_tool_calls_and_usage_intact(path: tuple[Hub, str, R
 async def test_openai_non_stream_and_models(path: tuple[Hub, str, Runner]) -> None:
     oc = client(path, hub_url(path[2]))
     reply = await oc.chat.completions.create(
-        model="sim-model", messages=[{"role": "user", "content": "x"}], extra_body={"sim": {"chunks": 3}}
+        model="sim-model",
+        messages=[{"role": "user", "content": "x"}],
+        extra_body={"sim": {"chunks": 3}},
     )
     assert reply.choices[0].message.content == "tok0 tok1 tok2 "
     models = await oc.models.list()
@@ -70,17 +92,23 @@ async def test_backend_error_is_the_clients_own_error(path: tuple[Hub, str, Runn
     oc = client(path, hub_url(path[2]))
     with pytest.raises(openai.InternalServerError) as info:
         await oc.chat.completions.create(
-            model="sim-model", messages=[{"role": "user", "content": "x"}], stream=True,
+            model="sim-model",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
             extra_body={"sim": {"fault": "500"}},
         )
     assert info.value.status_code == 502
     assert "backend returned 500" in str(info.value)
 
 
-async def test_client_disconnect_stops_the_backend(path: tuple[Hub, str, Runner], sim: Simulator) -> None:
+async def test_client_disconnect_stops_the_backend(
+    path: tuple[Hub, str, Runner], sim: Simulator
+) -> None:
     oc = client(path, hub_url(path[2]))
     stream = await oc.chat.completions.create(
-        model="sim-model", messages=[{"role": "user", "content": "x"}], stream=True,
+        model="sim-model",
+        messages=[{"role": "user", "content": "x"}],
+        stream=True,
         extra_body={"sim": {"chunks": 200, "interval": 0.05}},
     )
     seen = 0
@@ -95,14 +123,18 @@ async def test_client_disconnect_stops_the_backend(path: tuple[Hub, str, Runner]
     assert record.client_closed and not record.completed
 
 
-async def test_two_sessions_two_jobs_interleaved(path: tuple[Hub, str, Runner], sim: Simulator) -> None:
+async def test_two_sessions_two_jobs_interleaved(
+    path: tuple[Hub, str, Runner], sim: Simulator
+) -> None:
     url = hub_url(path[2])
     results: dict[str, str] = {}
 
     async def chat(session: str, chunks: int, interval: float) -> None:
         oc = client(path, url, session)
         stream = await oc.chat.completions.create(
-            model="sim-model", messages=[{"role": "user", "content": session}], stream=True,
+            model="sim-model",
+            messages=[{"role": "user", "content": session}],
+            stream=True,
             extra_body={"sim": {"chunks": chunks, "interval": interval}},
         )
         text = ""
@@ -125,8 +157,9 @@ async def test_two_sessions_two_jobs_interleaved(path: tuple[Hub, str, Runner], 
 
 async def test_demo_subprocess_prints_the_reply() -> None:
     with trio.fail_after(60):
-        result = await trio.run_process([EXE, "demo", "--sim"], capture_stdout=True,
-                                        capture_stderr=True, check=False)
+        result = await trio.run_process(
+            [EXE, "demo", "--sim"], capture_stdout=True, capture_stderr=True, check=False
+        )
     out = result.stdout.decode()
     assert result.returncode == 0, result.stderr.decode()
     assert "tok0 tok1 tok2" in out and "time to first token" in out and "relay overhead" in out

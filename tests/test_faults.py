@@ -128,7 +128,9 @@ async def test_lost_claim_answer_is_reoffered_and_claimed_once(
             assert job.reports[0] == {"status": "in_progress"}
 
 
-async def test_lost_claim_answer_on_a_server_that_never_reoffers(sim: Simulator, tmp_path: Path) -> None:
+async def test_lost_claim_answer_on_a_server_that_never_reoffers(
+    sim: Simulator, tmp_path: Path
+) -> None:
     # like the Server that stops offering a claimed job: the runner asks again at once
     async with open_hub(Hub(admin_token=ADMIN, reoffer_after=float("inf"))) as (server, url):
         server.faults["claim"] = [LOST]
@@ -224,8 +226,6 @@ async def test_channel_handshake_faults_are_redialled(
 
 
 # -- the Server restarts mid-session -----------------------------------------------------------
-
-
 
 
 def _free_port() -> int:
@@ -324,7 +324,9 @@ async def test_hub_restart_mid_session_same_job_goes_on(
         timeout=20,
         default_headers={"X-Chat-Session": "s1"},
     )
-    config = runner_config(url, sim.url, tmp_path / "state", user_token=admin, reconnect_window=60.0)
+    config = runner_config(
+        url, sim.url, tmp_path / "state", user_token=admin, reconnect_window=60.0
+    )
     runner = Runner(config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(runner.run)

@@ -485,7 +485,9 @@ async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
         first.save_job(job)
         return job
 
-    live, orphan, done, api_job = (claimed(o) for o in ("frontdoor", "frontdoor", "frontdoor", "api"))
+    live, orphan, done, api_job = (
+        claimed(o) for o in ("frontdoor", "frontdoor", "frontdoor", "api")
+    )
     unclaimed = first.enqueue_job("local", "chat", caps, origin="frontdoor")
     done.status, done.conclusion = "completed", "success"
     first.save_job(done)

@@ -72,7 +72,9 @@ def payload(i: int) -> bytes:
 def script(reads: int = READS, per_read: int = EVENTS_PER_READ) -> list[bytes]:
     blocks = []
     for r in range(reads):
-        blocks.append(b"".join(b"data: %b\n\n" % payload(r * per_read + i) for i in range(per_read)))
+        blocks.append(
+            b"".join(b"data: %b\n\n" % payload(r * per_read + i) for i in range(per_read))
+        )
     blocks[-1] += b"data: [DONE]\n\n"
     return blocks
 
@@ -183,15 +185,22 @@ def _messages(ws: WSConnection, data: bytes) -> list[str]:
 
 
 class Rig:
-    def __init__(self, channel: Channel, counting: Counting, server_ws: WSConnection,
-                 client: WebSocketConnection) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        counting: Counting,
+        server_ws: WSConnection,
+        client: WebSocketConnection,
+    ) -> None:
         self.channel = channel
         self.counting = counting
         self.server_ws = server_ws
         self.client = client
 
     async def relay(self, request_id: str, backend: Backend) -> str | None:
-        response = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=backend)
+        response = httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=backend
+        )
         self.channel._started[request_id] = trio.current_time()
         result = await self.channel._relay(request_id, "http://backend", response)
         await trio.testing.wait_all_tasks_blocked()  # the writer has written everything
@@ -233,7 +242,9 @@ async def test_one_write_per_backend_read_and_frames_verbatim() -> None:
         assert json.dumps(chunks[7]["chunk"], separators=(",", ":")).encode() == payload(7)
         assert payload(CHUNKS - 1) in _unmasked(rig, text)
         writes_per_read = rig.counting.writes / backend.reads
-        print(f"\nwrites per backend read: {writes_per_read:.2f} ({rig.counting.writes} for {backend.reads})")
+        print(
+            f"\nwrites per backend read: {writes_per_read:.2f} ({rig.counting.writes} for {backend.reads})"
+        )
         assert writes_per_read <= MAX_WRITES_PER_READ
         nursery.cancel_scope.cancel()
 
@@ -241,8 +252,13 @@ async def test_one_write_per_backend_read_and_frames_verbatim() -> None:
 def _unmasked(rig: Rig, data: bytes) -> bytes:
     ws = WSConnection(ConnectionType.SERVER)
     ws.initiate_upgrade_connection(
-        [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"upgrade"),
-         (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")],
+        [
+            (b"host", b"x"),
+            (b"upgrade", b"websocket"),
+            (b"connection", b"upgrade"),
+            (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
+            (b"sec-websocket-version", b"13"),
+        ],
         "/",
     )
     ws.send(AcceptConnection())
@@ -268,7 +284,9 @@ async def test_python_calls_per_chunk() -> None:
                     made_by_gateway += 1
 
         backend = Backend(script())
-        response = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=backend)
+        response = httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=backend
+        )
         rig.channel._started["r2"] = trio.current_time()
         sys.setprofile(count)
         try:
@@ -276,8 +294,10 @@ async def test_python_calls_per_chunk() -> None:
             await trio.testing.wait_all_tasks_blocked()
         finally:
             sys.setprofile(None)
-        print(f"\nPython calls per relayed chunk: {calls / CHUNKS:.1f} in all, "
-              f"{made_by_gateway / CHUNKS:.2f} made by the gateway's code")
+        print(
+            f"\nPython calls per relayed chunk: {calls / CHUNKS:.1f} in all, "
+            f"{made_by_gateway / CHUNKS:.2f} made by the gateway's code"
+        )
         assert calls / CHUNKS <= MAX_CALLS_PER_CHUNK
         assert made_by_gateway / CHUNKS <= MAX_GATEWAY_CALLS_PER_CHUNK
         nursery.cancel_scope.cancel()
@@ -297,7 +317,8 @@ async def test_nothing_kept_per_chunk() -> None:
         finally:
             tracemalloc.stop()
         kept = [
-            s for s in after.compare_to(before, "lineno")
+            s
+            for s in after.compare_to(before, "lineno")
             if s.count_diff > 0 and s.traceback[0].filename.startswith(GATEWAY)
         ]
         blocks = sum(s.count_diff for s in kept)
@@ -416,16 +437,32 @@ def _reference(pieces: list[bytes]) -> list[bytes]:
     return out
 
 
-_ATOMS = st.sampled_from([
-    b"data: x", b"data:y", b'data: {"a":1}', b": comment", b"event: e", b"id: 7", b"data",
-    b"data:", b"data: ", b"", b"retry: 1", b"data: [DONE]", b"da", b"ta: z",
-])
+_ATOMS = st.sampled_from(
+    [
+        b"data: x",
+        b"data:y",
+        b'data: {"a":1}',
+        b": comment",
+        b"event: e",
+        b"id: 7",
+        b"data",
+        b"data:",
+        b"data: ",
+        b"",
+        b"retry: 1",
+        b"data: [DONE]",
+        b"da",
+        b"ta: z",
+    ]
+)
 _ENDS = st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n", b"\r\n\r\n", b""])
 
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(_ATOMS, _ENDS), max_size=14), st.lists(st.integers(0, 200), max_size=6))
-def test_sse_splitter_matches_the_line_algorithm(parts: list[tuple[bytes, bytes]], cuts: list[int]) -> None:
+def test_sse_splitter_matches_the_line_algorithm(
+    parts: list[tuple[bytes, bytes]], cuts: list[int]
+) -> None:
     stream = b"".join(a + e for a, e in parts)
     points = sorted({c for c in cuts if 0 < c < len(stream)})
     pieces = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
@@ -439,13 +476,25 @@ def test_sse_splitter_matches_the_line_algorithm(parts: list[tuple[bytes, bytes]
 
 @pytest.mark.parametrize("mask", [True, False])
 def test_ws_text_frames_are_what_wsproto_reads(mask: bool) -> None:
-    messages: list[str | bytes] = ["", "x" * 125, b"y" * 126, "z" * 65535, b"w" * 65536, '{"h\\u00e9":"h\xe9"}']
+    messages: list[str | bytes] = [
+        "",
+        "x" * 125,
+        b"y" * 126,
+        "z" * 65535,
+        b"w" * 65536,
+        '{"h\\u00e9":"h\xe9"}',
+    ]
     data = protocol.ws_text_frames(messages, mask=mask)
     ws = WSConnection(ConnectionType.SERVER if mask else ConnectionType.CLIENT)
     if mask:
         ws.initiate_upgrade_connection(
-            [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"upgrade"),
-             (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")],
+            [
+                (b"host", b"x"),
+                (b"upgrade", b"websocket"),
+                (b"connection", b"upgrade"),
+                (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
+                (b"sec-websocket-version", b"13"),
+            ],
             "/",
         )
         ws.send(AcceptConnection())

@@ -674,7 +674,9 @@ async def test_reset_without_the_socket_is_the_nearest_thing(
     monkeypatch.setattr(hub_core, "_connection_stream", lambda: None)
     hub.faults["poll"] = [hub_core.RESET]
     with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
-        await client.post(f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(token))
+        await client.post(
+            f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(token)
+        )
 
 
 async def test_channel_faults(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -784,12 +786,19 @@ async def test_paused_channel_reads_nothing_until_resumed(
 async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> None:
     data = tmp_path / "hub"
     first = Hub(data)
-    done = {"status": "completed", "conclusion": "success", "logs": "", "completionReason": "success"}
+    done = {
+        "status": "completed",
+        "conclusion": "success",
+        "logs": "",
+        "completionReason": "success",
+    }
     async with open_hub(first) as (_, url):
         async with httpx.AsyncClient(base_url=url) as client:
             runner, job_id, run_id = await claimed_job(first, client)
             status = f"{BASE}/runs/{run_id}/jobs/{job_id}"
-            r = await client.patch(status, json={"status": "in_progress"}, headers=bearer(runner["token"]))
+            r = await client.patch(
+                status, json={"status": "in_progress"}, headers=bearer(runner["token"])
+            )
             assert r.status_code == 200
             _, finished_id, finished_run = await claimed_job(first, client)
     queued = first.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
@@ -808,7 +817,9 @@ async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> Non
         assert await second.check_offline() == []  # reloaded jobs get offline_after to show up
         async with httpx.AsyncClient(base_url=url) as client:
             with trio.fail_after(10):  # the runner's redial of the same job is accepted
-                async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
+                async with trio_websocket.open_websocket_url(
+                    ws_url(client, job_id, runner["token"])
+                ):
                     assert await second.wait_channel(job_id, timeout=5) is not None
             status = f"{BASE}/runs/{run_id}/jobs/{job_id}"
             r = await client.patch(status, json=done, headers=bearer(runner["token"]))
@@ -833,7 +844,19 @@ def test_tls_needs_cert_and_key(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     assert main(["--data", data, "--tls-cert", str(tmp_path / "c.pem")]) == 2
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
     (tmp_path / "c.pem").write_text("not a certificate")
-    assert main(["--data", data, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "c.pem")]) == 2
+    assert (
+        main(
+            [
+                "--data",
+                data,
+                "--tls-cert",
+                str(tmp_path / "c.pem"),
+                "--tls-key",
+                str(tmp_path / "c.pem"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot use --tls-cert" in err
     with pytest.raises(ValueError):

@@ -39,7 +39,9 @@ LITELLM = Path(sys.executable).with_name("litellm")
 MASTER_KEY = "sk-litellm-master-test-4242"
 MOCK_TEXT = "Hello from the LiteLLM mock"
 READY_WITHIN = 120.0  # seconds; LiteLLM imports a lot (about 5 s on two cores)
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+]
 
 
 def _free_port() -> int:
@@ -67,20 +69,43 @@ class Proxy:
 
 
 def _config(upstream_port: int) -> str:
-    tool_call = {"id": "call_mock_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": '{"city":"Aarhus"}'}}
+    tool_call = {
+        "id": "call_mock_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Aarhus"}'},
+    }
     models = [
-        {"model_name": "mock-chat",
-         "litellm_params": {"model": "openai/mock-chat", "api_key": "sk-unused", "mock_response": MOCK_TEXT}},
-        {"model_name": "mock-tools",
-         "litellm_params": {"model": "openai/mock-tools", "api_key": "sk-unused", "mock_response": "",
-                            "mock_tool_calls": [tool_call]}},
-        {"model_name": "via-sim",
-         "litellm_params": {"model": "openai/sim-model", "api_key": "sk-unused",
-                            "api_base": f"http://127.0.0.1:{upstream_port}/v1"}},
+        {
+            "model_name": "mock-chat",
+            "litellm_params": {
+                "model": "openai/mock-chat",
+                "api_key": "sk-unused",
+                "mock_response": MOCK_TEXT,
+            },
+        },
+        {
+            "model_name": "mock-tools",
+            "litellm_params": {
+                "model": "openai/mock-tools",
+                "api_key": "sk-unused",
+                "mock_response": "",
+                "mock_tool_calls": [tool_call],
+            },
+        },
+        {
+            "model_name": "via-sim",
+            "litellm_params": {
+                "model": "openai/sim-model",
+                "api_key": "sk-unused",
+                "api_base": f"http://127.0.0.1:{upstream_port}/v1",
+            },
+        },
     ]
-    config = {"model_list": models, "general_settings": {"master_key": MASTER_KEY},
-              "litellm_settings": {"telemetry": False}}
+    config = {
+        "model_list": models,
+        "general_settings": {"master_key": MASTER_KEY},
+        "litellm_settings": {"telemetry": False},
+    }
     return json.dumps(config)  # JSON is YAML
 
 
@@ -92,20 +117,36 @@ def litellm_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     work = tmp_path_factory.mktemp("litellm")
     upstream_port, port = _free_port(), _free_port()
     (work / "config.yaml").write_text(_config(upstream_port))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
-    env.update({
-        "LITELLM_TELEMETRY": "False",
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the cost map from the internet
-        "LITELLM_DONT_SHOW_FEEDBACK_BOX": "True",
-        "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",  # any outbound call fails
-        "NO_PROXY": "127.0.0.1,localhost",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+    }
+    env.update(
+        {
+            "LITELLM_TELEMETRY": "False",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the cost map from the internet
+            "LITELLM_DONT_SHOW_FEEDBACK_BOX": "True",
+            "HTTP_PROXY": "http://127.0.0.1:9",
+            "HTTPS_PROXY": "http://127.0.0.1:9",  # any outbound call fails
+            "NO_PROXY": "127.0.0.1,localhost",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     log_path = work / "litellm.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [str(LITELLM), "--config", str(work / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
+            [
+                str(LITELLM),
+                "--config",
+                str(work / "config.yaml"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=work,
         )
     try:
         # readiness, not synchronisation: poll its health route until it answers, bounded
@@ -121,8 +162,10 @@ def litellm_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    pytest.skip(f"LiteLLM proxy not ready within {READY_WITHIN:.0f} s; log: "
-                                f"{log_path.read_text(errors='replace')[-1500:]}")
+                    pytest.skip(
+                        f"LiteLLM proxy not ready within {READY_WITHIN:.0f} s; log: "
+                        f"{log_path.read_text(errors='replace')[-1500:]}"
+                    )
                 time.sleep(0.2)
         yield Proxy(f"http://127.0.0.1:{port}/v1", upstream_port)
     finally:
@@ -156,7 +199,9 @@ class Tap:
         async with client, await trio.open_tcp_stream("127.0.0.1", self.target) as server:
             async with trio.open_nursery() as nursery:
 
-                async def pump(src: trio.SocketStream, dst: trio.SocketStream, keep: bytearray) -> None:
+                async def pump(
+                    src: trio.SocketStream, dst: trio.SocketStream, keep: bytearray
+                ) -> None:
                     try:
                         while data := await src.receive_some(65536):
                             keep.extend(data)
@@ -179,7 +224,9 @@ class Tap:
                 conn.send(h11.EndOfMessage())
                 kind, body = b"", bytearray()
                 event = conn.next_event()
-                while event is not h11.NEED_DATA and not isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                while event is not h11.NEED_DATA and not isinstance(
+                    event, h11.EndOfMessage | h11.ConnectionClosed
+                ):
                     if isinstance(event, h11.Response):
                         kind = dict(event.headers).get(b"content-type", b"")
                     elif isinstance(event, h11.Data):
@@ -195,7 +242,7 @@ class Tap:
 
 def sse_payloads(stream: bytes) -> list[bytes]:
     events = [e for e in stream.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
-    return [e[len(b"data: "):] if e.startswith(b"data: ") else e[len(b"data:"):] for e in events]
+    return [e[len(b"data: ") :] if e.startswith(b"data: ") else e[len(b"data:") :] for e in events]
 
 
 def assert_verbatim(turns: Turns, request_id: str, stream: bytes) -> list[dict[str, Any]]:
@@ -213,7 +260,9 @@ def spec(tap: Tap) -> BackendSpec:
     return BackendSpec("litellm", f"http://127.0.0.1:{tap.port}/v1", key=MASTER_KEY)
 
 
-async def test_streamed_mock_turn_with_usage(hub: tuple[Hub, str], litellm_proxy: Proxy, tmp_path: Path) -> None:
+async def test_streamed_mock_turn_with_usage(
+    hub: tuple[Hub, str], litellm_proxy: Proxy, tmp_path: Path
+) -> None:
     port = int(litellm_proxy.url.rsplit(":", 1)[1].split("/")[0])
     async with trio.open_nursery() as nursery:
         tap: Tap = await nursery.start(Tap(port).serve)
@@ -229,9 +278,13 @@ async def test_streamed_mock_turn_with_usage(hub: tuple[Hub, str], litellm_proxy
         nursery.cancel_scope.cancel()
     [stream] = tap.event_streams()
     chunks = assert_verbatim(turns, "t", stream)
-    text = "".join((c["choices"][0].get("delta") or {}).get("content") or "" for c in chunks if c["choices"])
+    text = "".join(
+        (c["choices"][0].get("delta") or {}).get("content") or "" for c in chunks if c["choices"]
+    )
     assert text == MOCK_TEXT
-    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")] == ["stop"]
+    assert [
+        ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")
+    ] == ["stop"]
     usage = chunks[-1]["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
     assert any(f"Bearer {MASTER_KEY}".encode() in bytes(sent) for sent in tap.sent)
@@ -239,7 +292,9 @@ async def test_streamed_mock_turn_with_usage(hub: tuple[Hub, str], litellm_proxy
     assert MASTER_KEY not in frames_text
 
 
-async def test_non_streamed_mock_tool_calls(hub: tuple[Hub, str], litellm_proxy: Proxy, tmp_path: Path) -> None:
+async def test_non_streamed_mock_tool_calls(
+    hub: tuple[Hub, str], litellm_proxy: Proxy, tmp_path: Path
+) -> None:
     port = int(litellm_proxy.url.rsplit(":", 1)[1].split("/")[0])
     async with trio.open_nursery() as nursery:
         tap: Tap = await nursery.start(Tap(port).serve)
@@ -266,22 +321,33 @@ async def test_streamed_tool_calls_re_streamed_by_litellm(
     hub: tuple[Hub, str], litellm_proxy: Proxy, tmp_path: Path
 ) -> None:
     port = int(litellm_proxy.url.rsplit(":", 1)[1].split("/")[0])
-    async with open_sim(port=litellm_proxy.upstream_port, options=SimOptions(tool_calls=True, chunks=4)) as sim:
+    async with open_sim(
+        port=litellm_proxy.upstream_port, options=SimOptions(tool_calls=True, chunks=4)
+    ) as sim:
         async with trio.open_nursery() as nursery:
             tap: Tap = await nursery.start(Tap(port).serve)
             config = runner_config(hub[1], None, tmp_path, backends=(spec(tap),), model="via-sim")
             async with running(config):
                 job, ch = await open_chat(hub[0])
-                await ch.send(request_frame(job.id, "t", stream_options={"include_usage": True}, tools=TOOLS))
+                await ch.send(
+                    request_frame(job.id, "t", stream_options={"include_usage": True}, tools=TOOLS)
+                )
                 turns = Turns(ch)
                 await turns.until("t")
             nursery.cancel_scope.cancel()
         assert len(sim.streams) == 1 and json.loads(sim.streams[0].body)["model"] == "sim-model"
     [stream] = tap.event_streams()
     chunks = assert_verbatim(turns, "t", stream)
-    calls = [call for c in chunks for ch in c["choices"] for call in (ch.get("delta") or {}).get("tool_calls") or []]
+    calls = [
+        call
+        for c in chunks
+        for ch in c["choices"]
+        for call in (ch.get("delta") or {}).get("tool_calls") or []
+    ]
     assert calls[0]["function"]["name"] == "get_weather"
     args = "".join(call["function"].get("arguments") or "" for call in calls)
     assert json.loads(args) == {"seq": "tok0 tok1 tok2 tok3 "}
-    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")] == ["tool_calls"]
+    assert [
+        ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")
+    ] == ["tool_calls"]
     assert chunks[-1]["usage"]["completion_tokens"] == 4

@@ -68,16 +68,37 @@ def test_json_format_is_one_object_per_line(restore_logging: None) -> None:
     assert "sk-abc123" not in out.getvalue()
 
 
-async def test_runner_process_logs_json_lines(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_runner_process_logs_json_lines(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     log_path = tmp_path / "runner.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))}
-    env.update(AGENTICS_SERVER=hub[1], CHAT_LLM_BACKEND_URL=sim.url, CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-               CHAT_LLM_MODEL="sim-model", AGENTICS_USER_TOKEN=ADMIN)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
+    }
+    env.update(
+        AGENTICS_SERVER=hub[1],
+        CHAT_LLM_BACKEND_URL=sim.url,
+        CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+        CHAT_LLM_MODEL="sim-model",
+        AGENTICS_USER_TOKEN=ADMIN,
+    )
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
-            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
-             "--log-format", "json", "--log-level", "DEBUG"],
-            env=env, stdout=log, stderr=log,
+            [
+                EXE,
+                "run",
+                "--project",
+                f"{OWNER}/{PROJECT}",
+                "--state-dir",
+                str(tmp_path / "s"),
+                "--log-format",
+                "json",
+                "--log-level",
+                "DEBUG",
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
         )
         try:
             job, ch = await open_chat(hub[0], within=20)

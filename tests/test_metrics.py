@@ -52,7 +52,10 @@ def value(fams: dict[str, Any], family: str, sample: str | None = None, **labels
 def test_metrics_listen_setting() -> None:
     assert load_config({}, {}).metrics_listen is None  # off by default
     assert load_config({"metrics_listen": "9464"}, {}).metrics_listen == ("127.0.0.1", 9464)
-    assert load_config({}, {"ALP_GATEWAY_METRICS_LISTEN": "0.0.0.0:9100"}).metrics_listen == ("0.0.0.0", 9100)
+    assert load_config({}, {"ALP_GATEWAY_METRICS_LISTEN": "0.0.0.0:9100"}).metrics_listen == (
+        "0.0.0.0",
+        9100,
+    )
     assert load_config({"metrics_listen": "[::1]:9464"}, {}).metrics_listen == ("::1", 9464)
     with pytest.raises(ConfigError, match="--metrics-listen"):
         load_config({"metrics_listen": "localhost:http"}, {})
@@ -73,10 +76,15 @@ def fake_runner(*, age: float | None = 1.0, backends: list[Any] | None = None) -
     return SimpleNamespace(
         shutdown=trio.Event(),
         last_poll_ok=None if age is None else now - age,
-        last_poll_error=None if age is not None and age < 30 else "POST …/runners/jobs: Server answered 503",
+        last_poll_error=None
+        if age is not None and age < 30
+        else "POST …/runners/jobs: Server answered 503",
         config=SimpleNamespace(poll_interval=10.0, max_sessions=8),
-        pool=SimpleNamespace(backends=[SimpleNamespace(name="default", url="http://127.0.0.1:1/v1")]
-                             if backends is None else backends),
+        pool=SimpleNamespace(
+            backends=[SimpleNamespace(name="default", url="http://127.0.0.1:1/v1")]
+            if backends is None
+            else backends
+        ),
         sessions={},
         counters=Counters(),
         histograms={"ttft_seconds": Histogram()},
@@ -92,7 +100,9 @@ async def test_health_rules() -> None:
     down = SimpleNamespace(name="gpu", url="http://u:secret@127.0.0.1:1/v1", up=False)
     ok, reason = health(fake_runner(backends=[down]))
     assert (ok, reason) == (False, "no backend is up: gpu")
-    assert health(fake_runner(backends=[down, SimpleNamespace(name="cpu", url="x")]))[0]  # no `up`: up
+    assert health(fake_runner(backends=[down, SimpleNamespace(name="cpu", url="x")]))[
+        0
+    ]  # no `up`: up
     assert health(fake_runner(backends=[])) == (False, "no backend configured")
     stopping = fake_runner()
     stopping.shutdown.set()
@@ -101,8 +111,12 @@ async def test_health_rules() -> None:
 
 async def test_render_backends_and_histogram_buckets() -> None:
     backends = [
-        SimpleNamespace(name="gpu", url="http://user:pw@10.0.0.2:8000/v1", up=False, in_flight=3, waiting=2),
-        SimpleNamespace(name="plain", url="http://127.0.0.1:11434/v1"),  # no up/in_flight/waiting yet
+        SimpleNamespace(
+            name="gpu", url="http://user:pw@10.0.0.2:8000/v1", up=False, in_flight=3, waiting=2
+        ),
+        SimpleNamespace(
+            name="plain", url="http://127.0.0.1:11434/v1"
+        ),  # no up/in_flight/waiting yet
     ]
     runner = fake_runner(backends=backends)
     for seconds in (0.0001, 0.3, 0.3, 99.0):
@@ -115,7 +129,9 @@ async def test_render_backends_and_histogram_buckets() -> None:
     assert value(fams, "alp_gateway_backend_up", backend="gpu") == 0
     assert value(fams, "alp_gateway_backend_in_flight", backend="gpu") == 3
     assert value(fams, "alp_gateway_backend_waiting", backend="gpu") == 2
-    assert value(fams, "alp_gateway_backend_up", backend="plain", url="http://127.0.0.1:11434/v1") == 1
+    assert (
+        value(fams, "alp_gateway_backend_up", backend="plain", url="http://127.0.0.1:11434/v1") == 1
+    )
     assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="done") == 2
     assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="error") == 0
     assert value(fams, "alp_gateway_something_new", "alp_gateway_something_new_total") == 1
@@ -125,13 +141,18 @@ async def test_render_backends_and_histogram_buckets() -> None:
     counts = [v for _, v in buckets]
     assert counts == sorted(counts)  # cumulative
     assert dict(buckets)["0.0005"] == 1 and dict(buckets)["0.25"] == 1 and dict(buckets)["0.5"] == 3
-    assert buckets[-1] == ("+Inf", 4) and value(fams, "alp_gateway_ttft_seconds", "alp_gateway_ttft_seconds_count") == 4
+    assert (
+        buckets[-1] == ("+Inf", 4)
+        and value(fams, "alp_gateway_ttft_seconds", "alp_gateway_ttft_seconds_count") == 4
+    )
 
 
 # -- a real runner ----------------------------------------------------------------------------
 
 
-async def test_healthz_and_metrics_count_a_served_turn(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_healthz_and_metrics_count_a_served_turn(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
     async with running(config) as runner:
         url = metrics_url(runner)
@@ -155,7 +176,9 @@ async def test_healthz_and_metrics_count_a_served_turn(hub: tuple[Hub, str], sim
         assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="error") == 0
         assert value(fams, "alp_gateway_chunks", "alp_gateway_chunks_total") == chunks >= 6
         assert value(fams, "alp_gateway_sessions_open") == 1
-        assert value(fams, "alp_gateway_sessions_started", "alp_gateway_sessions_started_total") == 1
+        assert (
+            value(fams, "alp_gateway_sessions_started", "alp_gateway_sessions_started_total") == 1
+        )
         assert value(fams, "alp_gateway_polls", "alp_gateway_polls_total") >= 1
         assert value(fams, "alp_gateway_healthy") == 1
         assert value(fams, "alp_gateway_ttft_seconds", "alp_gateway_ttft_seconds_count") == 1
@@ -170,8 +193,9 @@ async def test_healthz_and_metrics_count_a_served_turn(hub: tuple[Hub, str], sim
 async def test_healthz_503_while_polls_fail_then_200_again(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
-    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT,
-                           poll_interval=0.1)
+    config = runner_config(
+        hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT, poll_interval=0.1
+    )
     async with running(config) as runner:
         url = metrics_url(runner) + "/healthz"
         assert (await get(url)).status_code == 200
@@ -197,18 +221,26 @@ async def test_http_edges(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) 
         assert (await client.get(url + "/nope")).status_code == 404
         assert (await client.post(url + "/metrics", content=b"x")).status_code == 405
         head = await client.head(url + "/metrics")
-        assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 100
+        assert (
+            head.status_code == 200
+            and head.content == b""
+            and int(head.headers["content-length"]) > 100
+        )
         assert (await client.get(url + "/healthz?verbose=1")).status_code == 200
         # a client that connects and says nothing does not block the others
         async with await trio.open_tcp_stream(runner.metrics.host, runner.metrics.port):
             assert (await client.get(url + "/healthz")).status_code == 200
 
 
-async def test_busy_metrics_port_fails_the_start(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_busy_metrics_port_fails_the_start(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     try:
-        config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=("127.0.0.1", port))
+        config = runner_config(
+            hub[1], sim.url, tmp_path / "state", metrics_listen=("127.0.0.1", port)
+        )
         with pytest.raises(RunnerExit, match=f"--metrics-listen 127.0.0.1:{port}") as caught:
             with trio.fail_after(10):
                 await Runner(config).run()
@@ -229,8 +261,9 @@ async def test_off_by_default(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
 async def status(*args: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALP_GATEWAY_")}
     with trio.fail_after(30):
-        result = await trio.run_process([EXE, "status", *args], env=env, capture_stdout=True,
-                                        capture_stderr=True, check=False)
+        result = await trio.run_process(
+            [EXE, "status", *args], env=env, capture_stdout=True, capture_stderr=True, check=False
+        )
     return result.returncode, result.stdout.decode(), result.stderr.decode()
 
 
@@ -252,7 +285,9 @@ async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
         assert "1 done, 0 error, 0 cancelled" in out
         assert "/s over the last" in out
         assert "first token p50 ≤" in out and "(1 samples)" in out
-        assert any(line.split()[1:3] == ["default", "up"] for line in lines if line.startswith("backends"))
+        assert any(
+            line.split()[1:3] == ["default", "up"] for line in lines if line.startswith("backends")
+        )
         assert len(lines) <= 24  # one screen
         assert config.backend_key not in out
 
@@ -268,4 +303,3 @@ def test_samples_parser_reads_what_render_writes() -> None:
     text = 'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n# HELP x y\nalp_gateway_chunks_total 7\n'
     samples = Samples.parse(text)
     assert samples.get("backend_up", backend='a "b"') == 1 and samples.get("chunks_total") == 7
-

@@ -22,7 +22,8 @@ def test_frame_level_model_and_other_types() -> None:
     assert isinstance(frame, protocol.CompletionRequest) and frame.model == "big"
     assert isinstance(protocol.decode_frame('{"type":"chat.end"}'), protocol.End)
     assert isinstance(
-        protocol.decode_frame('{"type":"chat.models.request","requestId":"r"}'), protocol.ModelsRequest
+        protocol.decode_frame('{"type":"chat.models.request","requestId":"r"}'),
+        protocol.ModelsRequest,
     )
     assert isinstance(
         protocol.decode_frame('{"type":"chat.completion.cancel","requestId":"r"}'),
@@ -52,7 +53,7 @@ def test_bad_frames_raise_with_request_id(text: str, request_id: str | None) -> 
 
 def test_chunk_frame_splices_payload_verbatim() -> None:
     payload = b'{"id":"c1","choices":[{"delta":{"content":"h\\u00e9 \\"x\\""}}],  "odd" : 1}'
-    frame = protocol.chunk_frame(protocol.chunk_prefix("job\"1", "req"), payload)
+    frame = protocol.chunk_frame(protocol.chunk_prefix('job"1', "req"), payload)
     decoded = json.loads(frame)
     assert decoded["type"] == "chat.completion.chunk"
     assert decoded["jobId"] == 'job"1' and decoded["requestId"] == "req"

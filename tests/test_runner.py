@@ -24,7 +24,9 @@ from gateway.runner import ChatJob, Runner, backoff_delay, channel_url
 from gateway.sim import Simulator, serve_sim
 
 
-async def test_one_turn_streams_verbatim_chunks(hub: tuple[Hub, str], sim: Simulator, runner: Runner) -> None:
+async def test_one_turn_streams_verbatim_chunks(
+    hub: tuple[Hub, str], sim: Simulator, runner: Runner
+) -> None:
     job, ch = await open_chat(hub[0])
     assert job.claimed_by is not None
     await ch.send(request_frame(job.id, "r1", sim={"chunks": 5}))
@@ -75,7 +77,10 @@ async def test_models_request_answered_during_a_generation(
     await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "long"})
     await turns.until("long")
     assert turns.last("long") == {
-        "type": "chat.completion.error", "jobId": job.id, "requestId": "long", "error": "cancelled"
+        "type": "chat.completion.error",
+        "jobId": job.id,
+        "requestId": "long",
+        "error": "cancelled",
     }
     with trio.fail_after(5):
         await sim.streams[0].finished.wait()
@@ -152,7 +157,9 @@ async def test_unreachable_backend_names_url_not_key(hub: tuple[Hub, str], tmp_p
     async with trio.open_nursery() as nursery:
         backend_scope = trio.CancelScope()
 
-        async def backend(task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED) -> None:
+        async def backend(
+            task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
             with backend_scope:
                 await serve_sim(require_key=BACKEND_KEY, task_status=task_status)
 
@@ -176,8 +183,14 @@ async def test_bad_frames_leave_the_channel_up(
     await ch.send(b"\x00\x01binary")
     await ch.send({"type": "chat.unknown.type", "x": 1})
     await ch.send({"type": "chat.completion.request", "requestId": "nobody"})
-    await ch.send({"type": "chat.completion.request", "jobId": "other-job", "requestId": "foreign",
-                   "body": {"messages": []}})
+    await ch.send(
+        {
+            "type": "chat.completion.request",
+            "jobId": "other-job",
+            "requestId": "foreign",
+            "body": {"messages": []},
+        }
+    )
     await ch.send(request_frame(job.id, "good", sim={"chunks": 2}))
     turns = Turns(ch)
     await turns.until("nobody", "foreign", "good")
@@ -224,7 +237,9 @@ async def test_reconnect_window_gives_up_with_failure(
         assert "redial" in finals[0]["logs"]
 
 
-async def test_foreign_job_never_claimed(hub: tuple[Hub, str], sim: Simulator, runner: Runner) -> None:
+async def test_foreign_job_never_claimed(
+    hub: tuple[Hub, str], sim: Simulator, runner: Runner
+) -> None:
     foreign = hub[0].enqueue_job(OWNER, PROJECT, [], {"jobType": "dispatch_worker"})
     other = hub[0].enqueue_job(OWNER, PROJECT, ["docker"], {})
     job, _ = await open_chat(hub[0])
@@ -233,7 +248,9 @@ async def test_foreign_job_never_claimed(hub: tuple[Hub, str], sim: Simulator, r
     assert other.claimed_by is None
 
 
-async def test_push_event_opens_a_session_quickly(hub: tuple[Hub, str], sim: Simulator, runner: Runner) -> None:
+async def test_push_event_opens_a_session_quickly(
+    hub: tuple[Hub, str], sim: Simulator, runner: Runner
+) -> None:
     # poll_interval is 10 s: only the runners/events push can make this fast
     start = trio.current_time()
     await open_chat(hub[0], within=3)
@@ -249,7 +266,9 @@ async def test_short_polling_without_events(sim: Simulator, tmp_path: Path) -> N
             await turns.until("r")
 
 
-async def test_max_sessions_stops_advertising(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_max_sessions_stops_advertising(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     config = runner_config(hub[1], sim.url, tmp_path, max_sessions=1, poll_interval=0.2)
     async with running(config) as r:
         job1, ch1 = await open_chat(hub[0])
@@ -272,7 +291,9 @@ async def test_heartbeat_progress(hub: tuple[Hub, str], sim: Simulator, tmp_path
         assert job.progress[0] == {"stage": "chat_llm_active", "message": None}
 
 
-async def test_graceful_shutdown_lets_turns_finish(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_graceful_shutdown_lets_turns_finish(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     r = Runner(runner_config(hub[1], sim.url, tmp_path))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(r.run)
@@ -321,9 +342,14 @@ def test_channel_url_scheme_follows_server() -> None:
     assert channel_url("https://agentics.dk", job, "t") == (
         "wss://agentics.dk/api/lives/chat/channel/ws?jobId=j1&token=t"
     )
-    assert channel_url("http://127.0.0.1:8787", job, "t").startswith("ws://127.0.0.1:8787/api/lives/")
+    assert channel_url("http://127.0.0.1:8787", job, "t").startswith(
+        "ws://127.0.0.1:8787/api/lives/"
+    )
     own = ChatJob("j1", "r1", "wss://relay.example/ws?x=1")
-    assert channel_url("https://agentics.dk", own, "t") == "wss://relay.example/ws?x=1&jobId=j1&token=t"
+    assert (
+        channel_url("https://agentics.dk", own, "t")
+        == "wss://relay.example/ws?x=1&jobId=j1&token=t"
+    )
 
 
 async def test_backend_key_never_reaches_the_hub(

@@ -47,14 +47,20 @@ async def _exercise(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, out: i
     async with trio.open_nursery() as nursery:
         proxy: RecordingProxy = await nursery.start(RecordingProxy(port).serve)
         config = runner_config(
-            f"http://127.0.0.1:{proxy.port}", sim.url, tmp_path, verbose_frames=True,
-            heartbeat_interval=0.2, log_level="DEBUG",
+            f"http://127.0.0.1:{proxy.port}",
+            sim.url,
+            tmp_path,
+            verbose_frames=True,
+            heartbeat_interval=0.2,
+            log_level="DEBUG",
         )
         async with running(config) as runner:
             job, ch = await open_chat(hub[0])
             await ch.send(request_frame(job.id, "ok", sim={"chunks": 3}))
             await ch.send(request_frame(job.id, "fail", sim={"fault": "500"}))
-            await ch.send(request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1}))
+            await ch.send(
+                request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1})
+            )
             await ch.send({"type": "chat.models.request", "requestId": "m"})
             # a frame from the Server that carries a credential-looking field, logged verbosely
             await ch.send(request_frame(job.id, "k", sim={"chunks": 1}, api_key="sk-caller-secret"))
@@ -71,7 +77,7 @@ async def _exercise(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, out: i
     sent = proxy.received()
     assert b"chat.completion.chunk" in sent  # the recording saw the channel traffic
     assert BACKEND_KEY.encode() not in sent
-    assert ADMIN.encode() not in sent[sent.index(b"runners/jobs"):]  # used only to register
+    assert ADMIN.encode() not in sent[sent.index(b"runners/jobs") :]  # used only to register
     lines = out.getvalue()
     assert "→" in lines and "←" in lines  # verbose frames were logged
     for secret in (BACKEND_KEY, ADMIN, runner_token, "sk-caller-secret"):

@@ -18,8 +18,6 @@ SESSIONS, TURNS, CHUNKS, INTERVAL = 4, 5, 30, 0.1
 GRACE = 20.0
 
 
-
-
 @dataclass
 class Turn:
     """One turn's frames as the Server received them."""
@@ -66,12 +64,25 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
     log_path = tmp_path / "runner.log"
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
-            [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s"),
-             "--grace", str(GRACE)],
-            env=clean_env(AGENTICS_SERVER=url, CHAT_LLM_BACKEND_URL=sim.url,
-                     CHAT_LLM_BACKEND_KEY=BACKEND_KEY, CHAT_LLM_MODEL="sim-model",
-                     AGENTICS_USER_TOKEN=ADMIN),
-            stdout=log, stderr=log,
+            [
+                EXE,
+                "run",
+                "--project",
+                f"{OWNER}/{PROJECT}",
+                "--state-dir",
+                str(tmp_path / "s"),
+                "--grace",
+                str(GRACE),
+            ],
+            env=clean_env(
+                AGENTICS_SERVER=url,
+                CHAT_LLM_BACKEND_URL=sim.url,
+                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+                CHAT_LLM_MODEL="sim-model",
+                AGENTICS_USER_TOKEN=ADMIN,
+            ),
+            stdout=log,
+            stderr=log,
         )
     turns: list[Turn] = []
     ends: dict[str, list[dict[str, Any]]] = {}
@@ -98,7 +109,9 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
             with trio.fail_after(GRACE + 15):
                 code = await proc.wait()
             took = trio.current_time() - signalled
-            nursery.cancel_scope.deadline = trio.current_time() + 10  # collectors end with the channels
+            nursery.cancel_scope.deadline = (
+                trio.current_time() + 10
+            )  # collectors end with the channels
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -111,6 +124,8 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
         assert turn.text == expected
     assert all(s.completed for s in sim.streams) and len(sim.streams) == SESSIONS * TURNS
     for job in jobs:  # each session was ended by the runner, then reported exactly once
-        assert ends[job.id] == [{"type": "chat.end", "jobId": job.id, "reason": "runner shutting down"}]
+        assert ends[job.id] == [
+            {"type": "chat.end", "jobId": job.id, "reason": "runner shutting down"}
+        ]
         finals = [r for r in job.reports if r.get("status") == "completed"]
         assert len(finals) == 1 and finals[0]["conclusion"] == "success", job.reports

@@ -69,7 +69,9 @@ def tokens(frames: list[dict[str, Any]]) -> list[int]:
     return seq
 
 
-async def drive(hub: Hub, job: Any, turns: int, rng: random.Random, tally: Tally, warm_at: int) -> None:
+async def drive(
+    hub: Hub, job: Any, turns: int, rng: random.Random, tally: Tally, warm_at: int
+) -> None:
     ch: ServerChannel | None = await hub.wait_channel(job.id, 15)
     assert ch is not None
     for k in range(turns):
@@ -94,9 +96,17 @@ async def drive(hub: Hub, job: Any, turns: int, rng: random.Random, tally: Tally
                 frames.append(frame)
                 if frame["type"] in TERMINAL:
                     error = frame.get("error")
-                    outcome = "done" if error is None else "cancelled" if error == "cancelled" else "error"
+                    outcome = (
+                        "done"
+                        if error is None
+                        else "cancelled"
+                        if error == "cancelled"
+                        else "error"
+                    )
                 elif len(frames) == 1 and cancel:
-                    await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": rid})
+                    await ch.send(
+                        {"type": "chat.completion.cancel", "jobId": job.id, "requestId": rid}
+                    )
                 elif len(frames) == 1 and drop:
                     await ch.close(1011)
         seq = tokens(frames)
@@ -124,11 +134,14 @@ async def test_soak(tmp_path: Path) -> None:
     tally = Tally()
     async with open_sim() as sim, open_hub(Hub(admin_token=ADMIN)) as (hub, url):
         sim.record = False  # the simulator keeps nothing, so memory measures the runner's path
-        config = runner_config(url, sim.url, tmp_path, max_sessions=SESSIONS + 1,
-                               reconnect_window=30.0)
+        config = runner_config(
+            url, sim.url, tmp_path, max_sessions=SESSIONS + 1, reconnect_window=30.0
+        )
         async with running(config) as runner:
-            jobs = [hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
-                    for _ in range(SESSIONS)]
+            jobs = [
+                hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+                for _ in range(SESSIONS)
+            ]
             for job in jobs:
                 assert await hub.wait_channel(job.id, 20) is not None
             with trio.fail_after(10):
@@ -138,8 +151,15 @@ async def test_soak(tmp_path: Path) -> None:
             rss: dict[str, int] = {}
             async with trio.open_nursery() as nursery:
                 for job in jobs:
-                    nursery.start_soon(drive, hub, job, TURNS // SESSIONS, random.Random(rng.random()),
-                                       tally, TURNS // 5)
+                    nursery.start_soon(
+                        drive,
+                        hub,
+                        job,
+                        TURNS // SESSIONS,
+                        random.Random(rng.random()),
+                        tally,
+                        TURNS // 5,
+                    )
 
                 async def sample_warm() -> None:
                     await tally.warm.wait()
@@ -151,16 +171,20 @@ async def test_soak(tmp_path: Path) -> None:
             gc.collect()
             rss["end"] = rss_kib()
             with trio.fail_after(10):
-                await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # let cancelled turns unwind
+                await trio.testing.wait_all_tasks_blocked(
+                    cushion=0.05
+                )  # let cancelled turns unwind
             end_tasks = runner_tasks(runner)
             for job in jobs:
                 await hub.end_job(job.id, "soak over")
             with trio.fail_after(20):
                 for job in jobs:
                     await job.completed.wait()
-    print(f"\nsoak: {tally.finished} turns over {SESSIONS} sessions in {elapsed:.1f} s, "
-          f"{tally.chunks} chunks, outcomes {tally.outcomes}, RSS warm {rss['warm']} KiB -> end "
-          f"{rss['end']} KiB, runner tasks {baseline_tasks} -> {end_tasks}")
+    print(
+        f"\nsoak: {tally.finished} turns over {SESSIONS} sessions in {elapsed:.1f} s, "
+        f"{tally.chunks} chunks, outcomes {tally.outcomes}, RSS warm {rss['warm']} KiB -> end "
+        f"{rss['end']} KiB, runner tasks {baseline_tasks} -> {end_tasks}"
+    )
     assert not tally.problems, tally.problems[:10]
     assert tally.finished == TURNS // SESSIONS * SESSIONS
     assert tally.outcomes["cancelled"] > 0 and tally.outcomes["dropped"] > 0

@@ -93,15 +93,25 @@ def test_no_setting_turns_verification_off() -> None:
 # -- the command line: `alp-gateway hub --tls-cert/--tls-key`, `alp-gateway register` ----------
 
 
-
-
 @pytest.fixture
 async def hub_cli(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
     """``alp-gateway hub --tls-cert --tls-key`` on a free port: (its https URL, admin token)."""
     proc = await trio.lowlevel.open_process(
-        [EXE, "hub", "--listen", "127.0.0.1:0", "--data", str(tmp_path / "hub"),
-         "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=clean_env(),
+        [
+            EXE,
+            "hub",
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            str(tmp_path / "hub"),
+            "--tls-cert",
+            str(pki.cert),
+            "--tls-key",
+            str(pki.key),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=clean_env(),
     )
     try:
         assert proc.stdout is not None
@@ -123,11 +133,27 @@ async def hub_cli(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
             proc.kill()
 
 
-async def _register(url: str, token: str, state: Path, *extra: str) -> subprocess.CompletedProcess[bytes]:
+async def _register(
+    url: str, token: str, state: Path, *extra: str
+) -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
-        [EXE, "register", "--server", url, "--project", f"{OWNER}/{PROJECT}", "--state-dir",
-         str(state), "--user-token", token, *extra],
-        env=clean_env(), capture_stdout=True, capture_stderr=True, check=False,
+        [
+            EXE,
+            "register",
+            "--server",
+            url,
+            "--project",
+            f"{OWNER}/{PROJECT}",
+            "--state-dir",
+            str(state),
+            "--user-token",
+            token,
+            *extra,
+        ],
+        env=clean_env(),
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
     )
 
 
@@ -147,9 +173,21 @@ async def test_cli_register_without_ca_fails_naming_the_certificate(
 ) -> None:
     url, token = hub_cli
     proc = await trio.lowlevel.open_process(
-        [EXE, "register", "--server", url, "--project", f"{OWNER}/{PROJECT}", "--state-dir",
-         str(tmp_path / "s"), "--user-token", token],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
+        [
+            EXE,
+            "register",
+            "--server",
+            url,
+            "--project",
+            f"{OWNER}/{PROJECT}",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--user-token",
+            token,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=clean_env(),
     )
     assert proc.stderr is not None
     err = b""

@@ -178,7 +178,9 @@ def _abort_connection() -> bool:
     stream = _connection_stream()
     if stream is None:
         return False
-    sock = stream.socket if isinstance(stream, trio.SocketStream) else stream.transport_stream.socket
+    sock = (
+        stream.socket if isinstance(stream, trio.SocketStream) else stream.transport_stream.socket
+    )
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
@@ -993,7 +995,12 @@ class Hub:
         try:
             await handler(scope, receive, drop, owner, project, *groups)
         except _HTTPError as exc:
-            log.info("lost answer: %s %s would have failed: %s", scope["method"], scope["path"], exc.message)
+            log.info(
+                "lost answer: %s %s would have failed: %s",
+                scope["method"],
+                scope["path"],
+                exc.message,
+            )
 
     def _unstarted_claim(self, job: Job, runner_id: str) -> bool:
         """The job is claimed by ``runner_id``, which has not started it (no in_progress, no channel)."""
@@ -1023,8 +1030,7 @@ class Hub:
         listing = getattr(frontdoor, "sessions", None) if frontdoor is not None else None
         found = listing(self) if listing is not None else {}
         sessions = [
-            {"key": key[0], "session": key[1], "jobId": job_id}
-            for key, job_id in found.items()
+            {"key": key[0], "session": key[1], "jobId": job_id} for key, job_id in found.items()
         ]
         await _send_json(send, 200, {"sessions": sessions})
 
@@ -1096,7 +1102,9 @@ class Hub:
             raise _HTTPError(404, "no such job")
         if self._unstarted_claim(job, runner.id):
             # the same runner again before starting the job: it lost our answer; same runId
-            log.info("job %s claimed again by runner %s: same run %s", job.id, runner.id, job.run_id)
+            log.info(
+                "job %s claimed again by runner %s: same run %s", job.id, runner.id, job.run_id
+            )
             await _send_json(send, 200, {"runId": job.run_id})
             return
         if job.claimed_by is not None or job.status != "queued" or job.cancelled:

@@ -202,7 +202,9 @@ def _bind(hub: Hub, session: _Session, job_id: str | None) -> None:
     if job_id is None:
         hub.store.delete_session(*session.key)
     else:
-        stored = StoredSession(session.key[0], session.key[1], session.owner, session.project, job_id)
+        stored = StoredSession(
+            session.key[0], session.key[1], session.owner, session.project, job_id
+        )
         hub.store.save_session(stored)
 
 

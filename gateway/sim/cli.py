@@ -38,8 +38,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-after", type=int, default=2, help="chunks before the fault")
     parser.add_argument("--tool-calls", action="store_true", help="stream a tool call")
     parser.add_argument("--usage", action="store_true", help="always send a usage chunk")
-    parser.add_argument("--dialect", choices=sorted(DIALECTS), default="openai",
-                        help="whose streaming chunk shape to imitate (default openai)")
+    parser.add_argument(
+        "--dialect",
+        choices=sorted(DIALECTS),
+        default="openai",
+        help="whose streaming chunk shape to imitate (default openai)",
+    )
     return parser
 
 

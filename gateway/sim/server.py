@@ -443,7 +443,10 @@ def _ollama_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
             "id": f"call_{_random_alnum(8).lower()}",
             "index": 0,
             "type": "function",
-            "function": {"name": reply.tool_name, "arguments": "".join(_tool_fragments(reply.opts.chunks)) or "{}"},
+            "function": {
+                "name": reply.tool_name,
+                "arguments": "".join(_tool_fragments(reply.opts.chunks)) or "{}",
+            },
         }
         yield chunk({"role": "assistant", "content": "", "tool_calls": [call]})
         finish = "tool_calls"
@@ -505,7 +508,9 @@ def _vllm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
             yield chunk(choice({"content": text}))
         final = {"content": ""}
         finish = "stop"
-    yield chunk({"index": 0, "delta": final, "logprobs": None, "finish_reason": finish, "stop_reason": None})
+    yield chunk(
+        {"index": 0, "delta": final, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+    )
     if reply.include_usage:
         u = reply.usage()
         yield {
@@ -550,7 +555,9 @@ def _llamacpp_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
     ``usage`` follows; the last chunk carries the extra ``timings`` object.
     """
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, choices: bool = True) -> dict[str, Any]:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, choices: bool = True
+    ) -> dict[str, Any]:
         return {
             "choices": [{"finish_reason": finish, "index": 0, "delta": delta}] if choices else [],
             "created": reply.created,
@@ -567,7 +574,13 @@ def _llamacpp_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
         for i, frag in enumerate(frags):
             call: dict[str, Any] = {"index": 0}
             if i == 0:
-                call.update({"id": call_id, "type": "function", "function": {"name": reply.tool_name, "arguments": frag}})
+                call.update(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": reply.tool_name, "arguments": frag},
+                    }
+                )
             else:
                 call["function"] = {"arguments": frag}
             yield chunk({"tool_calls": [call]})
@@ -908,6 +921,7 @@ class _Connection:
         pending_fault = fault is not None
         delay = opts.ttft
         sent = 0
+
         async def event(data: bytes, tail: bytes = b"") -> None:
             """Pace, write one ``data:`` event (and ``tail``), record it, wake its waiters."""
             nonlocal delay
