@@ -585,6 +585,7 @@ class Bench:
         self.results["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         self.results["machine"] = machine()
         self.results["mode"] = "quick" if self.args.quick else "full"
+        self.results["label"] = self.args.label
         self.results["whatif_pool"] = bool(self.args.whatif_pool)
         self.results["sizes"] = self.sizes
         self.results["repeat"] = self.repeat
@@ -695,6 +696,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the runner with httpcore's pool bookkeeping made linear "
         "(bench/whatif_pool.py): what that fix is worth",
+    )
+    parser.add_argument(
+        "--label", default="", help="free text for the report's head (what is being measured)"
     )
     parser.add_argument(
         "--out", default=str(FsPath(__file__).parent / "results.json"), help="JSON output"
