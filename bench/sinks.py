@@ -397,6 +397,9 @@ class SSEClient:
     async def _connect(self) -> trio.socket.SocketType:
         if self.idle:
             return self.idle.pop()
+        return await self._new()
+
+    async def _new(self) -> trio.socket.SocketType:
         sock = _socket()
         await sock.connect((self.host, self.port))
         return sock
@@ -411,17 +414,29 @@ class SSEClient:
             + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             + f"content-length: {len(body)}\r\n\r\n"
         ).encode()
-        sock = await self._connect()
-        reusable = False
         try:
             stream.sent = clock()
-            await _send_all(sock, head + body)
-            reusable = await self._read(sock, stream)
+            for fresh in (False, True):
+                # a kept-alive connection the server closed while idle (uvicorn, LiteLLM's
+                # server, closes them after 5 s) is found closed before the response head:
+                # the request is sent again once, on a new connection
+                reused = bool(self.idle) and not fresh
+                sock = await self._connect() if not fresh else await self._new()
+                reusable = False
+                try:
+                    await _send_all(sock, head + body)
+                    reusable = await self._read(sock, stream)
+                except OSError:
+                    stream.error = "closed before the response head"
+                finally:
+                    if reusable:
+                        self.idle.append(sock)
+                    else:
+                        sock.close()
+                if not (reused and stream.error == "closed before the response head"):
+                    break
+                stream.error = None
         finally:
-            if reusable:
-                self.idle.append(sock)
-            else:
-                sock.close()
             stream.done.set()
         return stream
 
