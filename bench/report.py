@@ -117,9 +117,16 @@ def scenario_table(results: dict[str, Any], key: str) -> str | None:
         return None
     paced = any(_get(paths, n, key, "latency_ms") for n in present)
     direct_ttft = _get(paths, "direct", key, "ttft_ms", "p50")
+    head = ["path", "chunks/s", "CPU µs/chunk", "× peer", "× floor (same loop)"]
+    if paced:
+        head += ["lat p50 ms", "lat p99 ms", "p50 × peer", "p99 × peer"]
+    head += ["TTFT p50 ms", "added TTFT ms"]
     rows = []
     for name in present:
         res = paths[name][key]
+        if not res.get("chunks"):
+            rows.append([LABELS.get(name, name), "no chunk relayed", *[""] * (len(head) - 2)])
+            continue
         relays = RELAYS.get(name, [])
         own = cpu(paths, name, key)
         peer = peer_of(name)
@@ -156,10 +163,6 @@ def scenario_table(results: dict[str, Any], key: str) -> str | None:
         )
         row += [_num(ttft, 2), _num(added, 2)]
         rows.append(row)
-    head = ["path", "chunks/s", "CPU µs/chunk", "× peer", "× floor (same loop)"]
-    if paced:
-        head += ["lat p50 ms", "lat p99 ms", "p50 × peer", "p99 × peer"]
-    head += ["TTFT p50 ms", "added TTFT ms"]
     return _table(head, rows)
 
 
