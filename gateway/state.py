@@ -17,7 +17,7 @@ class StateError(RuntimeError):
 
 @dataclass(frozen=True)
 class Registration:
-    """One runner registration as the Server answered it (PROTOCOL.md §1)."""
+    """One runner registration as the Server answered it (docs/protocol.md §1)."""
 
     id: str
     name: str

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping
@@ -13,8 +12,6 @@ from dataclasses import dataclass, field
 from gateway.config import parse_listen
 
 DEFAULT_URL = "http://127.0.0.1:9464"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 P = "alp_gateway_"
 
 
@@ -32,10 +29,6 @@ def default_url(env: Mapping[str, str]) -> str:
     return DEFAULT_URL
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
 @dataclass
 class Samples:
     """Parsed text-format samples: name -> [(labels, value)]."""
@@ -44,18 +37,15 @@ class Samples:
 
     @classmethod
     def parse(cls, text: str) -> Samples:
+        """Read the text format with ``prometheus_client``'s parser (imported only here)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         samples = cls()
-        for line in text.splitlines():
-            match = _SAMPLE.match(line)
-            if match is None or line.startswith("#"):
-                continue
-            name, labels, value = match.groups()
-            parsed = {k: _unescape(v) for k, v in _LABEL.findall(labels or "")}
-            try:
-                number = float(value)
-            except ValueError:
-                continue
-            samples.by_name.setdefault(name, []).append((parsed, number))
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.by_name.setdefault(sample.name, []).append(
+                    (dict(sample.labels), float(sample.value))
+                )
         return samples
 
     def get(self, name: str, default: float = 0.0, **labels: str) -> float:

@@ -188,7 +188,7 @@ async def test_revoked_token_exits_without_user_credential(
 ) -> None:
     config = runner_config(hub[1], sim.url, tmp_path)
     first = Runner(config)
-    await first._register()
+    await first.register()
     hub[0].faults["poll"] = [401]
     runner = Runner(runner_config(hub[1], sim.url, tmp_path, user_token=None))
     try:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config, normalize_server
+from gateway.config import ConfigError, load_config, normalize_server, parse_listen
 
 
 def test_server_normalisation() -> None:
@@ -61,3 +61,13 @@ def test_secret_not_echoed(tmp_path: Path) -> None:
         load_config({}, {}, toml)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config({}, {}, tmp_path / "missing.toml")
+
+
+def test_parse_listen_is_the_one_listen_parser() -> None:
+    assert parse_listen("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_listen("[::1]:0") == ("::1", 0)
+    assert parse_listen(":9") == ("127.0.0.1", 9)
+    assert parse_listen("9464") == ("127.0.0.1", 9464)
+    for bad in ("nope", "host:http", "1:65536"):
+        with pytest.raises(ValueError):
+            parse_listen(bad)

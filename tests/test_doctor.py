@@ -38,7 +38,7 @@ async def dead_port() -> int:
 
 async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
     config = runner_config(hub[1], sim.url, tmp_path / "state")
-    reg = await Runner(config)._register()
+    reg = await Runner(config).register()
     checks = await diagnose(config, deep=True)
     text = table(checks)
     assert [c.mark for c in checks] == [OK] * len(checks), text

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from gateway.sim import SimOptions, Simulator, StreamRecord, open_sim, token_text
-from gateway.sim.cli import main, parse_listen
+from gateway.sim.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "sim-model"
@@ -392,14 +392,6 @@ async def test_raw_http10_close_delimited(sim: Simulator) -> None:
     assert head.startswith(b"HTTP/1.1 200 ")
     assert split_events(rest) == sim.streams[0].payloads
     assert sim.streams[0].completed
-
-
-def test_parse_listen() -> None:
-    assert parse_listen("127.0.0.1:8000") == ("127.0.0.1", 8000)
-    assert parse_listen("[::1]:0") == ("::1", 0)
-    assert parse_listen(":9") == ("127.0.0.1", 9)
-    with pytest.raises(ValueError):
-        parse_listen("nope")
 
 
 def test_cli_busy_port_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
