@@ -107,8 +107,9 @@ def test_snapshot_is_read_only() -> None:
     status = snapshot(counters=counters.values)
     counters.inc("chunks")
     assert status.counters["chunks"] == 1  # a copy, not a view of the runner's counters
+    frozen: Any = status
     with pytest.raises(AttributeError):
-        setattr(status, "counters", {})  # a frozen dataclass
+        frozen.counters = {}  # a frozen dataclass
     counts: Any = status.counters
     with pytest.raises(TypeError):
         counts["chunks"] = 5  # a read-only mapping
