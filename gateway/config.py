@@ -179,6 +179,7 @@ class Setting:
     metavar: str | None = None
     note: str = ""  # more lines for the example TOML file
     example: Any = None  # a value the example TOML file sets (else it shows the default)
+    sample: Any = None  # a value the example TOML file shows commented out, where no default is
     secret: bool = False
     register: bool = False  # also a flag of `alp-gateway register`
     is_flag: bool = False  # a flag without a value (``store_true``)
@@ -281,6 +282,7 @@ class Config:
         shown="$XDG_STATE_HOME/alp-gateway, else ~/.local/state/alp-gateway",
         metavar="DIR",
         register=True,
+        sample="~/.local/state/alp-gateway",
     )
     user_token: str | None = setting(
         env="AGENTICS_USER_TOKEN",
@@ -290,6 +292,7 @@ class Config:
         metavar="TOKEN",
         secret=True,
         register=True,
+        sample="…",
     )
     name: str = setting(
         env="ALP_GATEWAY_NAME",
@@ -299,6 +302,7 @@ class Config:
         group="server",
         shown="the host name",
         register=True,
+        sample="gpu-box",
     )
     labels: tuple[str, ...] = setting(
         ("self-hosted", "linux"),
@@ -318,6 +322,7 @@ class Config:
         shown="system CAs only",
         metavar="PEM",
         register=True,
+        sample="/etc/ssl/private-ca.pem",
     )
     # == polling, sessions and the chat channel
     poll_interval: float = setting(
@@ -418,6 +423,7 @@ class Config:
         group="logs",
         shown="off",
         metavar="[HOST:]PORT",
+        sample="127.0.0.1:9464",
     )
     # == models and backends
     model: str | None = setting(
@@ -474,6 +480,7 @@ class Config:
         group="models",
         metavar="URL",
         note="It comes before the [[backend]] tables.",
+        sample="http://127.0.0.1:11434/v1",
     )
     backend_key: str | None = setting(
         env="CHAT_LLM_BACKEND_KEY",
@@ -482,6 +489,7 @@ class Config:
         group="models",
         metavar="KEY",
         secret=True,
+        sample="…",
     )
     # -- not settings of their own: the [[backend]] and [aliases] tables, and where server came from
     server_explicit: bool = False
