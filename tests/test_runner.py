@@ -75,7 +75,7 @@ async def test_models_request_answered_during_a_generation(
     assert turns.last("m1")["models"] == ["sim-model"]
     assert not turns.finished("long")
     await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "long"})
-    await turns.until("long")
+    await turns.until("long", errors={"long"})
     assert turns.last("long") == {
         "type": "chat.completion.error",
         "jobId": job.id,
@@ -144,7 +144,7 @@ async def test_backend_errors_become_error_frames(
     await ch.send(request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1}))
     await ch.send(request_frame(job.id, "ok", sim={"chunks": 2}))
     turns = Turns(ch)
-    await turns.until("e500", "bad", "cut", "ok")
+    await turns.until("e500", "bad", "cut", "ok", errors={"e500", "bad", "cut"})
     assert turns.last("e500")["error"].startswith("backend returned 500: ")
     assert "malformed" in turns.last("bad")["error"]
     assert "broke" in turns.last("cut")["error"]
@@ -170,7 +170,7 @@ async def test_unreachable_backend_names_url_not_key(hub: tuple[Hub, str], tmp_p
             backend_scope.cancel()  # the backend dies after the session opened
             await ch.send(request_frame(job.id, "x"))
             turns = Turns(ch)
-            await turns.until("x")
+            await turns.until("x", errors={"x"})
             error = turns.last("x")["error"]
             assert url in error and BACKEND_KEY not in error
 
@@ -193,7 +193,7 @@ async def test_bad_frames_leave_the_channel_up(
     )
     await ch.send(request_frame(job.id, "good", sim={"chunks": 2}))
     turns = Turns(ch)
-    await turns.until("nobody", "foreign", "good")
+    await turns.until("nobody", "foreign", "good", errors={"nobody", "foreign"})
     assert turns.last("nobody")["type"] == "chat.completion.error"
     assert turns.last("foreign")["type"] == "chat.completion.error"
     assert turns.last("good")["type"] == "chat.completion.done"
@@ -360,7 +360,7 @@ async def test_backend_key_never_reaches_the_hub(
     await ch.send(request_frame(job.id, "b", sim={"fault": "500"}))
     await ch.send({"type": "chat.models.request", "requestId": "m"})
     turns = Turns(ch)
-    await turns.until("a", "b", "m")
+    await turns.until("a", "b", "m", errors={"b"})
     seen = json.dumps([t for fr in turns.frames.values() for _, t, _ in fr])
     seen += json.dumps(job.reports) + json.dumps(job.progress)
     assert BACKEND_KEY not in seen
