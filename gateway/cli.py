@@ -55,7 +55,8 @@ def _add_settings(parser: argparse.ArgumentParser, *, register_only: bool = Fals
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="alp-gateway",
-        description="A chat-llm:v1 Runner for the ALP platform: relays chat turns to a local model server.",
+        description="A chat-llm:v1 Runner for the ALP platform: "
+        "relays chat turns to a local model server.",
     )
     parser.add_argument("--version", action="version", version=f"alp-gateway {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -171,8 +172,9 @@ def _run(config: Config) -> int:
 
     if not config.backends:
         return _fail(
-            "no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. http://127.0.0.1:11434/v1, "
-            "or [[backend]] tables in --config; `alp-gateway doctor` looks for local model servers"
+            "no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. "
+            "http://127.0.0.1:11434/v1, or [[backend]] tables in --config; "
+            "`alp-gateway doctor` looks for local model servers"
         )
     runner = Runner(config)
 

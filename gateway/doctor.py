@@ -278,7 +278,10 @@ class Doctor:
                     f"check the key of {where} (key / key_env; CHAT_LLM_BACKEND_KEY for --backend)"
                 )
             else:
-                hint = f"is the model server running at {backend.url}? start it, or fix the url of {where}"
+                hint = (
+                    f"is the model server running at {backend.url}? "
+                    f"start it, or fix the url of {where}"
+                )
             self.add(FAIL, name, f"{backend.url}: {reason}", hint)
             return
         listed: list[str] | None = None
@@ -294,7 +297,8 @@ class Doctor:
                 self.add(
                     OK,
                     name,
-                    f"{backend.url} reachable; models (declared): {', '.join(backend.declared_models)}",
+                    f"{backend.url} reachable; "
+                    f"models (declared): {', '.join(backend.declared_models)}",
                 )
             else:
                 self.add(

@@ -45,6 +45,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "polls": ("polls", "Polls for jobs, successful or not."),
     "poll_errors": ("poll_errors", "Polls that failed (Server unreachable, timed out or 5xx)."),
     "heartbeats": ("heartbeats", "Progress heartbeats the Server accepted."),
+    "registration_errors": (
+        "registration_errors",
+        "Registration attempts that failed on an unreachable or failing Server (retried).",
+    ),
 }
 _TURNS = {"turns_done": "done", "turns_error": "error", "turns_cancelled": "cancelled"}
 _HISTOGRAM_HELP = {

@@ -148,7 +148,8 @@ class Runner:
         if not config.user_token:
             raise RunnerExit(
                 f"no saved registration for {config.project} on {config.server}: run "
-                "`alp-gateway register` or give a user credential (--user-token or AGENTICS_USER_TOKEN)",
+                "`alp-gateway register` or give a user credential "
+                "(--user-token or AGENTICS_USER_TOKEN)",
                 2,
             )
         return await self.register()
@@ -174,6 +175,7 @@ class Runner:
                     if isinstance(exc, CertificateRefused):
                         raise RunnerExit(str(exc), 2) from None
                     failures += 1
+                    self.counters.inc("registration_errors")
                     delay = backoff_delay(failures, 1.0, 30.0)
                     log.warning("registration: %s; retrying in %.1f s", exc, delay)
                     with trio.move_on_after(delay):

@@ -129,7 +129,8 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
         f"polls       {_n(s.get('polls_total'))}, {_n(s.get('poll_errors_total'))} failed{last}"
     )
     lines.append(
-        f"channels    {_n(s.get('reconnects_total'))} redials, {_n(s.get('heartbeats_total'))} heartbeats"
+        f"channels    {_n(s.get('reconnects_total'))} redials, "
+        f"{_n(s.get('heartbeats_total'))} heartbeats"
     )
     for name, title in (("ttft_seconds", "first token"), ("relay_seconds", "relay")):
         p50, p95 = s.quantile(name, 0.5), s.quantile(name, 0.95)
@@ -148,7 +149,8 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
         waiting = s.get("backend_waiting", backend=name)
         head = "backends    " if i == 0 else " " * 12
         lines.append(
-            f"{head}{name:<10} {'up' if up else 'DOWN':<5} {_n(in_flight)} in flight, {_n(waiting)} waiting"
+            f"{head}{name:<10} {'up' if up else 'DOWN':<5} "
+            f"{_n(in_flight)} in flight, {_n(waiting)} waiting"
             f"  {labels.get('url', '')}"
         )
     return "\n".join(lines)

@@ -158,9 +158,8 @@ async def test_run_serves_then_sigterm_drains(
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
             proc.send_signal(signal.SIGTERM)
-            proc.send_signal(
-                signal.SIGTERM
-            )  # an echo (as a binary's launcher forwards it): still graceful
+            # an echo (as a binary's launcher forwards it): still graceful
+            proc.send_signal(signal.SIGTERM)
             turns = Turns(ch)
             with trio.fail_after(15):
                 while not turns.other:

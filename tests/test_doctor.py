@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, runner_config
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config
 
 from gateway import doctor
 from gateway.config import BackendSpec
@@ -168,9 +167,7 @@ async def test_no_backend_points_at_a_local_server(
 
 
 async def test_cli_exit_codes(tmp_path: Path) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
+    env = clean_env()
     port = await dead_port()
     bad = await trio.run_process(
         [

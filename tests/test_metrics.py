@@ -308,6 +308,10 @@ async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
 
 
 def test_samples_parser_reads_what_render_writes() -> None:
-    text = 'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n# HELP x y\nalp_gateway_chunks_total 7\n'
+    text = (
+        'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n'
+        "# HELP x y\n"
+        "alp_gateway_chunks_total 7\n"
+    )
     samples = Samples.parse(text)
     assert samples.get("backend_up", backend='a "b"') == 1 and samples.get("chunks_total") == 7

@@ -71,7 +71,7 @@ async def test_models_request_answered_during_a_generation(
     await ch.send(request_frame(job.id, "long", sim={"chunks": 50, "interval": 0.1}))
     await ch.send({"type": "chat.models.request", "jobId": job.id, "requestId": "m1"})
     turns = Turns(ch)
-    await turns.until("m1", within=4)
+    await turns.until("m1")
     assert turns.last("m1")["models"] == ["sim-model"]
     assert not turns.finished("long")
     await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "long"})
@@ -95,9 +95,9 @@ async def test_chat_end_mid_generation_closes_backend_and_reports_success(
     stream = await sim.wait_for_streams(1)
     await stream.wait_sent(1)
     await ch.send({"type": "chat.end", "reason": "user left"})
-    with trio.fail_after(3):
+    with trio.fail_after(15):
         await stream.finished.wait()
-    assert stream.client_closed
+    assert stream.client_closed and not stream.completed  # cut, not run to its end
     with trio.fail_after(5):
         await job.completed.wait()
     finals = [r for r in job.reports if r.get("status") == "completed"]
@@ -248,13 +248,14 @@ async def test_foreign_job_never_claimed(
     assert other.claimed_by is None
 
 
-async def test_push_event_opens_a_session_quickly(
-    hub: tuple[Hub, str], sim: Simulator, runner: Runner
+async def test_push_event_opens_a_session_without_waiting_for_a_poll(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
-    # poll_interval is 10 s: only the runners/events push can make this fast
-    start = trio.current_time()
-    await open_chat(hub[0], within=3)
-    assert trio.current_time() - start < 1.0
+    # polls an hour apart: only the runners/events push can open the session within the test
+    async with running(runner_config(hub[1], sim.url, tmp_path, poll_interval=3600)) as r:
+        polls = r.counters.get("polls")
+        job, _ = await open_chat(hub[0], within=30)
+        assert job.claimed_by is not None and r.counters.get("polls") > polls
 
 
 async def test_short_polling_without_events(sim: Simulator, tmp_path: Path) -> None:
@@ -321,7 +322,8 @@ async def test_server_down_at_start_then_up(sim: Simulator, tmp_path: Path) -> N
     r = Runner(config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(r.run)  # keeps retrying registration while nobody listens
-        await trio.sleep(0.5)  # let it fail a few times (not synchronisation: the point is "down")
+        with trio.fail_after(30):
+            await r.counters.wait("registration_errors", 2)
         async with open_hub(Hub(admin_token=ADMIN), port=port) as (hub, _):
             job, ch = await open_chat(hub, within=15)
             await ch.send(request_frame(job.id, "r", sim={"chunks": 1}))
