@@ -42,6 +42,15 @@ class HistogramStatus:
     sum: float
     count: int
 
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding quantile ``q`` (inf: above every bound)."""
+        if self.count == 0:
+            return None
+        for bound, cumulative in zip(self.bounds, self.cumulative, strict=True):
+            if cumulative >= q * self.count:
+                return bound
+        return float("inf")
+
     @classmethod
     def of(cls, hist: Histogram) -> HistogramStatus:
         running, cumulative = 0, []

@@ -315,3 +315,26 @@ def test_samples_parser_reads_what_render_writes() -> None:
     )
     samples = Samples.parse(text)
     assert samples.get("backend_up", backend='a "b"') == 1 and samples.get("chunks_total") == 7
+
+
+def test_status_reads_back_the_snapshot_that_metrics_rendered() -> None:
+    hist = Histogram()
+    for seconds in (0.002, 0.3, 40.0):
+        hist.observe(seconds)
+    sent = snapshot(
+        sessions_open=2,
+        backends=[BackendStatus("gpu", "http://10.0.0.2:8000/v1", up=False, in_flight=1)],
+        counters={"turns_done": 3, "turns_error": 1, "chunks": 70, "pings_sent": 4},
+        histograms={"ttft_seconds": HistogramStatus.of(hist)},
+    )
+    back = Samples.parse(render(sent)).snapshot()
+    assert back.sessions_open == 2 and back.max_sessions == sent.max_sessions
+    assert back.last_poll_age == sent.last_poll_age and back.version == sent.version
+    assert [(b.name, b.url, b.up, b.in_flight) for b in back.backends] == [
+        ("gpu", "http://10.0.0.2:8000/v1", False, 1)
+    ]
+    # every counter comes back, a new one (pings_sent) included
+    assert {k: v for k, v in back.counters.items() if v} == sent.counters
+    assert back.histograms["ttft_seconds"] == sent.histograms["ttft_seconds"]
+    assert back.histograms["ttft_seconds"].quantile(0.5) == 0.5
+    assert back.histograms["ttft_seconds"].quantile(0.99) == float("inf")

@@ -19,6 +19,7 @@ from helpers import (
     running,
 )
 
+from gateway.alp import AlpClient
 from gateway.hub import Hub, open_hub
 from gateway.runner import ChatJob, Runner, backoff_delay, channel_url
 from gateway.sim import Simulator, serve_sim
@@ -368,3 +369,40 @@ async def test_backend_key_never_reaches_the_hub(
     assert BACKEND_KEY not in seen
     assert all(BACKEND_KEY not in line for line in logs.lines)  # type: ignore[attr-defined]
     assert all(ADMIN not in line for line in logs.lines)  # type: ignore[attr-defined]
+
+
+async def test_events_stream_is_closed_by_its_block_when_the_consumer_is_cancelled() -> None:
+    closed = trio.Event()
+
+    async def server(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)  # the request head
+        event = b'event: job_available\ndata: {"jobId": "j1"}\n\n'
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(event), event)
+        )
+        try:
+            while await stream.receive_some(65536):  # the stream stays open from this side
+                pass
+        except trio.BrokenResourceError:
+            pass
+        closed.set()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, server, 0)
+        port = listeners[0].socket.getsockname()[1]
+        client = AlpClient(f"http://127.0.0.1:{port}", OWNER, PROJECT)
+        seen = []
+        with trio.CancelScope() as consumer:
+            async with client.events() as job_ids:
+                async for job_id in job_ids:
+                    seen.append(job_id)
+                    consumer.cancel()  # the consumer goes away mid-stream
+                    await trio.sleep_forever()
+        assert seen == ["j1"]
+        # `job_ids` is still referenced here: only the block can have closed the stream
+        with trio.fail_after(10):
+            await closed.wait()
+        assert job_ids is not None
+        await client.aclose()
+        nursery.cancel_scope.cancel()
