@@ -1,10 +1,11 @@
-"""The ALP REST client (PROTOCOL.md §1–3): register, poll, claim, status, progress, report, events."""
+"""The ALP REST client (docs/protocol.md §1–§4): register, poll, claim, status, progress, report, events."""
 
 from __future__ import annotations
 
 import logging
 import ssl
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,7 @@ class AlpClient:
             raise Refused(f"progress: Server answered {resp.status_code}", resp.status_code)
 
     async def report(self, run_id: str, job_id: str, conclusion: str, logs: str) -> None:
-        """The one final report of a job (PROTOCOL.md §3)."""
+        """The one final report of a job (docs/protocol.md §3)."""
         await self.set_status(
             run_id,
             job_id,
@@ -233,14 +234,16 @@ class AlpClient:
             },
         )
 
-    async def events(self) -> AsyncIterator[str]:
-        """``GET {base}/runners/events``: yields the jobId of every ``job_available`` event."""
+    @asynccontextmanager
+    async def events(self) -> AsyncIterator[AsyncIterator[str]]:
+        """``GET {base}/runners/events``, open for the length of the block: it gives an iterator of
+        the jobId of every ``job_available`` event. The stream is closed when the block exits,
+        however it exits (a cancelled consumer included), never left to the garbage collector."""
         url = f"{self.base}/runners/events"
         timeout = httpx.Timeout(10.0, read=60.0)  # the Server sends a keepalive every 15 s
+        headers = {**self._auth(), "accept": "text/event-stream"}
         try:
-            async with self._client.stream(
-                "GET", url, headers={**self._auth(), "accept": "text/event-stream"}, timeout=timeout
-            ) as resp:
+            async with self._client.stream("GET", url, headers=headers, timeout=timeout) as resp:
                 if resp.status_code in (404, 405):
                     raise EventsUnavailable(f"{url}: {resp.status_code}")
                 if resp.status_code in (401, 403):
@@ -249,13 +252,21 @@ class AlpClient:
                     )
                 if not resp.is_success:
                     raise ServerUnavailable(f"GET {url}: Server answered {resp.status_code}")
-                splitter = SSESplitter()
-                async for raw in resp.aiter_raw():
-                    for payload in splitter.feed(raw):
-                        try:
-                            job_id = msgspec.json.decode(payload).get("jobId")
-                        except (msgspec.DecodeError, AttributeError):
-                            job_id = None
-                        yield job_id if isinstance(job_id, str) else ""
+                yield _job_ids(resp, url)
         except httpx.HTTPError as exc:
             raise ServerUnavailable(f"GET {url}: {describe_error(exc)}") from None
+
+
+async def _job_ids(resp: httpx.Response, url: str) -> AsyncIterator[str]:
+    """The jobIds in an open events stream ("" for an event without one)."""
+    splitter = SSESplitter()
+    try:
+        async for raw in resp.aiter_raw():
+            for payload in splitter.feed(raw):
+                try:
+                    job_id = msgspec.json.decode(payload).get("jobId")
+                except (msgspec.DecodeError, AttributeError):
+                    job_id = None
+                yield job_id if isinstance(job_id, str) else ""
+    except httpx.HTTPError as exc:
+        raise ServerUnavailable(f"GET {url}: {describe_error(exc)}") from None

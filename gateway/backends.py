@@ -154,6 +154,16 @@ class Backend:
     def knows_models(self) -> bool:
         return bool(self.models)
 
+    def headers(self) -> dict[str, str]:
+        """The headers of a completion request to this backend (its key included, if any)."""
+        return dict(self._headers)
+
+    def mark(self, reason: str | None, models: Sequence[str] | None = None) -> None:
+        """Record a check made elsewhere (doctor): down for ``reason`` (None: up), models as listed."""
+        self.up, self.down_reason = reason is None, reason
+        if models is not None:
+            self.discovered_models = tuple(models)
+
     async def aclose(self) -> None:
         await self.client.aclose()
 

@@ -13,104 +13,61 @@ from typing import Any
 import trio
 
 from gateway import __version__
-from gateway.config import SETTINGS, ConfigError, load_config
+from gateway.config import SETTINGS, Config, ConfigError, Setting, load_config
 from gateway.observe import setup_logging
 from gateway.state import StateError
 
 log = logging.getLogger("gateway")
 
-_FLAG_HELP = {
-    "server": "ALP Server URL or host (env AGENTICS_SERVER; default agentics.dk)",
-    "project": "OWNER/PROJECT the runner serves",
-    "state_dir": "where the registration is kept (env ALP_GATEWAY_STATE_DIR)",
-    "backend": "backend base URL including /v1 (env CHAT_LLM_BACKEND_URL)",
-    "backend_key": "backend API key (env CHAT_LLM_BACKEND_KEY); never leaves this machine",
-    "model": "default model when a turn names none (env CHAT_LLM_MODEL)",
-    "user_token": "user credential used only to register (env AGENTICS_USER_TOKEN)",
-    "name": "runner name (default: host name)",
-    "labels": "comma-separated runner labels",
-    "poll_interval": "seconds between polls (default 10)",
-    "max_sessions": "concurrent chat sessions (default 64)",
-    "reconnect_window": "seconds to keep redialling a dropped channel (default 60)",
-    "grace": "seconds in-flight turns get at shutdown (default 30)",
-    "heartbeat_interval": "seconds between progress heartbeats (default 20)",
-    "idle_timeout": "seconds a backend may stay silent mid-answer (default 600)",
-    "connect_timeout": "seconds for a connect or handshake (default 10)",
-    "models_cache": "seconds a backend's model list is cached (default 30)",
-    "max_frame_size": "largest accepted channel frame in bytes (default 16 MiB)",
-    "ca_file": "extra CA certificate (PEM) to trust for the Server",
-    "log_format": "text or json",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "metrics_listen": "serve /healthz and /metrics on [HOST:]PORT (env ALP_GATEWAY_METRICS_LISTEN; "
-    "off by default; a bare port binds 127.0.0.1)",
-    "verbose_frames": "log every channel frame, cut short and with credentials redacted",
-    "allowed_models": "comma-separated allowlist of model ids (default: every model)",
-    "health_interval": "seconds between backend health probes (default 30)",
-    "models_refresh": "seconds between backend model-list refreshes (default 300)",
-}
-_FLOATS = {
-    "poll_interval",
-    "reconnect_window",
-    "grace",
-    "heartbeat_interval",
-    "idle_timeout",
-    "connect_timeout",
-    "models_cache",
-    "health_interval",
-    "models_refresh",
-}
-_INTS = {"max_sessions", "max_frame_size"}
-_BOOLS = {"verbose_frames"}
-_REGISTER_FLAGS = (
-    "server",
-    "project",
-    "state_dir",
-    "user_token",
-    "name",
-    "labels",
-    "ca_file",
-    "log_format",
-    "log_level",
-)
+
+def flag_help(setting: Setting) -> str:
+    """A flag's help: what it does, its environment names and its default (all from the table)."""
+    env = " or ".join(setting.env)
+    return f"{setting.help} (env {env}; default {setting.default_text})".replace("%", "%%")
 
 
-def _add_settings(parser: argparse.ArgumentParser, keys: Sequence[str]) -> None:
+def _add_settings(parser: argparse.ArgumentParser, *, register_only: bool = False) -> None:
+    """One flag per setting, straight from ``SETTINGS``; the value is parsed once, by the
+    setting's own ``parse`` in ``load_config`` (so a flag, a variable and a TOML key agree)."""
     parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
     for setting in SETTINGS:
-        if setting.key not in keys:
+        if register_only and not setting.register:
             continue
-        flag = "--" + setting.key.replace("_", "-")
-        if setting.key in _BOOLS:
+        if setting.is_flag:
             parser.add_argument(
-                flag,
+                setting.flag,
                 dest=setting.key,
                 action="store_const",
                 const=True,
                 default=None,
-                help=_FLAG_HELP.get(setting.key),
+                help=flag_help(setting),
             )
-            continue
-        kind: Any = float if setting.key in _FLOATS else int if setting.key in _INTS else str
-        parser.add_argument(
-            flag, dest=setting.key, type=kind, default=None, help=_FLAG_HELP.get(setting.key)
-        )
+        else:
+            parser.add_argument(
+                setting.flag,
+                dest=setting.key,
+                default=None,
+                metavar=setting.metavar or setting.key.upper(),
+                help=flag_help(setting),
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="alp-gateway",
-        description="A chat-llm:v1 Runner for the ALP platform: relays chat turns to a local model server.",
+        description="A chat-llm:v1 Runner for the ALP platform: "
+        "relays chat turns to a local model server.",
     )
     parser.add_argument("--version", action="version", version=f"alp-gateway {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="poll the Server and serve chat sessions")
-    _add_settings(run, [s.key for s in SETTINGS])
+    _add_settings(run)
     register = sub.add_parser("register", help="register this runner with the Server")
-    _add_settings(register, _REGISTER_FLAGS)
+    _add_settings(register, register_only=True)
     doctor = sub.add_parser(
         "doctor", help="check config, state file, Server and backends; say how to fix"
     )
-    _add_settings(doctor, [s.key for s in SETTINGS])
+    _add_settings(doctor)
     doctor.add_argument(
         "--deep",
         action="store_true",
@@ -139,9 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_from(args: argparse.Namespace) -> Any:
-    flags = {s.key: getattr(args, s.key, None) for s in SETTINGS}
-    return load_config(flags, os.environ, args.config)
+def setting_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line (None where a flag was not given)."""
+    return {s.key: getattr(args, s.key, None) for s in SETTINGS}
+
+
+def _config_from(args: argparse.Namespace) -> Config:
+    return load_config(setting_flags(args), os.environ, args.config)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -192,29 +153,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _register(config: Any) -> int:
+def _register(config: Config) -> int:
     from gateway.runner import Runner, RunnerExit
 
     if not config.user_token:
         return _fail("registering needs a user credential: --user-token or AGENTICS_USER_TOKEN")
     runner = Runner(config)
     try:
-        reg = trio.run(runner._register)
+        reg = trio.run(runner.register)
     except RunnerExit as exc:
         return _fail(str(exc), exc.code)
     print(f"registered runner {reg.name} ({reg.id}) for {reg.key}; saved in {runner.store.path}")
     return 0
 
 
-def _run(config: Any) -> int:
+def _run(config: Config) -> int:
     from gateway.runner import Runner, RunnerExit
 
-    runner = Runner(config)
-    if not runner.pool.available:
+    if not config.backends:
         return _fail(
-            "no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. http://127.0.0.1:11434/v1, "
-            "or [[backend]] tables in --config; `alp-gateway doctor` looks for local model servers"
+            "no backend: give --backend URL (or CHAT_LLM_BACKEND_URL), e.g. "
+            "http://127.0.0.1:11434/v1, or [[backend]] tables in --config; "
+            "`alp-gateway doctor` looks for local model servers"
         )
+    runner = Runner(config)
 
     fatal: list[RunnerExit | StateError] = []
 
@@ -231,7 +193,7 @@ def _run(config: Any) -> int:
                     finally:
                         nursery.cancel_scope.cancel()
 
-            nursery.start_soon(runner.watch_signals, stop)
+            await nursery.start(runner.watch_signals, stop)
             nursery.start_soon(serve)
         return 130 if stop.cancel_called else 0
 

@@ -1,15 +1,25 @@
-"""One validated ``Config`` from flags > environment > TOML file > defaults: pure, no I/O beyond reading the file."""
+"""Every setting declared once, and one validated ``Config`` from flags > environment > TOML > defaults.
+
+Each runner setting is one field of ``Config`` made with ``setting(...)``: its type, default,
+validation, environment names, help text and place in the docs. The command line flags
+(``gateway.cli``), the environment and TOML readers (``load_config``) and the documentation
+(``gateway.settings_doc``: the README table and ``config/alp-gateway.example.toml``) all come from
+``SETTINGS``, which is read off those fields. Pure: no I/O beyond reading the TOML file.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
+
+import msgspec
 
 DEFAULT_SERVER = "agentics.dk"
 MiB = 1024 * 1024
@@ -34,9 +44,16 @@ def normalize_server(value: str) -> str:
     return value
 
 
+STATE_DIR_ENV = "ALP_GATEWAY_STATE_DIR"
+
+
 def default_state_dir(env: Mapping[str, str]) -> Path:
+    """The one state-directory rule (runner and hub): ``$ALP_GATEWAY_STATE_DIR``, else
+    ``$XDG_STATE_HOME/alp-gateway``, else ``~/.local/state/alp-gateway``."""
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV]).expanduser()
     base = env.get("XDG_STATE_HOME")
-    root = Path(base) if base else Path.home() / ".local" / "state"
+    root = Path(base).expanduser() if base else Path.home() / ".local" / "state"
     return root / "alp-gateway"
 
 
@@ -101,7 +118,8 @@ def _bool(value: Any) -> bool:
 
 
 def parse_listen(value: Any) -> tuple[str, int]:
-    """``HOST:PORT``, ``[v6]:PORT`` or a bare ``PORT`` (loopback: ``9464`` = ``127.0.0.1:9464``)."""
+    """``HOST:PORT``, ``[v6]:PORT``, ``:PORT`` or a bare ``PORT`` (loopback: ``9464`` =
+    ``127.0.0.1:9464``): the one listen-address parser (runner, hub and simulator)."""
     text = str(value).strip()
     host, sep, port_text = text.rpartition(":")
     if not sep:
@@ -117,55 +135,100 @@ def _str(value: Any) -> str:
     return str(value)
 
 
+def _path(value: Any) -> Path:
+    return Path(str(value)).expanduser()
+
+
+def _upper(value: Any) -> str:
+    return str(value).upper()
+
+
 def _model_list(value: Any) -> tuple[str, ...]:
     """A list of model ids (TOML list or comma-separated text); duplicates dropped."""
     items = _labels(value)
     return tuple(dict.fromkeys(items))
 
 
+# -- the settings table ---------------------------------------------------------------------
+
+GROUPS = {
+    "server": "The ALP Server and the project this runner serves",
+    "sessions": "Polling, sessions and the chat channel",
+    "logs": "Logs and metrics",
+    "models": "Models and backends",
+}
+
+
 @dataclass(frozen=True)
 class Setting:
-    key: str  # TOML key and attribute name; the flag is --key-with-dashes
+    """One runner setting: everything the flags, readers and docs need to know about it.
+
+    ``key`` is the ``Config`` attribute and the TOML key; the flag is ``--key-with-dashes``.
+    ``parse`` converts and validates a value from any source (flag text, environment text or a
+    TOML value) and raises ValueError with a short reason. ``default`` is the ``Config`` field's
+    default (None when it has none or a computed one); ``shown`` describes a default in words.
+    """
+
+    key: str
     env: tuple[str, ...]
     parse: Callable[[Any], Any]
+    help: str
+    group: str
     default: Any = None
+    shown: str | None = None  # the default in words, where it is not a plain value
+    metavar: str | None = None
+    note: str = ""  # more lines for the example TOML file
+    example: Any = None  # a value the example TOML file sets (else it shows the default)
+    sample: Any = None  # a value the example TOML file shows commented out, where no default is
     secret: bool = False
+    register: bool = False  # also a flag of `alp-gateway register`
+    is_flag: bool = False  # a flag without a value (``store_true``)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def default_text(self) -> str:
+        """The default as the help, the README and the example file say it."""
+        if self.shown is not None:
+            return self.shown
+        return show_value(self.default)
 
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("server", ("AGENTICS_SERVER",), normalize_server, DEFAULT_SERVER),
-    Setting("project", ("ALP_PROJECT", "AGENTICS_PROJECT"), _project),
-    Setting("state_dir", ("ALP_GATEWAY_STATE_DIR",), lambda v: Path(str(v)).expanduser()),
-    Setting("backend", ("CHAT_LLM_BACKEND_URL",), _url),
-    Setting("backend_key", ("CHAT_LLM_BACKEND_KEY",), _str, secret=True),
-    Setting("model", ("CHAT_LLM_MODEL",), _str),
-    Setting("user_token", ("AGENTICS_USER_TOKEN",), _str, secret=True),
-    Setting("name", ("ALP_GATEWAY_NAME",), _str),
-    Setting("labels", ("ALP_GATEWAY_LABELS",), _labels, ("self-hosted", "linux")),
-    Setting("poll_interval", ("ALP_GATEWAY_POLL_INTERVAL",), _positive_float, 10.0),
-    Setting("max_sessions", ("ALP_GATEWAY_MAX_SESSIONS",), _positive_int, 64),
-    Setting("reconnect_window", ("ALP_GATEWAY_RECONNECT_WINDOW",), _positive_float, 60.0),
-    Setting("grace", ("ALP_GATEWAY_GRACE",), _positive_float, 30.0),
-    Setting("heartbeat_interval", ("ALP_GATEWAY_HEARTBEAT",), _positive_float, 20.0),
-    Setting("idle_timeout", ("ALP_GATEWAY_IDLE_TIMEOUT",), _positive_float, 600.0),
-    Setting("connect_timeout", ("ALP_GATEWAY_CONNECT_TIMEOUT",), _positive_float, 10.0),
-    Setting("models_cache", ("ALP_GATEWAY_MODELS_CACHE",), _positive_float, 30.0),
-    Setting("max_frame_size", ("ALP_GATEWAY_MAX_FRAME_SIZE",), _positive_int, 16 * MiB),
-    Setting("ca_file", ("ALP_GATEWAY_CA_FILE",), lambda v: Path(str(v)).expanduser()),
-    Setting("log_format", ("ALP_GATEWAY_LOG_FORMAT",), _log_format, "text"),
-    Setting("log_level", ("ALP_GATEWAY_LOG_LEVEL",), lambda v: str(v).upper(), "INFO"),
-    Setting("metrics_listen", ("ALP_GATEWAY_METRICS_LISTEN",), parse_listen),
-    Setting("verbose_frames", ("ALP_GATEWAY_VERBOSE_FRAMES",), _bool, False),
-    Setting("allowed_models", ("ALP_GATEWAY_ALLOWED_MODELS",), _model_list, ()),
-    Setting("health_interval", ("ALP_GATEWAY_HEALTH_INTERVAL",), _positive_float, 30.0),
-    Setting("models_refresh", ("ALP_GATEWAY_MODELS_REFRESH",), _positive_float, 300.0),
-)
-_BY_KEY = {s.key: s for s in SETTINGS}
+def show_value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (tuple, list)):
+        return ", ".join(str(v) for v in value) or "none"
+    return str(value)
+
+
+def setting(
+    default: Any = None,
+    *,
+    env: str | tuple[str, ...],
+    parse: Callable[[Any], Any],
+    help: str,
+    group: str,
+    factory: Callable[[], Any] | None = None,
+    **more: Any,
+) -> Any:
+    """A ``Config`` field that is a setting (``more``: the other ``Setting`` attributes)."""
+    envs = (env,) if isinstance(env, str) else env
+    meta = {"setting": dict(env=envs, parse=parse, help=help, group=group, **more)}
+    shown_in_repr = not more.get("secret", False)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta, repr=shown_in_repr)
+    return field(default=default, metadata=meta, repr=shown_in_repr)
 
 
 DEFAULT_BACKEND = "default"
 DEFAULT_QUEUE = 16
-_BACKEND_KEYS = ("name", "url", "key", "key_env", "models", "max_concurrency", "queue")
 
 
 @dataclass(frozen=True)
@@ -183,41 +246,255 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class Config:
-    """Everything the Runner needs to know, validated once at start.
+    """Everything the Runner needs to know, validated once at start; one field per setting.
 
     ``backends`` lists every backend, the ``--backend`` shortcut (named "default") first;
     it is kept in step with ``backend``/``backend_key`` whenever a Config is built.
     """
 
-    server: str = "https://agentics.dk"
+    # == the Server and the project
+    server: str = setting(
+        "https://agentics.dk",
+        env="AGENTICS_SERVER",
+        parse=normalize_server,
+        help="the ALP Server: a URL or a bare host (localhost gets http://, other hosts https://)",
+        group="server",
+        shown=DEFAULT_SERVER,
+        metavar="URL",
+        register=True,
+        example=DEFAULT_SERVER,
+    )
+    project: str | None = setting(
+        env=("ALP_PROJECT", "AGENTICS_PROJECT"),
+        parse=_project,
+        help="OWNER/PROJECT the runner registers with and serves",
+        group="server",
+        metavar="OWNER/PROJECT",
+        register=True,
+        example="acme/chat",
+    )
+    state_dir: Path = setting(
+        env=STATE_DIR_ENV,
+        parse=_path,
+        factory=lambda: default_state_dir(os.environ),
+        help="where the registration (runner id and token) is kept, readable by the owner only",
+        group="server",
+        shown="$XDG_STATE_HOME/alp-gateway, else ~/.local/state/alp-gateway",
+        metavar="DIR",
+        register=True,
+        sample="~/.local/state/alp-gateway",
+    )
+    user_token: str | None = setting(
+        env="AGENTICS_USER_TOKEN",
+        parse=_str,
+        help="a user credential, used only to register the runner; keep it out of files",
+        group="server",
+        metavar="TOKEN",
+        secret=True,
+        register=True,
+        sample="…",
+    )
+    name: str = setting(
+        env="ALP_GATEWAY_NAME",
+        parse=_str,
+        factory=socket.gethostname,
+        help="the runner's name on the Server",
+        group="server",
+        shown="the host name",
+        register=True,
+        sample="gpu-box",
+    )
+    labels: tuple[str, ...] = setting(
+        ("self-hosted", "linux"),
+        env="ALP_GATEWAY_LABELS",
+        parse=_labels,
+        help="the runner's labels (comma-separated in a flag or the environment)",
+        group="server",
+        metavar="A,B",
+        register=True,
+        example=("self-hosted", "linux", "gpu"),
+    )
+    ca_file: Path | None = setting(
+        env="ALP_GATEWAY_CA_FILE",
+        parse=_path,
+        help="a CA certificate (PEM) to trust for the Server besides the system's",
+        group="server",
+        shown="system CAs only",
+        metavar="PEM",
+        register=True,
+        sample="/etc/ssl/private-ca.pem",
+    )
+    # == polling, sessions and the chat channel
+    poll_interval: float = setting(
+        10.0,
+        env="ALP_GATEWAY_POLL_INTERVAL",
+        parse=_positive_float,
+        help="seconds between polls for jobs (push events make this mostly moot)",
+        group="sessions",
+        metavar="S",
+    )
+    max_sessions: int = setting(
+        64,
+        env="ALP_GATEWAY_MAX_SESSIONS",
+        parse=_positive_int,
+        help="chat sessions served at once; at the limit chat-llm:v1 is no longer advertised",
+        group="sessions",
+        metavar="N",
+    )
+    reconnect_window: float = setting(
+        60.0,
+        env="ALP_GATEWAY_RECONNECT_WINDOW",
+        parse=_positive_float,
+        help="seconds to keep redialling a dropped chat channel before the job is reported failed",
+        group="sessions",
+        metavar="S",
+    )
+    grace: float = setting(
+        30.0,
+        env="ALP_GATEWAY_GRACE",
+        parse=_positive_float,
+        help="seconds in-flight turns get to finish at shutdown (a second signal stops at once)",
+        group="sessions",
+        metavar="S",
+    )
+    heartbeat_interval: float = setting(
+        20.0,
+        env="ALP_GATEWAY_HEARTBEAT",
+        parse=_positive_float,
+        help="seconds between progress heartbeats (the Server deems a runner gone after 60 s)",
+        group="sessions",
+        metavar="S",
+    )
+    connect_timeout: float = setting(
+        10.0,
+        env="ALP_GATEWAY_CONNECT_TIMEOUT",
+        parse=_positive_float,
+        help="seconds for a connect or handshake (Server, channel, backend)",
+        group="sessions",
+        metavar="S",
+    )
+    idle_timeout: float = setting(
+        600.0,
+        env="ALP_GATEWAY_IDLE_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a backend may stay silent mid-answer (never a limit on the whole answer)",
+        group="sessions",
+        metavar="S",
+    )
+    max_frame_size: int = setting(
+        16 * MiB,
+        env="ALP_GATEWAY_MAX_FRAME_SIZE",
+        parse=_positive_int,
+        help="largest channel frame accepted from the Server, in bytes",
+        group="sessions",
+        metavar="BYTES",
+    )
+    # == logs and metrics
+    log_format: str = setting(
+        "text",
+        env="ALP_GATEWAY_LOG_FORMAT",
+        parse=_log_format,
+        help="text or json",
+        group="logs",
+        metavar="FORMAT",
+        register=True,
+    )
+    log_level: str = setting(
+        "INFO",
+        env="ALP_GATEWAY_LOG_LEVEL",
+        parse=_upper,
+        help="DEBUG, INFO, WARNING or ERROR",
+        group="logs",
+        metavar="LEVEL",
+        register=True,
+    )
+    verbose_frames: bool = setting(
+        False,
+        env="ALP_GATEWAY_VERBOSE_FRAMES",
+        parse=_bool,
+        help="log every channel frame, cut short and with credentials redacted",
+        group="logs",
+        is_flag=True,
+    )
+    metrics_listen: tuple[str, int] | None = setting(
+        env="ALP_GATEWAY_METRICS_LISTEN",
+        parse=parse_listen,
+        help="serve /healthz, /livez and /metrics on [HOST:]PORT (a bare port binds 127.0.0.1)",
+        group="logs",
+        shown="off",
+        metavar="[HOST:]PORT",
+        sample="127.0.0.1:9464",
+    )
+    # == models and backends
+    model: str | None = setting(
+        env="CHAT_LLM_MODEL",
+        parse=_str,
+        help="the model a turn gets when neither its frame nor its body names one",
+        group="models",
+        shown="the body's model",
+        metavar="ID",
+        example="qwen2.5:7b",
+    )
+    allowed_models: tuple[str, ...] = setting(
+        (),
+        env="ALP_GATEWAY_ALLOWED_MODELS",
+        parse=_model_list,
+        help="only these models may be used (caller or local names; comma-separated in a flag)",
+        group="models",
+        shown="every model",
+        metavar="A,B",
+        note="Enforced on every turn (a refused turn never reaches a backend) and on "
+        "chat.models.response.",
+        example=("qwen2.5:7b", "llama3.2:3b", "gpt-4o-mini"),
+    )
+    health_interval: float = setting(
+        30.0,
+        env="ALP_GATEWAY_HEALTH_INTERVAL",
+        parse=_positive_float,
+        help="seconds between health probes (GET {url}/models) of each backend",
+        group="models",
+        metavar="S",
+        note="A turn that cannot connect triggers a probe at once. A backend that fails is skipped "
+        "until it answers again; while no backend is up chat-llm:v1 is not advertised.",
+    )
+    models_refresh: float = setting(
+        300.0,
+        env="ALP_GATEWAY_MODELS_REFRESH",
+        parse=_positive_float,
+        help="seconds between refreshes of the model lists of backends that declare none",
+        group="models",
+        metavar="S",
+    )
+    models_cache: float = setting(
+        30.0,
+        env="ALP_GATEWAY_MODELS_CACHE",
+        parse=_positive_float,
+        help="seconds a chat.models.request may be answered from the cached model lists",
+        group="models",
+        metavar="S",
+    )
+    backend: str | None = setting(
+        env="CHAT_LLM_BACKEND_URL",
+        parse=_url,
+        help="one-backend shortcut: its base URL including /v1 (a backend named default)",
+        group="models",
+        metavar="URL",
+        note="It comes before the [[backend]] tables.",
+        sample="http://127.0.0.1:11434/v1",
+    )
+    backend_key: str | None = setting(
+        env="CHAT_LLM_BACKEND_KEY",
+        parse=_str,
+        help="the API key of --backend; it never leaves this machine",
+        group="models",
+        metavar="KEY",
+        secret=True,
+        sample="…",
+    )
+    # -- not settings of their own: the [[backend]] and [aliases] tables, and where server came from
     server_explicit: bool = False
-    project: str | None = None
-    state_dir: Path = field(default_factory=lambda: default_state_dir(os.environ))
-    backend: str | None = None
-    backend_key: str | None = field(default=None, repr=False)
-    model: str | None = None
-    user_token: str | None = field(default=None, repr=False)
-    name: str = field(default_factory=socket.gethostname)
-    labels: tuple[str, ...] = ("self-hosted", "linux")
-    poll_interval: float = 10.0
-    max_sessions: int = 64
-    reconnect_window: float = 60.0
-    grace: float = 30.0
-    heartbeat_interval: float = 20.0
-    idle_timeout: float = 600.0
-    connect_timeout: float = 10.0
-    models_cache: float = 30.0
-    max_frame_size: int = 16 * MiB
-    ca_file: Path | None = None
-    log_format: str = "text"
-    log_level: str = "INFO"
-    metrics_listen: tuple[str, int] | None = None  # health and metrics HTTP server; off when None
-    verbose_frames: bool = False
     backends: tuple[BackendSpec, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict, hash=False)
-    allowed_models: tuple[str, ...] = ()
-    health_interval: float = 30.0
-    models_refresh: float = 300.0
 
     def __post_init__(self) -> None:
         declared = [b for b in self.backends if not b.shortcut]
@@ -253,11 +530,66 @@ class Config:
 
     @property
     def base_url(self) -> str:
-        """``{server}/api/owners/{owner}/projects/{project}`` (PROTOCOL.md)."""
+        """``{server}/api/owners/{owner}/projects/{project}`` (docs/protocol.md §1)."""
         return f"{self.server}/api/owners/{self.owner}/projects/{self.project_name}"
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def _settings() -> tuple[Setting, ...]:
+    out = []
+    for f in fields(Config):
+        meta = f.metadata.get("setting")
+        if meta is not None:
+            default = None if f.default is MISSING else f.default
+            out.append(Setting(key=f.name, default=default, **meta))
+    return tuple(out)
+
+
+SETTINGS: tuple[Setting, ...] = _settings()
+_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+# -- the TOML file ----------------------------------------------------------------------------
+
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class BackendTable(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One ``[[backend]]`` table as written in the file (checked by msgspec, then by ``_spec``)."""
+
+    url: str
+    name: _NonEmpty | None = None
+    key: str | None = None
+    key_env: _NonEmpty | None = None
+    models: list[_NonEmpty] | None = None
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    queue: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_QUEUE
+
+
+_BACKEND_KEYS = tuple(BackendTable.__struct_fields__)
+_BACKEND_HINTS = {
+    "url": 'url must be an http(s) URL such as "http://127.0.0.1:11434/v1"',
+    "name": "name must be a non-empty string",
+    "key": "key must be a string",
+    "key_env": "key_env must name an environment variable",
+    "models": 'models must be a list of model ids, e.g. ["qwen2.5:7b"]',
+    "max_concurrency": "max_concurrency must be a whole number ≥ 1 (leave it out for no limit)",
+    "queue": "queue must be a whole number ≥ 0",
+}
+_TABLES = ("[[backend]]", "[aliases]")
+_AT = re.compile(r" - at `\$\.?([A-Za-z_]*)[^`]*`$")
+
+
+@dataclass(frozen=True)
+class FileSettings:
+    """What a TOML file holds: plain settings by key, the ``[[backend]]`` and ``[aliases]`` tables."""
+
+    values: dict[str, Any]
+    backends: tuple[BackendTable, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def read_toml(path: Path) -> FileSettings:
+    """Read and check ``path``: an unknown key or table is an error naming the file and the key."""
     try:
         with path.open("rb") as f:
             data = tomllib.load(f)
@@ -267,29 +599,100 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
-    flat: dict[str, Any] = {}
+    where = f"config file {path}"
+    values: dict[str, Any] = {}
+    backends: tuple[BackendTable, ...] = ()
+    aliases: dict[str, str] = {}
     for key, value in data.items():
         norm = key.replace("-", "_")
         if norm == "backend" and not isinstance(value, str):
             if not isinstance(value, list):
                 raise ConfigError(
-                    f"config file {path}: write backends as [[backend]] tables (an array), not [backend]"
+                    f"{where}: write backends as [[backend]] tables (an array), not [backend]"
                 )
-            flat["_backend_tables"] = value
-            continue
-        if norm == "aliases":
-            if not isinstance(value, dict):
-                raise ConfigError(
-                    f'config file {path}: aliases must be a table: [aliases] then "name" = "local-model"'
-                )
-            flat["_aliases"] = value
-            continue
-        if norm not in _BY_KEY:
-            if isinstance(value, (dict, list)):  # tables of later features ([[backend]], ...)
-                continue
-            raise ConfigError(f"config file {path}: unknown setting {key!r}")
-        flat[norm] = value
-    return flat
+            backends = tuple(_backend_table(where, n, t) for n, t in enumerate(value, 1))
+        elif norm == "aliases":
+            aliases = _aliases(value, where)
+        elif norm in _BY_KEY:
+            values[norm] = value
+        elif isinstance(value, dict):
+            raise ConfigError(
+                f"{where}: unknown table [{key}] (known tables: {', '.join(_TABLES)})"
+            )
+        else:
+            raise ConfigError(f"{where}: unknown setting {key!r}")
+    return FileSettings(values, backends, aliases)
+
+
+def _backend_table(where: str, number: int, table: Any) -> BackendTable:
+    label = f"{where}: [[backend]] #{number}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{label} is not a table")
+    if isinstance(table.get("name"), str) and table["name"].strip():
+        label = f"{where}: backend {table['name'].strip()!r}"
+    try:
+        return msgspec.convert(table, BackendTable)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if text.startswith("Object missing required field `url`"):
+            problem = 'missing url, e.g. url = "http://127.0.0.1:11434/v1"'
+        elif text.startswith("Object contains unknown field"):
+            unknown = sorted(set(table) - set(_BACKEND_KEYS))
+            problem = f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(_BACKEND_KEYS)})"
+        else:
+            at = _AT.search(text)
+            problem = _BACKEND_HINTS.get(at.group(1), text) if at else text
+        raise ConfigError(f"{label}: {problem}") from None
+
+
+def _aliases(table: Any, where: str) -> dict[str, str]:
+    """``[aliases]``: caller's model name -> local model name, one level deep."""
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f'{where}: aliases must be a table: [aliases] then "name" = "local-model"'
+        )
+    aliases: dict[str, str] = {}
+    for name, target in table.items():
+        try:
+            aliases[name] = msgspec.convert(target, _NonEmpty).strip()
+        except msgspec.ValidationError:
+            aliases[name] = ""
+        if not aliases[name]:
+            raise ConfigError(
+                f'{where}: alias {name!r} must name a local model, e.g. "{name}" = "qwen2.5:7b"'
+            )
+    for name, target in aliases.items():
+        if target in aliases and target != name:
+            raise ConfigError(
+                f"{where}: alias {name!r} points to {target!r}, which is an alias too: "
+                "point it at the local model name"
+            )
+    return aliases
+
+
+def _spec(table: BackendTable, number: int, env: Mapping[str, str], where: str) -> BackendSpec:
+    """A ``[[backend]]`` table as a ``BackendSpec``; a key_env is read from ``env`` here, once."""
+    name = (table.name or f"backend-{number}").strip()
+    label = f"{where}: backend {name!r}"
+    try:
+        url = _url(table.url)
+    except ValueError as exc:
+        raise ConfigError(f"{label}: url {table.url!r}: {exc}") from None
+    if table.key is not None and table.key_env is not None:
+        raise ConfigError(f"{label}: give key or key_env, not both")
+    key = table.key or None
+    if table.key_env is not None:
+        key = env.get(table.key_env) or None
+        if key is None:
+            raise ConfigError(
+                f"{label}: key_env names {table.key_env}, which is not set (or empty) in the "
+                "environment"
+            )
+    models = tuple(dict.fromkeys(m.strip() for m in table.models or ()))
+    return BackendSpec(name, url, key, models, table.max_concurrency, table.queue)
+
+
+# -- merging ----------------------------------------------------------------------------------
 
 
 def load_config(
@@ -298,119 +701,33 @@ def load_config(
     config_file: Path | None = None,
 ) -> Config:
     """Merge ``flags`` (None = not given) > ``env`` > TOML file > defaults and validate."""
-    file_values = read_toml(config_file) if config_file else {}
+    file = read_toml(config_file) if config_file else FileSettings({})
     values: dict[str, Any] = {}
-    for setting in SETTINGS:
+    for s in SETTINGS:
         raw: Any = None
         source = ""
-        if flags.get(setting.key) is not None:
-            raw, source = flags[setting.key], "--" + setting.key.replace("_", "-")
+        if flags.get(s.key) is not None:
+            raw, source = flags[s.key], s.flag
         else:
-            for name in setting.env:
+            for name in s.env:
                 if env.get(name):
                     raw, source = env[name], name
                     break
             else:
-                if setting.key in file_values:
-                    raw, source = file_values[setting.key], f"{setting.key} in {config_file}"
+                if s.key in file.values:
+                    raw, source = file.values[s.key], f"{s.key} in {config_file}"
         if raw is None:
-            if setting.default is not None:
-                values[setting.key] = setting.parse(setting.default)
-            continue
+            continue  # the Config field's default
         try:
-            values[setting.key] = setting.parse(raw)
+            values[s.key] = s.parse(raw)
         except (ValueError, TypeError) as exc:
-            shown = "(hidden)" if setting.secret else repr(raw)
+            shown = "(hidden)" if s.secret else repr(raw)
             raise ConfigError(f"{source}: invalid value {shown}: {exc}") from None
-        if setting.key == "server":
-            values["server_explicit"] = True
-    if "state_dir" not in values:
-        values["state_dir"] = default_state_dir(env)
+    values["server_explicit"] = "server" in values
+    values.setdefault("state_dir", default_state_dir(env))
     where = f"config file {config_file}" if config_file else "config"
-    values["backends"] = _backend_specs(file_values.get("_backend_tables", []), env, where)
-    values["aliases"] = _aliases(file_values.get("_aliases", {}), where)
+    values["backends"] = tuple(
+        _spec(table, n, env, where) for n, table in enumerate(file.backends, 1)
+    )
+    values["aliases"] = file.aliases
     return Config(**values)
-
-
-def _backend_specs(
-    tables: list[Any], env: Mapping[str, str], where: str
-) -> tuple[BackendSpec, ...]:
-    """Validate the ``[[backend]]`` tables; a key_env is read from ``env`` here, once."""
-    specs: list[BackendSpec] = []
-    for number, table in enumerate(tables, 1):
-        if not isinstance(table, dict):
-            raise ConfigError(f"{where}: [[backend]] #{number} is not a table")
-        name = table.get("name", f"backend-{number}")
-        label = f"{where}: [[backend]] #{number}"
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"{label}: name must be a non-empty string")
-        name = name.strip()
-        label = f"{where}: backend {name!r}"
-        unknown = sorted(set(table) - set(_BACKEND_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"{label}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(_BACKEND_KEYS)})"
-            )
-        if "url" not in table:
-            raise ConfigError(f'{label}: missing url, e.g. url = "http://127.0.0.1:11434/v1"')
-        try:
-            url = _url(table["url"])
-        except ValueError as exc:
-            raise ConfigError(f"{label}: url {table['url']!r}: {exc}") from None
-        if "key" in table and "key_env" in table:
-            raise ConfigError(f"{label}: give key or key_env, not both")
-        key: str | None = None
-        if "key" in table:
-            if not isinstance(table["key"], str):
-                raise ConfigError(f"{label}: key must be a string")
-            key = table["key"] or None
-        elif "key_env" in table:
-            var = table["key_env"]
-            if not isinstance(var, str) or not var:
-                raise ConfigError(f"{label}: key_env must name an environment variable")
-            key = env.get(var) or None
-            if key is None:
-                raise ConfigError(
-                    f"{label}: key_env names {var}, which is not set (or empty) in the environment"
-                )
-        models: tuple[str, ...] = ()
-        if "models" in table:
-            raw = table["models"]
-            if not isinstance(raw, list) or not all(isinstance(m, str) and m.strip() for m in raw):
-                raise ConfigError(
-                    f'{label}: models must be a list of model ids, e.g. ["qwen2.5:7b"]'
-                )
-            models = tuple(dict.fromkeys(m.strip() for m in raw))
-        max_concurrency: int | None = None
-        if "max_concurrency" in table:
-            raw = table["max_concurrency"]
-            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-                raise ConfigError(
-                    f"{label}: max_concurrency must be a whole number ≥ 1 (leave it out for no limit)"
-                )
-            max_concurrency = raw
-        queue = DEFAULT_QUEUE
-        if "queue" in table:
-            raw = table["queue"]
-            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-                raise ConfigError(f"{label}: queue must be a whole number ≥ 0")
-            queue = raw
-        specs.append(BackendSpec(name, url, key, models, max_concurrency, queue))
-    return tuple(specs)
-
-
-def _aliases(table: Mapping[str, Any], where: str) -> dict[str, str]:
-    """Validate ``[aliases]``: caller's model name -> local model name, one level deep."""
-    aliases: dict[str, str] = {}
-    for name, target in table.items():
-        if not isinstance(target, str) or not target.strip():
-            raise ConfigError(
-                f'{where}: alias {name!r} must name a local model, e.g. "{name}" = "qwen2.5:7b"'
-            )
-        aliases[name] = target.strip()
-    for name, target in aliases.items():
-        if target in aliases and target != name:
-            raise ConfigError(
-                f"{where}: alias {name!r} points to {target!r}, which is an alias too: point it at the local model name"
-            )
-    return aliases

@@ -18,7 +18,9 @@ import trio
 
 from gateway.alp import AlpClient, Refused, ServerUnavailable, TokenRefused, make_ssl_context
 from gateway.backends import Backend, BackendPool, discover_local
-from gateway.config import SETTINGS, Config, ConfigError, load_config
+from gateway.config import Config, ConfigError, load_config
+from gateway.observe import Redactor
+from gateway.snapshot import BackendStatus
 from gateway.state import Registration, StateError, StateStore
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"
@@ -40,13 +42,6 @@ class Check:
         return self.mark == FAIL
 
 
-def _redact(text: str, secrets: Sequence[str | None]) -> str:
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "[redacted]")
-    return text
-
-
 def _cut(text: str, limit: int = _BODY_LIMIT) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "…"
@@ -66,12 +61,12 @@ class Doctor:
         self.deep = deep
         self.probe_timeout = probe_timeout
         self.checks: list[Check] = []
-        self.secrets = [config.user_token, config.backend_key, *(b.key for b in config.backends)]
+        self.redact = Redactor(
+            [config.user_token, config.backend_key, *(b.key for b in config.backends)], limit=None
+        )
 
     def add(self, mark: str, name: str, detail: str, hint: str | None = None) -> Check:
-        check = Check(
-            mark, name, _redact(detail, self.secrets), _redact(hint, self.secrets) if hint else None
-        )
+        check = Check(mark, name, self.redact(detail), self.redact(hint) if hint else None)
         self.checks.append(check)
         return check
 
@@ -276,15 +271,17 @@ class Doctor:
             else f"[[backend]] {backend.name}"
         )
         reason = await backend.check()
-        backend.up = reason is None
-        backend.down_reason = reason
+        backend.mark(reason)
         if reason is not None:
             if "key" in reason:
                 hint = (
                     f"check the key of {where} (key / key_env; CHAT_LLM_BACKEND_KEY for --backend)"
                 )
             else:
-                hint = f"is the model server running at {backend.url}? start it, or fix the url of {where}"
+                hint = (
+                    f"is the model server running at {backend.url}? "
+                    f"start it, or fix the url of {where}"
+                )
             self.add(FAIL, name, f"{backend.url}: {reason}", hint)
             return
         listed: list[str] | None = None
@@ -300,7 +297,8 @@ class Doctor:
                 self.add(
                     OK,
                     name,
-                    f"{backend.url} reachable; models (declared): {', '.join(backend.declared_models)}",
+                    f"{backend.url} reachable; "
+                    f"models (declared): {', '.join(backend.declared_models)}",
                 )
             else:
                 self.add(
@@ -310,7 +308,7 @@ class Doctor:
                     f'declare them: models = ["…"] in {where}',
                 )
         else:
-            backend.discovered_models = tuple(listed)
+            backend.mark(None, listed)
             missing = [m for m in backend.declared_models if m not in listed]
             shown = ", ".join(listed) or "none"
             if missing:
@@ -356,10 +354,7 @@ class Doctor:
                 "stream": False,
             }
         )
-        headers = {"content-type": "application/json"}
-        key = next((s.key for s in self.config.backends if s.name == backend.name), None)
-        if key:
-            headers["authorization"] = f"Bearer {key}"
+        headers = {**backend.headers(), "accept": "application/json"}
         start = time.perf_counter()
         try:
             resp = await backend.client.post(
@@ -400,7 +395,8 @@ class Doctor:
     def check_models(self, pool: BackendPool) -> None:
         config = self.config
         servable = pool.servable()
-        if not any(b.up for b in pool.backends):
+        states = [BackendStatus.of(b) for b in pool.backends]
+        if not any(b.up for b in states):
             self.add(
                 FAIL,
                 "models",
@@ -408,7 +404,7 @@ class Doctor:
                 "start a backend (see the lines above)",
             )
             return
-        known = any(b.knows_models for b in pool.backends)
+        known = any(b.models for b in states)
         if not known:
             self.add(
                 WARN,
@@ -424,7 +420,7 @@ class Doctor:
                 f"{config.model} is not served by any backend that is up",
                 f"set --model (CHAT_LLM_MODEL) to one of: {', '.join(servable) or '(none)'}",
             )
-        local = {m for b in pool.backends if b.up for m in b.models}
+        local = {m for b in states if b.up for m in b.models}
         dangling = [f"{a} → {t}" for a, t in config.aliases.items() if t not in local]
         if dangling:
             self.add(
@@ -514,5 +510,8 @@ def run_doctor(
 
 def main(args: argparse.Namespace) -> int:
     """The ``doctor`` subcommand (flags as for ``run``, plus ``--deep``)."""
-    flags = {s.key: getattr(args, s.key, None) for s in SETTINGS}
-    return run_doctor(flags, os.environ, args.config, deep=bool(getattr(args, "deep", False)))
+    from gateway.cli import setting_flags
+
+    return run_doctor(
+        setting_flags(args), os.environ, args.config, deep=bool(getattr(args, "deep", False))
+    )

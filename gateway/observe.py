@@ -125,9 +125,10 @@ _TOKEN_QUERY = re.compile(r"(?i)([?&]token=)[^&\s\"']+")
 
 
 class Redactor:
-    """Makes text safe to log: known secrets, bearer tokens and credential fields masked, long text cut."""
+    """Makes text safe to show: known secrets, bearer tokens and credential fields masked, long
+    text cut (``limit`` None: never cut). The one redactor: logs, frame logs and doctor use it."""
 
-    def __init__(self, secrets: list[str | None], limit: int = 240) -> None:
+    def __init__(self, secrets: list[str | None], limit: int | None = 240) -> None:
         self.secrets = [s for s in secrets if s and len(s) >= 4]
         self.limit = limit
 
@@ -137,7 +138,7 @@ class Redactor:
         for secret in self.secrets:
             text = text.replace(secret, "[redacted]")
         size = len(text)
-        if size > self.limit:
+        if self.limit is not None and size > self.limit:
             text = text[: self.limit] + f"…({size} chars)"
         text = _BEARER.sub(r"\1[redacted]", text)
         text = _TOKEN_QUERY.sub(r"\1[redacted]", text)

@@ -1,4 +1,4 @@
-"""Chat Channel frames (PROTOCOL.md §4, §6): typed, decoded and encoded without I/O.
+"""Chat Channel frames (docs/protocol.md §4, §6): typed, decoded and encoded without I/O.
 
 Inbound frames are decoded with msgspec straight into small Structs; the
 ``body`` of a completion request stays a ``msgspec.Raw`` so it is forwarded

@@ -29,16 +29,17 @@ from gateway.alp import (
 from gateway.backends import BackendPool
 from gateway.channel import Channel, ChannelEnd
 from gateway.config import Config
-from gateway.metrics import open_metrics
+from gateway.metrics import MetricsServer, open_metrics
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.protocol import CAPABILITY
+from gateway.signals import watch_signals
+from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 from gateway.state import Registration, StateError, StateStore
 
 log = logging.getLogger("gateway.runner")
 
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
-SIGNAL_ECHO = 0.5  # s: the same signal again this soon is one signal delivered twice
 
 
 class RunnerExit(Exception):
@@ -91,16 +92,14 @@ def _job_channel_url(job: dict[str, Any]) -> str | None:
 class Runner:
     """Polls the Server, claims Kind B jobs, and serves each as a session in its own task."""
 
-    def __init__(self, config: Config, *, pool: BackendPool | None = None) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
         self.ssl_context = make_ssl_context(config.ca_file)
         self.store = StateStore(config.state_dir)
-        if pool is None:
-            # a backend going down or coming back changes the capabilities: poll at once
-            pool = BackendPool.from_config(
-                config, ssl_context=self.ssl_context, on_change=lambda: self._wake.set()
-            )
-        self.pool = pool
+        # a backend going down or coming back changes the capabilities: poll at once
+        self.pool = BackendPool.from_config(
+            config, ssl_context=self.ssl_context, on_change=lambda: self._wake.set()
+        )
         self.registration: Registration | None = None
         self.alp: AlpClient | None = None
         self.sessions: dict[str, ChatJob] = {}
@@ -112,6 +111,23 @@ class Runner:
         self.last_poll_error: str | None = None
         self.first_poll = trio.Event()
         self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
+        self.metrics: MetricsServer | None = None  # bound in run() when --metrics-listen is given
+        self._sessions_nursery: trio.Nursery | None = None  # open while run() polls
+
+    def status(self) -> RunnerStatus:
+        """The read-only snapshot every reader (metrics, /healthz, doctor) takes of the runner."""
+        age = None if self.last_poll_ok is None else trio.current_time() - self.last_poll_ok
+        return RunnerStatus(
+            max_sessions=self.config.max_sessions,
+            poll_interval=self.config.poll_interval,
+            sessions_open=len(self.sessions),
+            shutting_down=self.shutdown.is_set(),
+            last_poll_age=age,
+            last_poll_error=self.last_poll_error,
+            backends=tuple(BackendStatus.of(b) for b in self.pool.backends),
+            counters=self.counters.values,
+            histograms={k: HistogramStatus.of(h) for k, h in self.histograms.items()},
+        )
 
     # -- registration --------------------------------------------------------------------
 
@@ -132,12 +148,14 @@ class Runner:
         if not config.user_token:
             raise RunnerExit(
                 f"no saved registration for {config.project} on {config.server}: run "
-                "`alp-gateway register` or give a user credential (--user-token or AGENTICS_USER_TOKEN)",
+                "`alp-gateway register` or give a user credential "
+                "(--user-token or AGENTICS_USER_TOKEN)",
                 2,
             )
-        return await self._register()
+        return await self.register()
 
-    async def _register(self) -> Registration:
+    async def register(self) -> Registration:
+        """Register with the user credential (retried while the Server is unavailable) and save it."""
         config = self.config
         assert config.project and config.user_token
         client = AlpClient(
@@ -157,6 +175,7 @@ class Runner:
                     if isinstance(exc, CertificateRefused):
                         raise RunnerExit(str(exc), 2) from None
                     failures += 1
+                    self.counters.inc("registration_errors")
                     delay = backoff_delay(failures, 1.0, 30.0)
                     log.warning("registration: %s; retrying in %.1f s", exc, delay)
                     with trio.move_on_after(delay):
@@ -194,9 +213,14 @@ class Runner:
         )
         fatal: RunnerExit | StateError | None = None
         try:
-            self.metrics = await open_metrics(
-                self
-            )  # None unless --metrics-listen; binds now or fails
+            if self.config.metrics_listen is not None:  # binds now: a busy port fails the start
+                host, port = self.config.metrics_listen
+                try:
+                    self.metrics = await open_metrics(host, port, self.status)
+                except OSError as exc:
+                    raise RunnerExit(
+                        f"--metrics-listen {host}:{port}: {exc.strerror or exc}", 2
+                    ) from None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._events_loop)
                 await nursery.start(self.pool.run)  # models discovered, backends probed: then poll
@@ -219,30 +243,27 @@ class Runner:
             raise fatal
         log.info("runner stopped")
 
-    async def watch_signals(self, done: trio.CancelScope) -> None:
-        """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once.
+    async def watch_signals(
+        self,
+        done: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once (``gateway.signals``)."""
 
-        The same signal again within half a second counts as the first one: a frozen
-        binary's launcher forwards a signal its process group also received, so a single
-        `kill -TERM -PGID` (or systemd's default KillMode) arrives twice."""
-        first: tuple[int, float] | None = None
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                now = trio.current_time()
-                if first is None:
-                    first = (signum, now)
-                    log.info(
-                        "%s: shutting down (in-flight turns get up to %.0f s; signal again to stop now)",
-                        signal.Signals(signum).name,
-                        self.config.grace,
-                    )
-                    self.begin_shutdown()
-                elif signum == first[0] and now - first[1] < SIGNAL_ECHO:
-                    continue
-                else:
-                    log.warning("second signal: stopping now")
-                    done.cancel()
-                    return
+        def first(signum: int) -> None:
+            log.info(
+                "%s: shutting down (in-flight turns get up to %.0f s; signal again to stop now)",
+                signal.Signals(signum).name,
+                self.config.grace,
+            )
+            self.begin_shutdown()
+
+        def again(signum: int) -> None:
+            log.warning("second signal: stopping now")
+            done.cancel()
+
+        await watch_signals(first, again, task_status=task_status)
 
     def _frame_log(self) -> Redactor | None:
         if not self.config.verbose_frames:
@@ -306,7 +327,7 @@ class Runner:
                 3,
             )
         log.warning("%s: registering again with the user credential", message)
-        self.registration = await self._register()
+        self.registration = await self.register()
         assert self.alp is not None
         self.alp.token = self.registration.token
 
@@ -330,6 +351,7 @@ class Runner:
                 continue
             chat = ChatJob(job_id, run_id, _job_channel_url(job))
             self.sessions[job_id] = chat
+            assert self._sessions_nursery is not None  # _consider runs inside run()'s nursery
             self._sessions_nursery.start_soon(self._session, chat)
 
     async def _claim(self, job_id: str) -> str | None:
@@ -348,9 +370,10 @@ class Runner:
         failures = 0
         while True:
             try:
-                async for _job_id in self.alp.events():
-                    failures = 0
-                    self._wake.set()
+                async with self.alp.events() as job_ids:
+                    async for _job_id in job_ids:
+                        failures = 0
+                        self._wake.set()
                 log.debug("events stream ended; resubscribing")
             except EventsUnavailable:
                 log.info(

@@ -17,7 +17,7 @@ class StateError(RuntimeError):
 
 @dataclass(frozen=True)
 class Registration:
-    """One runner registration as the Server answered it (PROTOCOL.md §1)."""
+    """One runner registration as the Server answered it (docs/protocol.md §1)."""
 
     id: str
     name: str
@@ -32,7 +32,10 @@ class Registration:
         return f"{self.owner}/{self.project}"
 
     def __repr__(self) -> str:  # the token never reaches a log line through repr()
-        return f"Registration(id={self.id!r}, name={self.name!r}, server={self.server!r}, project={self.key!r})"
+        return (
+            f"Registration(id={self.id!r}, name={self.name!r}, server={self.server!r}, "
+            f"project={self.key!r})"
+        )
 
 
 def _check_private(path: Path, want: int) -> None:

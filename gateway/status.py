@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.config import parse_listen
+from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 
 DEFAULT_URL = "http://127.0.0.1:9464"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 P = "alp_gateway_"
 
 
@@ -32,10 +30,6 @@ def default_url(env: Mapping[str, str]) -> str:
     return DEFAULT_URL
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
 @dataclass
 class Samples:
     """Parsed text-format samples: name -> [(labels, value)]."""
@@ -44,18 +38,15 @@ class Samples:
 
     @classmethod
     def parse(cls, text: str) -> Samples:
+        """Read the text format with ``prometheus_client``'s parser (imported only here)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         samples = cls()
-        for line in text.splitlines():
-            match = _SAMPLE.match(line)
-            if match is None or line.startswith("#"):
-                continue
-            name, labels, value = match.groups()
-            parsed = {k: _unescape(v) for k, v in _LABEL.findall(labels or "")}
-            try:
-                number = float(value)
-            except ValueError:
-                continue
-            samples.by_name.setdefault(name, []).append((parsed, number))
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.by_name.setdefault(sample.name, []).append(
+                    (dict(sample.labels), float(sample.value))
+                )
         return samples
 
     def get(self, name: str, default: float = 0.0, **labels: str) -> float:
@@ -67,18 +58,52 @@ class Samples:
     def rows(self, name: str) -> list[tuple[dict[str, str], float]]:
         return self.by_name.get(P + name, [])
 
-    def quantile(self, name: str, q: float) -> tuple[float, int] | None:
-        """The upper bound of the bucket holding quantile ``q``, and the count; None when empty."""
-        buckets = sorted(
-            (float(labels["le"]), v) for labels, v in self.rows(name + "_bucket") if "le" in labels
+    def snapshot(self) -> RunnerStatus:
+        """The runner's ``RunnerStatus`` as /metrics shows it (what ``summary`` reads).
+
+        Only what /metrics carries: ``poll_interval`` and ``last_poll_error`` are not in it."""
+        counters: dict[str, int] = {}
+        for name, rows in self.by_name.items():
+            if name.startswith(P) and name.endswith("_total"):
+                key = name[len(P) : -len("_total")]
+                for labels, value in rows:
+                    full = f"{key}_{labels['outcome']}" if "outcome" in labels else key
+                    counters[full] = int(value)
+        histograms = {}
+        for name in self.by_name:
+            if name.startswith(P) and name.endswith("_bucket"):
+                key = name[len(P) : -len("_bucket")]
+                bounds = sorted(
+                    (float(labels["le"]), int(v)) for labels, v in self.rows(key + "_bucket")
+                )
+                finite = [(b, c) for b, c in bounds if b != float("inf")]
+                histograms[key] = HistogramStatus(
+                    tuple(b for b, _ in finite),
+                    tuple(c for _, c in finite),
+                    self.get(key + "_sum"),
+                    int(self.get(key + "_count")),
+                )
+        backends = tuple(
+            BackendStatus(
+                name=labels.get("backend", "?"),
+                url=labels.get("url", ""),
+                up=bool(up),
+                in_flight=int(self.get("backend_in_flight", backend=labels.get("backend", "?"))),
+                waiting=int(self.get("backend_waiting", backend=labels.get("backend", "?"))),
+            )
+            for labels, up in self.rows("backend_up")
         )
-        count = int(self.get(name + "_count"))
-        if not buckets or count == 0:
-            return None
-        for bound, cumulative in buckets:
-            if cumulative >= q * count:
-                return bound, count
-        return buckets[-1][0], count
+        age = self.get("last_poll_ok_age_seconds", -1.0)
+        return RunnerStatus(
+            max_sessions=int(self.get("max_sessions")),
+            poll_interval=0.0,
+            sessions_open=int(self.get("sessions_open")),
+            last_poll_age=None if age < 0 else age,
+            backends=backends,
+            counters=counters,
+            histograms=histograms,
+            version=next((labels.get("version", "?") for labels, _ in self.rows("info")), "?"),
+        )
 
 
 @dataclass
@@ -102,64 +127,52 @@ def read(url: str, timeout: float = 5.0) -> Reading:
     )
 
 
-def _n(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"
-
-
 def _seconds(value: float) -> str:
     return "more than the largest bucket" if value == float("inf") else f"≤ {value:g} s"
 
 
 def summary(url: str, now: Reading, before: Reading | None = None) -> str:
     """The one-screen text for a reading (with a chunk rate when there is an earlier reading)."""
-    s = now.samples
-    version = next((labels.get("version", "?") for labels, _ in s.rows("info")), "?")
-    lines = [f"alp-gateway {version} at {url}"]
+    status = now.samples.snapshot()
+    count = status.counters.get
+    lines = [f"alp-gateway {status.version} at {url}"]
     state = "healthy" if now.health_status == 200 else f"NOT HEALTHY ({now.health_status})"
     lines.append(f"health      {state}: {now.health_text}")
     lines.append(
-        f"sessions    {_n(s.get('sessions_open'))} open (max {_n(s.get('max_sessions'))}), "
-        f"{_n(s.get('sessions_started_total'))} started, {_n(s.get('sessions_ended_total'))} ended"
+        f"sessions    {status.sessions_open} open (max {status.max_sessions}), "
+        f"{count('sessions_started', 0)} started, {count('sessions_ended', 0)} ended"
     )
-    lines.append(
-        "turns       "
-        + ", ".join(
-            f"{_n(s.get('turns_total', outcome=o))} {o}" for o in ("done", "error", "cancelled")
-        )
-    )
-    chunks = s.get("chunks_total")
+    outcomes = ("done", "error", "cancelled")
+    lines.append("turns       " + ", ".join(f"{count('turns_' + o, 0)} {o}" for o in outcomes))
+    chunks = count("chunks", 0)
     rate = ""
     if before is not None and now.at > before.at:
-        per_second = (chunks - before.samples.get("chunks_total")) / (now.at - before.at)
+        earlier = before.samples.snapshot().counters.get("chunks", 0)
+        per_second = (chunks - earlier) / (now.at - before.at)
         rate = f"  ({per_second:.1f}/s over the last {now.at - before.at:.1f} s)"
-    lines.append(f"chunks      {_n(chunks)}{rate}")
-    age = s.get("last_poll_ok_age_seconds", -1.0)
-    last = f"; last good {age:.1f} s ago" if age >= 0 else "; none good yet"
+    lines.append(f"chunks      {chunks}{rate}")
+    age = status.last_poll_age
+    last = f"; last good {age:.1f} s ago" if age is not None else "; none good yet"
+    lines.append(f"polls       {count('polls', 0)}, {count('poll_errors', 0)} failed{last}")
     lines.append(
-        f"polls       {_n(s.get('polls_total'))}, {_n(s.get('poll_errors_total'))} failed{last}"
-    )
-    lines.append(
-        f"channels    {_n(s.get('reconnects_total'))} redials, {_n(s.get('heartbeats_total'))} heartbeats"
+        f"channels    {count('reconnects', 0)} redials, {count('heartbeats', 0)} heartbeats"
     )
     for name, title in (("ttft_seconds", "first token"), ("relay_seconds", "relay")):
-        p50, p95 = s.quantile(name, 0.5), s.quantile(name, 0.95)
-        if p50 is None or p95 is None:
+        hist = status.histograms.get(name)
+        p50, p95 = (hist.quantile(0.5), hist.quantile(0.95)) if hist else (None, None)
+        if hist is None or p50 is None or p95 is None:
             lines.append(f"{title:<12}no samples yet")
         else:
             lines.append(
-                f"{title:<12}p50 {_seconds(p50[0])}, p95 {_seconds(p95[0])} ({p50[1]} samples)"
+                f"{title:<12}p50 {_seconds(p50)}, p95 {_seconds(p95)} ({hist.count} samples)"
             )
-    rows = s.rows("backend_up")
-    if not rows:
+    if not status.backends:
         lines.append("backends    none")
-    for i, (labels, up) in enumerate(rows):
-        name = labels.get("backend", "?")
-        in_flight = s.get("backend_in_flight", backend=name)
-        waiting = s.get("backend_waiting", backend=name)
+    for i, b in enumerate(status.backends):
         head = "backends    " if i == 0 else " " * 12
         lines.append(
-            f"{head}{name:<10} {'up' if up else 'DOWN':<5} {_n(in_flight)} in flight, {_n(waiting)} waiting"
-            f"  {labels.get('url', '')}"
+            f"{head}{b.name:<10} {'up' if b.up else 'DOWN':<5} "
+            f"{b.in_flight} in flight, {b.waiting} waiting  {b.url}"
         )
     return "\n".join(lines)
 

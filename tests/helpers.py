@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -80,6 +80,9 @@ def request_frame(
     }
 
 
+_LAST_FRAMES = ("chat.completion.done", "chat.completion.error", "chat.models.response")
+
+
 class Turns:
     """Reads a channel's inbox and sorts frames by requestId, with receive times."""
 
@@ -89,15 +92,27 @@ class Turns:
         self.other: list[dict[str, Any]] = []
 
     def finished(self, request_id: str) -> bool:
-        return any(
-            f["type"] in ("chat.completion.done", "chat.completion.error", "chat.models.response")
-            for f, _, _ in self.frames.get(request_id, [])
-        )
+        """The turn has its last frame (done, error or a models answer), whatever it says."""
+        return any(f["type"] in _LAST_FRAMES for f, _, _ in self.frames.get(request_id, []))
 
-    async def until(self, *request_ids: str, within: float = 15) -> None:
+    async def settled(self, *request_ids: str, within: float = 15) -> None:
+        """Wait for every turn's last frame, however it ended (the caller asserts the outcome)."""
         with trio.fail_after(within):
             while not all(self.finished(r) for r in request_ids):
                 await self.next()
+
+    async def until(
+        self, *request_ids: str, within: float = 15, errors: Collection[str] = ()
+    ) -> None:
+        """Wait for every turn's last frame and assert how it ended: each turn in ``errors`` with
+        an error frame, every other one done (or answered): a turn that errors has not finished."""
+        await self.settled(*request_ids, within=within)
+        for rid in request_ids:
+            last = next(f for f in reversed(self.of(rid)) if f["type"] in _LAST_FRAMES)
+            if rid in errors:
+                assert last["type"] == "chat.completion.error", f"turn {rid} did not fail: {last}"
+            else:
+                assert last["type"] != "chat.completion.error", f"turn {rid} failed: {last}"
 
     async def next(self) -> dict[str, Any]:
         text, at = await self.channel.recv()

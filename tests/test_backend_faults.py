@@ -29,7 +29,11 @@ async def test_faults_end_their_own_turn_only(
         await ch_a.send(request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
         a, b = Turns(ch_a), Turns(ch_b)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(a.until, "stall", "dies", "garbage", "fine")
+            nursery.start_soon(
+                lambda: a.until(
+                    "stall", "dies", "garbage", "fine", errors={"stall", "dies", "garbage"}
+                )
+            )
             nursery.start_soon(b.until, "steady")
         assert "idle timeout" in a.last("stall")["error"]
         assert "broke" in a.last("dies")["error"]

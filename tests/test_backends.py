@@ -324,10 +324,10 @@ async def test_busy_backend_through_the_runner(
             with trio.fail_after(5):
                 await backend.wait_until(lambda b: b.waiting == 1)
             await ch.send(request_frame(job.id, "r3"))
-            await turns.until("r3")
+            await turns.until("r3", errors={"r3"})
             assert turns.last("r3")["error"] == "backend gpu is busy (1 in flight, 1 waiting)"
             await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "r1"})
-            await turns.until("r1", "r2")
+            await turns.until("r1", "r2", errors={"r1"})
             assert turns.last("r1")["error"] == "cancelled"
             assert turns.last("r2")["type"] == "chat.completion.done"
             assert len(sim.streams) == 2  # r3 never reached the backend
@@ -446,7 +446,7 @@ async def test_models_response_lists_only_servable_models(
             await ch.send({"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
             await ch.send(request_frame(job.id, "t", model="c"))
             turns = Turns(ch)
-            await turns.until("m", "t")
+            await turns.until("m", "t", errors={"t"})
             # a: allowed; b: not allowed, but its alias is; alias-a: target allowed; c: backend down
             assert turns.last("m")["models"] == ["a", "alias-a", "alias-b"]
             assert "unreachable" in turns.last("t")["error"]  # the only backend serving c is down
@@ -466,7 +466,7 @@ async def test_backend_unreachable_error_names_url_and_not_key(
             kill.cancel()
             await ch.send(request_frame(job.id, "x"))
             turns = Turns(ch)
-            await turns.until("x")
+            await turns.until("x", errors={"x"})
             error = turns.last("x")["error"]
             assert url in error and "sk-gone-secret-4321" not in error
 

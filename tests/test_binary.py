@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
-from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, Turns, open_chat, request_frame
+from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, Turns, clean_env, open_chat, request_frame
 
 from gateway import __version__
 from gateway.hub import Hub, open_hub
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.skipif(
     not (BINARY.is_file() and os.access(BINARY, os.X_OK)),
     reason=f"no executable at {BINARY}: build it with packaging/build.sh (or set ALP_GATEWAY_BINARY)",
 )
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
-    env.update(extra)
-    return env
 
 
 async def binary(*args: str, within: float = 60) -> subprocess.CompletedProcess[bytes]:

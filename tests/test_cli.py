@@ -158,9 +158,8 @@ async def test_run_serves_then_sigterm_drains(
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
             proc.send_signal(signal.SIGTERM)
-            proc.send_signal(
-                signal.SIGTERM
-            )  # an echo (as a binary's launcher forwards it): still graceful
+            # an echo (as a binary's launcher forwards it): still graceful
+            proc.send_signal(signal.SIGTERM)
             turns = Turns(ch)
             with trio.fail_after(15):
                 while not turns.other:
@@ -188,7 +187,7 @@ async def test_revoked_token_exits_without_user_credential(
 ) -> None:
     config = runner_config(hub[1], sim.url, tmp_path)
     first = Runner(config)
-    await first._register()
+    await first.register()
     hub[0].faults["poll"] = [401]
     runner = Runner(runner_config(hub[1], sim.url, tmp_path, user_token=None))
     try:

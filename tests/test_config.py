@@ -1,10 +1,24 @@
 """Configuration precedence and validation (gateway.config)."""
 
+import re
+from dataclasses import fields
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from gateway.config import ConfigError, load_config, normalize_server
+from gateway import settings_doc
+from gateway.cli import build_parser
+from gateway.config import (
+    SETTINGS,
+    BackendTable,
+    Config,
+    ConfigError,
+    Setting,
+    load_config,
+    normalize_server,
+    parse_listen,
+)
 
 
 def test_server_normalisation() -> None:
@@ -61,3 +75,86 @@ def test_secret_not_echoed(tmp_path: Path) -> None:
         load_config({}, {}, toml)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config({}, {}, tmp_path / "missing.toml")
+
+
+def test_parse_listen_is_the_one_listen_parser() -> None:
+    assert parse_listen("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_listen("[::1]:0") == ("::1", 0)
+    assert parse_listen(":9") == ("127.0.0.1", 9)
+    assert parse_listen("9464") == ("127.0.0.1", 9464)
+    for bad in ("nope", "host:http", "1:65536"):
+        with pytest.raises(ValueError):
+            parse_listen(bad)
+
+
+# -- one table: the Config, the flags, the readers and the docs come from SETTINGS --------------
+
+
+def test_every_setting_is_a_config_field_with_a_valid_default() -> None:
+    by_name = {f.name: f for f in fields(Config)}
+    for s in SETTINGS:
+        assert s.key in by_name, s.key
+        if s.default is not None:
+            assert s.parse(s.default) == s.default, f"{s.key}: its default fails its own check"
+    defaults = Config()
+    assert defaults.poll_interval == _by_key("poll_interval").default == 10.0
+
+
+def _by_key(key: str) -> Setting:
+    return next(s for s in SETTINGS if s.key == key)
+
+
+def test_flags_come_from_the_table_with_their_defaults_in_the_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for s in SETTINGS:
+        assert s.flag in text, s.flag
+    assert "(env ALP_GATEWAY_POLL_INTERVAL; default 10)" in text
+    # a flag is parsed once, by the setting: argparse hands over the text as given
+    args = build_parser().parse_args(["run", "--poll-interval", "2.5", "--verbose-frames"])
+    assert args.poll_interval == "2.5" and args.verbose_frames is True
+    with pytest.raises(ConfigError, match="--poll-interval: invalid value 'x'"):
+        load_config({"poll_interval": "x"}, {})
+
+
+def test_readme_table_and_example_file_are_generated_from_the_table() -> None:
+    assert settings_doc.main(["--check"]) == 0, "run: python -m gateway.settings_doc"
+    readme = settings_doc.README.read_text()
+    table = readme[readme.index(settings_doc.BEGIN) : readme.index(settings_doc.END)]
+    rows = re.findall(r"^\| `--[^`]*` \(`(\w+)`\) \| [^|]* \| ([^|]*) \|", table, re.M)
+    assert [key for key, _ in rows] == [s.key for s in SETTINGS]
+    assert [default.strip() for _, default in rows] == [s.default_text for s in SETTINGS]
+    example = settings_doc.EXAMPLE.read_text()
+    keys = re.findall(r"^(?:# )?(\w+) = ", example.split("\n[[backend]]\n")[0], re.M)
+    assert keys == [s.key for s in SETTINGS]
+    for s in SETTINGS:
+        if s.default is not None and s.example is None:
+            assert f"\n# {s.key} = {settings_doc.toml_value(s.default)}\n" in example
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[alias]\n"a" = "b"\n', "unknown table [alias]"),
+        ("pol_interval = 3\n", "unknown setting 'pol_interval'"),
+        ('[[backend]]\nurl = "http://x:1/v1"\nkye = "k"\n', "unknown setting(s) kye"),
+    ],
+)
+def test_unknown_tables_and_keys_are_refused_naming_file_and_key(
+    tmp_path: Path, toml: str, message: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config({}, {}, path)
+    assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_backend_tables_are_typed() -> None:
+    table = msgspec.convert({"url": "http://x:1/v1", "models": ["m"]}, BackendTable)
+    assert table.queue == 16 and table.max_concurrency is None and table.models == ["m"]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"url": "http://x:1/v1", "queue": True}, BackendTable)

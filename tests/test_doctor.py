@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, runner_config
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config
 
 from gateway import doctor
 from gateway.config import BackendSpec
@@ -38,7 +37,7 @@ async def dead_port() -> int:
 
 async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
     config = runner_config(hub[1], sim.url, tmp_path / "state")
-    reg = await Runner(config)._register()
+    reg = await Runner(config).register()
     checks = await diagnose(config, deep=True)
     text = table(checks)
     assert [c.mark for c in checks] == [OK] * len(checks), text
@@ -168,9 +167,7 @@ async def test_no_backend_points_at_a_local_server(
 
 
 async def test_cli_exit_codes(tmp_path: Path) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
+    env = clean_env()
     port = await dead_port()
     bad = await trio.run_process(
         [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from helpers import (
     OWNER,
     PROJECT,
     Turns,
+    clean_env,
     open_chat,
     request_frame,
 )
@@ -72,9 +72,7 @@ async def test_runner_process_logs_json_lines(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
     log_path = tmp_path / "runner.log"
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("AGENTICS_", "CHAT_LLM_", "ALP_"))
-    }
+    env = clean_env()
     env.update(
         AGENTICS_SERVER=hub[1],
         CHAT_LLM_BACKEND_URL=sim.url,

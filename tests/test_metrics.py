@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import trio
-from helpers import EXE, Turns, open_chat, request_frame, runner_config, running
+from helpers import EXE, Turns, clean_env, open_chat, request_frame, runner_config, running
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
 from gateway.hub import Hub
-from gateway.metrics import CONTENT_TYPE, health, render
+from gateway.metrics import CONTENT_TYPE, render
 from gateway.observe import Counters, Histogram
 from gateway.runner import Runner, RunnerExit
 from gateway.sim import Simulator
+from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
 from gateway.status import Samples, default_url
 
 LOOPBACK_ANY_PORT = ("127.0.0.1", 0)
@@ -35,7 +34,7 @@ async def get(url: str) -> httpx.Response:
 
 
 def families(text: str) -> dict[str, Any]:
-    """Parsed with prometheus_client's reference parser (a test-only dependency)."""
+    """Parsed with prometheus_client's reference parser."""
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -71,59 +70,68 @@ def test_status_default_url() -> None:
 # -- health and rendering without a network -------------------------------------------------
 
 
-def fake_runner(*, age: float | None = 1.0, backends: list[Any] | None = None) -> Any:
-    now = trio.current_time()
-    return SimpleNamespace(
-        shutdown=trio.Event(),
-        last_poll_ok=None if age is None else now - age,
+def snapshot(
+    *, age: float | None = 1.0, backends: list[BackendStatus] | None = None, **more: Any
+) -> RunnerStatus:
+    """A RunnerStatus as a runner would take it: the readers' only input, no runner needed."""
+    return RunnerStatus(
+        max_sessions=8,
+        poll_interval=10.0,
+        last_poll_age=age,
         last_poll_error=None
         if age is not None and age < 30
         else "POST …/runners/jobs: Server answered 503",
-        config=SimpleNamespace(poll_interval=10.0, max_sessions=8),
-        pool=SimpleNamespace(
-            backends=[SimpleNamespace(name="default", url="http://127.0.0.1:1/v1")]
-            if backends is None
-            else backends
-        ),
-        sessions={},
-        counters=Counters(),
-        histograms={"ttft_seconds": Histogram()},
+        backends=[BackendStatus("default", "http://127.0.0.1:1/v1")]
+        if backends is None
+        else backends,
+        **more,
     )
 
 
-async def test_health_rules() -> None:
-    assert health(fake_runner()) == (True, "ok")
-    ok, reason = health(fake_runner(age=None))
+def test_health_rules() -> None:
+    assert snapshot().health() == (True, "ok")
+    ok, reason = snapshot(age=None).health()
     assert not ok and reason.startswith("no successful poll yet")
-    ok, reason = health(fake_runner(age=31))
+    ok, reason = snapshot(age=31).health()
     assert not ok and "last successful poll 31" in reason and "503" in reason
-    down = SimpleNamespace(name="gpu", url="http://u:secret@127.0.0.1:1/v1", up=False)
-    ok, reason = health(fake_runner(backends=[down]))
-    assert (ok, reason) == (False, "no backend is up: gpu")
-    assert health(fake_runner(backends=[down, SimpleNamespace(name="cpu", url="x")]))[
-        0
-    ]  # no `up`: up
-    assert health(fake_runner(backends=[])) == (False, "no backend configured")
-    stopping = fake_runner()
-    stopping.shutdown.set()
-    assert health(stopping) == (False, "shutting down")
+    down = BackendStatus("gpu", safe_url("http://u:secret@127.0.0.1:1/v1"), up=False)
+    assert snapshot(backends=[down]).health() == (False, "no backend is up: gpu")
+    assert snapshot(backends=[down, BackendStatus("cpu", "x")]).health() == (True, "ok")
+    assert snapshot(backends=[]).health() == (False, "no backend configured")
+    assert snapshot(shutting_down=True).health() == (False, "shutting down")
 
 
-async def test_render_backends_and_histogram_buckets() -> None:
+def test_snapshot_is_read_only() -> None:
+    counters = Counters()
+    counters.inc("chunks")
+    status = snapshot(counters=counters.values)
+    counters.inc("chunks")
+    assert status.counters["chunks"] == 1  # a copy, not a view of the runner's counters
+    frozen: Any = status
+    with pytest.raises(AttributeError):
+        frozen.counters = {}  # a frozen dataclass
+    counts: Any = status.counters
+    with pytest.raises(TypeError):
+        counts["chunks"] = 5  # a read-only mapping
+
+
+def test_render_backends_and_histogram_buckets() -> None:
     backends = [
-        SimpleNamespace(
-            name="gpu", url="http://user:pw@10.0.0.2:8000/v1", up=False, in_flight=3, waiting=2
+        BackendStatus(
+            "gpu", safe_url("http://user:pw@10.0.0.2:8000/v1"), up=False, in_flight=3, waiting=2
         ),
-        SimpleNamespace(
-            name="plain", url="http://127.0.0.1:11434/v1"
-        ),  # no up/in_flight/waiting yet
+        BackendStatus("plain", "http://127.0.0.1:11434/v1"),
     ]
-    runner = fake_runner(backends=backends)
+    hist = Histogram()
     for seconds in (0.0001, 0.3, 0.3, 99.0):
-        runner.histograms["ttft_seconds"].observe(seconds)
-    runner.counters.inc("turns_done", 2)
-    runner.counters.inc("something_new")
-    text = render(runner)
+        hist.observe(seconds)
+    text = render(
+        snapshot(
+            backends=backends,
+            counters={"turns_done": 2, "something_new": 1},
+            histograms={"ttft_seconds": HistogramStatus.of(hist)},
+        )
+    )
     assert "pw" not in text  # a credential in a backend URL is not exposed
     fams = families(text)
     assert value(fams, "alp_gateway_backend_up", backend="gpu") == 0
@@ -135,9 +143,9 @@ async def test_render_backends_and_histogram_buckets() -> None:
     assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="done") == 2
     assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="error") == 0
     assert value(fams, "alp_gateway_something_new", "alp_gateway_something_new_total") == 1
-    hist = fams["alp_gateway_ttft_seconds"]
-    assert hist.type == "histogram"
-    buckets = [(s.labels["le"], s.value) for s in hist.samples if s.name.endswith("_bucket")]
+    ttft = fams["alp_gateway_ttft_seconds"]
+    assert ttft.type == "histogram"
+    buckets = [(s.labels["le"], s.value) for s in ttft.samples if s.name.endswith("_bucket")]
     counts = [v for _, v in buckets]
     assert counts == sorted(counts)  # cumulative
     assert dict(buckets)["0.0005"] == 1 and dict(buckets)["0.25"] == 1 and dict(buckets)["0.5"] == 3
@@ -259,7 +267,7 @@ async def test_off_by_default(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
 
 
 async def status(*args: str) -> tuple[int, str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALP_GATEWAY_")}
+    env = clean_env()
     with trio.fail_after(30):
         result = await trio.run_process(
             [EXE, "status", *args], env=env, capture_stdout=True, capture_stderr=True, check=False
@@ -291,15 +299,42 @@ async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
         assert len(lines) <= 24  # one screen
         assert config.backend_key not in out
 
-        runner.pool.backends[0].up = False  # what the backend pool's health check sets
+        runner.pool.backends[0].mark("down")  # what a failed health check records
         code, out, _ = await status("--metrics-url", url)
         assert code == 1 and "NOT HEALTHY (503): no backend is up" in out and "DOWN" in out
-        runner.pool.backends[0].up = True
+        runner.pool.backends[0].mark(None)
     code, _, err = await status("--metrics-url", url)  # runner gone: nothing answers
     assert code == 2 and "is not answering" in err
 
 
 def test_samples_parser_reads_what_render_writes() -> None:
-    text = 'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n# HELP x y\nalp_gateway_chunks_total 7\n'
+    text = (
+        'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n'
+        "# HELP x y\n"
+        "alp_gateway_chunks_total 7\n"
+    )
     samples = Samples.parse(text)
     assert samples.get("backend_up", backend='a "b"') == 1 and samples.get("chunks_total") == 7
+
+
+def test_status_reads_back_the_snapshot_that_metrics_rendered() -> None:
+    hist = Histogram()
+    for seconds in (0.002, 0.3, 40.0):
+        hist.observe(seconds)
+    sent = snapshot(
+        sessions_open=2,
+        backends=[BackendStatus("gpu", "http://10.0.0.2:8000/v1", up=False, in_flight=1)],
+        counters={"turns_done": 3, "turns_error": 1, "chunks": 70, "pings_sent": 4},
+        histograms={"ttft_seconds": HistogramStatus.of(hist)},
+    )
+    back = Samples.parse(render(sent)).snapshot()
+    assert back.sessions_open == 2 and back.max_sessions == sent.max_sessions
+    assert back.last_poll_age == sent.last_poll_age and back.version == sent.version
+    assert [(b.name, b.url, b.up, b.in_flight) for b in back.backends] == [
+        ("gpu", "http://10.0.0.2:8000/v1", False, 1)
+    ]
+    # every counter comes back, a new one (pings_sent) included
+    assert {k: v for k, v in back.counters.items() if v} == sent.counters
+    assert back.histograms["ttft_seconds"] == sent.histograms["ttft_seconds"]
+    assert back.histograms["ttft_seconds"].quantile(0.5) == 0.5
+    assert back.histograms["ttft_seconds"].quantile(0.99) == float("inf")

@@ -65,7 +65,7 @@ async def _exercise(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, out: i
             # a frame from the Server that carries a credential-looking field, logged verbosely
             await ch.send(request_frame(job.id, "k", sim={"chunks": 1}, api_key="sk-caller-secret"))
             turns = Turns(ch)
-            await turns.until("ok", "fail", "cut", "m", "k")
+            await turns.until("ok", "fail", "cut", "m", "k", errors={"fail", "cut"})
             with trio.fail_after(5):
                 await runner.counters.wait("heartbeats", 1)
             await ch.send({"type": "chat.end"})
@@ -112,7 +112,7 @@ async def test_error_frames_and_reports_hold_no_secret(
     job, ch = await open_chat(hub[0])
     await ch.send(request_frame(job.id, "e", sim={"fault": "500"}))
     turns = Turns(ch)
-    await turns.until("e")
+    await turns.until("e", errors={"e"})
     await ch.send({"type": "chat.end"})
     with trio.fail_after(5):
         await job.completed.wait()

@@ -171,9 +171,8 @@ async def test_soak(tmp_path: Path) -> None:
             gc.collect()
             rss["end"] = rss_kib()
             with trio.fail_after(10):
-                await trio.testing.wait_all_tasks_blocked(
-                    cushion=0.05
-                )  # let cancelled turns unwind
+                # let cancelled turns unwind
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
             end_tasks = runner_tasks(runner)
             for job in jobs:
                 await hub.end_job(job.id, "soak over")

@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import pathlib
-import signal
 import sqlite3
 import ssl
 import sys
@@ -15,8 +14,11 @@ from typing import NoReturn
 
 import trio
 
+from gateway.config import default_state_dir
+from gateway.config import parse_listen as config_parse_listen
 from gateway.hub.core import Hub, serve_hub
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
+from gateway.signals import watch_signals
 
 PROG = "alp-gateway hub"
 DEFAULT_LISTEN = "127.0.0.1:8787"
@@ -32,24 +34,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def default_data_dir() -> pathlib.Path:
-    """``$ALP_GATEWAY_STATE_DIR/hub``, else ``$XDG_STATE_HOME/alp-gateway/hub``, else ``~/.local/state/alp-gateway/hub``."""
-    state = os.environ.get("ALP_GATEWAY_STATE_DIR")
-    if state:
-        return pathlib.Path(state).expanduser() / "hub"
-    xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg:
-        return pathlib.Path(xdg).expanduser() / "alp-gateway" / "hub"
-    return pathlib.Path.home() / ".local" / "state" / "alp-gateway" / "hub"
+    """``hub`` in the state directory (``gateway.config.default_state_dir``, the runner's rule)."""
+    return default_state_dir(os.environ) / "hub"
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> ``(host, port)``; _UsageError when malformed."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not port_text.isdigit() or int(port_text) > 65535:
-        raise _UsageError(f"--listen must be HOST:PORT, not {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host or "127.0.0.1", int(port_text)
+    """``--listen`` through the one parser (``gateway.config.parse_listen``); _UsageError when malformed."""
+    try:
+        return config_parse_listen(value)
+    except ValueError as exc:
+        raise _UsageError(f"--listen {value!r}: {exc}") from None
 
 
 def _build_parser() -> _Parser:
@@ -218,14 +212,12 @@ async def _run(
     certfile: pathlib.Path | None = None,
     keyfile: pathlib.Path | None = None,
 ) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            serve = partial(
-                serve_hub, hub, host=host, port=port, certfile=certfile, keyfile=keyfile
-            )
-            base_url: str = await nursery.start(serve)
-            print(f"hub listening on {base_url}", flush=True)
-            async for _ in signals:
-                break
-            print("hub stopping", flush=True)
-            nursery.cancel_scope.cancel()
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_signals, lambda _signum: stop.set())
+        serve = partial(serve_hub, hub, host=host, port=port, certfile=certfile, keyfile=keyfile)
+        base_url: str = await nursery.start(serve)
+        print(f"hub listening on {base_url}", flush=True)
+        await stop.wait()
+        print("hub stopping", flush=True)
+        nursery.cancel_scope.cancel()

@@ -1,4 +1,4 @@
-"""The hub's core: the Server side of PROTOCOL.md §1-4 and §6 as one ASGI app, with its state and serve_hub.
+"""The hub's core: the Server side of docs/protocol.md §1-§4 and §6 as one ASGI app, with its state and serve_hub.
 
 Chat Jobs (and every status report received) are kept in the hub's SQLite store as well as in
 memory, and reloaded at start: a hub restarted on the same data directory accepts the redial of a

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from functools import partial
 
 import trio
 
+from gateway.config import parse_listen
+from gateway.signals import watch_signals
 from gateway.sim.server import DIALECTS, FAULTS, SimOptions, Simulator, serve_sim
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` and ``:PORT`` too) into host and port."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not port_text.isdigit() or int(port_text) > 65535:
-        raise ValueError(f"--listen wants HOST:PORT, got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host or "127.0.0.1", int(port_text)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -59,17 +50,15 @@ async def _serve(
         require_key=key,
         record=False,
     )
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            try:
-                sim: Simulator = await nursery.start(serve)
-            except OSError as exc:
-                print(f"sim: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
-                return 1
-            print(f"sim listening on {sim.url}", flush=True)
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_signals, lambda _signum: nursery.cancel_scope.cancel())
+        try:
+            sim: Simulator = await nursery.start(serve)
+        except OSError as exc:
+            print(f"sim: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+            nursery.cancel_scope.cancel()
+            return 1
+        print(f"sim listening on {sim.url}", flush=True)
     return 0
 
 
@@ -84,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        host, port = parse_listen(args.listen)
+        try:
+            host, port = parse_listen(args.listen)
+        except ValueError as exc:
+            raise ValueError(f"--listen {args.listen!r}: {exc}") from None
         options = SimOptions(
             chunks=args.chunks,
             interval=args.interval,
