@@ -15,7 +15,8 @@ from typing import NoReturn
 
 import trio
 
-from gateway.hub.core import Hub, serve_hub
+from gateway.hub.app import serve_hub
+from gateway.hub.hub import Hub
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
 
 PROG = "alp-gateway hub"
