@@ -239,14 +239,10 @@ class Channels:
             await self.end_job(job_id, reason)
         self.board.withdraw(job_id, reason)
 
-    async def wait(
-        self,
-        job_id: str,
-        timeout: float | None = None,  # noqa: ASYNC109 (the shared API)
-    ) -> ServerChannel | None:
-        """The job's open channel, waiting for a (re)connect: None on timeout, and at once when
-        the job is unknown, completed or cancelled (no channel can come then)."""
-        with trio.move_on_after(math.inf if timeout is None else timeout):
+    async def wait(self, job_id: str, within: float | None = None) -> ServerChannel | None:
+        """The job's open channel, waiting ``within`` s for a (re)connect: None after that, and
+        at once when the job is unknown, completed or cancelled (no channel can come then)."""
+        with trio.move_on_after(math.inf if within is None else within):
             while True:
                 ch = self._open.get(job_id)
                 if ch is not None:
