@@ -441,32 +441,39 @@ async def _backpressure(server: Hub, proxy: FaultProxy, sim: Simulator) -> None:
     chunks, size = 5000, 2000  # ~10 MB of content, sent as fast as the sockets take it
     total = chunks + 3  # the role chunk, the content chunks, the finish chunk, [DONE]
     job, ch = await open_chat(server)
-    rx = ch.open_request("big")  # routed with backpressure (REQUEST_BUFFER), nothing dropped
-    proxy.pause_channels()
-    await ch.send(
-        request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0})
-    )
-    with trio.fail_after(10):
-        stream = await sim.wait_for_streams(1)
-    stalled = await _sent_when_stalled(stream, total)
-    await trio.sleep(1.0)  # paused for a while: nothing more may leave the backend meanwhile
-    assert len(stream.payloads) == stalled
-    assert stalled < total // 2, (stalled, total)  # bounded: the runner did not buffer the answer
-    assert not stream.finished.is_set()
-
-    proxy.resume_channels()
+    rx = ch.open_request("big")
     texts: list[str] = []
-    with trio.fail_after(30):
-        while True:
-            text, _ = await rx.receive()
+    last: dict[str, Any] = {}
+
+    async def read_all() -> None:  # the hub reads on: only the proxy in front of it stalls
+        async for text, _ in rx:
             frame = json.loads(text)
             if frame["type"] != "chat.completion.chunk":
-                break
+                last.update(frame)
+                return
             for choice in frame["chunk"].get("choices", []):
                 content = choice.get("delta", {}).get("content")
                 if content:
                     texts.append(content)
-    assert frame["type"] == "chat.completion.done"
+
+    proxy.pause_channels()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)
+        await ch.send(
+            request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0})
+        )
+        with trio.fail_after(10):
+            stream = await sim.wait_for_streams(1)
+        stalled = await _sent_when_stalled(stream, total)
+        await trio.sleep(1.0)  # paused for a while: nothing more may leave the backend meanwhile
+        assert len(stream.payloads) == stalled
+        assert stalled < total // 2, (stalled, total)  # bounded: the runner did not buffer it
+        assert not stream.finished.is_set() and not last
+
+        proxy.resume_channels()
+        with trio.fail_after(30):
+            await stream.finished.wait()
+    assert last["type"] == "chat.completion.done"
     # every token arrived once, in order: tok0 .. tok4999, each padded to the chunk size
     assert [t.split(" ", 1)[0] for t in texts] == [f"tok{i}" for i in range(chunks)]
     assert all(len(t) == size for t in texts)

@@ -679,9 +679,10 @@ async def test_channel_faults(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]
     runner, job_id, _ = await claimed_job(hub, client)
     url = ws_url(client, job_id, runner["token"])
     proxy.faults["channel"] = [RESET, Delay(0.1)]
-    with pytest.raises(trio_websocket.HandshakeError):
+    with pytest.raises(trio_websocket.HandshakeError) as reset:
         async with trio_websocket.open_websocket_url(url, connect_timeout=1):
             pass
+    assert not isinstance(reset.value, trio_websocket.ConnectionRejected)  # no answer at all
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(url):  # late, but accepted
             assert await hub.wait_channel(job_id, timeout=5) is not None
