@@ -1,4 +1,4 @@
-"""The admin routes: every job with its reports, and the front door's sessions (admin credential only)."""
+"""The admin routes: every job with its reports, the front door's sessions (admin token only)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The job board: Chat Jobs queued, matched to capabilities, claimed once, reported on, and
-force-ended when their runner goes offline (PROTOCOL.md §2-3, no HTTP)."""
+"""The job board: jobs queued, matched, claimed once, reported on, ended when offline; no HTTP."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The Server side of the Chat Channels (PROTOCOL.md §4): one accepted WebSocket each, and which
-job's channel is open now."""
+"""The Server side of Chat Channels: one accepted WebSocket each, and each job's open one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HTTP plumbing every hub route shares: the one error type and shape, the body reader, bearer parsing, answers."""
+"""What every hub route shares: the one error type and shape, body reader, bearer, answers."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""One hub: its settings, store, admin credential, job board, channels and front door, and the
-background work they need while it serves."""
+"""One hub: settings, store, admin token, job board, channels, front door, background work."""
 
 from __future__ import annotations
 

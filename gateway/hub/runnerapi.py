@@ -1,5 +1,4 @@
-"""The runner API (PROTOCOL.md §1-4): registration, polls, claims, reports, job_available events
-and the Chat Channel handshake, each a thin HTTP face on the job board and the channels."""
+"""The runner API (PROTOCOL.md §1-4): HTTP routes on the job board, the channel handshake."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""SQLite persistence of the hub: registrations and API keys (token hashes only), Chat Jobs and
-their reports, the front door's sessions and each runner's last model list, kept across restarts."""
+"""The hub's SQLite store: registrations, API keys, jobs and reports, sessions, model lists."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The hub's OpenAI-compatible front door (``/v1``): chat sessions over Chat Jobs, each turn relayed
-down its session's channel, and the models the project's runners serve."""
+"""The hub's OpenAI-compatible front door (/v1): chat sessions, turns, models."""
 
 from gateway.hub.frontdoor.door import FrontDoor
 

@@ -1,4 +1,4 @@
-"""The front door's handlers: the API key, then a chat turn down its session's channel, or the models."""
+"""The front door's handlers: the API key, then a chat turn or the models."""
 
 from __future__ import annotations
 

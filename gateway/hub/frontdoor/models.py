@@ -1,5 +1,4 @@
-"""``/v1/models`` from the first call: the open channels' answers, else each recently seen runner's
-last answer (kept in the store), else a short listing session opened for it."""
+"""/v1/models without a session: open channels, else stored answers, else a listing session."""
 
 from __future__ import annotations
 

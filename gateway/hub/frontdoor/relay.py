@@ -1,5 +1,4 @@
-"""One turn's relay: the request frame down a session's channel, the runner's replies back to the
-HTTP client as SSE events (chunk bytes never re-encoded) or as one completion."""
+"""One turn's relay: request frame down, replies up as SSE (bytes verbatim) or one completion."""
 
 from __future__ import annotations
 

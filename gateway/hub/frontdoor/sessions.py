@@ -1,5 +1,4 @@
-"""The front door's chat sessions: (API key, ``X-Chat-Session``) -> one Chat Job and its channel,
-opened on the first turn, kept in the store across restarts, ended when idle or by the runner."""
+"""Chat sessions: (API key, X-Chat-Session) -> one Chat Job, stored, ended when idle."""
 
 from __future__ import annotations
 

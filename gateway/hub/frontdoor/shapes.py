@@ -1,5 +1,4 @@
-"""OpenAI shapes at the front door: the chat body it checks, its errors, SSE events, one
-completion folded from streamed chunks, model objects."""
+"""OpenAI shapes at the front door: chat body, errors, SSE events, folded completions, models."""
 
 from __future__ import annotations
 
