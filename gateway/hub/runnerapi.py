@@ -63,9 +63,6 @@ class RunnerApi:
             )
         return runner
 
-    async def _json(self, req: Request) -> dict[str, object]:
-        return json_object(await req.body(self.hub.settings.max_body))
-
     async def register(self, req: Request) -> None:
         body = await req.body(self.hub.settings.max_body)
         token = bearer(req.scope)

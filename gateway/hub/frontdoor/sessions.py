@@ -85,7 +85,7 @@ class Sessions:
     def job_over(self, job_id: str) -> bool:
         """True when no further turn can be served by this job (completed, cancelled, ended)."""
         job = self.board.jobs.get(job_id)
-        if job is None or job.over or job.completed.is_set():
+        if job is None or job.over:
             return True
         return job_id in self._ended_by_runner
 
