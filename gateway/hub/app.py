@@ -43,11 +43,10 @@ class Route:
     method: str
     pattern: re.Pattern[str]
     handler: Handler
-    guard: Callable[[Request], None] | None = None  # checked before 404/405 (credentials)
 
 
-def _route(method: str, path: str, handler: Handler, **kw: Any) -> Route:
-    return Route(method, re.compile("^" + path + "$"), handler, **kw)
+def _route(method: str, path: str, handler: Handler) -> Route:
+    return Route(method, re.compile("^" + path + "$"), handler)
 
 
 class App:
@@ -76,12 +75,13 @@ class App:
                 runners.progress,
             ),
             *([_route("GET", _BASE + "runners/events", runners.events)] if settings.events else []),
-            _route("GET", "/api/hub/jobs", admin.jobs, guard=admin.check),
-            _route("GET", "/api/hub/sessions", admin.sessions, guard=admin.check),
+            _route("GET", "/api/hub/jobs", admin.jobs),
+            _route("GET", "/api/hub/sessions", admin.sessions),
             _route("POST", "/v1/chat/completions", door.chat),
             _route("GET", "/v1/models", door.list_models),
             _route("GET", "/v1/models/(?P<model>.+)", door.retrieve_model),
         ]
+        # checked before the route is looked up: without the credential, no 404 or 405 either
         self._guards: list[tuple[str, Callable[[Request], None]]] = [("/api/hub/", admin.check)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
