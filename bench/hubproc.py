@@ -16,8 +16,7 @@ import trio
 
 from bench.common import reply_line, serve_commands
 from gateway import protocol
-from gateway.hub import Hub
-from gateway.hub.core import serve_hub
+from gateway.hub import Hub, serve_hub
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 
 ADMIN = "alpa_bench_admin_credential"

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import trio
+from faultproxy import fault_proxy
 from helpers import (
     ADMIN,
     BACKEND_KEY,
@@ -185,30 +186,31 @@ async def test_run_serves_then_sigterm_drains(
 async def test_revoked_token_exits_without_user_credential(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
-    config = runner_config(hub[1], sim.url, tmp_path)
-    first = Runner(config)
-    await first.register()
-    hub[0].faults["poll"] = [401]
-    runner = Runner(runner_config(hub[1], sim.url, tmp_path, user_token=None))
-    try:
-        with trio.fail_after(10):
-            await runner.run()
-    except RunnerExit as exc:
-        assert exc.code == 3 and "refused the runner token" in str(exc)
-    else:
-        raise AssertionError("the runner went on with a refused token")
+    async with fault_proxy(hub[1]) as proxy:  # the Server refuses the token on poll
+        config = runner_config(proxy.url, sim.url, tmp_path)
+        first = Runner(config)
+        await first.register()
+        proxy.faults["poll"] = [401]
+        runner = Runner(runner_config(proxy.url, sim.url, tmp_path, user_token=None))
+        try:
+            with trio.fail_after(10):
+                await runner.run()
+        except RunnerExit as exc:
+            assert exc.code == 3 and "refused the runner token" in str(exc)
+        else:
+            raise AssertionError("the runner went on with a refused token")
 
 
 async def test_revoked_token_reregisters_with_user_credential(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
-    runner = Runner(runner_config(hub[1], sim.url, tmp_path))
-    async with trio.open_nursery() as nursery:
+    async with fault_proxy(hub[1]) as proxy, trio.open_nursery() as nursery:
+        runner = Runner(runner_config(proxy.url, sim.url, tmp_path))
         nursery.start_soon(runner.run)
         with trio.fail_after(10):
             await runner.first_poll.wait()
         old = runner.registration
-        hub[0].faults["poll"] = [401]
+        proxy.faults["poll"] = [401]  # the Server refuses the token once
         runner._wake.set()
         with trio.fail_after(10):
             await runner.counters.wait("polls", runner.counters.get("polls") + 2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 import trio
-from helpers import EXE, OWNER, PROJECT, runner_config, running
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config, running
 
 from gateway.hub import Hub, open_hub
 from gateway.runner import Runner
@@ -163,3 +163,44 @@ async def test_demo_subprocess_prints_the_reply() -> None:
     out = result.stdout.decode()
     assert result.returncode == 0, result.stderr.decode()
     assert "tok0 tok1 tok2" in out and "time to first token" in out and "relay overhead" in out
+
+
+async def test_models_from_the_first_call_with_no_session(sim: Simulator, tmp_path: Path) -> None:
+    # a fresh hub, one real runner (the installed command), no chat session yet: the official
+    # client's first models.list() is served by a short listing session, not answered []
+    hub = Hub(admin_token=ADMIN, models_wait=60.0)  # bounds a slow start here, not a timing
+    async with open_hub(hub) as (_, url):
+        key = hub.create_api_key("models", f"{OWNER}/{PROJECT}")
+        log_path = tmp_path / "runner.log"
+        with log_path.open("wb") as log:
+            proc = await trio.lowlevel.open_process(
+                [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s")],
+                env=clean_env(
+                    AGENTICS_SERVER=url,
+                    CHAT_LLM_BACKEND_URL=sim.url,
+                    CHAT_LLM_MODEL="sim-model",
+                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+                    AGENTICS_USER_TOKEN=ADMIN,
+                ),
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=90)
+            with trio.fail_after(90):
+                listed = await oc.models.list()
+                one = await oc.models.retrieve("sim-model")
+                (job,) = hub.jobs.values()  # the listing session's job
+                await job.completed.wait()  # ended with chat.end, reported by the runner
+                again = await oc.models.list()  # from the runner's stored answer
+        finally:
+            proc.terminate()
+            with trio.move_on_after(20):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+    assert [m.id for m in listed.data] == ["sim-model"], log_path.read_text()
+    assert one.id == "sim-model" and one.object == "model"
+    assert [m.id for m in again.data] == ["sim-model"] and len(hub.jobs) == 1
+    assert job.cancel_reason == "models listed" and job.conclusion == "success"
+    assert hub.frontdoor.sessions.listing() == {}

@@ -1,7 +1,8 @@
 """Reliability against a faulty Server: HTTP faults on every runner route, a hub restart mid-session.
 
-The HTTP faults come from the in-process hub's ``faults`` (an HTTP status, ``RESET``, ``LOST``,
-``Hold``); the restart test runs the hub as a subprocess (``alp-gateway hub``), SIGKILLs it during
+The HTTP faults come from a fault-injecting proxy in front of the in-process hub
+(``tests/faultproxy.py``: an HTTP status, ``RESET``, ``LOST``, ``Hold``; a Server that stops
+reading a channel); the restart test runs the hub as a subprocess (``alp-gateway hub``), SIGKILLs it during
 a turn and restarts it on the same port and data directory.
 """
 
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 import trio
+from faultproxy import LOST, RESET, Fault, FaultProxy, Hold, fault_proxy
 from helpers import (
     ADMIN,
     EXE,
@@ -34,7 +36,6 @@ from helpers import (
 import gateway.runner
 from gateway.alp import AlpClient
 from gateway.hub import Hub, open_hub
-from gateway.hub.core import LOST, RESET, Fault, Hold
 from gateway.hub.store import Store, load_or_create_admin_token
 from gateway.runner import Runner
 from gateway.sim import Simulator
@@ -42,6 +43,13 @@ from gateway.sim import Simulator
 REQUEST_TIMEOUT = 2.5  # the runner's Server request timeout in these tests (30 s in production)
 HOLD = Hold(60.0)  # held past the runner's timeout: the runner gives up first (a hung Server)
 KINDS: list[Fault] = [500, 502, 503, RESET, HOLD]
+
+
+@pytest.fixture
+async def proxy(hub: tuple[Hub, str]) -> AsyncIterator[FaultProxy]:
+    """The fault proxy in front of the test's hub: the runners' Server is ``proxy.url``."""
+    async with fault_proxy(hub[1]) as p:
+        yield p
 
 
 def kind_id(kind: Fault) -> str:
@@ -78,13 +86,17 @@ def completed(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def test_poll_faults_back_off_then_serve(
-    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, quick_requests: None
+    hub: tuple[Hub, str],
+    proxy: FaultProxy,
+    sim: Simulator,
+    tmp_path: Path,
+    quick_requests: None,
 ) -> None:
-    server, url = hub
-    server.faults["poll"] = list(KINDS)
+    server, url = hub[0], proxy.url
+    proxy.faults["poll"] = list(KINDS)
     async with running(runner_config(url, sim.url, tmp_path, poll_interval=0.2)) as runner:
         with trio.fail_after(30):
-            hits = await server.wait_hits("poll", len(KINDS) + 1)
+            hits = await proxy.wait_hits("poll", len(KINDS) + 1)
         assert [h.fault for h in hits[: len(KINDS) + 1]] == [*KINDS, None]
         # each failure waited at least the lower bound of its backoff (0.2 s · 2^(n-1) · 0.5,
         # capped at 6 poll intervals) before the next poll: no hammering, growing waits
@@ -97,19 +109,23 @@ async def test_poll_faults_back_off_then_serve(
 
 
 async def test_claim_faults_claim_once_when_cleared(
-    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, quick_requests: None
+    hub: tuple[Hub, str],
+    proxy: FaultProxy,
+    sim: Simulator,
+    tmp_path: Path,
+    quick_requests: None,
 ) -> None:
-    server, url = hub
-    server.faults["claim"] = list(KINDS)
+    server, url = hub[0], proxy.url
+    proxy.faults["claim"] = list(KINDS)
     async with running(runner_config(url, sim.url, tmp_path, poll_interval=0.2)) as runner:
         job, _ = await open_chat(server, within=30)
         await serve_turn(server, job.id)
-        claims = [h.fault for h in server.hits if h.route == "claim"]
+        claims = [h.fault for h in proxy.hits if h.route == "claim"]
         assert claims == [*KINDS, None]  # retried at each poll until one landed
         polls = runner.counters.get("polls")
         with trio.fail_after(10):
             await runner.counters.wait("polls", polls + 3)
-        assert server.hit_counts["claim"] == len(KINDS) + 1  # never claimed again
+        assert proxy.hit_counts["claim"] == len(KINDS) + 1  # never claimed again
         assert runner.counters.get("sessions_started") == 1 and list(runner.sessions) == [job.id]
 
 
@@ -118,12 +134,14 @@ async def test_lost_claim_answer_is_reoffered_and_claimed_once(
 ) -> None:
     # the hub claims the job but the runner never hears back: after reoffer_after the hub offers
     # that runner its unstarted claim again, and the repeated claim returns the same runId
-    async with open_hub(Hub(admin_token=ADMIN, reoffer_after=0.5)) as (server, url):
-        server.faults["claim"] = [LOST]
+    hub = Hub(admin_token=ADMIN, reoffer_after=0.5)
+    async with open_hub(hub) as (server, direct), fault_proxy(direct) as proxy:
+        url = proxy.url
+        proxy.faults["claim"] = [LOST]
         async with running(runner_config(url, sim.url, tmp_path, poll_interval=0.2)) as runner:
             job, _ = await open_chat(server, within=20)
             await serve_turn(server, job.id)
-            assert server.hit_counts["claim"] == 2
+            assert proxy.hit_counts["claim"] == 2
             assert runner.counters.get("sessions_started") == 1
             assert job.reports[0] == {"status": "in_progress"}
 
@@ -132,32 +150,35 @@ async def test_lost_claim_answer_on_a_server_that_never_reoffers(
     sim: Simulator, tmp_path: Path
 ) -> None:
     # like the Server that stops offering a claimed job: the runner asks again at once
-    async with open_hub(Hub(admin_token=ADMIN, reoffer_after=float("inf"))) as (server, url):
-        server.faults["claim"] = [LOST]
+    hub = Hub(admin_token=ADMIN, reoffer_after=float("inf"))
+    async with open_hub(hub) as (server, direct), fault_proxy(direct) as proxy:
+        url = proxy.url
+        proxy.faults["claim"] = [LOST]
         async with running(runner_config(url, sim.url, tmp_path, poll_interval=0.2)) as runner:
             job, _ = await open_chat(server, within=20)
             await serve_turn(server, job.id)
-            assert server.hit_counts["claim"] == 2
+            assert proxy.hit_counts["claim"] == 2
             assert runner.counters.get("sessions_started") == 1
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
 async def test_status_and_progress_faults_are_logged_and_the_session_goes_on(
     hub: tuple[Hub, str],
+    proxy: FaultProxy,
     sim: Simulator,
     tmp_path: Path,
     quick_requests: None,
     logs: LogCapture,
     kind: Fault,
 ) -> None:
-    server, url = hub
-    server.faults["status"] = [kind]  # the in_progress report
-    server.faults["progress"] = [kind]  # the first heartbeat
+    server, url = hub[0], proxy.url
+    proxy.faults["status"] = [kind]  # the in_progress report
+    proxy.faults["progress"] = [kind]  # the first heartbeat
     config = runner_config(url, sim.url, tmp_path, heartbeat_interval=0.1)
     async with running(config) as runner:
         job, ch = await open_chat(server, within=20)
         with trio.fail_after(20):
-            await server.wait_hits("progress", 2)  # the faulted heartbeat, then one that landed
+            await proxy.wait_hits("progress", 2)  # the faulted heartbeat, then one that landed
         await serve_turn(server, job.id)
         assert job.progress and not ch.closed.is_set()
         text = "\n".join(logs.lines)
@@ -171,17 +192,22 @@ async def test_status_and_progress_faults_are_logged_and_the_session_goes_on(
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
 async def test_final_report_retried_until_it_lands(
-    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, quick_requests: None, kind: Fault
+    hub: tuple[Hub, str],
+    proxy: FaultProxy,
+    sim: Simulator,
+    tmp_path: Path,
+    quick_requests: None,
+    kind: Fault,
 ) -> None:
-    server, url = hub
+    server, url = hub[0], proxy.url
     async with running(runner_config(url, sim.url, tmp_path)) as runner:
         job, ch = await open_chat(server)
         await serve_turn(server, job.id)
-        server.faults["status"] = [kind]
+        proxy.faults["status"] = [kind]
         await ch.send({"type": "chat.end", "reason": "user left"})
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
-    statuses = [h.fault for h in server.hits if h.route == "status"]
+    statuses = [h.fault for h in proxy.hits if h.route == "status"]
     assert statuses == [None, kind, None]  # in_progress, the faulted report, the retry
     finals = completed(job.reports)
     assert len(finals) == 1 and finals[0]["conclusion"] == "success"
@@ -189,39 +215,44 @@ async def test_final_report_retried_until_it_lands(
 
 
 async def test_final_report_answer_lost_is_not_recorded_twice(
-    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, quick_requests: None, logs: LogCapture
+    hub: tuple[Hub, str],
+    proxy: FaultProxy,
+    sim: Simulator,
+    tmp_path: Path,
+    quick_requests: None,
+    logs: LogCapture,
 ) -> None:
     # the Server records the report, then the connection breaks: the runner retries, the hub
     # refuses the second "completed" (409) and the job keeps its one outcome
-    server, url = hub
+    server, url = hub[0], proxy.url
     async with running(runner_config(url, sim.url, tmp_path)) as runner:
         job, ch = await open_chat(server)
-        server.faults["status"] = [LOST]
+        proxy.faults["status"] = [LOST]
         await ch.send({"type": "chat.end", "reason": "user left"})
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
     finals = completed(job.reports)
     assert len(finals) == 2  # received twice: the recorded one and the refused retry
     assert job.status == "completed" and job.conclusion == "success" and job.final_reported
-    assert server.hit_counts["status"] == 3
+    assert proxy.hit_counts["status"] == 3
     assert any("409" in line for line in logs.lines)
 
 
 async def test_channel_handshake_faults_are_redialled(
-    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+    hub: tuple[Hub, str], proxy: FaultProxy, sim: Simulator, tmp_path: Path
 ) -> None:
     # a held handshake is given up by the hub after 2 s here: trio-websocket's connect_timeout
     # does not end a dial whose handshake the Server holds open (its reader task keeps the
     # nursery open until the Server closes), so the runner alone would wait as long as the Server
-    server, url = hub
-    server.faults["channel"] = [503, RESET, Hold(2.0)]
+    server, url = hub[0], proxy.url
+    proxy.faults["channel"] = [503, RESET, Hold(2.0)]
     config = runner_config(url, sim.url, tmp_path, connect_timeout=1.0, reconnect_window=30.0)
     async with running(config) as runner:
         job = server.enqueue_job("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
         ch = await server.wait_channel(job.id, 30)
         assert ch is not None
         await serve_turn(server, job.id)
-        assert server.hit_counts["channel"] == 4
+        assert proxy.hit_counts["channel"] == 4
         assert runner.counters.get("sessions_started") == 1 and not job.completed.is_set()
 
 
@@ -398,38 +429,51 @@ async def _sent_when_stalled(stream: Any, total: int) -> int:
 
 
 async def test_slow_server_backpressure_reaches_the_backend(
-    hub: tuple[Hub, str], sim: Simulator, runner: Runner
+    hub: tuple[Hub, str], proxy: FaultProxy, sim: Simulator, tmp_path: Path
 ) -> None:
-    server, _ = hub
+    # the Server stops reading the channel (the proxy in front of it does)
+    server = hub[0]
+    async with running(runner_config(proxy.url, sim.url, tmp_path)):
+        await _backpressure(server, proxy, sim)
+
+
+async def _backpressure(server: Hub, proxy: FaultProxy, sim: Simulator) -> None:
     chunks, size = 5000, 2000  # ~10 MB of content, sent as fast as the sockets take it
     total = chunks + 3  # the role chunk, the content chunks, the finish chunk, [DONE]
     job, ch = await open_chat(server)
-    rx = ch.open_request("big")  # routed with backpressure (REQUEST_BUFFER), nothing dropped
-    ch.pause_reading()
-    await ch.send(
-        request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0})
-    )
-    with trio.fail_after(10):
-        stream = await sim.wait_for_streams(1)
-    stalled = await _sent_when_stalled(stream, total)
-    await trio.sleep(1.0)  # paused for a while: nothing more may leave the backend meanwhile
-    assert len(stream.payloads) == stalled
-    assert stalled < total // 2, (stalled, total)  # bounded: the runner did not buffer the answer
-    assert not stream.finished.is_set()
-
-    ch.resume_reading()
+    rx = ch.open_request("big")
     texts: list[str] = []
-    with trio.fail_after(30):
-        while True:
-            text, _ = await rx.receive()
+    last: dict[str, Any] = {}
+
+    async def read_all() -> None:  # the hub reads on: only the proxy in front of it stalls
+        async for text, _ in rx:
             frame = json.loads(text)
             if frame["type"] != "chat.completion.chunk":
-                break
+                last.update(frame)
+                return
             for choice in frame["chunk"].get("choices", []):
                 content = choice.get("delta", {}).get("content")
                 if content:
                     texts.append(content)
-    assert frame["type"] == "chat.completion.done"
+
+    proxy.pause_channels()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)
+        await ch.send(
+            request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0})
+        )
+        with trio.fail_after(10):
+            stream = await sim.wait_for_streams(1)
+        stalled = await _sent_when_stalled(stream, total)
+        await trio.sleep(1.0)  # paused for a while: nothing more may leave the backend meanwhile
+        assert len(stream.payloads) == stalled
+        assert stalled < total // 2, (stalled, total)  # bounded: the runner did not buffer it
+        assert not stream.finished.is_set() and not last
+
+        proxy.resume_channels()
+        with trio.fail_after(30):
+            await stream.finished.wait()
+    assert last["type"] == "chat.completion.done"
     # every token arrived once, in order: tok0 .. tok4999, each padded to the chunk size
     assert [t.split(" ", 1)[0] for t in texts] == [f"tok{i}" for i in range(chunks)]
     assert all(len(t) == size for t in texts)

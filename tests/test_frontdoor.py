@@ -14,8 +14,8 @@ import pytest
 import trio
 from fake_runner import SLOW, TOOL_ARGUMENTS, FakeRunner, Script, stream_chunks
 
-from gateway.hub import frontdoor
-from gateway.hub.core import Hub, open_hub
+from gateway.hub import Hub, open_hub
+from gateway.hub.frontdoor import shapes
 from gateway.hub.store import StoredSession
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -157,7 +157,7 @@ async def test_usage_chunk_arrives(env: Env) -> None:
 
 
 async def test_chunks_relayed_verbatim_with_keepalive_first(env: Env) -> None:
-    env.hub.keepalive_interval = 0.05
+    env.hub.settings.keepalive_interval = 0.05
     gate = trio.Event()
     env.runner.scripts["fake-gated"] = Script(gate=gate)
     body = {"model": "fake-gated", "messages": MESSAGES, "stream": True}
@@ -248,15 +248,15 @@ async def test_channel_lost_before_a_whole_answer_is_503(env: Env) -> None:
 
 
 def test_pretty_printed_chunk_becomes_multi_line_event() -> None:
-    event = frontdoor._sse_data(msgspec.Raw(b'{\n  "a": 1\r\n}'))
+    event = shapes.sse_data(msgspec.Raw(b'{\n  "a": 1\r\n}'))
     assert event == b'data: {\ndata:   "a": 1\ndata: }\n\n'
-    assert frontdoor._sse_data(msgspec.Raw(b'{"a":1}')) == b'data: {"a":1}\n\n'
+    assert shapes.sse_data(msgspec.Raw(b'{"a":1}')) == b'data: {"a":1}\n\n'
 
 
 def test_aggregate_chunks_folds_deltas() -> None:
     body = {"model": "m", "stream_options": {"include_usage": True}}
     chunks = [json.dumps(c).encode() for c in stream_chunks(body, Script(tool_calls=True))]
-    done = frontdoor.aggregate_chunks(chunks)
+    done = shapes.aggregate_chunks(chunks)
     assert done["object"] == "chat.completion" and done["model"] == "m"
     (choice,) = done["choices"]
     assert choice["finish_reason"] == "tool_calls"
@@ -291,7 +291,7 @@ async def test_two_sessions_interleaved(env: Env) -> None:
                 gate.set()
             results["a2"] = _text(await _stream(a))
     assert results == {k: "tok0tok1tok2" for k in ("a1", "b1", "b2", "a2")}
-    jobs = frontdoor.sessions(env.hub)
+    jobs = env.hub.frontdoor.sessions.listing()
     job_a, job_b = jobs[("tester", "a")], jobs[("tester", "b")]
     assert job_a != job_b and sorted(env.runner.claimed) == sorted([job_a, job_b])
     assert len(env.runner.turns_of(job_a)) == 2 and len(env.runner.turns_of(job_b)) == 2
@@ -314,14 +314,14 @@ async def test_concurrent_first_requests_open_one_job(env: Env) -> None:
 
 
 async def test_idle_session_gets_chat_end(env: Env) -> None:
-    env.hub.session_idle_timeout = 0.2
+    env.hub.settings.session_idle_timeout = 0.2
     async with env.client() as client:
         with trio.fail_after(LIMIT):
             await _stream(client)
             (job_id,) = env.runner.claimed
             await env.runner.wait_until(lambda: bool(env.runner.ends))
             assert env.runner.ends == [(job_id, "idle")]
-            assert frontdoor.sessions(env.hub) == {}
+            assert env.hub.frontdoor.sessions.listing() == {}
             await _stream(client)  # the next request opens a new job
     assert len(env.runner.claimed) == 2
 
@@ -355,7 +355,7 @@ async def test_client_disconnect_cancels_the_turn(env: Env) -> None:
 
 
 async def test_no_runner_is_503(env: Env) -> None:
-    env.hub.runner_wait_timeout = 0.3
+    env.hub.settings.runner_wait_timeout = 0.3
     lonely = env.hub.create_api_key("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT):
@@ -391,7 +391,6 @@ async def test_no_runner_is_503(env: Env) -> None:
 async def test_models_lists_open_channels_deduplicated(env: Env) -> None:
     async with env.client("a") as a, env.client("b") as b:
         with trio.fail_after(LIMIT):
-            assert [m.id for m in (await a.models.list()).data] == []  # no channel yet
             await _stream(a)
             await _stream(b)
             listed = await a.models.list()
@@ -402,6 +401,57 @@ async def test_models_lists_open_channels_deduplicated(env: Env) -> None:
     assert {(m.object, m.owned_by) for m in listed.data} == {("model", "alp-runner")}
     assert env.runner.models_requests >= 4  # both channels asked, twice
     assert one.id == "fake-tools"
+
+
+async def test_models_without_a_session_open_a_listing_session(env: Env) -> None:
+    # a fresh hub, a runner polling, no chat session: the first call lists through a short
+    # Chat Job (chat.models.request, then chat.end); the next ones answer from the store
+    async with env.client() as client:
+        with trio.fail_after(LIMIT):
+            listed = await client.models.list()
+            one = await client.models.retrieve("fake-tools")
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve("no-such-model")
+            again = await client.models.list()
+            (job_id,) = env.runner.claimed
+            await env.runner.wait_until(lambda: bool(env.runner.ends))
+    assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
+    assert [m.id for m in again.data] == ["fake-model", "fake-tools"] and one.id == "fake-tools"
+    assert missing.value.body["code"] == "model_not_found"
+    assert env.runner.models_requests == 1  # one listing session; the rest came from the store
+    assert env.runner.ends == [(job_id, "models listed")]
+    assert env.hub.jobs[job_id].cancelled and env.hub.frontdoor.sessions.listing() == {}
+    (stored,) = env.hub.store.load_models("local", "chat")
+    assert stored.runner_id == env.runner.runner_id
+    assert stored.models == ("fake-model", "fake-tools")
+
+
+async def test_models_forget_runners_not_seen_recently(env: Env) -> None:
+    from gateway.hub.store import ModelList
+
+    # the last answer of a runner this hub has not seen (gone, or before a restart) is not used
+    env.hub.store.save_models(ModelList("gone-runner", "local", "chat", ("old-model",), 1.0))
+    async with env.client() as client:
+        with trio.fail_after(LIMIT):
+            listed = await client.models.list()
+    assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
+    assert env.runner.models_requests == 1
+
+
+async def test_models_with_no_runner_is_an_error_naming_the_cause(env: Env) -> None:
+    env.hub.settings.models_wait = 0.3
+    lonely = env.hub.create_api_key("lonely", "nobody/here")
+    async with env.client(key=lonely) as client:
+        with trio.fail_after(LIMIT), pytest.raises(openai.APIStatusError) as caught:
+            await client.models.list()
+    assert caught.value.status_code == 503
+    assert caught.value.body == {
+        "message": "no runner with chat-llm:v1 connected within 0.3 s to list models",
+        "type": "service_unavailable",
+        "param": None,
+        "code": "no_runner",
+    }
+    assert not [j for j in env.hub.jobs.values() if j.owner == "nobody"]  # withdrawn
 
 
 # -- request errors -------------------------------------------------------------------
@@ -426,7 +476,7 @@ async def test_bad_requests_are_400(env: Env) -> None:
 
 
 async def test_oversized_body_is_413(env: Env) -> None:
-    env.hub.max_body = 1000
+    env.hub.settings.max_body = 1000
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "x" * 2000}]}
     async with env.http() as http:
         reply = await http.post("/v1/chat/completions", json=body)
@@ -459,7 +509,7 @@ async def test_unexpected_error_is_a_short_500(env: Env, monkeypatch: pytest.Mon
     async def broken(*_args: Any) -> list[str]:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(frontdoor, "list_models", broken)
+    monkeypatch.setattr(env.hub.frontdoor.models, "listing", broken)
     async with env.http() as http:
         reply = await http.get("/v1/models")
     assert reply.status_code == 500
@@ -497,7 +547,7 @@ async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
 
     second = Hub(data)
     async with open_hub(second):
-        assert frontdoor.sessions(second) == {("tester", "s"): live.id}
+        assert second.frontdoor.sessions.listing() == {("tester", "s"): live.id}
         assert [(s.session_id, s.job_id) for s in second.store.load_sessions()] == [("s", live.id)]
         # a front-door job no session points at lost its client: withdrawn, its redial refused
         assert second.jobs[orphan.id].cancelled and unclaimed.id not in second.jobs

@@ -2,7 +2,7 @@
 
 A fixed script of backend reads (several SSE events each) is relayed through a real
 ``Channel`` writing to a real trio-websocket client connection over an in-memory stream, and
-through the hub front door's ``_relay_stream``. What is counted:
+through the hub front door's ``relay_stream``. What is counted:
 
 - socket writes: the channel's writer sends whatever is queued as one write, so writes per read
   stay at one (plus one for the done frame), never one per chunk;
@@ -41,7 +41,7 @@ from wsproto.events import AcceptConnection, Request, TextMessage
 from gateway import protocol
 from gateway.backends import BackendPool
 from gateway.channel import Channel
-from gateway.hub import frontdoor
+from gateway.hub.frontdoor import relay
 from gateway.sse import SSESplitter
 
 GATEWAY = os.path.dirname(protocol.__file__) + os.sep  # allocations made by the gateway's code
@@ -374,10 +374,6 @@ class _Resp:
         self.changed = trio.Event()
 
 
-class _Hub:
-    keepalive_interval = 15.0
-
-
 def _chunk_frame(rid: str, i: int) -> str:
     return protocol.chunk_frame(protocol.chunk_prefix(JOB, rid), payload(i))
 
@@ -388,8 +384,8 @@ async def test_front_door_sends_queued_chunks_in_one_write() -> None:
         send.send_nowait((_chunk_frame("f1", i), 0.0))
     send.send_nowait((protocol.done_frame(JOB, "f1"), 0.0))
     resp = _Resp()
-    turn = frontdoor._Turn(JOB, "f1", None)  # type: ignore[arg-type]
-    await frontdoor._relay_stream(_Hub(), turn, rx, resp)  # type: ignore[arg-type]
+    turn = relay.Turn(JOB, "f1", None)  # type: ignore[arg-type]
+    await relay.relay_stream(turn, rx, resp, 15.0)  # type: ignore[arg-type]
     assert turn.finished and resp.finished
     assert len(resp.bodies) == 1  # 100 chunks and [DONE], one write
     events = resp.bodies[0].split(b"\n\n")
@@ -400,9 +396,9 @@ async def test_front_door_sends_queued_chunks_in_one_write() -> None:
 async def test_front_door_never_holds_a_chunk_back() -> None:
     send, rx = trio.open_memory_channel[tuple[str, float]](1000)
     resp = _Resp()
-    turn = frontdoor._Turn(JOB, "f2", None)  # type: ignore[arg-type]
+    turn = relay.Turn(JOB, "f2", None)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(frontdoor._relay_stream, _Hub(), turn, rx, resp)
+        nursery.start_soon(relay.relay_stream, turn, rx, resp, 15.0)
         for i in range(5):
             await send.send((_chunk_frame("f2", i), 0.0))
             with trio.fail_after(2):

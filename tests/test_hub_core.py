@@ -12,10 +12,12 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from faultproxy import LOST, RESET, Delay, FaultProxy, Hold, fault_proxy
 
 from gateway import protocol
 from gateway.hub import Hub, ServerChannel, open_hub
-from gateway.hub import core as hub_core
+from gateway.hub.app import _hypercorn_config
+from gateway.hub.channel import CLOSE_OFFLINE, CLOSE_REPLACED
 from gateway.hub.cli import default_data_dir, main
 
 ADMIN = "alpa_test-admin-token"
@@ -33,6 +35,14 @@ async def served() -> AsyncIterator[tuple[Hub, httpx.AsyncClient]]:
     async with open_hub(Hub(admin_token=ADMIN)) as (hub, base_url):
         async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
             yield hub, client
+
+
+@pytest.fixture
+async def proxied() -> AsyncIterator[tuple[Hub, FaultProxy, httpx.AsyncClient]]:
+    """A hub behind a fault-injecting proxy, and an HTTP client talking to the proxy."""
+    async with open_hub(Hub(admin_token=ADMIN)) as (hub, base_url), fault_proxy(base_url) as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+            yield hub, proxy, client
 
 
 def ws_url(client: httpx.AsyncClient, job_id: str, token: str) -> str:
@@ -72,7 +82,7 @@ async def test_register_both_paths(served: tuple[Hub, httpx.AsyncClient], path: 
     assert set(body) == {"id", "name", "token", "registeredAt"}
     assert body["name"] == "box"
     assert body["token"].startswith("alpr_")
-    runner = hub.runner_by_token(body["token"])
+    runner = hub.registration_by_token(body["token"])
     assert runner is not None and runner.labels == ("linux",)
     assert (runner.owner, runner.project) == (OWNER, PROJECT)
 
@@ -97,7 +107,7 @@ async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> No
     runner = hub.register_runner(OWNER, PROJECT, "box", [])
     r = await client.post(url, json=body, headers=bearer(runner["token"]))
     assert r.status_code == 403
-    assert "only a user credential registers a runner" in r.json()["error"]
+    assert "only a user credential registers a runner" in r.json()["error"]["message"]
     key = hub.create_api_key("k")
     assert (await client.post(url, json=body, headers=bearer(key))).status_code == 403
     assert (await client.post(url, content=b"not json", headers=bearer(ADMIN))).status_code == 400
@@ -132,7 +142,7 @@ async def test_poll_matches_capabilities(served: tuple[Hub, httpx.AsyncClient]) 
         "agentDefinition": {"jobType": "chat_llm"},
     }
     assert all(job.claimed_by is None for job in hub.jobs.values())
-    assert hub.last_seen[hub.runner_by_token(token).id] > 0  # type: ignore[union-attr]
+    assert hub.last_seen[hub.registration_by_token(token).id] > 0  # type: ignore[union-attr]
 
 
 async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -386,7 +396,7 @@ async def test_channel_replaced_on_reconnect(served: tuple[Hub, httpx.AsyncClien
                 assert second is not None and second is not first
                 with pytest.raises(trio_websocket.ConnectionClosed) as info:
                     await ws1.get_message()
-                assert info.value.reason.code == hub_core.CLOSE_REPLACED
+                assert info.value.reason.code == CLOSE_REPLACED
                 await second.send("still here")
                 assert await ws2.get_message() == "still here"
                 await ws2.send_message("hello")
@@ -444,21 +454,21 @@ async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
 # -- faults, dispatch ------------------------------------------------------------------
 
 
-async def test_fault_injection(served: tuple[Hub, httpx.AsyncClient]) -> None:
-    hub, client = served
+async def test_fault_injection(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
+    hub, proxy, client = proxied
     token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
-    hub.faults["poll"] = [503, 500]
+    proxy.faults["poll"] = [503, 500]
     url = f"{BASE}/runners/jobs"
     for expected in (503, 500, 204):
         r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
         assert r.status_code == expected
         if expected != 204:
             assert r.json() == {"error": "injected"}
-    hub.faults["register"].append(502)
+    proxy.faults["register"].append(502)
     r = await client.post(f"{BASE}/runners", json={"name": "b"}, headers=bearer(ADMIN))
     assert r.status_code == 502
     runner, job_id, _ = await claimed_job(hub, client)
-    hub.faults["channel"] = [500]
+    proxy.faults["channel"] = [500]
     with pytest.raises(trio_websocket.ConnectionRejected) as info:
         async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
             pass
@@ -467,15 +477,24 @@ async def test_fault_injection(served: tuple[Hub, httpx.AsyncClient]) -> None:
         assert await hub.wait_channel(job_id, timeout=5) is not None
 
 
-async def test_dispatch_unknown_and_frontdoor(
-    served: tuple[Hub, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_dispatch_unknown(served: tuple[Hub, httpx.AsyncClient]) -> None:
     _, client = served
     r = await client.get("/nowhere")
-    assert r.status_code == 404 and r.json() == {"error": "not found"}
+    assert r.status_code == 404
+    assert r.json() == {
+        "error": {
+            "message": "Invalid URL (GET /nowhere)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "unknown_url",
+        }
+    }
     assert (await client.post(f"{BASE}/runners/unknown")).status_code == 404
-    monkeypatch.setattr(hub_core, "_frontdoor_module", lambda: None)
-    assert (await client.get("/v1/models")).status_code == 501
+    r = await client.delete(f"{BASE}/runners/jobs")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = await client.post(f"{BASE}/runners/jobs", json={"capabilities": CAPS})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["message"] == "a runner token is required"
 
 
 # -- offline detection -----------------------------------------------------------------
@@ -494,7 +513,7 @@ async def test_offline_runner_jobs_force_completed() -> None:
                     await job.completed.wait()
                     with pytest.raises(trio_websocket.ConnectionClosed) as info:
                         await ws.get_message()
-                    assert info.value.reason.code == hub_core.CLOSE_OFFLINE
+                    assert info.value.reason.code == CLOSE_OFFLINE
             assert job.conclusion == "failure"
             assert job.reports[-1] == {
                 "status": "completed",
@@ -625,14 +644,14 @@ async def _raw_poll(url: str, token: str) -> bytes:
     return received
 
 
-async def test_fault_kinds(served: tuple[Hub, httpx.AsyncClient]) -> None:
-    hub, client = served
+async def test_fault_kinds(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
+    hub, proxy, client = proxied
     token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
     url = f"{BASE}/runners/jobs"
     body = {"capabilities": CAPS}
-    hub.faults["poll"] = [hub_core.RESET]
-    assert await _raw_poll(str(client.base_url), token) == b""  # not one byte of an answer
-    hub.faults["poll"] = [hub_core.Hold(30.0), ("hold", 30.0), hub_core.Delay(0.2), ("delay", 0)]
+    proxy.faults["poll"] = [RESET]
+    assert await _raw_poll(proxy.url, token) == b""  # not one byte of an answer
+    proxy.faults["poll"] = [Hold(30.0), Hold(30.0), Delay(0.2), Delay(0)]
     for _ in range(2):  # held until the client gives up: a timeout, not an answer
         with pytest.raises(httpx.ReadTimeout):
             await client.post(url, json=body, headers=bearer(token), timeout=0.5)
@@ -640,18 +659,12 @@ async def test_fault_kinds(served: tuple[Hub, httpx.AsyncClient]) -> None:
     r = await client.post(url, json=body, headers=bearer(token))
     assert r.status_code == 204 and trio.current_time() - start >= 0.2  # late, but answered
     assert (await client.post(url, json=body, headers=bearer(token))).status_code == 204
-    assert [h.fault for h in hub.hits] == [
-        hub_core.RESET,
-        hub_core.Hold(30.0),
-        hub_core.Hold(30.0),
-        hub_core.Delay(0.2),
-        hub_core.Delay(0.0),
-    ]
-    assert await hub.wait_hits("poll", 5) == list(hub.hits) and hub.hit_counts["poll"] == 5
+    assert [h.fault for h in proxy.hits] == [RESET, Hold(30.0), Hold(30.0), Delay(0.2), Delay(0)]
+    assert await proxy.wait_hits("poll", 5) == proxy.hits and proxy.hit_counts["poll"] == 5
 
     # LOST: the claim takes effect, the answer never comes
     job = hub.enqueue_job(OWNER, PROJECT, CAPS)
-    hub.faults["claim"] = [hub_core.LOST]
+    proxy.faults["claim"] = [LOST]
     with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):  # reset, no answer
         await client.post(
             f"{BASE}/runners/generate-jitconfig",
@@ -660,40 +673,20 @@ async def test_fault_kinds(served: tuple[Hub, httpx.AsyncClient]) -> None:
         )
     assert job.claimed_by is not None and job.run_id is not None
 
-    hub.faults["poll"] = [99]  # not a fault: the hub logs it and answers 500
-    assert (await client.post(url, json=body, headers=bearer(token))).status_code == 500
-    with pytest.raises(ValueError):
-        hub_core._normalize_fault(("wait", 1))
 
-
-async def test_reset_without_the_socket_is_the_nearest_thing(
-    served: tuple[Hub, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    hub, client = served
-    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
-    monkeypatch.setattr(hub_core, "_connection_stream", lambda: None)
-    hub.faults["poll"] = [hub_core.RESET]
-    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
-        await client.post(
-            f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(token)
-        )
-
-
-async def test_channel_faults(served: tuple[Hub, httpx.AsyncClient]) -> None:
-    hub, client = served
+async def test_channel_faults(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
+    hub, proxy, client = proxied
     runner, job_id, _ = await claimed_job(hub, client)
     url = ws_url(client, job_id, runner["token"])
-    hub.faults["channel"] = [hub_core.RESET, hub_core.Delay(0.1)]
-    with pytest.raises(trio_websocket.HandshakeError):
+    proxy.faults["channel"] = [RESET, Delay(0.1)]
+    with pytest.raises(trio_websocket.HandshakeError) as reset:
         async with trio_websocket.open_websocket_url(url, connect_timeout=1):
             pass
+    assert not isinstance(reset.value, trio_websocket.ConnectionRejected)  # no answer at all
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(url):  # late, but accepted
             assert await hub.wait_channel(job_id, timeout=5) is not None
-    assert [h.fault for h in hub.hits if h.route == "channel"] == [
-        hub_core.RESET,
-        hub_core.Delay(0.1),
-    ]
+    assert [h.fault for h in proxy.hits if h.route == "channel"] == [RESET, Delay(0.1)]
 
 
 async def test_admin_routes(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -746,9 +739,10 @@ async def test_unstarted_claim_is_reoffered_to_its_runner_only() -> None:
 
 
 async def test_paused_channel_reads_nothing_until_resumed(
-    served: tuple[Hub, httpx.AsyncClient],
+    proxied: tuple[Hub, FaultProxy, httpx.AsyncClient],
 ) -> None:
-    hub, client = served
+    # the Server stops reading the channel (the proxy in front of it does): TCP pushes back
+    hub, proxy, client = proxied
     runner, job_id, _ = await claimed_job(hub, client)
     total, pad = 300, "x" * 65536  # ~20 MB: far more than the socket buffers hold
     sent = 0
@@ -766,8 +760,7 @@ async def test_paused_channel_reads_nothing_until_resumed(
         ):
             ch = await hub.wait_channel(job_id, timeout=5)
             assert ch is not None
-            ch.pause_reading()
-            assert ch.reading_paused
+            proxy.pause_channels()
             nursery.start_soon(sender, ws)
             last = -1
             while sent != last:  # a measurement: until the runner side's sends block
@@ -777,8 +770,7 @@ async def test_paused_channel_reads_nothing_until_resumed(
             assert 0 < sent == last < total  # TCP pushed back
             await ch.send("the Server can still send")
             assert await ws.get_message() == "the Server can still send"
-            ch.resume_reading()
-            assert not ch.reading_paused
+            proxy.resume_channels()
             for i in range(total):
                 assert (await ch.recv())[0] == f"{i:06d}{pad}"
 
@@ -860,4 +852,4 @@ def test_tls_needs_cert_and_key(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot use --tls-cert" in err
     with pytest.raises(ValueError):
-        hub_core._hypercorn_config(Hub(), "127.0.0.1", 0, certfile="c.pem")
+        _hypercorn_config(Hub(), "127.0.0.1", 0, certfile="c.pem")

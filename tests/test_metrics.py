@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from faultproxy import fault_proxy
 from helpers import EXE, Turns, clean_env, open_chat, request_frame, runner_config, running
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -201,25 +202,30 @@ async def test_healthz_and_metrics_count_a_served_turn(
 async def test_healthz_503_while_polls_fail_then_200_again(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
-    config = runner_config(
-        hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT, poll_interval=0.1
-    )
-    async with running(config) as runner:
-        url = metrics_url(runner) + "/healthz"
-        assert (await get(url)).status_code == 200
-        hub[0].faults["poll"] = [503] * 1000
-        errors = runner.counters.get("poll_errors")
-        with trio.fail_after(15):
-            while (resp := await get(url)).status_code == 200:  # each failed poll moves time on
-                errors += 1
-                await runner.counters.wait("poll_errors", errors)
-        assert resp.status_code == 503
-        assert "last successful poll" in resp.text and "503" in resp.text
-        hub[0].faults["poll"] = []
-        with trio.fail_after(15):
-            while (resp := await get(url)).status_code != 200:
-                await runner.counters.wait("polls", runner.counters.get("polls") + 1)
-        assert resp.text == "ok\n"
+    async with fault_proxy(hub[1]) as proxy:  # a Server whose polls fail
+        config = runner_config(
+            proxy.url,
+            sim.url,
+            tmp_path / "state",
+            metrics_listen=LOOPBACK_ANY_PORT,
+            poll_interval=0.1,
+        )
+        async with running(config) as runner:
+            url = metrics_url(runner) + "/healthz"
+            assert (await get(url)).status_code == 200
+            proxy.faults["poll"] = [503] * 1000
+            errors = runner.counters.get("poll_errors")
+            with trio.fail_after(15):
+                while (resp := await get(url)).status_code == 200:  # each failed poll moves time on
+                    errors += 1
+                    await runner.counters.wait("poll_errors", errors)
+            assert resp.status_code == 503
+            assert "last successful poll" in resp.text and "503" in resp.text
+            proxy.faults["poll"] = []
+            with trio.fail_after(15):
+                while (resp := await get(url)).status_code != 200:
+                    await runner.counters.wait("polls", runner.counters.get("polls") + 1)
+            assert resp.text == "ok\n"
 
 
 async def test_http_edges(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:

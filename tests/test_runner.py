@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import trio
+from faultproxy import fault_proxy
 from helpers import (
     ADMIN,
     BACKEND_KEY,
@@ -226,16 +227,17 @@ async def test_dropped_channel_is_redialled_and_next_turn_served(
 async def test_reconnect_window_gives_up_with_failure(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
-    config = runner_config(hub[1], sim.url, tmp_path, reconnect_window=1.0)
-    async with running(config):
-        job, ch = await open_chat(hub[0])
-        hub[0].faults["channel"] = [503] * 1000
-        await ch.close(1011)
-        with trio.fail_after(10):
-            await job.completed.wait()
-        finals = [r for r in job.reports if r.get("status") == "completed"]
-        assert len(finals) == 1 and finals[0]["conclusion"] == "failure"
-        assert "redial" in finals[0]["logs"]
+    async with fault_proxy(hub[1]) as proxy:  # a Server that refuses every redial
+        config = runner_config(proxy.url, sim.url, tmp_path, reconnect_window=1.0)
+        async with running(config):
+            job, ch = await open_chat(hub[0])
+            proxy.faults["channel"] = [503] * 1000
+            await ch.close(1011)
+            with trio.fail_after(10):
+                await job.completed.wait()
+            finals = [r for r in job.reports if r.get("status") == "completed"]
+            assert len(finals) == 1 and finals[0]["conclusion"] == "failure"
+            assert "redial" in finals[0]["logs"]
 
 
 async def test_foreign_job_never_claimed(

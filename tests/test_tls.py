@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
+from faultproxy import RequestLog
 from helpers import (
     ADMIN,
     EXE,
@@ -25,7 +26,7 @@ from helpers import (
 )
 
 from gateway.config import SETTINGS, Config
-from gateway.hub import Hub, open_hub
+from gateway.hub import App, Hub, open_hub
 from gateway.runner import Runner, RunnerExit
 from gateway.sim import Simulator
 
@@ -50,15 +51,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture
-async def tls_hub(pki: Pki) -> AsyncIterator[tuple[Hub, str]]:
-    async with open_hub(Hub(admin_token=ADMIN), certfile=pki.cert, keyfile=pki.key) as pair:
-        yield pair
+async def tls_hub(pki: Pki) -> AsyncIterator[tuple[Hub, str, RequestLog]]:
+    hub = Hub(admin_token=ADMIN)
+    requests = RequestLog(App(hub))  # every request the hub's app is given
+    async with open_hub(hub, certfile=pki.cert, keyfile=pki.key, app=requests) as (_, url):
+        yield hub, url, requests
 
 
 async def test_untrusted_server_certificate_is_refused(
-    tls_hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+    tls_hub: tuple[Hub, str, RequestLog], sim: Simulator, tmp_path: Path
 ) -> None:
-    hub, url = tls_hub
+    hub, url, requests = tls_hub
     assert url.startswith("https://")
     job = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
     runner = Runner(runner_config(url, sim.url, tmp_path))  # no ca_file: system CAs only
@@ -66,14 +69,14 @@ async def test_untrusted_server_certificate_is_refused(
         await runner.run()  # a certificate failure is not retried: it will not fix itself
     assert "certificate" in str(info.value) and "--ca-file" in str(info.value)
     assert runner.registration is None and not runner.first_poll.is_set()
-    assert hub.hit_counts["register"] == 0  # no request got past the TLS handshake
+    assert requests.requests == []  # no request got past the TLS handshake
     assert job.claimed_by is None and job.status == "queued"
 
 
 async def test_private_ca_registers_claims_and_serves_over_wss(
-    tls_hub: tuple[Hub, str], sim: Simulator, pki: Pki, tmp_path: Path
+    tls_hub: tuple[Hub, str, RequestLog], sim: Simulator, pki: Pki, tmp_path: Path
 ) -> None:
-    hub, url = tls_hub
+    hub, url, requests = tls_hub
     async with running(runner_config(url, sim.url, tmp_path, ca_file=pki.ca)) as runner:
         assert runner.registration is not None and runner.registration.server == url
         job, ch = await open_chat(hub)  # the channel is wss://: this port speaks only TLS
@@ -82,6 +85,8 @@ async def test_private_ca_registers_claims_and_serves_over_wss(
         await turns.until("r")
         assert turns.last("r")["type"] == "chat.completion.done"
         assert len(turns.chunks("r")) == len(sim.streams[0].payloads) - 1
+    polls = f"/api/owners/{OWNER}/projects/{PROJECT}/runners/jobs"
+    assert ("POST", polls) in requests.requests  # what the first test counts, counted
 
 
 def test_no_setting_turns_verification_off() -> None:

@@ -16,7 +16,9 @@ import trio
 
 from gateway.config import default_state_dir
 from gateway.config import parse_listen as config_parse_listen
-from gateway.hub.core import Hub, serve_hub
+from gateway.hub.app import serve_hub
+from gateway.hub.hub import Hub
+from gateway.hub.settings import HubSettings
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
 from gateway.signals import watch_signals
 
@@ -74,6 +76,14 @@ def _build_parser() -> _Parser:
     parser.add_argument(
         "--tls-key", type=pathlib.Path, metavar="PEM", help="the private key of --tls-cert"
     )
+    parser.add_argument(
+        "--models-wait",
+        type=float,
+        metavar="SECONDS",
+        default=HubSettings.models_wait,
+        help="how long GET /v1/models waits for a runner when no model list is known yet "
+        f"(default {HubSettings.models_wait:g})",
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
     keys_sub = keys.add_subparsers(
@@ -105,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError("--tls-cert and --tls-key go together")
         if args.tls_cert is not None:
             _check_tls(args.tls_cert, args.tls_key)
-        return _serve(data_dir, host, port, args.tls_cert, args.tls_key)
+        if not args.models_wait > 0:
+            raise _UsageError("--models-wait must be a positive number of seconds")
+        settings = HubSettings(models_wait=args.models_wait)
+        return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     except _UsageError as exc:
@@ -166,8 +179,9 @@ def _serve(
     port: int,
     certfile: pathlib.Path | None = None,
     keyfile: pathlib.Path | None = None,
+    settings: HubSettings | None = None,
 ) -> int:
-    hub = Hub(data_dir)
+    hub = Hub(data_dir, settings=settings)
     if hub.admin_token_created:
         print(
             f"admin token (a user credential for runner registration; shown only now, kept in {data_dir / 'admin-token'}):"

@@ -1,5 +1,4 @@
-"""SQLite persistence of the hub: runners and API keys (token hashes only), Chat Jobs and their
-reports, and the front door's session -> job mapping, so a restarted hub carries on where it stopped."""
+"""The hub's SQLite store: registrations, API keys, jobs and reports, sessions, model lists."""
 
 from __future__ import annotations
 
@@ -64,6 +63,13 @@ CREATE TABLE IF NOT EXISTS job_reports (
     received_at TEXT NOT NULL,
     PRIMARY KEY (job_id, seq)
 );
+CREATE TABLE IF NOT EXISTS runner_models (
+    runner_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    models TEXT NOT NULL,
+    answered_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS sessions (
     key_name TEXT NOT NULL,
     session_id TEXT NOT NULL,
@@ -100,8 +106,8 @@ def split_project(project: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class Runner:
-    """A registered runner (the token itself is never kept, only its hash)."""
+class Registration:
+    """A runner's registration as the hub keeps it (the token itself never, only its hash)."""
 
     id: str
     name: str
@@ -140,6 +146,17 @@ class StoredJob:
     cancelled: bool = False
     cancel_reason: str | None = None
     reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    """The last ``chat.models.response`` a runner gave, and when (Unix time)."""
+
+    runner_id: str
+    owner: str
+    project: str
+    models: tuple[str, ...]
+    answered_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,14 +305,40 @@ class Store:
         ).fetchall()
         return [StoredSession(*row) for row in rows]
 
-    # -- runners ---------------------------------------------------------
+    # -- model lists -------------------------------------------------------
 
-    def add_runner(
+    def save_models(self, models: ModelList) -> None:
+        """Keep a runner's latest model list (replacing the one before)."""
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO runner_models"
+                " (runner_id, owner, project, models, answered_at) VALUES (?, ?, ?, ?, ?)",
+                (
+                    models.runner_id,
+                    models.owner,
+                    models.project,
+                    json.dumps(list(models.models)),
+                    models.answered_at,
+                ),
+            )
+
+    def load_models(self, owner: str, project: str) -> list[ModelList]:
+        """Every runner's last model list in ``owner/project``, newest first."""
+        rows = self._db.execute(
+            "SELECT runner_id, owner, project, models, answered_at FROM runner_models"
+            " WHERE owner = ? AND project = ? ORDER BY answered_at DESC",
+            (owner, project),
+        ).fetchall()
+        return [ModelList(r[0], r[1], r[2], tuple(json.loads(r[3])), r[4]) for r in rows]
+
+    # -- registrations -----------------------------------------------------
+
+    def add_registration(
         self, owner: str, project: str, name: str, labels: list[str]
-    ) -> tuple[Runner, str]:
-        """Register a runner; returns it and its token (shown once, stored hashed)."""
+    ) -> tuple[Registration, str]:
+        """Register a runner; returns its registration and token (shown once, stored hashed)."""
         token = new_token(RUNNER_TOKEN_PREFIX)
-        runner = Runner(
+        runner = Registration(
             id=str(uuid.uuid4()),
             name=name,
             owner=owner,
@@ -323,30 +366,31 @@ class Store:
     _RUNNER_COLUMNS = "id, name, owner, project, labels, registered_at, token_hash"
 
     @staticmethod
-    def _runner(row: tuple[str, str, str, str, str, str, str]) -> Runner:
-        return Runner(row[0], row[1], row[2], row[3], tuple(json.loads(row[4])), row[5], row[6])
+    def _registration(row: tuple[str, str, str, str, str, str, str]) -> Registration:
+        labels = tuple(json.loads(row[4]))
+        return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
 
-    def runner_by_token(self, token: str) -> Runner | None:
-        """The runner whose token this is (constant-time comparison against every hash)."""
+    def registration_by_token(self, token: str) -> Registration | None:
+        """The registration whose token this is (constant-time comparison against every hash)."""
         digest = token_hash(token)
         found: str | None = None
         for runner_id, stored in self._db.execute("SELECT id, token_hash FROM runners"):
             if hmac.compare_digest(stored, digest):
                 found = runner_id
-        return self.runner(found) if found is not None else None
+        return self.registration(found) if found is not None else None
 
-    def runner(self, runner_id: str) -> Runner | None:
-        """The registered runner with this id, or None."""
+    def registration(self, runner_id: str) -> Registration | None:
+        """The registration of runner ``runner_id``, or None."""
         row = self._db.execute(
             f"SELECT {self._RUNNER_COLUMNS} FROM runners WHERE id = ?", (runner_id,)
         ).fetchone()
-        return self._runner(row) if row is not None else None
+        return self._registration(row) if row is not None else None
 
-    def list_runners(self) -> list[Runner]:
+    def list_registrations(self) -> list[Registration]:
         rows = self._db.execute(
             f"SELECT {self._RUNNER_COLUMNS} FROM runners ORDER BY registered_at, id"
         ).fetchall()
-        return [self._runner(row) for row in rows]
+        return [self._registration(row) for row in rows]
 
     # -- API keys --------------------------------------------------------
 

@@ -1,0 +1,379 @@
+"""The job board: jobs queued, matched, claimed once, reported on, ended when offline; no HTTP."""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import trio
+
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import Store, StoredJob
+
+log = logging.getLogger("gateway.hub")
+
+SUBSCRIBER_BUFFER = 64  # job_available events buffered per subscriber; more are dropped
+
+Refusal = Literal["not_found", "conflict", "forbidden", "invalid"]
+
+
+class BoardError(Exception):
+    """A runner's request the board refuses: ``kind`` says why, ``message`` for the runner."""
+
+    def __init__(self, kind: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class Changes:
+    """A wake-up for whoever waits on the board's or the channels' state: ``notify`` wakes all."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@dataclass(eq=False)
+class Job:
+    """One queued or claimed Chat Job (mirrored in the hub's store)."""
+
+    id: str
+    owner: str
+    project: str
+    needs: list[str]
+    agent_definition: dict[str, Any]
+    origin: str = "api"  # "api" (enqueue_job) or "frontdoor" (a /v1 chat or listing session)
+    run_id: str | None = None
+    claimed_by: str | None = None  # runner id
+    runner_name: str | None = None  # the "name" sent with the claim
+    status: str = "queued"  # "queued" | "in_progress" | "completed"
+    conclusion: str | None = None  # "success" | "failure"
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    completed: trio.Event = field(default_factory=trio.Event)
+    claimed: trio.Event = field(default_factory=trio.Event)
+    cancelled: bool = False
+    cancel_reason: str | None = None
+    final_reported: bool = False  # a runner's "completed" report was accepted
+    claimed_at: float | None = None  # trio clock; None for a job reloaded at start
+    channel_opened: bool = False  # a channel of this job was accepted (since this hub started)
+
+    @property
+    def over(self) -> bool:
+        """No channel can serve this job any more (completed or cancelled)."""
+        return self.status == "completed" or self.cancelled
+
+    def record(self) -> StoredJob:
+        """The job as the store keeps it (without its reports)."""
+        return StoredJob(
+            id=self.id,
+            owner=self.owner,
+            project=self.project,
+            needs=list(self.needs),
+            agent_definition=self.agent_definition,
+            origin=self.origin,
+            run_id=self.run_id,
+            claimed_by=self.claimed_by,
+            runner_name=self.runner_name,
+            status=self.status,
+            conclusion=self.conclusion,
+            final_reported=self.final_reported,
+            cancelled=self.cancelled,
+            cancel_reason=self.cancel_reason,
+        )
+
+    @classmethod
+    def from_record(cls, stored: StoredJob) -> Job:
+        """A job reloaded from the store, its events set to match its state."""
+        job = cls(
+            id=stored.id,
+            owner=stored.owner,
+            project=stored.project,
+            needs=list(stored.needs),
+            agent_definition=dict(stored.agent_definition),
+            origin=stored.origin,
+            run_id=stored.run_id,
+            claimed_by=stored.claimed_by,
+            runner_name=stored.runner_name,
+            status=stored.status,
+            conclusion=stored.conclusion,
+            reports=list(stored.reports),
+            cancelled=stored.cancelled,
+            cancel_reason=stored.cancel_reason,
+            final_reported=stored.final_reported,
+        )
+        if job.claimed_by is not None:
+            job.claimed.set()
+        if job.status == "completed":
+            job.completed.set()
+        return job
+
+    def admin_json(self) -> dict[str, Any]:
+        """Everything about the job, for ``GET /api/hub/jobs``."""
+        return {
+            "id": self.id,
+            "runId": self.run_id,
+            "owner": self.owner,
+            "project": self.project,
+            "needs": list(self.needs),
+            "agentDefinition": self.agent_definition,
+            "origin": self.origin,
+            "claimedBy": self.claimed_by,
+            "runnerName": self.runner_name,
+            "status": self.status,
+            "conclusion": self.conclusion,
+            "finalReported": self.final_reported,
+            "cancelled": self.cancelled,
+            "cancelReason": self.cancel_reason,
+            "reports": list(self.reports),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The Job as a poll reply lists it."""
+        return {
+            "id": self.id,
+            "runId": None,
+            "needs": list(self.needs),
+            "agentDefinition": self.agent_definition,
+        }
+
+
+class JobBoard:
+    """Every Chat Job of the hub and what runners did with it; each change is saved to the store."""
+
+    def __init__(self, store: Store, settings: HubSettings, changes: Changes) -> None:
+        self.store = store
+        self.settings = settings
+        self.changes = changes
+        self.jobs: dict[str, Job] = {job.id: Job.from_record(job) for job in store.load_jobs()}
+        self.last_seen: dict[str, float] = {}  # runner id -> trio clock of its last sign of life
+        self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+
+    # -- jobs in ----------------------------------------------------------------
+
+    def enqueue(
+        self,
+        owner: str,
+        project: str,
+        needs: list[str],
+        agent_definition: dict[str, Any] | None = None,
+        *,
+        origin: str = "api",
+    ) -> Job:
+        """Queue a Job for ``owner/project`` and tell every subscriber of that project."""
+        job = Job(
+            id=str(uuid.uuid4()),
+            owner=owner,
+            project=project,
+            needs=list(needs),
+            agent_definition=dict(agent_definition) if agent_definition is not None else {},
+            origin=origin,
+        )
+        self.jobs[job.id] = job
+        self.save(job)
+        subscribers = self._subscribers.get((owner, project), set())
+        for send_ch in list(subscribers):
+            try:
+                send_ch.send_nowait(job.id)
+            except trio.WouldBlock:
+                pass  # that subscriber has events pending already: it will poll anyway
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                subscribers.discard(send_ch)
+        return job
+
+    @contextmanager
+    def subscribe(self, owner: str, project: str) -> Iterator[trio.MemoryReceiveChannel[str]]:
+        """The ids of jobs queued in ``owner/project`` while the block runs (a few buffered)."""
+        send_ch, recv_ch = trio.open_memory_channel[str](SUBSCRIBER_BUFFER)
+        subscribers = self._subscribers.setdefault((owner, project), set())
+        subscribers.add(send_ch)
+        try:
+            yield recv_ch
+        finally:
+            subscribers.discard(send_ch)
+            if not subscribers and self._subscribers.get((owner, project)) is subscribers:
+                del self._subscribers[(owner, project)]
+            send_ch.close()
+
+    def save(self, job: Job) -> None:
+        """Write the job's state to the store (after every change)."""
+        self.store.save_job(job.record())
+
+    # -- what runners do --------------------------------------------------------
+
+    def seen(self, runner_id: str) -> None:
+        """The runner gave a sign of life."""
+        self.last_seen[runner_id] = trio.current_time()
+
+    def unstarted_claim(self, job: Job, runner_id: str) -> bool:
+        """``runner_id`` claimed the job and has not started it (no in_progress, no channel)."""
+        return (
+            job.claimed_by == runner_id
+            and job.status == "queued"
+            and not job.cancelled
+            and not job.channel_opened
+        )
+
+    def offered(
+        self, runner_id: str, owner: str, project: str, capabilities: set[str]
+    ) -> list[Job]:
+        """The jobs a poll offers: queued, within the capabilities, or this runner's own unstarted
+        claim after ``reoffer_after`` (its claim answer may have been lost)."""
+        now = trio.current_time()
+
+        def offer(job: Job) -> bool:
+            if job.claimed_by is None:
+                return job.status == "queued" and not job.cancelled
+            claimed_at = -math.inf if job.claimed_at is None else job.claimed_at
+            due = now - claimed_at >= self.settings.reoffer_after
+            return due and self.unstarted_claim(job, runner_id)
+
+        return [
+            job
+            for job in self.jobs.values()
+            if (job.owner, job.project) == (owner, project)
+            and set(job.needs) <= capabilities
+            and offer(job)
+        ]
+
+    def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
+        """Claim a job for ``runner_id``: its run id. The same runner again before starting it
+        gets the same run id (it lost the answer); anyone else a conflict."""
+        job = self.jobs.get(job_id)
+        if job is None or (job.owner, job.project) != (owner, project):
+            raise BoardError("not_found", "no such job")
+        if self.unstarted_claim(job, runner_id):
+            log.info(
+                "job %s claimed again by runner %s: same run %s", job.id, runner_id, job.run_id
+            )
+            assert job.run_id is not None
+            return job.run_id
+        if job.claimed_by is not None or job.status != "queued" or job.cancelled:
+            raise BoardError("conflict", "this job is already claimed")
+        job.claimed_by = runner_id
+        job.runner_name = name
+        job.run_id = str(uuid.uuid4())
+        job.claimed_at = trio.current_time()
+        job.claimed.set()
+        self.save(job)
+        return job.run_id
+
+    def own_job(self, runner_id: str, owner: str, project: str, run_id: str, job_id: str) -> Job:
+        """The job a runner reports on, if it is that runner's claim under that run."""
+        job = self.jobs.get(job_id)
+        if job is None or (job.owner, job.project) != (owner, project):
+            raise BoardError("not_found", "no such job")
+        if job.claimed_by != runner_id:
+            raise BoardError("forbidden", "this job is not claimed by this runner")
+        if job.run_id != run_id:
+            raise BoardError("not_found", "no such run for this job")
+        return job
+
+    def report_status(self, job: Job, report: dict[str, Any]) -> None:
+        """A status report (``in_progress`` or the one ``completed``); every report is kept."""
+        self._keep_report(job, report)
+        status = report.get("status")
+        if status not in ("in_progress", "completed"):
+            raise BoardError("invalid", '"status" must be "in_progress" or "completed"')
+        if job.status == "completed":
+            raise BoardError("conflict", "this job is already completed")
+        if status == "in_progress":
+            job.status = "in_progress"
+            self.save(job)
+            return
+        conclusion = report.get("conclusion")
+        if conclusion not in ("success", "failure"):
+            raise BoardError("invalid", '"conclusion" must be "success" or "failure"')
+        for key in ("logs", "completionReason"):
+            if report.get(key) is not None and not isinstance(report[key], str):
+                raise BoardError("invalid", f'"{key}" must be a string')
+        job.status = "completed"
+        job.conclusion = conclusion
+        job.final_reported = True
+        job.completed.set()
+        self.save(job)
+        self.changes.notify()
+
+    def report_progress(self, job: Job, report: dict[str, Any]) -> None:
+        """A heartbeat (``{"stage", "message"?}``)."""
+        job.progress.append(report)
+        if not isinstance(report.get("stage"), str):
+            raise BoardError("invalid", '"stage" must be a string')
+        if report.get("message") is not None and not isinstance(report["message"], str):
+            raise BoardError("invalid", '"message" must be a string or null')
+        if job.status == "completed":
+            raise BoardError("conflict", "this job is already completed")
+
+    def may_open_channel(self, runner_id: str, job_id: str) -> Job | None:
+        """The job when ``runner_id`` may open its channel now (its claim, not over), else None."""
+        job = self.jobs.get(job_id)
+        if job is None or job.claimed_by != runner_id or job.over:
+            return None
+        return job
+
+    # -- the Server's own decisions -------------------------------------------------
+
+    def withdraw(self, job_id: str, reason: str) -> None:
+        """Mark a job cancelled (without telling its runner: the caller sends chat.end first).
+
+        A queued job is forgotten; a claimed one stays, cancelled: its channel is refused from
+        now on, so its runner ends the session and sends its final report.
+        """
+        job = self.jobs.get(job_id)
+        if job is None or job.status == "completed":
+            return
+        job.cancel_reason = reason
+        job.cancelled = True
+        if job.claimed_by is None:
+            del self.jobs[job_id]
+            self.store.delete_job(job_id)
+        else:
+            self.save(job)
+        self.changes.notify()
+
+    def check_offline(self) -> list[Job]:
+        """Force-complete (as failure, one report each) the open jobs of runners silent for
+        ``offline_after`` s; returns them."""
+        now = trio.current_time()
+        forced: list[Job] = []
+        for job in list(self.jobs.values()):
+            if job.claimed_by is None or job.status == "completed":
+                continue
+            last = self.last_seen.get(job.claimed_by)
+            if last is None:  # a job reloaded at start: its runner gets offline_after to show up
+                self.last_seen[job.claimed_by] = now
+                continue
+            if now - last <= self.settings.offline_after:
+                continue
+            report = {
+                "status": "completed",
+                "conclusion": "failure",
+                "logs": "runner offline",
+                "forced": True,
+            }
+            self._keep_report(job, report)
+            job.status = "completed"
+            job.conclusion = "failure"
+            job.completed.set()
+            self.save(job)
+            forced.append(job)
+            log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
+        if forced:
+            self.changes.notify()
+        return forced
+
+    def _keep_report(self, job: Job, report: dict[str, Any]) -> None:
+        job.reports.append(report)
+        self.store.add_job_report(job.id, report)

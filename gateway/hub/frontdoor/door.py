@@ -1,0 +1,145 @@
+"""The front door's handlers: the API key, then a chat turn or the models."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import trio
+
+from gateway.hub.board import JobBoard
+from gateway.hub.channel import Channels
+from gateway.hub.frontdoor.models import Models
+from gateway.hub.frontdoor.relay import Turn, relay_stream, relay_whole, request_frame, send_cancel
+from gateway.hub.frontdoor.sessions import Session, Sessions
+from gateway.hub.frontdoor.shapes import (
+    channel_lost,
+    invalid_key,
+    model_list,
+    model_not_found,
+    model_object,
+    no_key,
+    parse_chat_body,
+)
+from gateway.hub.http import ClientGone, HTTPError, Request, Response, bearer, header
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import ApiKey, Store
+
+log = logging.getLogger("gateway.hub.frontdoor")
+
+SESSION_HEADER = b"x-chat-session"
+DEFAULT_SESSION = "default"
+
+
+class FrontDoor:
+    """``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}`` of one hub."""
+
+    def __init__(
+        self, store: Store, settings: HubSettings, board: JobBoard, channels: Channels
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.sessions = Sessions(store, settings, board, channels)
+        self.models = Models(store, settings, board, channels, self.sessions)
+
+    def restore(self) -> None:
+        """Reload the stored sessions (before serving)."""
+        self.sessions.restore()
+
+    async def run(self) -> None:
+        """The front door's background work (idle sessions, draining channels), until cancelled."""
+        await self.sessions.run()
+
+    def _key(self, req: Request) -> ApiKey:
+        if header(req.scope, b"authorization") is None:
+            raise no_key()
+        token = bearer(req.scope)
+        key = self.store.check_api_key(token) if token else None
+        if key is None:
+            raise invalid_key()
+        return key
+
+    # -- /v1/models --------------------------------------------------------------------
+
+    async def list_models(self, req: Request) -> None:
+        key = self._key(req)
+        models = await self.models.listing(key.owner, key.project)
+        await req.resp.json(200, model_list(models, int(time.time())))
+
+    async def retrieve_model(self, req: Request) -> None:
+        key = self._key(req)
+        model_id = req.params["model"]
+        if model_id not in await self.models.listing(key.owner, key.project):
+            raise model_not_found(model_id)
+        await req.resp.json(200, model_object(model_id, int(time.time())))
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+
+    async def chat(self, req: Request) -> None:
+        """One chat turn: cancelled (``chat.completion.cancel`` to the runner) if the client leaves."""
+        key = self._key(req)
+        text, stream = parse_chat_body(await req.body(self.settings.max_body))
+        raw_sid = header(req.scope, SESSION_HEADER)
+        sid = raw_sid.decode("latin-1").strip() if raw_sid else ""
+        session = self.sessions.enter((key.name, sid or DEFAULT_SESSION), key.owner, key.project)
+        try:
+            with trio.CancelScope() as turn_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_watch_disconnect, req, turn_scope)
+                    try:
+                        await self._turn(session, text, stream, req.resp)
+                    finally:
+                        nursery.cancel_scope.cancel()
+            if turn_scope.cancelled_caught:
+                log.info("client of session %s/%s disconnected", *session.key)
+        finally:
+            self.sessions.leave(session)
+
+    async def _turn(self, session: Session, body: str, stream: bool, resp: Response) -> None:
+        try:
+            arrived = trio.current_time()
+            async with session.lock:
+                if session.failure is not None and session.failure[0] >= arrived:
+                    raise session.failure[1].copy()
+                try:
+                    job_id, ch = await self.sessions.channel_of(session)
+                except HTTPError as err:
+                    session.failure = (trio.current_time(), err)
+                    raise
+            turn = Turn(job_id, uuid.uuid4().hex, ch)
+            rx = ch.open_request(turn.rid)
+            try:
+                try:
+                    await ch.send(request_frame(job_id, turn.rid, body))
+                except Exception as exc:
+                    turn.lost = True
+                    log.warning("could not send a turn on job %s: %r", job_id, exc)
+                    raise channel_lost(
+                        "the chat channel was lost before the request could be sent"
+                    ) from None
+                if stream:
+                    await relay_stream(turn, rx, resp, self.settings.keepalive_interval)
+                else:
+                    await relay_whole(turn, rx, resp)
+            finally:
+                if not turn.finished and not turn.lost:
+                    await send_cancel(turn)
+                ch.close_request(turn.rid)
+        except HTTPError as err:
+            if not resp.started:
+                try:
+                    await resp.error(err)
+                except ClientGone:
+                    pass
+        except ClientGone:
+            pass
+
+
+async def _watch_disconnect(req: Request, scope: trio.CancelScope) -> None:
+    while True:
+        message = await req.receive()
+        if message["type"] == "http.disconnect":
+            req.resp.gone = True
+            scope.cancel()
+            return

@@ -1,0 +1,146 @@
+"""/v1/models without a session: open channels, else stored answers, else a listing session."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import trio
+
+from gateway import protocol
+from gateway.hub.board import JobBoard
+from gateway.hub.channel import Channels, ServerChannel
+from gateway.hub.frontdoor.relay import next_reply
+from gateway.hub.frontdoor.sessions import Sessions
+from gateway.hub.http import HTTPError
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import ModelList, Store
+
+log = logging.getLogger("gateway.hub.frontdoor")
+
+
+def model_ids(models: Any) -> list[str]:
+    """The model ids of a ``chat.models.response`` (strings, or objects with an ``id``)."""
+    out: list[str] = []
+    for item in models if isinstance(models, list) else []:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("id"), str):
+            out.append(item["id"])
+    return out
+
+
+class Models:
+    """Which models one project's runners serve, answered without waiting for a chat session."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: HubSettings,
+        board: JobBoard,
+        channels: Channels,
+        sessions: Sessions,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.board = board
+        self.channels = channels
+        self.sessions = sessions
+        self._listing: dict[tuple[str, str], trio.Lock] = {}  # one listing session per project
+
+    async def listing(self, owner: str, project: str) -> list[str]:
+        """Every model id ``owner/project`` can serve, deduplicated, in order; HTTPError 503
+        when no runner is known and none came to a listing session within ``models_wait``."""
+        answers = await self._ask_open_channels(owner, project)
+        if answers is not None:
+            return answers
+        known = self._recent(owner, project)
+        if known is not None:
+            return known
+        lock = self._listing.setdefault((owner, project), trio.Lock())
+        async with lock:
+            known = self._recent(owner, project)  # a listing just before ours may have answered
+            if known is not None:
+                return known
+            return await self._listing_session(owner, project)
+
+    async def _ask_open_channels(self, owner: str, project: str) -> list[str] | None:
+        """The answers of the project's open channels; None when none is open or none answered."""
+        channels = []
+        for ch in self.channels.all():
+            job = self.board.jobs.get(ch.job_id)
+            if job is not None and (job.owner, job.project) == (owner, project):
+                channels.append(ch)
+        if not channels:
+            return None
+        answers: list[list[str] | None] = [None] * len(channels)
+
+        async def ask(slot: int, ch: ServerChannel) -> None:
+            answers[slot] = await self._ask(ch, self.settings.models_timeout, owner, project)
+
+        async with trio.open_nursery() as nursery:
+            for slot, ch in enumerate(channels):
+                nursery.start_soon(ask, slot, ch)
+        if all(answer is None for answer in answers):
+            return None
+        return list(dict.fromkeys(m for answer in answers if answer is not None for m in answer))
+
+    def _recent(self, owner: str, project: str) -> list[str] | None:
+        """The last answers of runners seen within ``offline_after``; None when there are none."""
+        now = trio.current_time()
+        lists = [
+            stored.models
+            for stored in self.store.load_models(owner, project)
+            if now - self.board.last_seen.get(stored.runner_id, -float("inf"))
+            <= self.settings.offline_after
+        ]
+        if not lists:
+            return None
+        return list(dict.fromkeys(m for models in lists for m in models))
+
+    async def _listing_session(self, owner: str, project: str) -> list[str]:
+        """A Chat Job opened only to ask ``chat.models.request``, then ended (``chat.end``)."""
+        within = self.settings.models_wait
+        deadline = trio.current_time() + within
+        job_id, ch = await self.sessions.open_job(owner, project, within, " to list models")
+        try:
+            models = await self._ask(ch, max(deadline - trio.current_time(), 0.0), owner, project)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.channels.cancel_job(job_id, "models listed")
+        if models is None:
+            raise HTTPError(
+                503,
+                f"the runner of job {job_id} did not answer {protocol.MODELS_REQUEST} "
+                f"within {within:g} s",
+                "no_models",
+            )
+        log.info("listing session %s: %d model(s)", job_id, len(models))
+        return models
+
+    async def _ask(
+        self, ch: ServerChannel, within: float, owner: str, project: str
+    ) -> list[str] | None:
+        """``chat.models.request`` on one channel: its answer (also stored), or None."""
+        rid = uuid.uuid4().hex
+        rx = ch.open_request(rid)
+        try:
+            with trio.move_on_after(within):
+                frame = {"type": protocol.MODELS_REQUEST, "jobId": ch.job_id, "requestId": rid}
+                await ch.send(protocol.encode(frame))
+                while True:
+                    reply = await next_reply(rx)
+                    if reply is None:
+                        return None
+                    if reply.type == protocol.MODELS_RESPONSE:
+                        models = model_ids(reply.models)
+                        listed = ModelList(ch.runner_id, owner, project, tuple(models), time.time())
+                        self.store.save_models(listed)
+                        return models
+        except Exception as exc:
+            log.info("no models from the channel of job %s: %r", ch.job_id, exc)
+        finally:
+            ch.close_request(rid)
+        return None

@@ -1,0 +1,251 @@
+"""OpenAI shapes at the front door: chat body, errors, SSE events, folded completions, models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from gateway import protocol
+from gateway.hub.http import HTTPError, error_envelope
+
+OWNED_BY = "alp-runner"
+DONE_EVENT = b"data: [DONE]\n\n"
+KEEPALIVE = b": keepalive\n\n"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+# -- errors ---------------------------------------------------------------------------
+
+
+def no_runner(within: float, what: str = "") -> HTTPError:
+    """503: no capable runner came within ``within`` s (``what``: for what, when not a chat)."""
+    message = f"no runner with {protocol.CAPABILITY} connected within {within:g} s{what}"
+    return HTTPError(503, message, "no_runner")
+
+
+def channel_lost(message: str = "the chat channel to the runner was lost mid-turn") -> HTTPError:
+    return HTTPError(503, message, "channel_lost")
+
+
+def upstream_error(message: str, code: str = "upstream_error") -> HTTPError:
+    return HTTPError(502, message, code)
+
+
+def stream_error_event(message: str, code: str) -> bytes:
+    """The SSE event that ends a stream already started with an error."""
+    return b"data: " + error_envelope(message, "upstream_error", code) + b"\n\n"
+
+
+def invalid_key() -> HTTPError:
+    return HTTPError(401, "Incorrect API key provided.", "invalid_api_key")
+
+
+def no_key() -> HTTPError:
+    return HTTPError(
+        401,
+        "You didn't provide an API key. You need to provide your API key in an Authorization "
+        "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+        "invalid_api_key",
+    )
+
+
+# -- the chat body ------------------------------------------------------------------------
+
+
+class _ChatBody(msgspec.Struct):
+    """What the front door checks in a chat-completions body (the rest is passed on unread)."""
+
+    messages: list[msgspec.Raw]
+    stream: bool | None = None
+
+
+_chat_body_decoder = msgspec.json.Decoder(_ChatBody)
+
+
+def _invalid_json(why: str) -> HTTPError:
+    return HTTPError(
+        400, f"We could not parse the JSON body of your request: {why}", "invalid_json"
+    )
+
+
+def parse_chat_body(body: bytes) -> tuple[str, bool]:
+    """(body as text, stream?) for a valid chat-completions body; HTTPError 400 otherwise."""
+    if not body.strip():
+        raise _invalid_json("it is empty.")
+    try:
+        parsed = _chat_body_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise HTTPError(
+            400, f"Invalid chat completions request: {exc}", "invalid_request"
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise _invalid_json(str(exc)) from None
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _invalid_json("it is not UTF-8.") from None
+    return text, bool(parsed.stream)
+
+
+# -- SSE and whole completions -----------------------------------------------------------------
+
+
+def sse_data(chunk: msgspec.Raw) -> bytes:
+    """One SSE event around a chunk's raw bytes (one copy, no parsing)."""
+    event = b"data: " + chunk + b"\n\n"
+    if b"\r" in event or event.find(b"\n", 0, len(event) - 2) >= 0:
+        # a pretty-printed chunk: one data line per line (SSE joins them back with \n)
+        lines = event[6:-2].replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        return b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"
+    return event
+
+
+class _Kind(msgspec.Struct):
+    object: Any = None
+
+
+_kind_decoder = msgspec.json.Decoder(_Kind)
+
+
+def object_kind(chunk: bytes) -> Any:
+    """The ``object`` field of a JSON object (``"chat.completion"``...), None if unreadable."""
+    try:
+        return _kind_decoder.decode(chunk).object
+    except msgspec.DecodeError:
+        return None
+
+
+def whole_completion(chunks: list[bytes]) -> bytes:
+    """The answer to a non-streamed turn: the backend's own ``chat.completion`` verbatim, or one
+    folded from its streamed chunks."""
+    if len(chunks) == 1 and object_kind(chunks[0]) != "chat.completion.chunk":
+        return chunks[0]
+    return msgspec.json.encode(aggregate_chunks(chunks))
+
+
+# -- one chat.completion from streamed chunks ---------------------------------------------
+
+_SET_KEYS = frozenset({"role", "index", "type", "id"})
+
+
+def _merge_tool_calls(into: list[dict[str, Any]], deltas: list[Any]) -> None:
+    for position, delta in enumerate(deltas):
+        if not isinstance(delta, dict):
+            continue
+        index = delta.get("index", position)
+        target = next((tc for tc in into if tc.get("index") == index), None)
+        if target is None:
+            target = {"index": index}
+            into.append(target)
+        for key, value in delta.items():
+            if value is None or key == "index":
+                continue
+            if key == "function" and isinstance(value, dict):
+                fn = target.setdefault("function", {})
+                for fkey, fval in value.items():
+                    if not isinstance(fval, str):
+                        if fval is not None:
+                            fn[fkey] = fval
+                    elif fkey == "name" and fn.get("name") == fval:
+                        continue  # a backend repeating the whole name in every delta
+                    else:
+                        fn[fkey] = fn.get(fkey, "") + fval
+            else:
+                target[key] = value
+
+
+def _merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    for key, value in delta.items():
+        if value is None:
+            continue
+        if key == "tool_calls" and isinstance(value, list):
+            _merge_tool_calls(message.setdefault("tool_calls", []), value)
+        elif isinstance(value, str) and key not in _SET_KEYS:
+            message[key] = (message.get(key) or "") + value
+        else:
+            message[key] = value
+
+
+def aggregate_chunks(chunks: list[bytes]) -> dict[str, Any]:
+    """Fold streamed ``chat.completion.chunk`` objects into one ``chat.completion`` object."""
+    head: dict[str, Any] = {}
+    usage: Any = None
+    choices: dict[int, dict[str, Any]] = {}
+    for raw in chunks:
+        try:
+            obj = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        for key in ("id", "created", "model", "system_fingerprint", "service_tier"):
+            if obj.get(key) is not None and key not in head:
+                head[key] = obj[key]
+        if obj.get("usage"):
+            usage = obj["usage"]
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            target = choices.setdefault(
+                index,
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": None},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+            )
+            delta = choice.get("delta", choice.get("message"))
+            if isinstance(delta, dict):
+                _merge_delta(target["message"], delta)
+            if choice.get("finish_reason") is not None:
+                target["finish_reason"] = choice["finish_reason"]
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                merged = target["logprobs"] or {}
+                for key, value in logprobs.items():
+                    if isinstance(value, list):
+                        merged[key] = (merged.get(key) or []) + value
+                target["logprobs"] = merged
+    for choice in choices.values():
+        calls = choice["message"].get("tool_calls")
+        if calls:
+            calls.sort(key=lambda tc: tc.get("index", 0))
+            for call in calls:
+                call.pop("index", None)
+    return {
+        "id": head.get("id", "chatcmpl-" + uuid.uuid4().hex),
+        "object": "chat.completion",
+        "created": head.get("created", int(time.time())),
+        "model": head.get("model", ""),
+        **(
+            {"system_fingerprint": head["system_fingerprint"]}
+            if "system_fingerprint" in head
+            else {}
+        ),
+        **({"service_tier": head["service_tier"]} if "service_tier" in head else {}),
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": usage,
+    }
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+def model_object(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+
+def model_list(models: list[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_object(m, created) for m in models]}
+
+
+def model_not_found(model_id: str) -> HTTPError:
+    return HTTPError(404, f"The model '{model_id}' does not exist", "model_not_found")

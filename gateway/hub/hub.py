@@ -1,0 +1,169 @@
+"""One hub: settings, store, admin token, job board, channels, front door, background work."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import pathlib
+from typing import Any
+
+import trio
+
+from gateway.hub.board import Changes, Job, JobBoard
+from gateway.hub.channel import CLOSE_OFFLINE, Channels, ServerChannel
+from gateway.hub.frontdoor import FrontDoor
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import (
+    ADMIN_TOKEN_PREFIX,
+    DEFAULT_KEY_PROJECT,
+    ApiKey,
+    Registration,
+    Store,
+    load_or_create_admin_token,
+    new_token,
+    token_hash,
+)
+
+log = logging.getLogger("gateway.hub")
+
+
+class Hub:
+    """The ALP Server emulator's state: ``Hub(data_dir, settings=...)`` or with settings by name
+    (``Hub(offline_after=5)``); served by ``gateway.hub.app.serve_hub``."""
+
+    def __init__(
+        self,
+        data_dir: pathlib.Path | str | None = None,
+        *,
+        admin_token: str | None = None,
+        settings: HubSettings | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.settings = dataclasses.replace(settings or HubSettings(), **overrides)
+        self.data_dir = pathlib.Path(data_dir).expanduser() if data_dir is not None else None
+        self.store = Store(self.data_dir)
+        if admin_token is not None:
+            self.admin_token, self.admin_token_created = admin_token, False
+        elif self.data_dir is not None:
+            self.admin_token, self.admin_token_created = load_or_create_admin_token(self.data_dir)
+        else:
+            self.admin_token, self.admin_token_created = new_token(ADMIN_TOKEN_PREFIX), True
+        self._admin_hash = token_hash(self.admin_token)
+        changes = Changes()
+        self.board = JobBoard(self.store, self.settings, changes)
+        self.channels = Channels(self.board, changes)
+        self.frontdoor = FrontDoor(self.store, self.settings, self.board, self.channels)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Everything the hub does on its own while it serves, until cancelled: the front door's
+        sessions (restored before ``started``), offline runners' jobs force-ended."""
+        self.frontdoor.restore()
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.frontdoor.run)
+            nursery.start_soon(self._watch_offline)
+
+    # -- jobs and channels ------------------------------------------------------------
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        return self.board.jobs
+
+    @property
+    def last_seen(self) -> dict[str, float]:
+        """Runner id -> trio clock of its last sign of life."""
+        return self.board.last_seen
+
+    def enqueue_job(
+        self,
+        owner: str,
+        project: str,
+        needs: list[str],
+        agent_definition: dict[str, Any] | None = None,
+        *,
+        origin: str = "api",
+    ) -> Job:
+        """Queue a Job for ``owner/project`` and tell every events subscriber of that project."""
+        return self.board.enqueue(owner, project, needs, agent_definition, origin=origin)
+
+    def save_job(self, job: Job) -> None:
+        self.board.save(job)
+
+    def withdraw_job(self, job_id: str, reason: str) -> None:
+        self.board.withdraw(job_id, reason)
+
+    def channel(self, job_id: str) -> ServerChannel | None:
+        """The job's current open channel, or None."""
+        return self.channels.get(job_id)
+
+    def open_channels(self) -> list[ServerChannel]:
+        return self.channels.all()
+
+    @property
+    def runners_connected(self) -> set[str]:
+        """Runner ids with an open channel."""
+        return {ch.runner_id for ch in self.channels.all()}
+
+    async def wait_channel(
+        self,
+        job_id: str,
+        timeout: float | None = None,  # noqa: ASYNC109 (the shared API)
+    ) -> ServerChannel | None:
+        """The job's open channel, waiting for a (re)connect (None on timeout or once it is over)."""
+        return await self.channels.wait(job_id, timeout)
+
+    async def end_job(self, job_id: str, reason: str) -> None:
+        """Send ``chat.end`` on the job's channel if one is open."""
+        await self.channels.end_job(job_id, reason)
+
+    async def cancel_job(self, job_id: str, reason: str = "cancelled") -> None:
+        """Withdraw a job: a queued one leaves the queue; an open one gets ``chat.end`` first."""
+        await self.channels.cancel_job(job_id, reason)
+
+    async def check_offline(self) -> list[Job]:
+        """Force-complete the open jobs of runners silent for ``offline_after`` s, close their
+        channels; returns those jobs."""
+        forced = self.board.check_offline()
+        for job in forced:
+            ch = self.channels.get(job.id)
+            if ch is not None:
+                ch.request_close(CLOSE_OFFLINE, "runner offline")
+        return forced
+
+    async def _watch_offline(self) -> None:
+        while True:
+            await trio.sleep(min(max(self.settings.offline_after / 5, 0.02), 5.0))
+            await self.check_offline()
+
+    # -- registrations and credentials ------------------------------------------------------
+
+    def register_runner(
+        self, owner: str, project: str, name: str, labels: list[str]
+    ) -> dict[str, Any]:
+        """Register a runner for ``owner/project``: ``{"id","name","token","registeredAt"}``."""
+        registration, token = self.store.add_registration(owner, project, name, list(labels))
+        return {
+            "id": registration.id,
+            "name": registration.name,
+            "token": token,
+            "registeredAt": registration.registered_at,
+        }
+
+    def registration_by_token(self, token: str) -> Registration | None:
+        return self.store.registration_by_token(token)
+
+    def is_admin_token(self, token: str) -> bool:
+        return hmac.compare_digest(token_hash(token), self._admin_hash)
+
+    def create_api_key(self, name: str, project: str = DEFAULT_KEY_PROJECT) -> str:
+        return self.store.create_api_key(name, project)
+
+    def list_api_keys(self) -> list[dict[str, Any]]:
+        return self.store.list_api_keys()
+
+    def revoke_api_key(self, name: str) -> bool:
+        return self.store.revoke_api_key(name)
+
+    def check_api_key(self, token: str) -> ApiKey | None:
+        return self.store.check_api_key(token)

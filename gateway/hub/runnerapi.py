@@ -1,0 +1,183 @@
+"""The runner API (docs/protocol.md §1-§4): HTTP routes on the job board, the channel handshake."""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+
+import msgspec
+import trio
+
+from gateway.hub.board import BoardError
+from gateway.hub.http import (
+    HTTPError,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    bearer,
+    json_object,
+    string_list,
+    wait_disconnect,
+)
+from gateway.hub.hub import Hub
+from gateway.hub.store import Registration
+
+log = logging.getLogger("gateway.hub")
+
+CHANNEL_PATH = "/api/lives/chat/channel/ws"
+
+_STATUS_OF_REFUSAL = {"not_found": 404, "conflict": 409, "forbidden": 403, "invalid": 400}
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_encoder = msgspec.json.Encoder()
+
+
+def refused(exc: BoardError) -> HTTPError:
+    """The HTTP answer to a refusal of the job board."""
+    return HTTPError(_STATUS_OF_REFUSAL[exc.kind], exc.message, exc.kind)
+
+
+class RunnerApi:
+    """The runner routes of one hub (``{base}/...`` and the channel WebSocket)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.board = hub.board
+
+    def _runner(self, req: Request) -> Registration:
+        """The registration of the runner token presented, in the route's project."""
+        token = bearer(req.scope)
+        runner = self.hub.store.registration_by_token(token) if token else None
+        if runner is None:
+            message = "a runner token is required" if token is None else "unknown runner token"
+            raise HTTPError(401, message, "invalid_runner_token")
+        self.board.seen(runner.id)
+        owner, project = req.params["owner"], req.params["project"]
+        if (runner.owner, runner.project) != (owner, project):
+            raise HTTPError(
+                403, f"this runner is registered to {runner.owner}/{runner.project}", "forbidden"
+            )
+        return runner
+
+    async def register(self, req: Request) -> None:
+        body = await req.body(self.hub.settings.max_body)
+        token = bearer(req.scope)
+        if token is None:
+            raise HTTPError(401, "a user credential is required to register a runner")
+        if not self.hub.is_admin_token(token):
+            store = self.hub.store
+            if store.registration_by_token(token) is not None:
+                raise HTTPError(
+                    403, "a runner token was presented: only a user credential registers a runner"
+                )
+            if store.check_api_key(token) is not None:
+                raise HTTPError(
+                    403, "an API key was presented: only a user credential registers a runner"
+                )
+            raise HTTPError(401, "unknown credential")
+        obj = json_object(body)
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
+        labels = string_list(obj, "labels", required=False)
+        owner, project = req.params["owner"], req.params["project"]
+        await req.resp.json(201, self.hub.register_runner(owner, project, name, labels))
+
+    async def poll(self, req: Request) -> None:
+        body = await req.body(self.hub.settings.max_body)
+        runner = self._runner(req)
+        capabilities = set(string_list(json_object(body), "capabilities", required=True))
+        owner, project = req.params["owner"], req.params["project"]
+        jobs = [
+            job.to_json() for job in self.board.offered(runner.id, owner, project, capabilities)
+        ]
+        if not jobs:
+            await req.resp.whole(204, b"")
+            return
+        await req.resp.json(200, {"jobs": jobs})
+
+    async def claim(self, req: Request) -> None:
+        body = await req.body(self.hub.settings.max_body)
+        runner = self._runner(req)
+        obj = json_object(body)
+        job_id, name = obj.get("jobId"), obj.get("name")
+        if not isinstance(job_id, str) or not isinstance(name, str):
+            raise HTTPError(400, '"jobId" and "name" must be strings', "invalid_request")
+        try:
+            run_id = self.board.claim(
+                runner.id, req.params["owner"], req.params["project"], job_id, name
+            )
+        except BoardError as exc:
+            raise refused(exc) from None
+        await req.resp.json(200, {"runId": run_id})
+
+    async def status(self, req: Request) -> None:
+        body = await req.body(self.hub.settings.max_body)
+        runner = self._runner(req)
+        p = req.params
+        try:
+            job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])
+            self.board.report_status(job, json_object(body))
+        except BoardError as exc:
+            raise refused(exc) from None
+        await req.resp.json(200, {"id": job.id, "runId": job.run_id, "status": job.status})
+
+    async def progress(self, req: Request) -> None:
+        body = await req.body(self.hub.settings.max_body)
+        runner = self._runner(req)
+        p = req.params
+        try:
+            job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])
+            self.board.report_progress(job, json_object(body))
+        except BoardError as exc:
+            raise refused(exc) from None
+        await req.resp.json(200, {})
+
+    async def events(self, req: Request) -> None:
+        """``job_available`` events for the runner's project until it disconnects; a keepalive
+        comment after each quiet ``keepalive_interval``."""
+        self._runner(req)
+        resp = req.resp
+        with self.board.subscribe(req.params["owner"], req.params["project"]) as queued:
+            await resp.start(200, list(_SSE_HEADERS))
+            async with trio.open_nursery() as nursery:
+
+                async def until_disconnect() -> None:
+                    await wait_disconnect(req.receive)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(until_disconnect)
+                while True:
+                    job_id: str | None = None
+                    with trio.move_on_after(self.hub.settings.keepalive_interval):
+                        job_id = await queued.receive()
+                    if job_id is None:
+                        await resp.body(b": keepalive\n\n")
+                    else:
+                        data = _encoder.encode({"jobId": job_id})
+                        await resp.body(b"event: job_available\ndata: " + data + b"\n\n")
+
+    async def channel(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The Chat Channel handshake (``?jobId=&token=``), then the channel until it closes.
+
+        Refused (403, before the accept) unless the token's runner claimed that job and the job
+        is not over.
+        """
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        job_id = (query.get("jobId") or [""])[0]
+        token = (query.get("token") or [""])[0]
+        runner = self.hub.store.registration_by_token(token) if token else None
+        if runner is not None:
+            self.board.seen(runner.id)
+        job = self.board.may_open_channel(runner.id, job_id) if runner is not None else None
+        if runner is None or job is None:
+            await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+            return
+        await send({"type": "websocket.accept"})
+        job.channel_opened = True
+        ch = self.hub.channels.accept(job.id, runner.id, send)
+        await ch.serve(receive)

@@ -1,0 +1,24 @@
+"""The hub's settings: one typed dataclass every part reads (defaults are the hub command's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class HubSettings:
+    """Every tunable of a hub; a part reads it when it needs it, so a change applies at once."""
+
+    events: bool = True  # serve GET {base}/runners/events (the job_available push)
+    register_paths: tuple[str, ...] = ("runners", "runners/register")  # under {base}/
+    offline_after: float = 60.0  # s without a sign of life: the runner's jobs are force-ended
+    reoffer_after: float = 10.0  # s: an unstarted claim is offered to its runner again
+    session_idle_timeout: float = 600.0  # s: an idle chat session gets chat.end ("idle"); 0 never
+    runner_wait_timeout: float = 30.0  # s: a session's first turn waits this long for a runner
+    reconnect_timeout: float = 10.0  # s: a turn waits this long for a dropped channel's redial
+    keepalive_interval: float = 15.0  # s: SSE keepalive comments (events route, streamed turns)
+    models_timeout: float = 3.0  # s: /v1/models waits this long for an open channel's answer
+    models_wait: float = 15.0  # s: bound on a listing session when no model list is known yet
+    max_body: int = 16 * MiB  # bytes: request bodies and WebSocket messages
