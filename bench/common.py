@@ -3,6 +3,7 @@ driven by one JSON line per command, percentiles, and the machine's description.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -222,6 +223,20 @@ async def serve_commands(handle: Any) -> None:
             except Exception as exc:  # reported to the bench, which stops with it
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
             reply_line(reply)
+
+
+async def serve_commands_asyncio(handle: Any) -> None:
+    """``serve_commands`` for a child on asyncio (the peer, the asyncio floor)."""
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    async for line in stdin:
+        cmd = json.loads(line)
+        try:
+            reply = await handle(cmd)
+        except Exception as exc:  # reported to the bench, which stops with it
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        reply_line(reply)
 
 
 def reply_line(obj: dict[str, Any]) -> None:

@@ -67,13 +67,13 @@ async def _later(delay: float, fn, *args) -> None:  # type: ignore[no-untyped-de
     await fn(*args)
 
 
-class RunnerPath(Path):
-    """Runner → lean sink: ``chat.completion.request`` frames down the sink's Chat Channels."""
+class ChannelPath(Path):
+    """A relay (the runner, the plain peer) → lean sink: ``chat.completion.request`` frames down
+    the sink's Chat Channels, chunk frames back."""
 
-    name = "runner"
-
-    def __init__(self, runner: Child, channels: list[SinkChannel]) -> None:
-        self.procs = {"runner": (runner, False)}
+    def __init__(self, name: str, proc: str, relay: Child, channels: list[SinkChannel]) -> None:
+        self.name = name
+        self.procs = {proc: (relay, False)}
         self.channels = channels
 
     async def run(
@@ -114,11 +114,10 @@ class HttpPath(Path):
 
 
 class FloorPath(Path):
-    """The floor forwarder: raw backend bytes on shared session sockets."""
+    """A floor forwarder: raw backend bytes on shared session sockets."""
 
-    name = "floor"
-
-    def __init__(self, floor: Child, sessions: list[FloorSession]) -> None:
+    def __init__(self, name: str, floor: Child, sessions: list[FloorSession]) -> None:
+        self.name = name
         self.procs = {"floor": (floor, False)}
         self.floor = floor
         self.socks = sessions

@@ -1,4 +1,4 @@
-"""Where the runner's time goes: ``python -m bench.profile [--scenario c64] [--seconds 8]``.
+"""Where the runner's time goes: ``python -m bench.profile [--scenario lockstep] [--seconds 8]``.
 
 Sets up the bench (simulator, hub, runner, lean sink), attaches ``py-spy record`` to one process
 (``--proc``: the runner by default, or the hub with ``--path e2e``) and keeps one scenario running
@@ -19,17 +19,9 @@ from pathlib import Path
 
 import trio
 
-from bench.run import PACE, Bench
+from bench.run import PATHS, Bench, Scenario, parse_args, scenarios
 
 OUT = Path(__file__).parent / "profiles"
-SCENARIOS = {
-    # streams, sessions, chunks per stream, interval
-    "single": (1, 1, 20000, 0.0),
-    "c64": (64, 1, 400, 0.0),
-    "c64s8": (64, 8, 400, 0.0),
-    "paced": (64, 1, 100, PACE),
-    "ttft": (1, 1, 1, 0.0),
-}
 _LINE = re.compile(r"^(.*) (\d+)$")
 _FRAME = re.compile(r"^(.*?) \((.*?)(?::\d+)?\)$")
 
@@ -68,24 +60,32 @@ def summarise(collapsed: Path, top: int = 35) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    bench_args = argparse.Namespace(
-        quick=True, paths=[args.path], no_scale=True, whatif_pool=args.whatif_pool
-    )
+    bench_args = parse_args(["--quick", "--no-scale", "--paths", args.path])
+    bench_args.whatif_pool = args.whatif_pool
     bench = Bench(bench_args)
-    n, sessions, chunks, interval = SCENARIOS[args.scenario]
+    sc = (
+        Scenario("ttft", 1, 1, 1)
+        if args.scenario == "ttft"
+        else scenarios(bench_args)[args.scenario]
+    )
+    n, sessions, chunks, interval = sc.streams, sc.sessions, sc.chunks, sc.interval
     OUT.mkdir(exist_ok=True)
     raw = OUT / f"{args.path}-{args.proc}-{args.scenario}{args.suffix}.collapsed"
     try:
         async with trio.open_nursery() as nursery:
             await bench.setup(nursery)
+            with trio.fail_after(90):
+                await bench.litellm_ready.wait()
             path = bench.paths[args.path]
             target = {
                 "runner": bench.runner,
                 "hub": bench.hub,
-                "floor": bench.floor,
                 "sim": bench.sim,
+                **{proc: child for proc, (child, _) in path.procs.items()},
             }[args.proc]
-            await bench.sim.rpc("opts", opts={"chunks": chunks, "interval": interval})
+            await bench.sim.rpc(
+                "opts", opts={"chunks": chunks, "interval": interval, "pace": sc.pace}
+            )
             spy = await trio.lowlevel.open_process(
                 [
                     args.py_spy,
@@ -109,9 +109,7 @@ async def main(args: argparse.Namespace) -> None:
             while spy.returncode is None:
                 with trio.move_on_after(0.05):
                     await spy.wait()
-                out = await path.run(
-                    n, sessions, interval > 0, f"p{turns}", interval / n if interval else 0
-                )
+                out = await path.run(n, sessions, interval > 0, f"p{turns}", sc.stagger)
                 turns += n
                 if out.errors:
                     raise RuntimeError(out.errors[0])
@@ -131,13 +129,17 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="c64")
-    parser.add_argument("--path", choices=["runner", "e2e", "floor"], default="runner")
+    parser.add_argument(
+        "--scenario",
+        choices=["single", "c64", "c64s8", "spread", "lockstep", "ttft"],
+        default="lockstep",
+    )
+    parser.add_argument("--path", choices=[p for p in PATHS if p != "direct"], default="runner")
     parser.add_argument(
         "--proc",
-        choices=["runner", "hub", "floor", "sim"],
+        choices=["runner", "hub", "floor", "peer", "litellm", "sim"],
         default="runner",
-        help="the process to sample",
+        help="the process to sample (the path's relay: runner, floor, peer, litellm)",
     )
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument(

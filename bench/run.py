@@ -8,16 +8,19 @@ proxy. The bench process holds the lean sinks and clients.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import resource
 import shutil
 import socket
+import ssl
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -25,15 +28,15 @@ import trio
 
 from bench import report
 from bench.common import Child, machine, percentile
-from bench.paths import FloorPath, HttpPath, Outcome, Path, RunnerPath
+from bench.paths import ChannelPath, FloorPath, HttpPath, Outcome, Path
 from bench.sinks import FloorSink, SSEClient, Stream, WsSink, clock
 
 SIZES: dict[str, dict[str, int]] = {
-    # chunks per stream at full speed (1 stream, 64 streams), paced chunks, TTFT turns, scale sessions
+    # chunks per stream at full speed (1 stream, 64 streams), spread chunks, TTFT turns, scale sessions
     "full": {
         "single": 10000,
         "c64": 300,
-        "paced": 100,
+        "spread": 100,
         "ttft": 30,
         "scale": 1000,
         "scale_chunks": 20,
@@ -41,17 +44,66 @@ SIZES: dict[str, dict[str, int]] = {
     "quick": {
         "single": 3000,
         "c64": 100,
-        "paced": 30,
+        "spread": 30,
         "ttft": 15,
         "scale": 200,
         "scale_chunks": 10,
     },
 }
-REPEAT = 3  # every path measurement is run this many times; the median is reported
+REPEAT = 3  # every measurement is run this many times, the paths alternating; the median is kept
 LITELLM_SHARE = 10  # LiteLLM relays 1/10 of the chunks at full speed (it is that much slower)
-PACE = 0.020  # s per token in the latency runs
-SESSIONS = 8
-PATHS = ("floor", "direct", "runner", "e2e", "litellm")
+PACE = 0.020  # s per token in the spread runs
+# path -> what it is; "floor" on the command line means the three floors
+PATHS = (
+    "floor-trio",
+    "floor-trio-streams",
+    "floor-asyncio",
+    "direct",
+    "peer",
+    "runner",
+    "e2e",
+    "litellm",
+    "peer-wss",
+    "runner-wss",
+)
+FLOORS = {
+    "floor-trio": "bench.floor",
+    "floor-trio-streams": "bench.floor_streams",
+    "floor-asyncio": "bench.floor_asyncio",
+}
+SCENARIO_NAMES = ("single", "c64", "c64s8", "spread", "lockstep", "ttft")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One measurement: ``streams`` over ``sessions``, ``chunks`` tokens each, paced or not."""
+
+    name: str
+    streams: int
+    sessions: int
+    chunks: int
+    interval: float = 0.0
+    pace: str = "spread"  # or "lockstep": see bench/simproc.py
+    share: bool = True  # LiteLLM relays 1/LITELLM_SHARE of the chunks (full-speed runs)
+
+    @property
+    def stagger(self) -> float:
+        """Spread streams start over one interval, as turns arrive in life; lockstep ones at once."""
+        return self.interval / self.streams if self.pace == "spread" and self.interval else 0.0
+
+
+def scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
+    sizes = SIZES["quick" if args.quick else "full"]
+    tokens = args.tokens if args.tokens is not None else (50 if args.quick else 200)
+    return {
+        "single": Scenario("single", 1, 1, sizes["single"]),
+        "c64": Scenario("c64", args.streams, 1, sizes["c64"]),
+        "c64s8": Scenario("c64s8", args.streams, args.sessions, sizes["c64"]),
+        "spread": Scenario("spread", args.streams, 1, sizes["spread"], PACE, share=False),
+        "lockstep": Scenario(
+            "lockstep", args.streams, args.sessions, tokens, args.step, "lockstep", share=False
+        ),
+    }
 
 
 def _free_port() -> int:
@@ -78,6 +130,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.sizes = SIZES["quick" if args.quick else "full"]
+        self.scenarios = scenarios(args)
+        self.repeat = args.repeat if args.repeat is not None else (1 if args.quick else REPEAT)
         self.tmp = FsPath(tempfile.mkdtemp(prefix="alp-bench-"))
         self.children: list[Child] = []
         self.results: dict[str, Any] = {"paths": {}, "notes": []}
@@ -95,7 +149,9 @@ class Bench:
         hello = await c.start(rpc)
         return c, hello
 
-    def runner_argv(self, hub_url: str, sim_url: str, name: str, max_sessions: int) -> list[str]:
+    def runner_argv(
+        self, hub_url: str, sim_url: str, name: str, max_sessions: int, ca_file: str | None = None
+    ) -> list[str]:
         module = "bench.whatif_pool" if self.args.whatif_pool else "gateway"
         return _py(
             "-m",
@@ -121,11 +177,28 @@ class Bench:
             "5",
             "--log-level",
             "WARNING",
+            *(["--ca-file", ca_file] if ca_file else []),
         )
+
+    def wanted(self, *names: str) -> bool:
+        return any(n in self.args.paths for n in names)
 
     # -- setup ---------------------------------------------------------------------------
 
+    def _tls(self) -> tuple[ssl.SSLContext, str]:
+        """A throwaway CA and a certificate for 127.0.0.1: the wss sink's context, the CA file."""
+        import trustme  # the bench extra (and the test extra) has it
+
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1", "localhost")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(ctx)
+        ca_file = self.tmp / "bench-ca.pem"
+        ca.cert_pem.write_to_path(str(ca_file))
+        return ctx, str(ca_file)
+
     async def setup(self, nursery: trio.Nursery) -> None:
+        sessions = self.args.sessions
         self.sim, hello = await self.child("sim", _py("-m", "bench.simproc"))
         assert hello is not None
         self.sim_url, self.sim_port = hello["url"], hello["port"]
@@ -140,41 +213,60 @@ class Bench:
             nursery.start_soon(self._start_litellm)
         else:
             self.litellm_ready.set()
+        tls_ctx, ca_file = self._tls()
         self.ws_sink = WsSink()
         await nursery.start(self.ws_sink.serve)
-        self.floor_sink = FloorSink()
-        await nursery.start(self.floor_sink.serve)
+        self.wss_sink = WsSink(tls_ctx)
+        await nursery.start(self.wss_sink.serve)
+        self.paths: dict[str, Path] = {
+            "direct": HttpPath("direct", SSEClient("127.0.0.1", self.sim_port), {}, sessions=False),
+        }
+        for name, module in FLOORS.items():
+            if not self.wanted(name):
+                continue
+            sink = FloorSink()
+            await nursery.start(sink.serve)
+            floor, _ = await self.child(name, _py("-m", module, "127.0.0.1", str(self.sim_port)))
+            await floor.rpc("dial", host="127.0.0.1", port=sink.port, n=sessions)
+            await sink.wait_sessions(sessions)
+            self.paths[name] = FloorPath(name, floor, sink.sessions)
+        if self.wanted("peer", "peer-wss"):
+            self.peer, _ = await self.child("peer", _py("-m", "bench.peer", self.sim_url, ca_file))
+            for name, sink in (("peer", self.ws_sink), ("peer-wss", self.wss_sink)):
+                if not self.wanted(name):
+                    continue
+                ids = [f"{name}-{uuid.uuid4().hex[:8]}" for _ in range(sessions)]
+                urls = [f"{sink.url}?jobId={i}&token=peer-token" for i in ids]
+                await self.peer.rpc("dial", urls=urls)
+                channels = await sink.wait_channels(ids, 60)
+                self.paths[name] = ChannelPath(name, "peer", self.peer, channels)
         self.runner, _ = await self.child(
             "runner",
-            self.runner_argv(hub_hello["url"], self.sim_url, "bench-runner", 64),
+            self.runner_argv(
+                hub_hello["url"], self.sim_url, "bench-runner", max(64, 4 * sessions), ca_file
+            ),
             rpc=False,
         )
-        self.floor, _ = await self.child(
-            "floor", _py("-m", "bench.floor", "127.0.0.1", str(self.sim_port))
-        )
-        await self.floor.rpc("dial", host="127.0.0.1", port=self.floor_sink.port, n=SESSIONS)
-        await self.floor_sink.wait_sessions(SESSIONS)
-        ids = (await self.hub.rpc("enqueue", n=SESSIONS, channel_url=self.ws_sink.url))["ids"]
-        channels = await self.ws_sink.wait_channels(ids, 60)
-        self.paths: dict[str, Path] = {
-            "floor": FloorPath(self.floor, self.floor_sink.sessions),
-            "direct": HttpPath("direct", SSEClient("127.0.0.1", self.sim_port), {}, sessions=False),
-            "runner": RunnerPath(self.runner, channels),
-            "e2e": HttpPath(
-                "e2e",
-                SSEClient(
-                    "127.0.0.1", self.hub_port, headers={"authorization": f"Bearer {self.api_key}"}
-                ),
-                {"runner": (self.runner, False), "hub": (self.hub, False)},
-                sessions=True,
+        for name, sink in (("runner", self.ws_sink), ("runner-wss", self.wss_sink)):
+            if not self.wanted(name):
+                continue
+            ids = (await self.hub.rpc("enqueue", n=sessions, channel_url=sink.url))["ids"]
+            channels = await sink.wait_channels(ids, 60)
+            self.paths[name] = ChannelPath(name, "runner", self.runner, channels)
+        self.paths["e2e"] = HttpPath(
+            "e2e",
+            SSEClient(
+                "127.0.0.1", self.hub_port, headers={"authorization": f"Bearer {self.api_key}"}
             ),
-        }
-        # open the front door's sessions (one Chat Job each) before anything is measured
-        await self.sim.rpc("opts", opts={"chunks": 1})
-        warm = self.paths["e2e"]
-        out = await warm.run(SESSIONS, SESSIONS, False, "warm")
-        if out.errors:
-            raise RuntimeError(f"front door warm-up failed: {out.errors[:3]}")
+            {"runner": (self.runner, False), "hub": (self.hub, False)},
+            sessions=True,
+        )
+        if self.wanted("e2e"):
+            # open the front door's sessions (one Chat Job each) before anything is measured
+            await self.sim.rpc("opts", opts={"chunks": 1})
+            out = await self.paths["e2e"].run(sessions, sessions, False, "warm")
+            if out.errors:
+                raise RuntimeError(f"front door warm-up failed: {out.errors[:3]}")
 
     async def _start_litellm(self) -> None:
         try:
@@ -243,25 +335,25 @@ class Bench:
 
     # -- measuring -----------------------------------------------------------------------
 
-    async def measure(
-        self, path: Path, n: int, sessions: int, chunks: int, interval: float = 0.0
-    ) -> dict[str, Any]:
+    async def measure(self, path: Path, sc: Scenario) -> dict[str, Any]:
         self.run_no += 1
-        latency = interval > 0
-        await self.sim.rpc("opts", opts={"chunks": chunks, "interval": interval})
+        latency = sc.interval > 0
+        chunks = sc.chunks // LITELLM_SHARE if path.name == "litellm" and sc.share else sc.chunks
+        await self.sim.rpc(
+            "opts", opts={"chunks": chunks, "interval": sc.interval, "pace": sc.pace}
+        )
         if latency:
             await self.sim.rpc("record", on=True)
         procs = {**path.procs, "sim": (self.sim, False)}
         cpu0 = {k: c.cpu(tree) for k, (c, tree) in procs.items()}
         own0 = time.process_time()
-        # paced streams start spread over one interval, as turns arrive in life (not in lockstep)
-        stagger = interval / n if latency else 0.0
-        out = await path.run(n, sessions, latency, f"r{self.run_no}", stagger)
+        sessions = sc.sessions if path.sessions else 1
+        out = await path.run(sc.streams, sessions, latency, f"r{self.run_no}", sc.stagger)
         own1 = time.process_time()
         cpu1 = {k: c.cpu(tree) for k, (c, tree) in procs.items()}
         elapsed = max(out.end - out.start, 1e-9)
         result: dict[str, Any] = {
-            "streams": n,
+            "streams": sc.streams,
             "sessions": sessions,
             "chunks": out.events,
             "seconds": round(elapsed, 4),
@@ -272,6 +364,11 @@ class Bench:
             "cpu_busy": {k: round((cpu1[k] - cpu0[k]) / elapsed, 3) for k in procs},
             "bench_busy": round((own1 - own0) / elapsed, 3),
         }
+        if out.firsts:
+            result["ttft_ms"] = {
+                "p50": _ms(percentile(out.firsts, 50)),
+                "p99": _ms(percentile(out.firsts, 99)),
+            }
         if out.errors:
             result["errors"] = out.errors[:5]
             self.note(f"{path.name}: {len(out.errors)} stream error(s), e.g. {out.errors[0]}")
@@ -312,6 +409,7 @@ class Bench:
         }
 
     async def ttft(self, path: Path, turns: int) -> dict[str, Any]:
+        """Time to first token of one-chunk turns, one at a time on an idle path."""
         await self.sim.rpc("opts", opts={"chunks": 1, "interval": 0.0})
         values: list[float] = []
         for i in range(turns):
@@ -324,44 +422,28 @@ class Bench:
             "ttft_ms": {"p50": _ms(percentile(values, 50)), "p99": _ms(percentile(values, 99))},
         }
 
-    async def measure_path(self, name: str) -> None:
-        """Every measurement of one path, each repeated ``REPEAT`` times (the median is kept:
-        the machine is shared, and one run can meet another process's burst)."""
-        path = self.paths[name]
-        sizes = self.sizes
-        share = LITELLM_SHARE if name == "litellm" else 1
-        print(f"\n== {name}", flush=True)
-        res: dict[str, Any] = {}
-
-        async def median_of(fn: Any, *args: Any) -> dict[str, Any]:
-            return _median([await fn(*args) for _ in range(REPEAT)])
-
-        res["single"] = await median_of(self.measure, path, 1, 1, sizes["single"] // share)
-        print(
-            f"  1 stream: {res['single']['chunks_per_s']} chunks/s {res['single']['cpu_us_per_chunk']}",
-            flush=True,
-        )
-        res["c64"] = await median_of(self.measure, path, 64, 1, sizes["c64"] // share)
-        print(
-            f"  64 streams, one session: {res['c64']['chunks_per_s']} chunks/s {res['c64']['cpu_us_per_chunk']}",
-            flush=True,
-        )
-        if path.sessions:
-            res["c64s8"] = await median_of(self.measure, path, 64, SESSIONS, sizes["c64"] // share)
-            print(
-                f"  64 streams, {SESSIONS} sessions: {res['c64s8']['chunks_per_s']} chunks/s "
-                f"{res['c64s8']['cpu_us_per_chunk']}",
-                flush=True,
-            )
-        res["paced"] = await median_of(self.measure, path, 64, 1, sizes["paced"], PACE)
-        print(
-            f"  64 paced streams: latency {res['paced']['latency_ms']} ({res['paced']['latency_samples']} samples) "
-            f"{res['paced']['cpu_us_per_chunk']}",
-            flush=True,
-        )
-        res["ttft"] = await median_of(self.ttft, path, sizes["ttft"])
-        print(f"  TTFT {res['ttft']['ttft_ms']}", flush=True)
-        self.results["paths"][name] = res
+    async def measure_all(self, names: list[str]) -> None:
+        """Every scenario on every path, ``repeat`` rounds, the paths alternating within each
+        scenario (the machine is shared: a burst of another process's work then lands on every
+        path alike); the median of the rounds is kept."""
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in names}
+        wanted = [s for s in self.args.scenarios if s in SCENARIO_NAMES]
+        for rnd in range(self.repeat):
+            for key in wanted:
+                for name in names:
+                    path = self.paths[name]
+                    if key == "c64s8" and not path.sessions:
+                        continue  # "over 8 sessions" means nothing without sessions
+                    if key == "ttft":
+                        got = await self.ttft(path, self.sizes["ttft"])
+                    else:
+                        got = await self.measure(path, self.scenarios[key])
+                    runs[name].setdefault(key, []).append(got)
+                    print(
+                        f"  [{rnd + 1}/{self.repeat}] {key:8} {name:18} {_brief(got)}", flush=True
+                    )
+        for name in names:
+            self.results["paths"][name] = {k: _median(v) for k, v in runs[name].items()}
 
     async def sink_check(self) -> None:
         """Is the hub's WebSocket receive path a bottleneck? The same streams, read by the hub."""
@@ -503,26 +585,24 @@ class Bench:
         self.results["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         self.results["machine"] = machine()
         self.results["mode"] = "quick" if self.args.quick else "full"
+        self.results["label"] = self.args.label
         self.results["whatif_pool"] = bool(self.args.whatif_pool)
         self.results["sizes"] = self.sizes
-        self.results["repeat"] = REPEAT
+        self.results["repeat"] = self.repeat
+        self.results["scenarios"] = {k: dataclasses.asdict(v) for k, v in self.scenarios.items()}
         try:
             async with trio.open_nursery() as nursery:
                 await self.setup(nursery)
-                for name in PATHS:
-                    if name not in self.args.paths:
-                        continue
-                    if name == "litellm":
-                        with trio.fail_after(90):
-                            await self.litellm_ready.wait()
-                        if "litellm" not in self.paths:
-                            continue
-                    await self.measure_path(name)
+                if "litellm" in self.args.paths:
+                    with trio.fail_after(90):
+                        await self.litellm_ready.wait()
+                names = [n for n in PATHS if n in self.args.paths and n in self.paths]
+                await self.measure_all(names)
                 if "runner" in self.args.paths:
                     await self.sink_check()
                 # the scale test gets the machine to itself: stop what it does not need
                 for c in list(self.children):
-                    if c.name in ("runner", "floor", "litellm"):
+                    if c.name not in ("sim", "hub"):
                         await c.stop()
                 if not self.args.no_scale:
                     await self.scale()
@@ -559,15 +639,56 @@ def _median(runs: list[Any]) -> Any:
     return round(middle, 3) if isinstance(middle, float) else middle
 
 
+def _brief(got: dict[str, Any]) -> str:
+    """One line of a run, as it goes."""
+    parts = []
+    if "chunks_per_s" in got:
+        parts.append(f"{got['chunks_per_s']} chunks/s")
+    cpu = {k: v for k, v in got.get("cpu_us_per_chunk", {}).items() if k != "sim"}
+    if cpu:
+        parts.append("CPU µs/chunk " + " ".join(f"{k} {v}" for k, v in cpu.items()))
+    if "latency_ms" in got:
+        parts.append(f"latency p50 {got['latency_ms']['p50']} p99 {got['latency_ms']['p99']} ms")
+    if "ttft_ms" in got:
+        parts.append(f"TTFT p50 {got['ttft_ms']['p50']} ms")
+    if got.get("errors"):
+        parts.append(f"ERRORS {got['errors'][:1]}")
+    return ", ".join(parts)
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 3)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller runs (about a minute)")
     parser.add_argument(
-        "--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}"
+        "--quick", action="store_true", help="smaller runs, one round (a couple of minutes)"
+    )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma-separated subset of {','.join(PATHS)} ('floor': the three floors)",
+    )
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIO_NAMES),
+        help=f"comma-separated subset of {','.join(SCENARIO_NAMES)}",
+    )
+    parser.add_argument(
+        "--streams", type=int, default=64, help="streams of the 64-stream scenarios (default 64)"
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=8, help="sessions they are spread over (default 8)"
+    )
+    parser.add_argument(
+        "--step", type=float, default=0.020, help="lockstep: seconds per decode step (0.020)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="lockstep: tokens per stream (200; quick 50)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=None, help=f"rounds, median kept ({REPEAT}; quick 1)"
     )
     parser.add_argument("--no-scale", action="store_true", help="skip the 1,000-session test")
     parser.add_argument(
@@ -577,10 +698,33 @@ def main(argv: list[str] | None = None) -> int:
         "(bench/whatif_pool.py): what that fix is worth",
     )
     parser.add_argument(
+        "--label", default="", help="free text for the report's head (what is being measured)"
+    )
+    parser.add_argument(
         "--out", default=str(FsPath(__file__).parent / "results.json"), help="JSON output"
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
     args = parser.parse_args(argv)
-    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    paths = []
+    for p in (p.strip() for p in args.paths.split(",")):
+        paths += list(FLOORS) if p == "floor" else [p] if p else []
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        parser.error(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(PATHS)}")
+    args.paths = paths
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(args.scenarios) - set(SCENARIO_NAMES))
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     bench = Bench(args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -75,12 +76,33 @@ def _server_frame(text: bytes) -> bytes:
     return bytes((0x81, 127)) + n.to_bytes(8, "big") + text
 
 
+class _Conn:
+    """An accepted connection, plain (a trio socket) or TLS (a ``trio.SSLStream`` over it)."""
+
+    def __init__(self, sock: trio.socket.SocketType, tls: trio.SSLStream[Any] | None) -> None:
+        self.sock = sock
+        self.tls = tls
+        if tls is None:
+            self.recv = sock.recv
+        else:
+            self.recv = tls.receive_some
+
+    async def send_all(self, data: bytes) -> None:
+        if self.tls is None:
+            await _send_all(self.sock, data)
+        else:
+            await self.tls.send_all(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class SinkChannel:
     """One Chat Channel accepted by the sink: the runner's job, its turns in flight."""
 
-    def __init__(self, job_id: str, sock: trio.socket.SocketType) -> None:
+    def __init__(self, job_id: str, conn: _Conn) -> None:
         self.job_id = job_id
-        self.sock = sock
+        self.conn = conn
         self.turns: dict[str, Stream] = {}
         self.frames = 0
         self.closed = trio.Event()
@@ -88,7 +110,7 @@ class SinkChannel:
 
     async def send_text(self, text: bytes) -> None:
         async with self._lock:
-            await _send_all(self.sock, _server_frame(text))
+            await self.conn.send_all(_server_frame(text))
 
     async def turn(self, body: dict[str, Any], stream: Stream) -> Stream:
         """Send one ``chat.completion.request`` and wait for its done (or error) frame."""
@@ -127,7 +149,7 @@ class SinkChannel:
             stream.done.set()
 
     async def read(self, buf: bytes) -> None:
-        sock = self.sock
+        conn = self.conn
         try:
             while True:
                 pos = 0
@@ -163,21 +185,21 @@ class SinkChannel:
                     elif opcode == 8:  # close: answer it and stop
                         with _suppress():
                             async with self._lock:
-                                await _send_all(sock, b"\x88\x02\x03\xe8")
+                                await conn.send_all(b"\x88\x02\x03\xe8")
                         return
                     elif opcode == 9:  # ping
                         async with self._lock:
-                            await _send_all(sock, bytes((0x8A, len(payload))) + payload)
+                            await conn.send_all(bytes((0x8A, len(payload))) + payload)
                 buf = buf[pos:]
-                data = await sock.recv(_RECV)
+                data = await conn.recv(_RECV)
                 if not data:
                     return
                 buf = buf + data if buf else data
-        except OSError:
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
         finally:
             self.closed.set()
-            sock.close()
+            conn.close()
             for stream in self.turns.values():
                 stream.error = stream.error or "channel closed"
                 stream.done.set()
@@ -192,16 +214,22 @@ class _suppress:
 
 
 class WsSink:
-    """Accepts Chat Channels (any path; the job id from the query) and keeps them by job id."""
+    """Accepts Chat Channels (any path; the job id from the query) and keeps them by job id.
 
-    def __init__(self) -> None:
+    With an ``ssl_context`` it is a ``wss://`` sink (TLS by ``trio.SSLStream``, in the bench
+    process: the relay's side of TLS is what the relaying process pays).
+    """
+
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
         self.channels: dict[str, SinkChannel] = {}
         self.port = 0
+        self.ssl_context = ssl_context
         self._changed = trio.Event()
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/sink"
+        scheme = "wss" if self.ssl_context else "ws"
+        return f"{scheme}://127.0.0.1:{self.port}/sink"
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         listener = trio.socket.socket()
@@ -217,9 +245,16 @@ class WsSink:
                 nursery.start_soon(self._handshake, sock)
 
     async def _handshake(self, sock: trio.socket.SocketType) -> None:
+        tls = None
+        if self.ssl_context is not None:
+            tls = trio.SSLStream(trio.SocketStream(sock), self.ssl_context, server_side=True)
+        conn = _Conn(sock, tls)
         buf = b""
         while b"\r\n\r\n" not in buf:
-            data = await sock.recv(65536)
+            try:
+                data = await conn.recv(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
             if not data:
                 sock.close()
                 return
@@ -232,13 +267,12 @@ class WsSink:
             name, _, value = line.partition(b":")
             headers[name.strip().lower()] = value.strip()
         accept = base64.b64encode(hashlib.sha1(headers[b"sec-websocket-key"] + _GUID).digest())
-        await _send_all(
-            sock,
+        await conn.send_all(
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
             b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n",
         )
         job_id = parse_qs(urlsplit(target).query)["jobId"][0]
-        channel = SinkChannel(job_id, sock)
+        channel = SinkChannel(job_id, conn)
         self.channels[job_id] = channel
         self._changed.set()
         self._changed = trio.Event()
@@ -363,6 +397,9 @@ class SSEClient:
     async def _connect(self) -> trio.socket.SocketType:
         if self.idle:
             return self.idle.pop()
+        return await self._new()
+
+    async def _new(self) -> trio.socket.SocketType:
         sock = _socket()
         await sock.connect((self.host, self.port))
         return sock
@@ -377,17 +414,29 @@ class SSEClient:
             + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             + f"content-length: {len(body)}\r\n\r\n"
         ).encode()
-        sock = await self._connect()
-        reusable = False
         try:
             stream.sent = clock()
-            await _send_all(sock, head + body)
-            reusable = await self._read(sock, stream)
+            for fresh in (False, True):
+                # a kept-alive connection the server closed while idle (uvicorn, LiteLLM's
+                # server, closes them after 5 s) is found closed before the response head:
+                # the request is sent again once, on a new connection
+                reused = bool(self.idle) and not fresh
+                sock = await self._connect() if not fresh else await self._new()
+                reusable = False
+                try:
+                    await _send_all(sock, head + body)
+                    reusable = await self._read(sock, stream)
+                except OSError:
+                    stream.error = "closed before the response head"
+                finally:
+                    if reusable:
+                        self.idle.append(sock)
+                    else:
+                        sock.close()
+                if not (reused and stream.error == "closed before the response head"):
+                    break
+                stream.error = None
         finally:
-            if reusable:
-                self.idle.append(sock)
-            else:
-                sock.close()
             stream.done.set()
         return stream
 
