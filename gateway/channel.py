@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
+import ssl
 from dataclasses import dataclass
 from typing import Literal
 
+import httptools
 import msgspec
 import trio
 
 from gateway import http1, protocol
 from gateway.backends import Backend, BackendError, BackendPool, BackendUnreachable
+from gateway.netio import RECV_SIZE
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.sse import SSESplitter
 from gateway.wsclient import ChannelClosed, WebSocket
@@ -110,6 +112,7 @@ class Channel:
         self.relay = relay if relay is not None else Histogram()
         self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
         self._send = ws.send if frame_log is None else self._send_logged
+        self._send_batch = ws.send_batch if frame_log is None else self._send_batch_logged
 
     @property
     def in_flight(self) -> int:
@@ -139,6 +142,11 @@ class Channel:
     async def _send_logged(self, frame: bytes | str) -> None:
         log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
         await self.ws.send(frame)
+
+    async def _send_batch_logged(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
+        await self.ws.send_batch(frames)
 
     async def _reader(self) -> None:
         while self._end is None:
@@ -232,7 +240,7 @@ class Channel:
             return
         scope = trio.CancelScope()
         self._turns[request_id] = scope
-        self._started[request_id] = time.perf_counter()
+        self._started[request_id] = trio.current_time()
         self._no_turns = trio.Event()
         assert self._nursery is not None
         self._nursery.start_soon(self._turn, frame, scope)
@@ -330,34 +338,39 @@ class Channel:
             return
         splitter = SSESplitter()
         feed = splitter.feed
+        send_batch = self._send_batch
+        job_id = self.job_id
         chunks = 0
         first = True
         started = self._started.get(request_id, 0.0)
-        clock = time.perf_counter
-        now = trio.current_time
+        now = trio.lowlevel.current_clock().current_time
         observe_relay = self.relay.observe
-        read_nowait = response.read_nowait
-        wait_readable, sock = trio.lowlevel.wait_readable, response.transport.sock
+        transport = response.transport
+        recv, sock = transport.recv, transport.sock
+        wait_readable = trio.lowlevel.wait_readable
+        parse = response.parser.feed_data
         idle = response.idle
         timeout = response.idle_timeout
         step = timeout / _DEADLINE_SLACK
-        move_at = now() + step
+        read_at = now()
+        move_at = read_at + step
         try:
             while True:
                 pieces = response.body
                 if pieces:
                     response.body = []
-                    read_at = clock()
                     if first:
                         first = False
                         self.ttft.observe(read_at - started)
                     for raw in pieces:
-                        for payload in feed(raw):
-                            if payload == _DONE:
-                                await send(protocol.done_frame(self.job_id, request_id))
-                                await _drain(response)
-                                return
-                            try:  # _payload_problem, inlined: this runs for every chunk
+                        payloads = feed(raw)
+                        if not payloads:
+                            continue
+                        done = _DONE in payloads
+                        if done:
+                            payloads = payloads[: payloads.index(_DONE)]
+                        for payload in payloads:  # _payload_problem, inlined: runs per chunk
+                            try:
                                 _validate_json(payload)
                             except msgspec.DecodeError:
                                 raise TurnFailed(
@@ -367,18 +380,35 @@ class Channel:
                                 raise TurnFailed(
                                     f"backend {url} sent an SSE event that is not UTF-8"
                                 )
-                            await send(prefix + payload + b"}")  # protocol.chunk_frame_bytes
-                            chunks += 1
-                    observe_relay(clock() - read_at)  # backend read -> frames written
+                        if len(payloads) == 1:  # written now, unless a write is in progress
+                            await send(prefix + payloads[0] + b"}")  # protocol.chunk_frame_bytes
+                        elif payloads:  # ready together: one write
+                            await send_batch([prefix + p + b"}" for p in payloads])
+                        chunks += len(payloads)
+                        if done:
+                            await send(protocol.done_frame(job_id, request_id))
+                            await _drain(response)
+                            return
+                    observe_relay(now() - read_at)  # backend read -> frames written
                 if response.complete:
                     break
-                if not read_nowait():
+                try:  # Response.read_nowait, inlined
+                    data = recv(RECV_SIZE)
+                except BlockingIOError:
                     await wait_readable(sock)  # the turn's scheduling (and cancellation) point
-                elif idle is not None:
-                    t = now()
-                    if t >= move_at:  # one deadline for the exchange, moved forward
-                        idle.deadline = t + timeout
-                        move_at = t + step
+                    continue
+                read_at = now()
+                if data:
+                    parse(data)
+                else:
+                    response.end_of_stream()
+                if read_at >= move_at and idle is not None:  # one deadline, moved forward
+                    idle.deadline = read_at + timeout
+                    move_at = read_at + step
+        except httptools.HttpParserError as exc:
+            raise http1.ProtocolError(f"sent a malformed HTTP response ({exc})") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise http1.ConnectionLost(f"connection broke ({type(exc).__name__})") from None
         finally:
             self.counters.inc("chunks", chunks)
         for payload in splitter.flush():
@@ -387,7 +417,7 @@ class Channel:
                 if problem is not None:
                     raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
                 await send(prefix + payload + b"}")
-        await send(protocol.done_frame(self.job_id, request_id))
+        await send(protocol.done_frame(job_id, request_id))
 
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()

@@ -237,11 +237,16 @@ class Response:
             return False
         if data:
             self.feed(data)
-        elif self.head_done and not self._sized:
-            self.complete = True  # the body ran until the close
+        else:
+            self.end_of_stream()
+        return True
+
+    def end_of_stream(self) -> None:
+        """The peer closed its side: the end of a body that runs until the close, else a loss."""
+        if self.head_done and not self._sized:
+            self.complete = True
         elif not self.complete:
             raise ConnectionLost("closed the connection mid-response" if self.head_done else "")
-        return True
 
     async def wait_readable(self) -> None:
         await self.transport.wait_readable()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 
 import trio
 
@@ -30,13 +31,17 @@ class Transport:
     afterwards is safe), ``b""`` at the end of the stream, or None when nothing has.
     """
 
-    __slots__ = ("sock", "unsent", "closed")
+    __slots__ = ("sock", "unsent", "closed", "recv")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.unsent = bytearray()  # bytes a write could not send yet
         self.closed = False
+        # ``recv(n)``: what has arrived, ``b""`` at the end, ``BlockingIOError`` when nothing
+        # has; everything buffered is returned, so waiting for readability after it is safe.
+        # For a plain socket it is the socket's own method: no Python layer on the hot path.
+        self.recv: Callable[[int], bytes] = sock.recv
 
     @property
     def secure(self) -> bool:
@@ -45,8 +50,9 @@ class Transport:
     # -- reading -------------------------------------------------------------------------
 
     def recv_nowait(self) -> bytes | None:
+        """``recv``, with None when nothing has arrived."""
         try:
-            return self.sock.recv(RECV_SIZE)
+            return self.recv(RECV_SIZE)
         except BlockingIOError:
             return None
 
@@ -68,9 +74,6 @@ class Transport:
         if self.unsent:
             self.unsent += data
             return False
-        return self._send(data)
-
-    def _send(self, data: bytes | bytearray) -> bool:
         try:
             sent = self.sock.send(data)
         except BlockingIOError:
@@ -127,6 +130,7 @@ class TLSTransport(Transport):
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self.tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
+        self.recv = self._recv_tls
 
     @property
     def secure(self) -> bool:
@@ -154,13 +158,19 @@ class TLSTransport(Transport):
         if out and not Transport.write(self, out):
             await self.flush()
 
-    def recv_nowait(self) -> bytes | None:
+    def _recv_tls(self, size: int) -> bytes:
+        data = self._read_tls(size)
+        if data is None:
+            raise BlockingIOError
+        return data
+
+    def _read_tls(self, size: int) -> bytes | None:
         tls = self.tls
         incoming = self._incoming
         parts: list[bytes] = []
         while True:
             try:
-                parts.append(tls.read(RECV_SIZE))
+                parts.append(tls.read(size))
             except ssl.SSLWantReadError:
                 pass  # a record is incomplete: read the socket
             except ssl.SSLZeroReturnError:  # close_notify: the end of the stream
@@ -173,7 +183,7 @@ class TLSTransport(Transport):
             if parts:
                 break
             try:
-                raw = self.sock.recv(RECV_SIZE)
+                raw = self.sock.recv(size)
             except BlockingIOError:
                 self._answer()
                 return None

@@ -85,7 +85,8 @@ class WebSocket:
         self._conn = conn
         self.max_message_size = max_message_size
         self._limit = write_buffer
-        self._frame = protocol.ClientFramer().frame
+        framer = protocol.ClientFramer()
+        self._frame, self._frames = framer.frame, framer.frames
         self._inbox: deque[str | bytes] = deque()
         self._parts: list[str | bytes | bytearray] = []
         self._size = 0
@@ -116,19 +117,33 @@ class WebSocket:
 
         Written at once when no write is in progress: no scheduling point then. Otherwise it
         joins the next write, and waits for room when too much is already waiting."""
+        await self._put(self._frame(message if isinstance(message, bytes) else message.encode()))
+
+    async def send_batch(self, messages: list[bytes]) -> None:
+        """Send several text messages that are ready together (one backend read's chunk
+        frames) in one write, as ``send`` sends one."""
+        await self._put(self._frames(messages))
+
+    async def _put(self, data: bytes) -> None:
         if self._closed is not None:
             raise ChannelClosed(self._closed.code, self._closed.reason)
-        data = message if isinstance(message, bytes) else message.encode()
-        frame = self._frame(data)
         if self._writing:
-            self._pending.append(frame)
-            self._pending_bytes += len(frame)
+            self._pending.append(data)
+            self._pending_bytes += len(data)
             if self._pending_bytes > self._limit:
                 await self._room.wait()
                 if self._closed is not None:
                     raise ChannelClosed(self._closed.code, self._closed.reason)
             return
-        self._write(frame)
+        try:  # _write, inlined: this runs for every chunk
+            if self.transport.write(data):
+                return
+        except _BROKEN as exc:
+            self._broke(exc)
+            raise ChannelClosed(None, f"the connection broke ({type(exc).__name__})") from None
+        self._writing = True
+        self._flushed = trio.Event()
+        self._wake.set()
 
     def _write(self, data: bytes) -> None:
         """Write now; what the socket does not take goes to the connection's task."""
@@ -342,38 +357,59 @@ async def connect(
     transport = await netio.connect(
         parts.hostname, port, ssl_context=ssl_context if secure else None
     )
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
     try:
-        conn = WSConnection(ConnectionType.CLIENT)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        await transport.send_all(conn.send(Request(host=parts.netloc, target=target)))
-        while True:
-            data = await transport.receive()
-            if not data:
-                raise HandshakeError("the Server closed the connection during the upgrade")
-            try:
-                conn.receive_data(data)
-                events = conn.events()
-                for event in events:
-                    if isinstance(event, AcceptConnection):
-                        ws = WebSocket(
-                            transport,
-                            conn,
-                            max_message_size=max_message_size,
-                            ping_interval=ping_interval,
-                            ping_timeout=ping_timeout,
-                            on_ping=on_ping,
-                        )
-                        ws.on_events(events)  # frames that came with the answer
-                        return ws
-                    if isinstance(event, RejectConnection):
-                        raise HandshakeError(
-                            f"the Server refused the upgrade ({event.status_code})",
-                            event.status_code,
-                        )
-            except WSProtocolError as exc:
-                raise HandshakeError(f"bad upgrade answer: {exc}") from None
+        return await handshake(
+            transport,
+            parts.netloc,
+            target,
+            max_message_size=max_message_size,
+            ping_interval=ping_interval,
+            ping_timeout=ping_timeout,
+            on_ping=on_ping,
+        )
     except BaseException:
         transport.close()
         raise
+
+
+async def handshake(
+    transport: Transport,
+    host: str,
+    target: str,
+    *,
+    max_message_size: int = 16 << 20,
+    ping_interval: float = 0.0,
+    ping_timeout: float | None = None,
+    on_ping: Callable[[str], None] | None = None,
+) -> WebSocket:
+    """The client's opening handshake (RFC 6455 §4.1) on a connected transport."""
+    conn = WSConnection(ConnectionType.CLIENT)
+    await transport.send_all(conn.send(Request(host=host, target=target)))
+    while True:
+        data = await transport.receive()
+        if not data:
+            raise HandshakeError("the Server closed the connection during the upgrade")
+        try:
+            conn.receive_data(data)
+            events = conn.events()
+            for event in events:
+                if isinstance(event, AcceptConnection):
+                    ws = WebSocket(
+                        transport,
+                        conn,
+                        max_message_size=max_message_size,
+                        ping_interval=ping_interval,
+                        ping_timeout=ping_timeout,
+                        on_ping=on_ping,
+                    )
+                    ws.on_events(events)  # frames that came with the answer
+                    return ws
+                if isinstance(event, RejectConnection):
+                    raise HandshakeError(
+                        f"the Server refused the upgrade ({event.status_code})", event.status_code
+                    )
+        except WSProtocolError as exc:
+            raise HandshakeError(f"bad upgrade answer: {exc}") from None
