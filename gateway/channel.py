@@ -27,6 +27,7 @@ _DONE = b"[DONE]"
 _ERROR_BODY_LIMIT = 512
 _DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
 _DEADLINE_SLACK = 16  # the idle deadline moves once 1/16 of the timeout has passed, not per read
+_CHECKPOINT_EVERY = 16  # reads in a row that found a full buffer before a checkpoint of our own
 
 
 class Ending(enum.Enum):
@@ -354,6 +355,8 @@ class Channel:
         step = timeout / _DEADLINE_SLACK
         read_at = now()
         move_at = read_at + step
+        drained = False
+        streak = 0
         try:
             while True:
                 pieces = response.body
@@ -392,11 +395,19 @@ class Channel:
                     observe_relay(now() - read_at)  # backend read -> frames written
                 if response.complete:
                     break
+                if drained:  # the last read took all there was: wait, without a read to learn it
+                    await wait_readable(sock)  # the turn's scheduling (and cancellation) point
+                    streak = 0
+                elif streak >= _CHECKPOINT_EVERY:  # reads that keep finding data: stay fair
+                    await trio.lowlevel.checkpoint()
+                    streak = 0
                 try:  # Response.read_nowait, inlined
                     data = recv(RECV_SIZE)
                 except BlockingIOError:
-                    await wait_readable(sock)  # the turn's scheduling (and cancellation) point
+                    drained = True
                     continue
+                drained = len(data) < RECV_SIZE
+                streak += 1
                 read_at = now()
                 if data:
                     parse(data)
