@@ -256,15 +256,19 @@ class Channel:
         request_id = frame.requestId
         try:
             end = _DONE_END
-            with scope:
-                try:
-                    await self._forward(frame)
-                except TurnFailed as exc:
-                    end = TurnEnd(Ending.FAILED, str(exc))
-                except protocol.FrameError as exc:  # a body that cannot take the turn's model
-                    end = TurnEnd(Ending.FAILED, str(exc))
-                except ChannelClosed:
-                    end = _SESSION_END
+            try:
+                with scope:
+                    try:
+                        await self._forward(frame)
+                    except TurnFailed as exc:
+                        end = TurnEnd(Ending.FAILED, str(exc))
+                    except protocol.FrameError as exc:  # a body that cannot take its model
+                        end = TurnEnd(Ending.FAILED, str(exc))
+                    except ChannelClosed:
+                        end = _SESSION_END
+            except trio.Cancelled:  # the channel itself is ending: no one left to tell
+                self._conclude_quietly(request_id, self._stopped.get(request_id, _SESSION_END))
+                raise
             if scope.cancelled_caught:
                 end = self._stopped.get(request_id, _CANCELLED_END)
             await self._conclude(request_id, end)
@@ -277,12 +281,16 @@ class Channel:
 
     async def _conclude(self, request_id: str, end: TurnEnd) -> None:
         """Count, log and frame one turn's outcome: the one place that does."""
+        self._conclude_quietly(request_id, end)
+        if end.ending.framed:
+            await self._send_or_drop(protocol.error_frame(self.job_id, request_id, end.message))
+
+    def _conclude_quietly(self, request_id: str, end: TurnEnd) -> None:
+        """Count and log one turn's outcome (``_conclude`` without the frame)."""
         ending = end.ending
         self.counters.inc(ending.counter)
         if ending.logged:
             log.warning("job %s request %s: %s", self.job_id, request_id, end.message)
-        if ending.framed:
-            await self._send_or_drop(protocol.error_frame(self.job_id, request_id, end.message))
         self.turns_served += 1
 
     async def _forward(self, frame: protocol.CompletionRequest) -> None:

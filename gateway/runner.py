@@ -90,8 +90,19 @@ def _job_channel_url(job: dict[str, Any]) -> str | None:
 class Runner:
     """Polls the Server, claims Kind B jobs, and serves each as a session in its own task."""
 
-    def __init__(self, config: Config, *, pool: BackendPool | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        pool: BackendPool | None = None,
+        ping_interval: float = 20.0,
+        ping_timeout: float | None = None,
+    ) -> None:
         self.config = config
+        # WebSocket keepalive on every channel (0: off); a channel silent for ping_timeout
+        # (default: the interval) after a ping counts as dropped. To be wired to a setting.
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
         self.ssl_context = make_ssl_context(config.ca_file)
         self.store = StateStore(config.state_dir)
         if pool is None:
@@ -426,6 +437,9 @@ class Runner:
                         url,
                         ssl_context=self.ssl_context if url.startswith("wss:") else None,
                         max_message_size=self.config.max_frame_size,
+                        ping_interval=self.ping_interval,
+                        ping_timeout=self.ping_timeout,
+                        on_ping=self._on_ping,
                     )
                 if ws is not None:
                     try:
@@ -460,6 +474,13 @@ class Runner:
             delay = min(backoff_delay(failures, 0.25, 5.0), window - (now - dropped_at))
             with trio.move_on_after(delay):
                 await self.shutdown.wait()
+
+    def _on_ping(self, what: str) -> None:
+        if what == "sent":
+            self.counters.inc("pings_sent")
+        else:  # no pong, nor any other frame, in time: the channel is dead
+            self.counters.inc("pong_timeouts")
+            self.counters.inc("channels_dead")
 
     async def _serve_connected(self, job: ChatJob, ws: WebSocket, redial: bool) -> ChannelEnd:
         """Serve one open channel connection until it ends."""

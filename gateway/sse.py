@@ -28,8 +28,10 @@ class SSESplitter:
     def feed(self, chunk: bytes) -> list[bytes]:
         """Return the data payloads of the events that ``chunk`` completes."""
         if not self._buf and not self._data and chunk.endswith(b"\n\n") and b"\r" not in chunk:
-            # the usual read: whole events only, each one "data: " line; one C-level split
-            events = chunk.split(b"\n\n")
+            # the usual read: whole events only, each one "data: " line
+            if chunk.find(b"\n") == len(chunk) - 2 and chunk.startswith(b"data: "):  # just one
+                return [chunk[6:-2]]
+            events = chunk.split(b"\n\n")  # several: one C-level split
             del events[-1]
             out = [e[6:] for e in events if e[:6] == b"data: " and b"\n" not in e]
             if len(out) == len(events):

@@ -4,12 +4,15 @@ upgrade, and the keepalive that finds a silent (dead) path."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from helpers import OWNER, PROJECT, request_frame, runner_config
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -23,6 +26,9 @@ from wsproto.events import (
 )
 
 from gateway import wsclient
+from gateway.hub import Hub
+from gateway.runner import Runner
+from gateway.sim import Simulator
 
 
 class Peer:
@@ -220,3 +226,51 @@ async def test_keepalive_declares_a_silent_peer_dead(
     assert closed is not None and "no answer to a ping within 10 s" in str(closed)
     assert elapsed == pytest.approx(30, abs=0.5)  # ping at 20 s, silence until 30 s
     assert seen == ["sent", "timeout"]
+
+
+# -- the runner's channels -------------------------------------------------------------------
+
+
+async def test_runner_finds_a_silent_channel_dead_cancels_its_turn_and_redials(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """The job's channel goes to a Server that takes one turn and then falls silent (a frozen
+    path: open, carrying nothing). With pings every 0.2 s the runner finds it dead, cancels the
+    turn (its backend request is closed) and redials."""
+    dials: list[Peer] = []
+    dialled = trio.Event()
+    job_ids: list[str] = []  # the job's id, known once it is queued (before any dial)
+
+    async def script(peer: Peer) -> None:
+        dials.append(peer)
+        dialled.set()
+        if len(dials) == 1:
+            frame = request_frame(job_ids[0], "slow", sim={"chunks": 10_000, "interval": 0.05})
+            await peer.send(TextMessage(json.dumps(frame)))
+        await trio.sleep_forever()  # never reads again, never answers a ping
+
+    async with server(script) as url:
+        definition = {"jobType": "chat_llm", "channelUrl": url}
+        runner = Runner(
+            runner_config(hub[1], sim.url, tmp_path, reconnect_window=30.0),
+            ping_interval=0.2,
+            ping_timeout=0.2,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runner.run)
+            job = hub[0].enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], definition)
+            job_ids.append(job.id)
+            with trio.fail_after(20):
+                stream = await sim.wait_for_streams(1)
+                await runner.counters.wait("channels_dead", 1)
+                await stream.finished.wait()
+                await runner.counters.wait("turns_cancelled", 1)
+                while len(dials) < 2:
+                    await dialled.wait()
+                    dialled = trio.Event()
+            assert stream.client_closed  # the turn was cancelled and its backend request closed
+            assert runner.counters.get("pings_sent") >= 1
+            assert runner.counters.get("pong_timeouts") == 1
+            assert runner.counters.get("turns_done") == 0
+            assert list(runner.sessions) == [job.id]  # the session lives on, redialled
+            nursery.cancel_scope.cancel()
