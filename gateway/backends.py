@@ -23,6 +23,7 @@ import msgspec
 import trio
 
 from gateway import http1, protocol
+from gateway.config import ConfigError
 
 if TYPE_CHECKING:
     from gateway.config import BackendSpec, Config
@@ -113,12 +114,15 @@ class Backend:
         if key:
             self._headers["authorization"] = f"Bearer {key}"
         # The per-turn request, on the lean client (the hot path): keep-alive, bounded idle reuse.
-        self.http = http1.Client(
-            self.url,
-            ssl_context=ssl_context,
-            connect_timeout=connect_timeout,
-            max_idle=KEEPALIVE_CONNECTIONS,
-        )
+        try:
+            self.http = http1.Client(
+                self.url,
+                ssl_context=ssl_context,
+                connect_timeout=connect_timeout,
+                max_idle=KEEPALIVE_CONNECTIONS,
+            )
+        except ValueError as exc:  # an unusable URL, or a proxy this client cannot speak
+            raise ConfigError(f"backend {name} ({self.url}): {exc}") from None
         self._turn_target = self.http.target("/chat/completions")
         self._turn_headers = [(k.encode(), v.encode()) for k, v in self._headers.items()]
         # Model listing and health checks (not hot) on httpx. Per-read idle timeout, never an

@@ -19,6 +19,7 @@ import trustme
 
 from gateway import http1
 from gateway.backends import Backend, BackendUnreachable
+from gateway.config import ConfigError
 from gateway.sim import Simulator, open_sim
 
 BODY = json.dumps(
@@ -270,3 +271,15 @@ async def test_a_cancelled_turn_closes_its_backend_connection() -> None:
             assert sim.connections == 2  # the cancelled one was not kept for reuse
         finally:
             await backend.aclose()
+
+
+def test_a_proxy_this_client_cannot_speak_is_a_clear_config_error() -> None:
+    env = {"HTTPS_PROXY": "socks5://p:1080"}
+    with pytest.raises(ValueError, match=r"unsupported proxy socks5://p \(only http://\)"):
+        http1.Client("https://api.openai.com/v1", env=env)
+
+
+def test_backend_names_itself_when_its_proxy_is_unusable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "socks5://p:1080")
+    with pytest.raises(ConfigError, match=r"backend cloud \(https://api.openai.com/v1\)"):
+        Backend("https://api.openai.com/v1", name="cloud")
