@@ -91,14 +91,8 @@ def _job_channel_url(job: dict[str, Any]) -> str | None:
 class Runner:
     """Polls the Server, claims Kind B jobs, and serves each as a session in its own task."""
 
-    def __init__(
-        self, config: Config, *, ping_interval: float = 20.0, ping_timeout: float | None = None
-    ) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
-        # WebSocket keepalive on every channel (0: off); a channel silent for ping_timeout
-        # (default: the interval) after a ping counts as dropped. To be wired to a setting.
-        self.ping_interval = ping_interval
-        self.ping_timeout = ping_timeout
         self.ssl_context = make_ssl_context(config.ca_file)
         self.store = StateStore(config.state_dir)
         # a backend going down or coming back changes the capabilities: poll at once
@@ -455,8 +449,8 @@ class Runner:
                         url,
                         ssl_context=self.ssl_context if url.startswith("wss:") else None,
                         max_message_size=self.config.max_frame_size,
-                        ping_interval=self.ping_interval,
-                        ping_timeout=self.ping_timeout,
+                        ping_interval=self.config.ping_interval,
+                        ping_timeout=self.config.ping_timeout,
                         on_ping=self._on_ping,
                     )
                 if ws is not None:

@@ -252,9 +252,14 @@ async def test_runner_finds_a_silent_channel_dead_cancels_its_turn_and_redials(
     async with server(script) as url:
         definition = {"jobType": "chat_llm", "channelUrl": url}
         runner = Runner(
-            runner_config(hub[1], sim.url, tmp_path, reconnect_window=30.0),
-            ping_interval=0.2,
-            ping_timeout=0.2,
+            runner_config(
+                hub[1],
+                sim.url,
+                tmp_path,
+                reconnect_window=30.0,
+                ping_interval=0.2,
+                ping_timeout=0.2,
+            )
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(runner.run)
