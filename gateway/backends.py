@@ -197,8 +197,12 @@ class Backend:
     # -- HTTP ----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def stream(self, body: bytes) -> AsyncIterator[http1.Response]:
+    async def stream(
+        self, body: bytes, traceparent: str | None = None
+    ) -> AsyncIterator[http1.Response]:
         """POST one chat-completions body (as it is) and yield the response once its head is in.
+
+        ``traceparent`` (tracing on): the turn span's W3C header, sent with this request only.
 
         The exchange runs under one idle deadline, ``response.idle``: the reader moves it
         forward as bytes arrive (never an overall deadline); when it passes, the block ends
@@ -207,12 +211,13 @@ class Backend:
         is kept for the next turn."""
         idle = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
         response: http1.Response | None = None
+        headers = self._turn_headers
+        if traceparent is not None:
+            headers = [*headers, (b"traceparent", traceparent.encode())]
         try:
             with idle:
                 try:
-                    response = await self.http.request(
-                        b"POST", self._turn_target, self._turn_headers, body
-                    )
+                    response = await self.http.request(b"POST", self._turn_target, headers, body)
                 except http1.ConnectFailed as exc:
                     raise BackendUnreachable(f"backend {self.url} unreachable: {exc}") from None
                 except http1.HTTPError as exc:

@@ -6,7 +6,7 @@ import enum
 import logging
 import ssl
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httptools
 import msgspec
@@ -18,6 +18,9 @@ from gateway.netio import RECV_SIZE
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.sse import SSESplitter
 from gateway.wsclient import ChannelClosed, WebSocket
+
+if TYPE_CHECKING:  # imported only when tracing is on (gateway.tracing.start)
+    from gateway.otel import SessionTrace, TurnTrace
 
 log = logging.getLogger("gateway.channel")
 
@@ -60,6 +63,28 @@ _SESSION_END = TurnEnd(Ending.SESSION_ENDED, "session ended")
 _SHUTDOWN_END = TurnEnd(Ending.SHUTDOWN, SHUTTING_DOWN)
 
 
+_TRACED_ERRORS = (Ending.FAILED, Ending.SHUTDOWN)  # a turn span's error status: not the client's
+
+
+@dataclass
+class SessionLimits:
+    """A Chat Job's time limits (``agentDefinition``, in seconds; None: none) and the clock they
+    run on, kept by the runner across the job's redials."""
+
+    idle: float | None
+    total: float | None
+    started: float  # trio clock: when the session started
+    last_active: float  # trio clock: when the last turn ended (or the session started)
+
+    def idle_reason(self) -> str:
+        assert self.idle is not None
+        return f"session idle for {self.idle / 60:g} min (idleTimeoutMinutes)"
+
+    def total_reason(self) -> str:
+        assert self.total is not None
+        return f"session reached its time limit of {self.total / 60:g} min (maxTimeoutMinutes)"
+
+
 class TurnFailed(Exception):
     """The turn cannot be served; the message is safe for a frame (no key)."""
 
@@ -93,6 +118,8 @@ class Channel:
         ttft: Histogram | None = None,
         relay: Histogram | None = None,
         frame_log: Redactor | None = None,
+        trace: SessionTrace | None = None,
+        limits: SessionLimits | None = None,
     ) -> None:
         self.job_id = job_id
         self.ws = ws
@@ -105,6 +132,7 @@ class Channel:
         self._no_turns = trio.Event()
         self._no_turns.set()
         self._draining = False
+        self._drain_reason = SHUTTING_DOWN
         self._end: ChannelEnd | None = None
         self._nursery: trio.Nursery | None = None
         self.turns_served = 0
@@ -114,6 +142,9 @@ class Channel:
         self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
         self._send = ws.send if frame_log is None else self._send_logged
         self._send_batch = ws.send_batch if frame_log is None else self._send_batch_logged
+        self.trace = trace  # tracing on: the session's span; off: None, and turns do no tracing
+        self.limits = limits
+        self._turn_began: trio.Event | None = None  # set when a turn starts (idle limit only)
 
     @property
     def in_flight(self) -> int:
@@ -125,6 +156,11 @@ class Channel:
             self._nursery = nursery
             nursery.start_soon(self.ws.run)
             nursery.start_soon(self._watch_shutdown)
+            limits = self.limits
+            if limits is not None and limits.total is not None:
+                nursery.start_soon(self._watch_total, limits)
+            if limits is not None and limits.idle is not None:
+                nursery.start_soon(self._watch_idle, limits)
             await self._reader()
             nursery.cancel_scope.cancel()
         assert self._end is not None
@@ -213,23 +249,51 @@ class Channel:
 
     async def _watch_shutdown(self) -> None:
         await self.shutdown.wait()
+        await self._wind_down(SHUTTING_DOWN)
+
+    async def _watch_total(self, limits: SessionLimits) -> None:
+        """``maxTimeoutMinutes``: at the session's time limit, wind it down."""
+        assert limits.total is not None
+        await trio.sleep_until(limits.started + limits.total)
+        await self._wind_down(limits.total_reason())
+
+    async def _watch_idle(self, limits: SessionLimits) -> None:
+        """``idleTimeoutMinutes``: once no turn has been in flight for that long, end it."""
+        assert limits.idle is not None
+        while True:
+            while self._turns:
+                await self._no_turns.wait()
+            self._turn_began = began = trio.Event()
+            with trio.move_on_at(limits.last_active + limits.idle) as waited:
+                await began.wait()
+            if waited.cancelled_caught and not self._turns:
+                break
+        await self._wind_down(limits.idle_reason())
+
+    async def _wind_down(self, reason: str) -> None:
+        """No new turn; in-flight ones get the grace, then are cancelled; then ``chat.end``
+        with ``reason`` and the channel ends (by the runner). Once: the first reason wins."""
+        if self._draining:
+            return
         self._draining = True
+        self._drain_reason = reason
         with trio.move_on_after(self.grace):
             await self._no_turns.wait()
+        end = _SHUTDOWN_END if reason == SHUTTING_DOWN else TurnEnd(Ending.SHUTDOWN, reason)
         for request_id in list(self._turns):
-            self._cancel_turn(request_id, _SHUTDOWN_END)
+            self._cancel_turn(request_id, end)
         await self._no_turns.wait()
-        await self._send_or_drop(protocol.end_frame(self.job_id, SHUTTING_DOWN))
+        await self._send_or_drop(protocol.end_frame(self.job_id, reason))
         with trio.move_on_after(5):  # what is written so far reaches the socket, chat.end last
             await self.ws.drain()
-        self._finish(ChannelEnd("runner", SHUTTING_DOWN))
+        self._finish(ChannelEnd("runner", reason))
 
     # -- turns -------------------------------------------------------------------------
 
     def _start_turn(self, frame: protocol.CompletionRequest) -> None:
         request_id = frame.requestId
         if self._draining:
-            self._post(protocol.error_frame(self.job_id, request_id, SHUTTING_DOWN))
+            self._post(protocol.error_frame(self.job_id, request_id, self._drain_reason))
             return
         if request_id in self._turns:
             log.warning("job %s request %s: duplicate requestId refused", self.job_id, request_id)
@@ -242,7 +306,10 @@ class Channel:
         scope = trio.CancelScope()
         self._turns[request_id] = scope
         self._started[request_id] = trio.current_time()
-        self._no_turns = trio.Event()
+        if self._no_turns.is_set():  # one event per busy spell: its waiters see it end
+            self._no_turns = trio.Event()
+        if self._turn_began is not None:
+            self._turn_began.set()
         assert self._nursery is not None
         self._nursery.start_soon(self._turn, frame, scope)
 
@@ -254,12 +321,15 @@ class Channel:
 
     async def _turn(self, frame: protocol.CompletionRequest, scope: trio.CancelScope) -> None:
         request_id = frame.requestId
+        span: TurnTrace | None = None
+        if self.trace is not None:
+            span = self.trace.turn(request_id, frame.model, traceparent=frame.traceparent)
         try:
             end = _DONE_END
             try:
                 with scope:
                     try:
-                        await self._forward(frame)
+                        await self._forward(frame, span)
                     except TurnFailed as exc:
                         end = TurnEnd(Ending.FAILED, str(exc))
                     except protocol.FrameError as exc:  # a body that cannot take its model
@@ -267,33 +337,39 @@ class Channel:
                     except ChannelClosed:
                         end = _SESSION_END
             except trio.Cancelled:  # the channel itself is ending: no one left to tell
-                self._conclude_quietly(request_id, self._stopped.get(request_id, _SESSION_END))
+                end = self._stopped.get(request_id, _SESSION_END)
+                self._conclude_quietly(request_id, end, span)
                 raise
             if scope.cancelled_caught:
                 end = self._stopped.get(request_id, _CANCELLED_END)
-            await self._conclude(request_id, end)
+            await self._conclude(request_id, end, span)
         finally:
+            if self.limits is not None:
+                self.limits.last_active = trio.current_time()
             del self._turns[request_id]
             self._started.pop(request_id, None)
             self._stopped.pop(request_id, None)
             if not self._turns:
                 self._no_turns.set()
 
-    async def _conclude(self, request_id: str, end: TurnEnd) -> None:
-        """Count, log and frame one turn's outcome: the one place that does."""
-        self._conclude_quietly(request_id, end)
+    async def _conclude(self, request_id: str, end: TurnEnd, span: TurnTrace | None) -> None:
+        """Count, log, trace and frame one turn's outcome: the one place that does."""
+        self._conclude_quietly(request_id, end, span)
         if end.ending.framed:
             await self._send_or_drop(protocol.error_frame(self.job_id, request_id, end.message))
 
-    def _conclude_quietly(self, request_id: str, end: TurnEnd) -> None:
-        """Count and log one turn's outcome (``_conclude`` without the frame)."""
+    def _conclude_quietly(self, request_id: str, end: TurnEnd, span: TurnTrace | None) -> None:
+        """Count, log and trace one turn's outcome (``_conclude`` without the frame)."""
         ending = end.ending
         self.counters.inc(ending.counter)
         if ending.logged:
             log.warning("job %s request %s: %s", self.job_id, request_id, end.message)
         self.turns_served += 1
+        if span is not None:
+            error = end.message if ending in _TRACED_ERRORS else None
+            span.end(ending.name.lower(), error, span.chunks, span.last_payload)
 
-    async def _forward(self, frame: protocol.CompletionRequest) -> None:
+    async def _forward(self, frame: protocol.CompletionRequest, span: TurnTrace | None) -> None:
         """Route one turn, hold a slot on a backend serving its model, relay its chunks and
         done frame; ``TurnFailed`` when it cannot. A backend that cannot be reached (nothing
         was sent) is probed at once, and the turn goes to the next backend serving the model."""
@@ -302,13 +378,19 @@ class Channel:
             route = await self.pool.route(frame.model, bytes(frame.body))
         except BackendError as exc:
             raise TurnFailed(str(exc)) from None
+        traceparent = None
+        if span is not None:
+            span.routed(route.model or route.requested)
+            traceparent = span.traceparent
         tried: list[Backend] = []
         while True:
             backend: Backend | None = None
             try:
                 async with self.pool.turn(route, self.job_id, request_id, tried) as backend:
-                    async with backend.stream(route.body) as response:
-                        await self._relay(request_id, backend.url, response)
+                    if span is not None:
+                        span.backend(backend.url)
+                    async with backend.stream(route.body, traceparent) as response:
+                        await self._relay(request_id, backend.url, response, span)
                         return
             except BackendUnreachable as exc:
                 assert backend is not None
@@ -328,7 +410,13 @@ class Channel:
                 url = backend.url if backend is not None else "?"
                 raise TurnFailed(f"backend {url} stream broke: {exc}") from None
 
-    async def _relay(self, request_id: str, url: str, response: http1.Response) -> None:
+    async def _relay(
+        self,
+        request_id: str,
+        url: str,
+        response: http1.Response,
+        span: TurnTrace | None = None,
+    ) -> None:
         """Relay one backend answer: every SSE event becomes a chunk frame written the moment
         its read is split (``WebSocket.send``: no scheduling point while the socket takes it),
         then the done frame. The reads themselves are the turn's scheduling points."""
@@ -342,6 +430,9 @@ class Channel:
             problem = _payload_problem(payload)
             if problem is not None:
                 raise TurnFailed(f"backend {url} answered {problem}")
+            if span is not None:
+                span.first_token()
+                span.chunks, span.last_payload = 1, payload
             await send(prefix + payload + b"}")
             await send(protocol.done_frame(self.job_id, request_id))
             return
@@ -365,6 +456,7 @@ class Channel:
         move_at = read_at + step
         drained = False
         streak = 0
+        payload = b""  # after the loop: the last event validated (the usage chunk, if any)
         try:
             while True:
                 pieces = response.body
@@ -373,6 +465,8 @@ class Channel:
                     if first:
                         first = False
                         self.ttft.observe(read_at - started)
+                        if span is not None:
+                            span.first_token()
                     for raw in pieces:
                         payloads = feed(raw)
                         if not payloads:
@@ -430,12 +524,16 @@ class Channel:
             raise http1.ConnectionLost(f"connection broke ({type(exc).__name__})") from None
         finally:
             self.counters.inc("chunks", chunks)
-        for payload in splitter.flush():
-            if payload != _DONE:
-                problem = _payload_problem(payload)
+            if span is not None:  # bytes already in hand, read once the stream is over
+                span.chunks, span.last_payload = chunks, payload
+        for rest in splitter.flush():
+            if rest != _DONE:
+                problem = _payload_problem(rest)
                 if problem is not None:
                     raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
-                await send(prefix + payload + b"}")
+                await send(prefix + rest + b"}")
+                if span is not None:
+                    span.chunks, span.last_payload = span.chunks + 1, rest
         await send(protocol.done_frame(job_id, request_id))
 
     async def _answer_models(self, request_id: str) -> None:

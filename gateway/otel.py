@@ -73,7 +73,7 @@ class Tracing:
         span = self._tracer.start_span(
             "chat_llm session", context=context, kind=SpanKind.CONSUMER, attributes=attributes
         )
-        return SessionTrace(self._tracer, span, job_id)
+        return SessionTrace(self._tracer, span, job_id, valid_traceparent(traceparent))
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Export what is still queued (blocking: call from a thread)."""
@@ -87,16 +87,17 @@ class Tracing:
 class SessionTrace:
     """The open span of one Chat Job; makes its turns' spans."""
 
-    def __init__(self, tracer: Tracer, span: Span, job_id: str) -> None:
+    def __init__(self, tracer: Tracer, span: Span, job_id: str, parent: str | None = None) -> None:
         self._tracer = tracer
         self.span = span
         self.job_id = job_id
+        self.parent = parent  # the job's traceparent: a turn frame that repeats it adds nothing
 
     def turn(
         self,
         request_id: str,
         model: str | None,
-        backend_url: str,
+        backend_url: str = "",
         traceparent: str | None = None,
     ) -> TurnTrace:
         """The span of one turn, started now: a child of the session span, or of the frame's
@@ -108,11 +109,10 @@ class SessionTrace:
         }
         if model:
             attributes["gen_ai.request.model"] = model
-        parts = urlsplit(backend_url)
-        if parts.hostname:
-            attributes["server.address"] = parts.hostname
-            attributes["server.port"] = parts.port or (443 if parts.scheme == "https" else 80)
-        parent = _context_from(traceparent)
+        attributes.update(_server_attributes(backend_url))
+        parent = (
+            None if valid_traceparent(traceparent) == self.parent else _context_from(traceparent)
+        )
         links: Sequence[Link] = ()
         if parent is None:
             parent = trace.set_span_in_context(self.span)
@@ -140,9 +140,21 @@ class TurnTrace:
 
     def __init__(self, span: Span) -> None:
         self.span = span
+        self.chunks = 0  # set by the relay once the stream is over
+        self.last_payload: bytes | None = None  # the stream's last event (its usage, if any)
         context = span.get_span_context()
         flags = int(context.trace_flags)
         self.traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
+
+    def routed(self, model: str | None) -> None:
+        """The model the backend is asked for, once the turn is routed (names the span)."""
+        if model:
+            self.span.set_attribute("gen_ai.request.model", model)
+            self.span.update_name(f"chat {model}")
+
+    def backend(self, url: str) -> None:
+        """The backend the turn went to (``server.address`` / ``server.port``)."""
+        self.span.set_attributes(_server_attributes(url))
 
     def first_token(self) -> None:
         self.span.add_event("gen_ai.first_token")
@@ -159,6 +171,14 @@ class TurnTrace:
             span.set_attribute("error.type", outcome)
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
+
+
+def _server_attributes(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return {}
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return {"server.address": parts.hostname, "server.port": port}
 
 
 def _context_from(traceparent: str | None) -> Any:

@@ -47,6 +47,9 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     body: msgspec.Raw
     jobId: str | None = None
     model: str | None = None
+    # extension (§6): the W3C trace context of this turn's request; checked only when tracing
+    # is on (``gateway.tracing.valid_traceparent``), so any value is taken, none refused
+    traceparent: Any = None
 
 
 class CompletionCancel(msgspec.Struct, frozen=True):

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 import random
 import signal
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import trio
 
+from gateway import __version__, tracing
 from gateway.alp import (
     AlpClient,
     CertificateRefused,
@@ -24,7 +27,7 @@ from gateway.alp import (
     make_ssl_context,
 )
 from gateway.backends import BackendPool
-from gateway.channel import Channel, ChannelEnd
+from gateway.channel import Channel, ChannelEnd, SessionLimits
 from gateway.config import Config
 from gateway.metrics import MetricsServer, open_metrics
 from gateway.observe import Counters, Histogram, Redactor
@@ -35,10 +38,14 @@ from gateway.state import Registration, StateError, StateStore
 from gateway.wsclient import HandshakeError, WebSocket
 from gateway.wsclient import connect as dial_channel
 
+if TYPE_CHECKING:  # imported only when tracing is on
+    from gateway.otel import SessionTrace, Tracing
+
 log = logging.getLogger("gateway.runner")
 
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
+TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
 
 
 class RunnerExit(Exception):
@@ -57,11 +64,58 @@ def backoff_delay(failures: int, base: float, cap: float) -> float:
 
 @dataclass
 class ChatJob:
-    """A claimed Kind B job."""
+    """A claimed Kind B job: what its ``agentDefinition`` says that the runner uses."""
 
     id: str
     run_id: str
     channel_url: str | None = None
+    traceparent: str | None = None  # the trace it belongs to (W3C), when the Server gave one
+    idle_timeout: float | None = None  # s without a turn before the runner ends it
+    max_timeout: float | None = None  # s in all before the runner ends it
+    trace: SessionTrace | None = field(default=None, repr=False)  # its span, tracing on
+
+    @classmethod
+    def from_job(cls, job: dict[str, Any], run_id: str) -> ChatJob:
+        definition = job.get("agentDefinition")
+        if not isinstance(definition, dict):
+            definition = {}
+        return cls(
+            job["id"],
+            run_id,
+            _job_channel_url(job),
+            traceparent=tracing.valid_traceparent(definition.get("traceparent")),
+            idle_timeout=_minutes(job["id"], definition, "idleTimeoutMinutes"),
+            max_timeout=_minutes(job["id"], definition, "maxTimeoutMinutes"),
+        )
+
+    def limits(self) -> SessionLimits | None:
+        """The session's clock, started now, when the job has a time limit."""
+        if self.idle_timeout is None and self.max_timeout is None:
+            return None
+        now = trio.current_time()
+        return SessionLimits(self.idle_timeout, self.max_timeout, started=now, last_active=now)
+
+
+def _minutes(job_id: str, definition: dict[str, Any], name: str) -> float | None:
+    """``definition[name]`` (minutes, a positive number) in seconds; None when absent or not
+    valid, the latter said in one log line (the job is served without that limit)."""
+    value = definition.get(name)
+    if value is None:
+        return None
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return float(value) * 60.0
+    log.warning(
+        "job %s: %s is %.40r, not a positive number of minutes; no such limit",
+        job_id,
+        name,
+        value,
+    )
+    return None
 
 
 def channel_url(server: str, job: ChatJob, token: str) -> str:
@@ -111,6 +165,9 @@ class Runner:
         self.first_poll = trio.Event()
         self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
         self.metrics: MetricsServer | None = None  # bound in run() when --metrics-listen is given
+        # tracing: decided once, here; the SDK is imported and started by run() only when on
+        self.trace_endpoint = tracing.endpoint_from_env(os.environ, config.otlp_endpoint)
+        self.tracing: Tracing | None = None
         self._sessions_nursery: trio.Nursery | None = None  # open while run() polls
 
     def status(self) -> RunnerStatus:
@@ -211,6 +268,8 @@ class Runner:
             ", ".join(b.url for b in self.pool.backends) or "(none)",
         )
         fatal: RunnerExit | StateError | None = None
+        if self.trace_endpoint is not None:
+            self.tracing = tracing.start(self.trace_endpoint, __version__)
         try:
             if self.config.metrics_listen is not None:  # binds now: a busy port fails the start
                 host, port = self.config.metrics_listen
@@ -238,9 +297,18 @@ class Runner:
             with trio.CancelScope(shield=True):
                 await self.alp.aclose()
                 await self.pool.aclose()
+                await self._stop_tracing()
         if fatal is not None:
             raise fatal
         log.info("runner stopped")
+
+    async def _stop_tracing(self) -> None:
+        """Flush the last spans and stop the exporter, in a thread (it blocks), bounded: a
+        collector that does not answer costs at most ``TRACES_SHUTDOWN_S`` at exit."""
+        if self.tracing is None:
+            return
+        with trio.move_on_after(TRACES_SHUTDOWN_S):
+            await trio.to_thread.run_sync(self.tracing.shutdown, abandon_on_cancel=True)
 
     async def watch_signals(
         self,
@@ -348,7 +416,7 @@ class Runner:
             if run_id is None:
                 log.debug("job %s was taken by another runner", job_id)
                 continue
-            chat = ChatJob(job_id, run_id, _job_channel_url(job))
+            chat = ChatJob.from_job(job, run_id)
             self.sessions[job_id] = chat
             assert self._sessions_nursery is not None  # _consider runs inside run()'s nursery
             self._sessions_nursery.start_soon(self._session, chat)
@@ -394,11 +462,15 @@ class Runner:
         self.counters.inc("sessions_started")
         conclusion, reason = "failure", "session ended unexpectedly"
         budget: float | None = None  # how long the final report may be retried
+        if self.tracing is not None:
+            name = self.registration.name if self.registration else ""
+            job.trace = self.tracing.session(job.id, job.run_id, job.traceparent, name)
+        limits = job.limits()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._mark_in_progress, job)  # the dial does not wait for it
                 nursery.start_soon(self._heartbeat, job)
-                conclusion, reason = await self._serve_channel(job)
+                conclusion, reason = await self._serve_channel(job, limits)
                 nursery.cancel_scope.cancel()
         except BaseException:  # cancelled (a second signal) or crashed: report, but do not linger
             reason, budget = "runner stopped at once", 2.0
@@ -406,6 +478,8 @@ class Runner:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
                 await self._report(job, conclusion, reason)
+            if job.trace is not None:
+                job.trace.end(conclusion, reason)
             del self.sessions[job.id]
             self.counters.inc("sessions_ended")
             self._wake.set()  # a slot is free: poll now
@@ -428,7 +502,7 @@ class Runner:
             except (ServerUnavailable, Refused) as exc:
                 log.warning("job %s: heartbeat failed: %s", job.id, exc)
 
-    async def _serve_channel(self, job: ChatJob) -> tuple[str, str]:
+    async def _serve_channel(self, job: ChatJob, limits: SessionLimits | None) -> tuple[str, str]:
         """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason)."""
         assert self.registration is not None
         window = self.config.reconnect_window
@@ -455,7 +529,7 @@ class Runner:
                     )
                 if ws is not None:
                     try:
-                        end = await self._serve_connected(job, ws, dropped_at is not None)
+                        end = await self._serve_connected(job, ws, dropped_at is not None, limits)
                     finally:
                         await ws.aclose()
                     failures = 0
@@ -494,7 +568,9 @@ class Runner:
             self.counters.inc("pong_timeouts")
             self.counters.inc("channels_dead")
 
-    async def _serve_connected(self, job: ChatJob, ws: WebSocket, redial: bool) -> ChannelEnd:
+    async def _serve_connected(
+        self, job: ChatJob, ws: WebSocket, redial: bool, limits: SessionLimits | None = None
+    ) -> ChannelEnd:
         """Serve one open channel connection until it ends."""
         if redial:
             log.info("job %s: channel redialled", job.id)
@@ -509,6 +585,8 @@ class Runner:
             ttft=self.histograms["ttft_seconds"],
             relay=self.histograms["relay_seconds"],
             frame_log=self._frame_log(),
+            trace=job.trace,
+            limits=limits,
         )
         return await channel.serve()
 

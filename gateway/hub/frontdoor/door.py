@@ -25,6 +25,7 @@ from gateway.hub.frontdoor.shapes import (
 from gateway.hub.http import ClientGone, HTTPError, Request, Response, bearer, header
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, Store
+from gateway.tracing import valid_traceparent
 
 log = logging.getLogger("gateway.hub.frontdoor")
 
@@ -83,12 +84,13 @@ class FrontDoor:
         raw_sid = header(req.scope, SESSION_HEADER)
         sid = raw_sid.decode("latin-1").strip() if raw_sid else ""
         session = self.sessions.enter((key.name, sid or DEFAULT_SESSION), key.owner, key.project)
+        traceparent = _traceparent(req)
         try:
             with trio.CancelScope() as turn_scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_watch_disconnect, req, turn_scope)
                     try:
-                        await self._turn(session, text, stream, req.resp)
+                        await self._turn(session, text, stream, req.resp, traceparent)
                     finally:
                         nursery.cancel_scope.cancel()
             if turn_scope.cancelled_caught:
@@ -96,14 +98,22 @@ class FrontDoor:
         finally:
             self.sessions.leave(session)
 
-    async def _turn(self, session: Session, body: str, stream: bool, resp: Response) -> None:
+    async def _turn(
+        self,
+        session: Session,
+        body: str,
+        stream: bool,
+        resp: Response,
+        traceparent: str | None = None,
+    ) -> None:
         try:
             arrived = trio.current_time()
             async with session.lock:
                 if session.failure is not None and session.failure[0] >= arrived:
                     raise session.failure[1].copy()
+                job_before = session.job_id
                 try:
-                    job_id, ch = await self.sessions.channel_of(session)
+                    job_id, ch = await self.sessions.channel_of(session, traceparent)
                 except HTTPError as err:
                     session.failure = (trio.current_time(), err)
                     raise
@@ -111,7 +121,10 @@ class FrontDoor:
             rx = ch.open_request(turn.rid)
             try:
                 try:
-                    await ch.send(request_frame(job_id, turn.rid, body))
+                    # a job this turn opened has the trace in its definition; a later turn's
+                    # frame carries its own (docs/protocol.md §6)
+                    in_frame = traceparent if job_id == job_before else None
+                    await ch.send(request_frame(job_id, turn.rid, body, in_frame))
                 except Exception as exc:
                     turn.lost = True
                     log.warning("could not send a turn on job %s: %r", job_id, exc)
@@ -134,6 +147,13 @@ class FrontDoor:
                     pass
         except ClientGone:
             pass
+
+
+def _traceparent(req: Request) -> str | None:
+    """The request's W3C ``traceparent`` header when well-formed (tracing: passed on to the
+    runner in the Chat Job's definition or the turn's frame), else None."""
+    raw = header(req.scope, b"traceparent")
+    return valid_traceparent(raw.decode("latin-1")) if raw else None
 
 
 async def _watch_disconnect(req: Request, scope: trio.CancelScope) -> None:

@@ -94,10 +94,13 @@ class Turn:
     lost: bool = False  # the channel ended under the turn
 
 
-def request_frame(job_id: str, rid: str, body: str) -> str:
-    """The ``chat.completion.request`` frame around the client's body text (not re-encoded)."""
-    head = protocol.encode({"type": protocol.COMPLETION_REQUEST, "jobId": job_id, "requestId": rid})
-    return head[:-1] + ',"body":' + body + "}"
+def request_frame(job_id: str, rid: str, body: str, traceparent: str | None = None) -> str:
+    """The ``chat.completion.request`` frame around the client's body text (not re-encoded),
+    with the turn's ``traceparent`` when it has one (docs/protocol.md §6)."""
+    fields = {"type": protocol.COMPLETION_REQUEST, "jobId": job_id, "requestId": rid}
+    if traceparent is not None:
+        fields["traceparent"] = traceparent
+    return protocol.encode(fields)[:-1] + ',"body":' + body + "}"
 
 
 async def send_cancel(turn: Turn) -> None:

@@ -89,8 +89,11 @@ class Sessions:
             return True
         return job_id in self._ended_by_runner
 
-    async def channel_of(self, session: Session) -> tuple[str, ServerChannel]:
-        """The session's (job id, open channel), opening a Chat Job when it has none. Lock held."""
+    async def channel_of(
+        self, session: Session, traceparent: str | None = None
+    ) -> tuple[str, ServerChannel]:
+        """The session's (job id, open channel), opening a Chat Job when it has none (in the
+        trace ``traceparent``, when given). Lock held."""
         if session.job_id is not None and self.job_over(session.job_id):
             self._bind(session, None)  # the runner ended it: this turn opens a new job
         if session.job_id is not None:
@@ -113,7 +116,10 @@ class Sessions:
                 self._adopt(ch)
                 return job_id, ch
         job_id, ch = await self.open_job(
-            session.owner, session.project, self.settings.runner_wait_timeout
+            session.owner,
+            session.project,
+            self.settings.runner_wait_timeout,
+            traceparent=traceparent,
         )
         self._bind(session, job_id)
         self._adopt(ch)
@@ -121,15 +127,23 @@ class Sessions:
         return job_id, ch
 
     async def open_job(
-        self, owner: str, project: str, within: float, purpose: str = ""
+        self,
+        owner: str,
+        project: str,
+        within: float,
+        purpose: str = "",
+        traceparent: str | None = None,
     ) -> tuple[str, ServerChannel]:
         """A new front-door Chat Job and its channel, once a runner claimed it and dialled in;
         the job is withdrawn and ``no_runner`` raised when none does within ``within`` s."""
+        definition = dict(CHAT_DEFINITION)
+        if traceparent is not None:
+            definition["traceparent"] = traceparent
         job = self.board.enqueue(
             owner,
             project,
             needs=[protocol.CAPABILITY],
-            agent_definition=dict(CHAT_DEFINITION),
+            agent_definition=definition,
             origin="frontdoor",
         )
         ch = None
