@@ -30,6 +30,7 @@ class ReceivedSpan:
     links: list[tuple[str, str]]
     status_code: int
     resource: dict[str, Any]
+    start_ns: int = 0
 
 
 def _value(any_value: Any) -> Any:
@@ -72,6 +73,7 @@ class OtlpReceiver:
                             ],
                             status_code=span.status.code,
                             resource=resource,
+                            start_ns=span.start_time_unix_nano,
                         )
                     )
         self.exports += 1
