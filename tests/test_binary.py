@@ -16,6 +16,7 @@ import pytest
 import trio
 import trustme
 from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, Turns, clean_env, open_chat, request_frame
+from otlp_receiver import open_receiver
 
 from gateway import __version__
 from gateway.hub import Hub, open_hub
@@ -112,6 +113,44 @@ async def test_run_serves_a_turn_and_status_reads_it(
             proc.kill()
             await proc.wait()
     assert BACKEND_KEY.encode() not in log and ADMIN.encode() not in log
+
+
+async def test_the_binary_traces(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+    """The OpenTelemetry SDK and exporter are inside: a turn's spans reach a real receiver."""
+    async with open_receiver() as receiver:
+        proc = await trio.lowlevel.open_process(
+            [str(BINARY), "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path)],
+            env=clean_env(
+                AGENTICS_SERVER=hub[1],
+                CHAT_LLM_BACKEND_URL=sim.url,
+                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+                CHAT_LLM_MODEL="sim-model",
+                AGENTICS_USER_TOKEN=ADMIN,
+                ALP_GATEWAY_OTLP_ENDPOINT=receiver.url,
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            job, ch = await open_chat(hub[0], within=30)
+            await ch.send(request_frame(job.id, "t", sim={"chunks": 3}))
+            await Turns(ch).until("t")
+            proc.send_signal(signal.SIGTERM)  # the session ends; the exporter is flushed at exit
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+                spans = await receiver.wait_for(2)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    names = sorted(s.name for s in spans)
+    assert names == ["chat sim-model", "chat_llm session"]
+    session = next(s for s in spans if s.name == "chat_llm session")
+    turn = next(s for s in spans if s.name == "chat sim-model")
+    assert turn.parent_span_id == session.span_id
+    assert session.resource["service.name"] == "alp-gateway"
+    sent = sim.requests[-1].headers["traceparent"].split("-")
+    assert sent[:3] == ["00", turn.trace_id, turn.span_id]  # the flags: sampled (+ random)
 
 
 def _can_unshare_mounts() -> bool:

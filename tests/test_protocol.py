@@ -66,3 +66,17 @@ def test_with_model_sets_or_keeps() -> None:
     assert json.loads(protocol.with_model(body, "b"))["model"] == "b"
     assert json.loads(protocol.with_model(b'{"messages":[]}', "c"))["model"] == "c"
     assert protocol.body_model(b'{"messages":[]}') is None
+
+
+def test_a_frame_traceparent_is_taken_whatever_it_holds() -> None:
+    """The extension (§6) never refuses a turn: a bad value is ignored later, by tracing."""
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for value, kept in ((tp, tp), (42, 42), (None, None)):
+        text = json.dumps(
+            {"type": "chat.completion.request", "requestId": "r", "body": {}, "traceparent": value}
+        )
+        frame = protocol.decode_frame(text)
+        assert isinstance(frame, protocol.CompletionRequest)
+        assert frame.traceparent == kept
+    frame = protocol.decode_frame('{"type":"chat.completion.request","requestId":"r","body":{}}')
+    assert isinstance(frame, protocol.CompletionRequest) and frame.traceparent is None
