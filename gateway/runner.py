@@ -119,6 +119,7 @@ class Runner:
         return RunnerStatus(
             max_sessions=self.config.max_sessions,
             poll_interval=self.config.poll_interval,
+            ping_interval=self.config.ping_interval,
             sessions_open=len(self.sessions),
             shutting_down=self.shutdown.is_set(),
             last_poll_age=age,
