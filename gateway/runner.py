@@ -102,6 +102,7 @@ class Runner:
         self.registration: Registration | None = None
         self.alp: AlpClient | None = None
         self.sessions: dict[str, ChatJob] = {}
+        self._reporting: set[str] = set()  # ended sessions whose final report is on its way
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
@@ -339,7 +340,7 @@ class Runner:
             if not is_chat_job(job):
                 continue  # not ours: left queued for a capable runner
             job_id = job["id"]
-            if job_id in self.sessions:
+            if job_id in self.sessions or job_id in self._reporting:
                 continue
             try:
                 run_id = await self._claim(job_id)
@@ -405,11 +406,17 @@ class Runner:
             reason, budget = "runner stopped at once", 2.0
             raise
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
-                await self._report(job, conclusion, reason)
+            # the slot is free before the report: on a Server that is gone the report may take
+            # its bounded retries, and the slot is not held for them (the job is not re-claimed)
             del self.sessions[job.id]
-            self.counters.inc("sessions_ended")
+            self._reporting.add(job.id)
             self._wake.set()  # a slot is free: poll now
+            try:
+                with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
+                    await self._report(job, conclusion, reason)
+            finally:
+                self._reporting.discard(job.id)
+            self.counters.inc("sessions_ended")
             log.info("session end job=%s conclusion=%s reason=%s", job.id, conclusion, reason)
 
     async def _mark_in_progress(self, job: ChatJob) -> None:
