@@ -406,8 +406,8 @@ async def test_server_gone_slots_freed_jobs_reported_failure_polling_resumes(
             freed = trio.current_time()
             # freed while the Server is still gone: nothing of it reached the Server
             assert runner.reports == {} and not any(j.final_reported for j in jobs)
-            assert counters.get("sessions_ended") == 0  # ended once reported (or given up)
             if server_back:
+                assert counters.get("sessions_ended") == 0  # ended once reported
                 proxy.thaw_all()
             with trio.fail_after(GUARD):
                 await counters.wait("sessions_ended", 2)
