@@ -324,11 +324,14 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
     idle for 10 T serves its next turn on the same connection. With pings off the path is
     forgotten and the runner cannot notice: it neither reads nor writes on an idle channel, so
     the hub's next turn is dropped on the way, never reaches the runner or the backend, and the
-    runner goes on holding the session with no redial (only a hub-side keepalive, which closes
-    the hub's end, or the session's end over HTTP can free it)."""
+    runner goes on holding the session with no redial. Nothing frees that slot today: the hub's
+    chat.end (or its close, once the hub pings) is lost on the same path, and the heartbeats of a
+    job the Server withdrew are still accepted. That is why pings are on by default."""
     server = hub[0]
     async with path_proxy(port_of(hub[1]), nat_idle=NAT_IDLE) as proxy:
-        config = runner_config(hub[1], sim.url, tmp_path, ping_interval=ping)
+        config = runner_config(
+            hub[1], sim.url, tmp_path, ping_interval=ping, heartbeat_interval=NAT_IDLE
+        )
         async with running(config) as runner:
             counters = runner.counters
             job = server.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy))
@@ -355,6 +358,13 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
             assert counters.get("pings_sent") == 0 and counters.get("channels_dead") == 0
             assert counters.get("reconnects") == 0 and proxy.connections == 1
             assert list(runner.sessions) == [job.id] and server.channel(job.id) is ch
+            # the Server withdraws the job: its chat.end is lost on the forgotten path too, and
+            # its heartbeats are still accepted (over HTTP, a live path): the slot stays taken
+            await server.cancel_job(job.id, "given up by the Server")
+            beats = counters.get("heartbeats")
+            with trio.fail_after(GUARD):
+                await counters.wait("heartbeats", beats + 2)
+            assert list(runner.sessions) == [job.id] and counters.get("sessions_ended") == 0
 
 
 # -- the Server gone entirely ---------------------------------------------------------------
