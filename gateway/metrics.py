@@ -45,6 +45,15 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "polls": ("polls", "Polls for jobs, successful or not."),
     "poll_errors": ("poll_errors", "Polls that failed (Server unreachable, timed out or 5xx)."),
     "heartbeats": ("heartbeats", "Progress heartbeats the Server accepted."),
+    "pings_sent": ("pings_sent", "WebSocket pings sent on the Chat Channels (keepalive)."),
+    "pong_timeouts": (
+        "pong_timeouts",
+        "Pings that got no pong, nor any other frame, within the ping timeout.",
+    ),
+    "channels_dead": (
+        "channels_dead",
+        "Chat Channels declared dead by the keepalive (dropped, then redialled).",
+    ),
     "registration_errors": (
         "registration_errors",
         "Registration attempts that failed on an unreachable or failing Server (retried).",
@@ -80,6 +89,11 @@ def families(status: RunnerStatus) -> Iterator[Any]:
     )
     yield GaugeMetricFamily(
         PREFIX + "max_sessions", "Most chat sessions served at once.", status.max_sessions
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "ping_interval_seconds",
+        "Seconds between keepalive pings on each Chat Channel (0: keepalive off).",
+        status.ping_interval,
     )
     if status.last_poll_age is not None:
         yield GaugeMetricFamily(

@@ -8,6 +8,7 @@ import re
 import sys
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from typing import TextIO
 
 import trio
@@ -77,6 +78,11 @@ class Counters:
     async def wait(self, name: str, at_least: int) -> None:
         """Return once counter ``name`` has reached ``at_least``."""
         while self.values.get(name, 0) < at_least:
+            await self._changed.wait()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` holds, checked again whenever any counter changes."""
+        while not predicate():
             await self._changed.wait()
 
 

@@ -156,6 +156,7 @@ class Runner:
         self.registration: Registration | None = None
         self.alp: AlpClient | None = None
         self.sessions: dict[str, ChatJob] = {}
+        self._reporting: set[str] = set()  # ended sessions whose final report is on its way
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
@@ -176,6 +177,7 @@ class Runner:
         return RunnerStatus(
             max_sessions=self.config.max_sessions,
             poll_interval=self.config.poll_interval,
+            ping_interval=self.config.ping_interval,
             sessions_open=len(self.sessions),
             shutting_down=self.shutdown.is_set(),
             last_poll_age=age,
@@ -406,7 +408,7 @@ class Runner:
             if not is_chat_job(job):
                 continue  # not ours: left queued for a capable runner
             job_id = job["id"]
-            if job_id in self.sessions:
+            if job_id in self.sessions or job_id in self._reporting:
                 continue
             try:
                 run_id = await self._claim(job_id)
@@ -476,13 +478,19 @@ class Runner:
             reason, budget = "runner stopped at once", 2.0
             raise
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
-                await self._report(job, conclusion, reason)
+            # the slot is free before the report: on a Server that is gone the report may take
+            # its bounded retries, and the slot is not held for them (the job is not re-claimed)
+            del self.sessions[job.id]
+            self._reporting.add(job.id)
+            self._wake.set()  # a slot is free: poll now
+            try:
+                with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
+                    await self._report(job, conclusion, reason)
+            finally:
+                self._reporting.discard(job.id)
             if job.trace is not None:
                 job.trace.end(conclusion, reason)
-            del self.sessions[job.id]
             self.counters.inc("sessions_ended")
-            self._wake.set()  # a slot is free: poll now
             log.info("session end job=%s conclusion=%s reason=%s", job.id, conclusion, reason)
 
     async def _mark_in_progress(self, job: ChatJob) -> None:

@@ -95,6 +95,7 @@ class RunnerStatus:
 
     max_sessions: int
     poll_interval: float
+    ping_interval: float = 0.0  # the channel keepalive's interval (0: off)
     sessions_open: int = 0
     shutting_down: bool = False
     last_poll_age: float | None = None

@@ -97,6 +97,7 @@ class Samples:
         return RunnerStatus(
             max_sessions=int(self.get("max_sessions")),
             poll_interval=0.0,
+            ping_interval=self.get("ping_interval_seconds"),
             sessions_open=int(self.get("sessions_open")),
             last_poll_age=None if age < 0 else age,
             backends=backends,
@@ -156,6 +157,13 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
     lines.append(f"polls       {count('polls', 0)}, {count('poll_errors', 0)} failed{last}")
     lines.append(
         f"channels    {count('reconnects', 0)} redials, {count('heartbeats', 0)} heartbeats"
+    )
+    keepalive = (
+        f"ping every {status.ping_interval:g} s" if status.ping_interval > 0 else "pings off"
+    )
+    lines.append(
+        f"keepalive   {keepalive}: {count('pings_sent', 0)} pings sent, "
+        f"{count('pong_timeouts', 0)} pong timeouts, {count('channels_dead', 0)} channels dead"
     )
     for name, title in (("ttft_seconds", "first token"), ("relay_seconds", "relay")):
         hist = status.histograms.get(name)

@@ -203,6 +203,20 @@ class RecordingProxy:
                 nursery.start_soon(pump, server, client, False)
 
 
+def quick_alp_requests(monkeypatch: Any, timeout: float) -> None:
+    """Give the runners' ALP client a short request timeout (30 s in production), so a held or
+    black-holed Server request times out quickly."""
+    import gateway.runner
+    from gateway.alp import AlpClient
+
+    class QuickAlpClient(AlpClient):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["timeout"] = timeout
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gateway.runner, "AlpClient", QuickAlpClient)
+
+
 async def start_killable_sim(nursery: trio.Nursery, **kwargs: Any) -> tuple[Any, trio.CancelScope]:
     """A simulator the test can kill mid-test (cancel the returned scope): a backend that dies."""
     from gateway.sim import serve_sim

@@ -28,13 +28,12 @@ from helpers import (
     Turns,
     clean_env,
     open_chat,
+    quick_alp_requests,
     request_frame,
     runner_config,
     running,
 )
 
-import gateway.runner
-from gateway.alp import AlpClient
 from gateway.hub import Hub, open_hub
 from gateway.hub.store import Store, load_or_create_admin_token
 from gateway.runner import Runner
@@ -59,13 +58,7 @@ def kind_id(kind: Fault) -> str:
 @pytest.fixture
 def quick_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     """Give the runner's ALP client a short request timeout (a held request times out quickly)."""
-
-    class QuickAlpClient(AlpClient):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["timeout"] = REQUEST_TIMEOUT
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(gateway.runner, "AlpClient", QuickAlpClient)
+    quick_alp_requests(monkeypatch, REQUEST_TIMEOUT)
 
 
 async def serve_turn(hub: Hub, job_id: str, request_id: str = "t", chunks: int = 3) -> None:

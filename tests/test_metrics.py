@@ -19,7 +19,7 @@ from gateway.observe import Counters, Histogram
 from gateway.runner import Runner, RunnerExit
 from gateway.sim import Simulator
 from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
-from gateway.status import Samples, default_url
+from gateway.status import Reading, Samples, default_url, summary
 
 LOOPBACK_ANY_PORT = ("127.0.0.1", 0)
 
@@ -344,3 +344,28 @@ def test_status_reads_back_the_snapshot_that_metrics_rendered() -> None:
     assert back.histograms["ttft_seconds"] == sent.histograms["ttft_seconds"]
     assert back.histograms["ttft_seconds"].quantile(0.5) == 0.5
     assert back.histograms["ttft_seconds"].quantile(0.99) == float("inf")
+
+
+def test_keepalive_counters_in_metrics_and_status() -> None:
+    """Pings sent, pong timeouts and channels declared dead: always in /metrics (0 before the
+    first), with the ping interval, and on the `status` screen."""
+    fams = families(render(snapshot()))
+    for name in ("pings_sent", "pong_timeouts", "channels_dead"):
+        assert value(fams, f"alp_gateway_{name}", f"alp_gateway_{name}_total") == 0
+    assert value(fams, "alp_gateway_ping_interval_seconds") == 0
+    counters = {"pings_sent": 41, "pong_timeouts": 2, "channels_dead": 2, "reconnects": 2}
+    text = render(snapshot(ping_interval=20.0, counters=counters))
+    fams = families(text)
+    assert value(fams, "alp_gateway_pings_sent", "alp_gateway_pings_sent_total") == 41
+    assert value(fams, "alp_gateway_pong_timeouts", "alp_gateway_pong_timeouts_total") == 2
+    assert value(fams, "alp_gateway_channels_dead", "alp_gateway_channels_dead_total") == 2
+    assert value(fams, "alp_gateway_ping_interval_seconds") == 20
+    back = Samples.parse(text).snapshot()
+    assert back.ping_interval == 20.0 and back.counters["channels_dead"] == 2
+    out = summary("http://x", Reading(200, "ok", Samples.parse(text), 0.0))
+    assert (
+        "keepalive   ping every 20 s: 41 pings sent, 2 pong timeouts, 2 channels dead"
+        in out.splitlines()
+    )
+    off = summary("http://x", Reading(200, "ok", Samples.parse(render(snapshot())), 0.0))
+    assert "keepalive   pings off: 0 pings sent, 0 pong timeouts, 0 channels dead" in off
