@@ -12,6 +12,7 @@ import trio
 
 from gateway.hub.board import Changes, Job, JobBoard
 from gateway.hub.channel import CLOSE_OFFLINE, Channels, ServerChannel
+from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor import FrontDoor
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import (
@@ -50,10 +51,13 @@ class Hub:
         else:
             self.admin_token, self.admin_token_created = new_token(ADMIN_TOKEN_PREFIX), True
         self._admin_hash = token_hash(self.admin_token)
+        self.counters = HubCounters()
         changes = Changes()
         self.board = JobBoard(self.store, self.settings, changes)
-        self.channels = Channels(self.board, changes)
-        self.frontdoor = FrontDoor(self.store, self.settings, self.board, self.channels)
+        self.channels = Channels(self.board, changes, self.counters)
+        self.frontdoor = FrontDoor(
+            self.store, self.settings, self.board, self.channels, self.counters
+        )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Everything the hub does on its own while it serves, until cancelled: the front door's
