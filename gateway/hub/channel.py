@@ -64,7 +64,8 @@ class ServerChannel:
     async def send(self, frame: dict[str, Any] | str | bytes) -> None:
         """Send one message: a dict as JSON text, a str as text, bytes as a binary message.
 
-        A send on a closed channel is dropped quietly (its requests already saw EndOfChannel).
+        A send on a closed (or breaking) channel is dropped quietly: its requests see
+        EndOfChannel.
         """
         if isinstance(frame, dict):
             message: Message = {
@@ -80,7 +81,10 @@ class ServerChannel:
         async with self._lock:
             if self.closed.is_set():
                 return
-            await self._asgi_send(message)
+            try:
+                await self._asgi_send(message)
+            except OSError as exc:  # the socket broke: the reader ends the channel
+                log.debug("channel %s: send failed: %r", self.job_id, exc)
 
     def open_request(self, request_id: str) -> trio.MemoryReceiveChannel[tuple[str, float]]:
         """Route inbound text messages whose ``requestId`` is ``request_id`` to the returned channel.

@@ -84,8 +84,9 @@ class _Peer:
                 await self.stream.send_all(data)
 
 
-class ClientGoneError(Exception):
-    """A send to a client that is gone (the ASGI app sees it from ``send``)."""
+class ClientGoneError(OSError):
+    """A send to a client that is gone (the ASGI app sees it from ``send``; an OSError, as the
+    ASGI spec asks of a send on a closed connection)."""
 
 
 class _HTTP:

@@ -62,6 +62,9 @@ class Sessions:
         self._drained: set[ServerChannel] = set()  # channels whose recv() a drain task reads
         self._to_drain: list[ServerChannel] = []  # adopted, their drain task not started yet
         self._restored = False
+        # sessions forgotten because their job ended under them (its runner stopped): their next
+        # turn is a failover, counted as one: key -> (job id, when)
+        self._ended: dict[SessionKey, tuple[str, float]] = {}
 
     def listing(self) -> dict[SessionKey, str | None]:
         """The live sessions: (API key name, session id) -> job id."""
@@ -105,6 +108,9 @@ class Sessions:
         session had a job).
         """
         old = session.job_id
+        ended = self._ended.pop(session.key, None)
+        if old is None and ended is not None:
+            old = ended[0]  # forgotten when its job ended: this turn moves it all the same
         if old is not None and not self.job_over(old):
             ch = self.channels.get(old)
             if ch is None:  # momentarily reconnecting: wait, bounded (None at once if it ends)
@@ -117,7 +123,7 @@ class Sessions:
             if ch is not None:
                 self._adopt(ch)
                 return old, ch
-        if old is not None:
+        if session.job_id is not None:
             self._bind(session, None)
         job_id, ch = await self.open_job(
             session.owner, session.project, self.settings.runner_wait_timeout
@@ -251,6 +257,8 @@ class Sessions:
             if self.live.get(key) is not session or session.turns or session.lock.locked():
                 continue  # replaced while we awaited, or busy
             if session.job_id is None or self.job_over(session.job_id):
+                if session.job_id is not None:
+                    self._ended[key] = (session.job_id, now)
                 self._forget(key)
                 continue
             due = session.last_used + idle if idle and idle > 0 else math.inf
@@ -266,6 +274,9 @@ class Sessions:
             except Exception as exc:
                 log.warning("could not end idle job %s: %r", session.job_id, exc)
         self.channels.runner_ended.intersection_update(s.job_id for s in self.live.values())
+        for key, (_job_id, at) in list(self._ended.items()):
+            if not idle or now - at > idle:
+                del self._ended[key]
         return next_due
 
     async def run(self) -> None:
