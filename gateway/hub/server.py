@@ -42,8 +42,7 @@ log = logging.getLogger("gateway.hub.server")
 READ_SIZE = 65536
 MAX_HEAD = 64 * 1024  # bytes: a request head larger than this is refused (431 by h11's rule)
 MAX_BACKLOG = 256 * 1024  # bytes read ahead of what the app consumed before reading pauses
-IDLE_TIMEOUT = 5.0  # s: a kept-alive HTTP connection idle between requests is closed
-HEAD_TIMEOUT = 30.0  # s: a request head (and the TLS handshake) must arrive within this
+IDLE_TIMEOUT = 5.0  # s: a connection idle before (or between) requests is closed
 CLOSE_TIMEOUT = 2.0  # s: how long a closing WebSocket waits for the peer's close frame
 INBOX = 64  # WebSocket messages read ahead of the app before reading pauses
 CLOSE_NO_PONG = 1011
@@ -125,6 +124,7 @@ class _HTTP:
     async def serve(self) -> None:
         """Serve requests until the connection closes (or is upgraded to a WebSocket)."""
         while True:
+            event: Any = None
             with trio.move_on_after(
                 IDLE_TIMEOUT if self.conn.their_state is h11.IDLE else math.inf
             ):
@@ -180,6 +180,8 @@ class _HTTP:
 
         async def receive() -> Message:
             if not state["body_done"]:
+                if self.conn.they_are_waiting_for_100_continue:
+                    await self.send(h11.InformationalResponse(status_code=100, headers=[]))
                 event = await self.next_event()
                 if isinstance(event, h11.Data):
                     return {"type": "http.request", "body": bytes(event.data), "more_body": True}
@@ -373,6 +375,8 @@ class _WebSocket:
                 await self._deliver()
                 if self.peer.eof:
                     break
+        except (h11.LocalProtocolError, *_NET_ERRORS):
+            pass  # a pong or close answer to a socket that broke: the connection is over
         finally:
             self.peer_closed.set()
             self.inbox_send.close()
