@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -182,3 +183,47 @@ def test_cli_refuses_a_bad_ping_interval(value: str, capsys: pytest.CaptureFixtu
 
 def _admin() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_pings_off_a_silent_channel_is_bounded(stream: bool) -> None:
+    """No pings, a runner that takes the turn and never answers: each wait for the first frame
+    ends after first_frame_timeout, the channel is closed and the turn tried again (the runner
+    redials the same job); after MAX_ATTEMPTS the client gets a clear error, never a hang."""
+    from fake_runner import FakeRunner, Script
+
+    from gateway.hub.frontdoor.door import MAX_ATTEMPTS
+
+    hub = Hub(
+        admin_token=ADMIN,
+        ping_interval=0,
+        first_frame_timeout=0.3,
+        keepalive_interval=0.05,
+        reconnect_timeout=10.0,
+    )
+    async with open_hub(hub) as (hub, url):
+        key = hub.create_api_key("k")  # the fake runner serves the default project
+        runner = FakeRunner(url, ADMIN, scripts={"silent": Script(gate=trio.Event())})
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            body = {"model": "silent", "messages": [{"role": "user", "content": "hi"}]}
+            body["stream"] = stream
+            async with httpx.AsyncClient(
+                base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            ) as client:
+                with trio.fail_after(30):  # a hang guard only
+                    r = await client.post("/v1/chat/completions", json=body)
+            nursery.cancel_scope.cancel()
+    (job_id,) = runner.claimed
+    assert len(runner.turns) == MAX_ATTEMPTS and runner.dials[job_id] >= MAX_ATTEMPTS
+    if stream:  # keepalive comments went out first, then one error event ends the stream
+        assert r.status_code == 200 and r.text.startswith(": keepalive\n\n")
+        events = [e for e in r.text.split("\n\n") if e.startswith("data: ")]
+        assert len(events) == 1 and "[DONE]" not in r.text
+        error = json.loads(events[0][6:])["error"]
+    else:
+        assert r.status_code == 503
+        error = r.json()["error"]
+    assert error["code"] == "channel_lost"
+    assert error["message"] == f"the chat channel was lost {MAX_ATTEMPTS} times before an answer"
+    assert hub.counters.pings_sent == 0 and hub.counters.failovers == 0
