@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -67,12 +68,14 @@ class RawChannel:
             await self.changed.wait()
 
 
-async def dial(url: str, job_id: str, token: str, *, answer_pings: bool) -> RawChannel:
+async def dial(
+    url: str, job_id: str, token: str, *, answer_pings: bool, target: str | None = None
+) -> RawChannel:
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname is not None and parts.port is not None
     stream = await trio.open_tcp_stream(parts.hostname, parts.port)
     ws = WSConnection(ConnectionType.CLIENT)
-    target = f"/api/lives/chat/channel/ws?jobId={job_id}&token={token}"
+    target = target or f"/api/lives/chat/channel/ws?jobId={job_id}&token={token}"
     await stream.send_all(ws.send(Request(host=parts.netloc, target=target)))
     while True:
         ws.receive_data(await stream.receive_some(65536))
@@ -227,3 +230,40 @@ async def test_with_pings_off_a_silent_channel_is_bounded(stream: bool) -> None:
     assert error["code"] == "channel_lost"
     assert error["message"] == f"the chat channel was lost {MAX_ATTEMPTS} times before an answer"
     assert hub.counters.pings_sent == 0 and hub.counters.failovers == 0
+
+
+async def test_an_app_slow_to_read_is_not_a_dead_path() -> None:
+    """The app stops reading (a slow front-door client holds its channel up): the frames, the
+    pongs among them, wait in the socket; the connection is not declared dead for that."""
+    from gateway.hub.counters import HubCounters
+    from gateway.hub.server import INBOX, Keepalive, Server
+
+    release = trio.Event()
+    got: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        await release.wait()  # held up: reads nothing meanwhile
+        while (message := await receive())["type"] == "websocket.receive":
+            got.append(message["text"])
+            if len(got) == total:
+                await send({"type": "websocket.close", "code": 1000})
+
+    total = INBOX * 4
+    counters = HubCounters()
+    server = Server(app, keepalive=Keepalive(PING, PING), counters=counters, max_message=1 << 20)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(server.serve, "127.0.0.1", 0)
+        with trio.fail_after(30):  # a hang guard only
+            ch = await dial(url, "", "", answer_pings=True, target="/slow")
+            nursery.start_soon(ch.read)
+            for n in range(total):
+                await ch.stream.send_all(ch.ws.send(TextMessage(data=f"m{n}")))
+            await ch.wait_until(lambda: ch.pings >= 5)  # five timeouts long, unread
+            release.set()
+            await ch.wait_until(lambda: ch.close is not None)
+        nursery.cancel_scope.cancel()
+    assert counters.pong_timeouts == 0 and counters.pings_sent >= 5
+    assert got == [f"m{n}" for n in range(total)]
+    assert ch.close is not None and ch.close.code == 1000

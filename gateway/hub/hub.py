@@ -64,9 +64,12 @@ class Hub:
         sessions (restored before ``started``), offline runners' jobs force-ended."""
         self.frontdoor.restore()
         task_status.started()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.frontdoor.run)
-            nursery.start_soon(self._watch_offline)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.frontdoor.run)
+                nursery.start_soon(self._watch_offline)
+        finally:
+            log.info("hub counters at stop: %s", self.counters.as_json())
 
     # -- jobs and channels ------------------------------------------------------------
 

@@ -271,6 +271,7 @@ class _WebSocket:
         self.close_sent = False
         self.close_code: int | None = None  # why it ended, as the app is told
         self.app_blocked = False  # the reader waits for the app to take a message
+        self.unblocked_at = -math.inf  # trio clock when the app last took a message it held up
         self.inbox_send, self.inbox = trio.open_memory_channel[Message](INBOX)
         self.peer_closed = trio.Event()
         self._text: list[str] = []
@@ -409,11 +410,15 @@ class _WebSocket:
                     message["bytes"] = b"".join(self._bytes)
                     self._bytes = []
                 self._size = 0
-                self.app_blocked = True
                 try:
-                    await self.inbox_send.send(message)
-                finally:
-                    self.app_blocked = False
+                    self.inbox_send.send_nowait(message)
+                except trio.WouldBlock:
+                    self.app_blocked = True
+                    try:
+                        await self.inbox_send.send(message)
+                    finally:
+                        self.app_blocked = False
+                        self.unblocked_at = trio.current_time()
             elif isinstance(event, Ping):
                 await self._emit(event.response())
             elif isinstance(event, Pong):
@@ -451,7 +456,8 @@ class _WebSocket:
             )
             await trio.sleep_until(due)
             now = trio.current_time()
-            if unanswered is not None and (self.peer.rx_at > unanswered or self.app_blocked):
+            heard = max(self.peer.rx_at, self.unblocked_at)
+            if unanswered is not None and (heard > unanswered or self.app_blocked):
                 unanswered = None
             if unanswered is not None and now >= unanswered + keepalive.timeout:
                 await self._dead(keepalive.timeout)
