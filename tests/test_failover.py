@@ -32,6 +32,7 @@ class Answer:
     events: list[str] = field(default_factory=list)  # every `data:` payload, in order
     sent_at: float = 0.0
     first_at: float | None = None
+    ended_at: float = 0.0
 
     @property
     def text(self) -> str:
@@ -82,6 +83,7 @@ class Client:
             if r.status_code != 200:
                 await r.aread()
                 answer.events.append(r.text)
+                answer.ended_at = trio.current_time()
                 return answer
             buffer = ""
             async for text in r.aiter_text():
@@ -98,6 +100,7 @@ class Client:
                     answer.events.append(data)
                     if on_event is not None:
                         on_event(answer)
+        answer.ended_at = trio.current_time()
         return answer
 
 
@@ -307,6 +310,11 @@ async def test_frozen_channel_closed_by_the_hub_and_the_turn_never_hangs(
         observed("freeze: time to first token of the turn sent during it", during.ttft)
     else:
         assert during.status == 503 or len(during.errors) == 1, during
+        observed(
+            "freeze: the turn sent during it answered with an error after",
+            during.ended_at - during.sent_at,
+        )
+        print(f"OBSERVED freeze: the error: {during.events[-1]}")
     observed("freeze: hub closed the frozen channel after", detected)
 
 
