@@ -61,7 +61,8 @@ def _build_parser() -> _Parser:
         description="Serve the hub (an ALP Server emulator) or manage its API keys.",
         epilog="Runners, API keys, Chat Jobs (with every report) and the front door's chat "
         "sessions live in DATA/hub.sqlite3: a restarted hub goes on with them. With the admin "
-        "credential, GET /api/hub/jobs and GET /api/hub/sessions list them.",
+        "credential, GET /api/hub/jobs and GET /api/hub/sessions list them; GET /api/hub/counters "
+        "gives pings sent, pong timeouts, channels declared dead and failovers.",
         parents=[data],
     )
     parser.add_argument(
