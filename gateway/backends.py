@@ -22,7 +22,8 @@ import httpx
 import msgspec
 import trio
 
-from gateway import protocol
+from gateway import http1, protocol
+from gateway.config import ConfigError
 
 if TYPE_CHECKING:
     from gateway.config import BackendSpec, Config
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.backends")
 
 PROBE_TIMEOUT = 10.0
+KEEPALIVE_CONNECTIONS = (
+    64  # idle backend connections kept per backend (O(1) each, whatever the number)
+)
 _DISCOVERY_ERRORS = (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError)
 
 
@@ -45,6 +49,10 @@ class BackendBusy(BackendError):
     """Every slot of the backend is taken and its wait-queue is full."""
 
 
+class BackendIdle(BackendError):
+    """The backend sent nothing for longer than the idle timeout."""
+
+
 class _ModelList(msgspec.Struct):
     data: list[dict[str, object]] = []
 
@@ -55,6 +63,13 @@ class _OllamaTags(msgspec.Struct):
 
 def _ids(items: list[dict[str, object]], field: str) -> list[str]:
     return [str(item[field]) for item in items if isinstance(item, dict) and item.get(field)]
+
+
+def _broke(exc: http1.HTTPError) -> str:
+    """What went wrong with a request that reached the backend, for an error frame."""
+    if isinstance(exc, http1.ProtocolError):
+        return str(exc)
+    return f"stream broke: {exc}"
 
 
 def _describe(exc: BaseException) -> str:
@@ -94,16 +109,27 @@ class Backend:
         self.discovered_models: tuple[str, ...] | None = None  # None: never listed
         self.max_concurrency = max_concurrency
         self.queue_limit = queue
+        self.idle_timeout = idle_timeout
         self._headers = {"accept": "text/event-stream", "content-type": "application/json"}
         if key:
             self._headers["authorization"] = f"Bearer {key}"
-        # Per-read idle timeout, never an overall deadline: long generations are normal.
+        # The per-turn request, on the lean client (the hot path): keep-alive, bounded idle reuse.
+        try:
+            self.http = http1.Client(
+                self.url,
+                ssl_context=ssl_context,
+                connect_timeout=connect_timeout,
+                max_idle=KEEPALIVE_CONNECTIONS,
+            )
+        except ValueError as exc:  # an unusable URL, or a proxy this client cannot speak
+            raise ConfigError(f"backend {name} ({self.url}): {exc}") from None
+        self._turn_target = self.http.target("/chat/completions")
+        self._turn_headers = [(k.encode(), v.encode()) for k, v in self._headers.items()]
+        # Model listing and health checks (not hot) on httpx. Per-read idle timeout, never an
+        # overall deadline: long generations are normal.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect_timeout, read=idle_timeout, pool=None),
-            # Few idle connections kept: httpcore's pool bookkeeping costs (idle x open) per request
-            # start and end; with 64 kept it was 1.2 ms of CPU per turn (bench: keeping 8 doubled
-            # the 64-stream throughput and halved the TTFT; a new loopback connect is cheaper).
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=8),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=2),
             verify=ssl_context if ssl_context is not None else True,
         )
         # health: optimistic until a probe says otherwise
@@ -165,32 +191,43 @@ class Backend:
             self.discovered_models = tuple(models)
 
     async def aclose(self) -> None:
+        self.http.close()
         await self.client.aclose()
 
     # -- HTTP ----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def stream(self, body: bytes) -> AsyncIterator[httpx.Response]:
-        """POST one chat-completions body; the response is closed (and the generation
-        abandoned) when the block exits, including by cancellation."""
-        request = self.client.build_request(
-            "POST", self.completions_url, content=body, headers=self._headers
-        )
+    async def stream(self, body: bytes) -> AsyncIterator[http1.Response]:
+        """POST one chat-completions body (as it is) and yield the response once its head is in.
+
+        The exchange runs under one idle deadline, ``response.idle``: the reader moves it
+        forward as bytes arrive (never an overall deadline); when it passes, the block ends
+        with ``BackendIdle``. The connection is closed (the generation abandoned) when the
+        block exits before the response was read to its end, cancellation included; else it
+        is kept for the next turn."""
+        idle = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
+        response: http1.Response | None = None
         try:
-            response = await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise BackendUnreachable(
-                f"backend {self.url} unreachable: {type(exc).__name__}"
-            ) from None
-        except httpx.TimeoutException:
-            raise BackendError(f"backend {self.url} did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise BackendError(f"backend {self.url} unreachable: {type(exc).__name__}") from None
-        try:
-            yield response
+            with idle:
+                try:
+                    response = await self.http.request(
+                        b"POST", self._turn_target, self._turn_headers, body
+                    )
+                except http1.ConnectFailed as exc:
+                    raise BackendUnreachable(f"backend {self.url} unreachable: {exc}") from None
+                except http1.HTTPError as exc:
+                    raise BackendError(f"backend {self.url} {_broke(exc)}") from None
+                response.idle = idle
+                response.idle_timeout = self.idle_timeout
+                yield response
         finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            if response is not None:
+                if response.reusable:
+                    self.http.release(response)
+                else:
+                    response.close()
+        if idle.cancelled_caught:
+            raise BackendIdle(f"backend {self.url} sent nothing for too long (idle timeout)")
 
     async def list_models(self) -> list[str]:
         """Model ids from ``GET {url}/models`` (Ollama's ``/api/tags`` where that is missing)."""

@@ -1,21 +1,23 @@
-"""One Chat Channel connection: a reader, a single writer, and one task per in-flight turn."""
+"""One Chat Channel connection: a reader, and one task per in-flight turn writing its own frames."""
 
 from __future__ import annotations
 
+import enum
 import logging
-import time
-from collections.abc import Sequence
+import ssl
 from dataclasses import dataclass
+from typing import Literal
 
-import httpx
+import httptools
 import msgspec
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from gateway import protocol
+from gateway import http1, protocol
 from gateway.backends import Backend, BackendError, BackendPool, BackendUnreachable
+from gateway.netio import RECV_SIZE
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.sse import SSESplitter
+from gateway.wsclient import ChannelClosed, WebSocket
 
 log = logging.getLogger("gateway.channel")
 
@@ -23,33 +25,70 @@ SHUTTING_DOWN = "runner shutting down"
 _validate_json = msgspec.json.Decoder(msgspec.Raw).decode
 _DONE = b"[DONE]"
 _ERROR_BODY_LIMIT = 512
+_DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
+_DEADLINE_SLACK = 16  # the idle deadline moves once 1/16 of the timeout has passed, not per read
+_CHECKPOINT_EVERY = 16  # reads in a row that found a full buffer before a checkpoint of our own
+
+
+class Ending(enum.Enum):
+    """How a turn ended: the counter it adds to, whether the Server is told (an error frame)
+    and whether it is worth a log line. ``Channel._conclude`` does all three, in one place."""
+
+    DONE = ("turns_done", False, False)
+    FAILED = ("turns_error", True, True)
+    CANCELLED = ("turns_cancelled", True, False)  # the Server asked (chat.completion.cancel)
+    SHUTDOWN = ("turns_cancelled", True, True)  # the runner is shutting down
+    SESSION_ENDED = ("turns_cancelled", False, False)  # chat.end or the channel is gone
+
+    def __init__(self, counter: str, framed: bool, logged: bool) -> None:
+        self.counter = counter
+        self.framed = framed
+        self.logged = logged
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """One turn's outcome: how it ended and the message the Server and the log get."""
+
+    ending: Ending
+    message: str = ""
+
+
+_DONE_END = TurnEnd(Ending.DONE)
+_CANCELLED_END = TurnEnd(Ending.CANCELLED, protocol.CANCELLED)
+_SESSION_END = TurnEnd(Ending.SESSION_ENDED, "session ended")
+_SHUTDOWN_END = TurnEnd(Ending.SHUTDOWN, SHUTTING_DOWN)
+
+
+class TurnFailed(Exception):
+    """The turn cannot be served; the message is safe for a frame (no key)."""
 
 
 @dataclass
 class ChannelEnd:
-    """How a channel connection ended: ``by`` is "server" (chat.end), "runner" (shutdown) or "drop"."""
+    """How a channel connection ended: by the Server (chat.end), the runner (shutdown) or a drop."""
 
-    by: str
+    by: Literal["server", "runner", "drop"]
     reason: str
 
 
 class Channel:
     """Serves one open Chat Channel WebSocket of one Chat Job until it ends or drops.
 
-    Turns run concurrently, each in its own task; their frames reach the socket
-    through one bounded outbox drained by a single writer, so a slow Server slows
-    the backend reads and memory stays bounded.
+    Turns run concurrently, each in its own task, and each writes its own frames: at once
+    when no write is in progress, else together with the others in the next write
+    (``WebSocket.send``). A slow Server makes the turns wait for room, so the backend reads
+    slow down too and memory stays bounded.
     """
 
     def __init__(
         self,
         job_id: str,
-        ws: WebSocketConnection,
+        ws: WebSocket,
         pool: BackendPool,
         *,
         shutdown: trio.Event,
         grace: float = 30.0,
-        outbox_size: int = 64,
         counters: Counters | None = None,
         ttft: Histogram | None = None,
         relay: Histogram | None = None,
@@ -60,13 +99,11 @@ class Channel:
         self.pool = pool
         self.shutdown = shutdown
         self.grace = grace
-        self._outbox, self._outbox_recv = trio.open_memory_channel[str | bytes](outbox_size)
         self._turns: dict[str, trio.CancelScope] = {}
-        self._cancel_reasons: dict[str, str] = {}
+        self._stopped: dict[str, TurnEnd] = {}  # why a turn was cancelled
         self._started: dict[str, float] = {}  # request id -> when its frame arrived
         self._no_turns = trio.Event()
         self._no_turns.set()
-        self._writer_done = trio.Event()
         self._draining = False
         self._end: ChannelEnd | None = None
         self._nursery: trio.Nursery | None = None
@@ -75,6 +112,8 @@ class Channel:
         self.ttft = ttft if ttft is not None else Histogram()
         self.relay = relay if relay is not None else Histogram()
         self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
+        self._send = ws.send if frame_log is None else self._send_logged
+        self._send_batch = ws.send_batch if frame_log is None else self._send_batch_logged
 
     @property
     def in_flight(self) -> int:
@@ -84,7 +123,7 @@ class Channel:
         """Serve frames until ``chat.end``, runner shutdown, or the connection drops."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._writer)
+            nursery.start_soon(self.ws.run)
             nursery.start_soon(self._watch_shutdown)
             await self._reader()
             nursery.cancel_scope.cancel()
@@ -94,51 +133,28 @@ class Channel:
     def _finish(self, end: ChannelEnd) -> None:
         if self._end is None:
             self._end = end
+        for request_id in list(self._turns):
+            self._cancel_turn(request_id, _SESSION_END)
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
     # -- the socket --------------------------------------------------------------------
 
-    async def _writer(self) -> None:
-        """The one task that writes to the socket. Whatever is queued when it wakes goes out
-        together, as one socket write of ready-made text frames; it never waits for more."""
-        outbox = self._outbox_recv
-        take = outbox.receive_nowait
-        ws = self.ws
-        batched = _can_write_frames(ws)
-        try:
-            async with outbox:
-                async for message in outbox:
-                    batch = [message]
-                    while len(batch) < _BATCH_LIMIT:
-                        try:
-                            batch.append(take())
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                    if self.frame_log is not None:
-                        for item in batch:
-                            log.info("job %s → %s", self.job_id, self.frame_log(item))
-                    try:
-                        if batched:
-                            await _write_frames(
-                                ws, protocol.ws_text_frames(batch, mask=ws.is_client)
-                            )
-                        else:
-                            await _send_each(ws, batch)
-                    except ConnectionClosed as exc:
-                        reason = f"channel closed while sending ({_close_text(exc)})"
-                        self._finish(ChannelEnd("drop", reason))
-                        return
-                    del batch, message  # an idle channel holds none of its last burst
-        finally:
-            self._writer_done.set()
+    async def _send_logged(self, frame: bytes | str) -> None:
+        log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
+        await self.ws.send(frame)
+
+    async def _send_batch_logged(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
+        await self.ws.send_batch(frames)
 
     async def _reader(self) -> None:
         while self._end is None:
             try:
-                message = await self.ws.get_message()
-            except ConnectionClosed as exc:
-                self._finish(ChannelEnd("drop", f"channel closed ({_close_text(exc)})"))
+                message = await self.ws.receive()
+            except ChannelClosed as exc:
+                self._finish(ChannelEnd("drop", f"channel closed ({exc})"))
                 return
             if self.frame_log is not None:
                 log.info("job %s ← %s", self.job_id, self.frame_log(message))
@@ -174,24 +190,23 @@ class Channel:
         if isinstance(frame, protocol.CompletionRequest):
             self._start_turn(frame)
         elif isinstance(frame, protocol.CompletionCancel):
-            self._cancel_turn(frame.requestId, protocol.CANCELLED)
+            self._cancel_turn(frame.requestId, _CANCELLED_END)
         elif isinstance(frame, protocol.ModelsRequest):
             self._nursery.start_soon(self._answer_models, frame.requestId)
         elif isinstance(frame, protocol.End):
             reason = frame.reason or "ended by the Server"
             log.info("job %s: chat.end from the Server (%s)", self.job_id, reason)
-            for request_id in list(self._turns):
-                self._cancel_turn(request_id, "session ended")
             self._finish(ChannelEnd("server", reason))
 
     def _post(self, frame: str) -> None:
-        """Queue a control frame without blocking the reader (a task waits if the outbox is full)."""
+        """Send a frame from the reader, which never waits: in a task of its own."""
+        assert self._nursery is not None
+        self._nursery.start_soon(self._send_or_drop, frame)
+
+    async def _send_or_drop(self, frame: bytes | str) -> None:
         try:
-            self._outbox.send_nowait(frame)
-        except trio.WouldBlock:
-            assert self._nursery is not None
-            self._nursery.start_soon(self._outbox.send, frame)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            await self._send(frame)
+        except ChannelClosed:
             pass  # the channel is ending; there is no one to tell
 
     # -- shutdown ----------------------------------------------------------------------
@@ -202,12 +217,11 @@ class Channel:
         with trio.move_on_after(self.grace):
             await self._no_turns.wait()
         for request_id in list(self._turns):
-            self._cancel_turn(request_id, SHUTTING_DOWN)
+            self._cancel_turn(request_id, _SHUTDOWN_END)
         await self._no_turns.wait()
-        await self._outbox.send(protocol.end_frame(self.job_id, SHUTTING_DOWN))
-        self._outbox.close()
-        with trio.move_on_after(5):  # the writer flushes what is queued, chat.end last
-            await self._writer_done.wait()
+        await self._send_or_drop(protocol.end_frame(self.job_id, SHUTTING_DOWN))
+        with trio.move_on_after(5):  # what is written so far reaches the socket, chat.end last
+            await self.ws.drain()
         self._finish(ChannelEnd("runner", SHUTTING_DOWN))
 
     # -- turns -------------------------------------------------------------------------
@@ -227,149 +241,225 @@ class Channel:
             return
         scope = trio.CancelScope()
         self._turns[request_id] = scope
-        self._started[request_id] = time.perf_counter()
+        self._started[request_id] = trio.current_time()
         self._no_turns = trio.Event()
         assert self._nursery is not None
         self._nursery.start_soon(self._turn, frame, scope)
 
-    def _cancel_turn(self, request_id: str, reason: str) -> None:
+    def _cancel_turn(self, request_id: str, end: TurnEnd) -> None:
         scope = self._turns.get(request_id)
         if scope is not None:
-            self._cancel_reasons.setdefault(request_id, reason)
+            self._stopped.setdefault(request_id, end)
             scope.cancel()
 
     async def _turn(self, frame: protocol.CompletionRequest, scope: trio.CancelScope) -> None:
         request_id = frame.requestId
         try:
-            error: str | None = None
-            with scope:
-                try:
-                    error = await self._forward(frame)
-                except protocol.FrameError as exc:  # a body that cannot take the turn's model
-                    error = str(exc)
+            end = _DONE_END
+            try:
+                with scope:
+                    try:
+                        await self._forward(frame)
+                    except TurnFailed as exc:
+                        end = TurnEnd(Ending.FAILED, str(exc))
+                    except protocol.FrameError as exc:  # a body that cannot take its model
+                        end = TurnEnd(Ending.FAILED, str(exc))
+                    except ChannelClosed:
+                        end = _SESSION_END
+            except trio.Cancelled:  # the channel itself is ending: no one left to tell
+                self._conclude_quietly(request_id, self._stopped.get(request_id, _SESSION_END))
+                raise
             if scope.cancelled_caught:
-                error = self._cancel_reasons.get(request_id, protocol.CANCELLED)
-            if error is None:
-                self.counters.inc("turns_done")
-            elif error in (protocol.CANCELLED, "session ended", SHUTTING_DOWN):
-                self.counters.inc("turns_cancelled")
-            else:
-                self.counters.inc("turns_error")
-            if error is not None:
-                if error != protocol.CANCELLED and error != "session ended":
-                    log.warning("job %s request %s: %s", self.job_id, request_id, error)
-                if error != "session ended":
-                    await self._outbox.send(protocol.error_frame(self.job_id, request_id, error))
-            self.turns_served += 1
+                end = self._stopped.get(request_id, _CANCELLED_END)
+            await self._conclude(request_id, end)
         finally:
             del self._turns[request_id]
             self._started.pop(request_id, None)
-            self._cancel_reasons.pop(request_id, None)
+            self._stopped.pop(request_id, None)
             if not self._turns:
                 self._no_turns.set()
 
-    async def _forward(self, frame: protocol.CompletionRequest) -> str | None:
+    async def _conclude(self, request_id: str, end: TurnEnd) -> None:
+        """Count, log and frame one turn's outcome: the one place that does."""
+        self._conclude_quietly(request_id, end)
+        if end.ending.framed:
+            await self._send_or_drop(protocol.error_frame(self.job_id, request_id, end.message))
+
+    def _conclude_quietly(self, request_id: str, end: TurnEnd) -> None:
+        """Count and log one turn's outcome (``_conclude`` without the frame)."""
+        ending = end.ending
+        self.counters.inc(ending.counter)
+        if ending.logged:
+            log.warning("job %s request %s: %s", self.job_id, request_id, end.message)
+        self.turns_served += 1
+
+    async def _forward(self, frame: protocol.CompletionRequest) -> None:
         """Route one turn, hold a slot on a backend serving its model, relay its chunks and
-        done frame. An error string on failure. A backend that cannot be reached (nothing was
-        sent) is probed at once, and the turn goes to the next backend serving the model."""
+        done frame; ``TurnFailed`` when it cannot. A backend that cannot be reached (nothing
+        was sent) is probed at once, and the turn goes to the next backend serving the model."""
         request_id = frame.requestId
         try:
             route = await self.pool.route(frame.model, bytes(frame.body))
         except BackendError as exc:
-            return str(exc)
+            raise TurnFailed(str(exc)) from None
         tried: list[Backend] = []
         while True:
             backend: Backend | None = None
             try:
                 async with self.pool.turn(route, self.job_id, request_id, tried) as backend:
                     async with backend.stream(route.body) as response:
-                        return await self._relay(request_id, backend.url, response)
+                        await self._relay(request_id, backend.url, response)
+                        return
             except BackendUnreachable as exc:
                 assert backend is not None
                 self.pool.suspect(backend)
                 tried.append(backend)
                 if len(tried) >= len(route.candidates):
-                    return str(exc)
+                    raise TurnFailed(str(exc)) from None
                 log.warning(
                     "job %s request %s: %s; trying another backend", self.job_id, request_id, exc
                 )
             except BackendError as exc:
-                return str(exc)
-            except httpx.TimeoutException:
+                raise TurnFailed(str(exc)) from None
+            except http1.ProtocolError as exc:
                 url = backend.url if backend is not None else "?"
-                return f"backend {url} sent nothing for too long (idle timeout)"
-            except httpx.HTTPError as exc:
+                raise TurnFailed(f"backend {url} {exc}") from None
+            except http1.HTTPError as exc:
                 url = backend.url if backend is not None else "?"
-                return f"backend {url} stream broke: {type(exc).__name__}"
+                raise TurnFailed(f"backend {url} stream broke: {exc}") from None
 
-    async def _relay(self, request_id: str, url: str, response: httpx.Response) -> str | None:
-        """Relay one backend answer: every SSE event becomes a chunk frame queued the moment its
-        read is split, then the done frame. Frames are queued without a scheduling point each
-        (the read that brought them is one); a full outbox makes the relay wait (backpressure)."""
-        outbox = self._outbox
-        send, send_nowait = outbox.send, outbox.send_nowait
-        if not response.is_success:
-            text = await _read_limited(response, _ERROR_BODY_LIMIT)
-            return f"backend returned {response.status_code}: {text}"
+    async def _relay(self, request_id: str, url: str, response: http1.Response) -> None:
+        """Relay one backend answer: every SSE event becomes a chunk frame written the moment
+        its read is split (``WebSocket.send``: no scheduling point while the socket takes it),
+        then the done frame. The reads themselves are the turn's scheduling points."""
+        send = self._send
+        if not 200 <= response.status < 300:
+            text = _truncated(await response.read_body(_ERROR_BODY_LIMIT), _ERROR_BODY_LIMIT)
+            raise TurnFailed(f"backend returned {response.status}: {text}")
         prefix = protocol.chunk_prefix(self.job_id, request_id)
-        if "text/event-stream" not in response.headers.get("content-type", ""):
-            payload = (await response.aread()).strip()
+        if b"text/event-stream" not in (response.header(b"content-type") or b""):
+            payload = (await response.read_body()).strip()
             problem = _payload_problem(payload)
             if problem is not None:
-                return f"backend {url} answered {problem}"
-            await send(protocol.chunk_frame_bytes(prefix, payload))
+                raise TurnFailed(f"backend {url} answered {problem}")
+            await send(prefix + payload + b"}")
             await send(protocol.done_frame(self.job_id, request_id))
-            return None
+            return
         splitter = SSESplitter()
         feed = splitter.feed
-        done = False
+        send_batch = self._send_batch
+        job_id = self.job_id
         chunks = 0
         first = True
         started = self._started.get(request_id, 0.0)
-        clock = time.perf_counter
+        now = trio.lowlevel.current_clock().current_time
         observe_relay = self.relay.observe
-        with trio.CancelScope() as drain:
-            async for raw in response.aiter_raw():
-                if done:
-                    continue  # after [DONE], read to the end so the connection can be reused
-                read_at = clock()
-                if first:
-                    first = False
-                    self.ttft.observe(read_at - started)
-                for payload in feed(raw):
-                    if payload == _DONE:
-                        await send(protocol.done_frame(self.job_id, request_id))
-                        done = True
-                        drain.deadline = trio.current_time() + 2
-                        break
-                    try:  # _payload_problem, inlined: this runs for every chunk
-                        _validate_json(payload)
-                    except msgspec.DecodeError:
-                        return f"backend {url} sent a malformed SSE event"
-                    if not payload.isascii() and not _is_utf8(payload):
-                        return f"backend {url} sent an SSE event that is not UTF-8"
-                    frame = prefix + payload + b"}"  # protocol.chunk_frame_bytes, inlined
-                    try:
-                        send_nowait(frame)
-                    except (trio.WouldBlock, trio.BrokenResourceError):
-                        await send(frame)  # waits for room; or, the writer gone, is cancelled
-                    chunks += 1
-                observe_relay(clock() - read_at)  # backend read -> frames queued for the socket
-        self.counters.inc("chunks", chunks)
-        if done:
-            return None
+        transport = response.transport
+        recv, sock = transport.recv, transport.sock
+        wait_readable = trio.lowlevel.wait_readable
+        parse = response.parser.feed_data
+        idle = response.idle
+        timeout = response.idle_timeout
+        step = timeout / _DEADLINE_SLACK
+        read_at = now()
+        move_at = read_at + step
+        drained = False
+        streak = 0
+        try:
+            while True:
+                pieces = response.body
+                if pieces:
+                    response.body = []
+                    if first:
+                        first = False
+                        self.ttft.observe(read_at - started)
+                    for raw in pieces:
+                        payloads = feed(raw)
+                        if not payloads:
+                            continue
+                        done = _DONE in payloads
+                        if done:
+                            payloads = payloads[: payloads.index(_DONE)]
+                        for payload in payloads:  # _payload_problem, inlined: runs per chunk
+                            try:
+                                _validate_json(payload)
+                            except msgspec.DecodeError:
+                                raise TurnFailed(
+                                    f"backend {url} sent a malformed SSE event"
+                                ) from None
+                            if not payload.isascii() and not _is_utf8(payload):
+                                raise TurnFailed(
+                                    f"backend {url} sent an SSE event that is not UTF-8"
+                                )
+                        if len(payloads) == 1:  # written now, unless a write is in progress
+                            await send(prefix + payloads[0] + b"}")  # protocol.chunk_frame_bytes
+                        elif payloads:  # ready together: one write
+                            await send_batch([prefix + p + b"}" for p in payloads])
+                        chunks += len(payloads)
+                        if done:
+                            await send(protocol.done_frame(job_id, request_id))
+                            await _drain(response)
+                            return
+                    observe_relay(now() - read_at)  # backend read -> frames written
+                if response.complete:
+                    break
+                if drained:  # the last read took all there was: wait, without a read to learn it
+                    await wait_readable(sock)  # the turn's scheduling (and cancellation) point
+                    streak = 0
+                elif streak >= _CHECKPOINT_EVERY:  # reads that keep finding data: stay fair
+                    await trio.lowlevel.checkpoint()
+                    streak = 0
+                try:  # Response.read_nowait, inlined
+                    data = recv(RECV_SIZE)
+                except BlockingIOError:
+                    drained = True
+                    continue
+                drained = len(data) < RECV_SIZE
+                streak += 1
+                read_at = now()
+                if data:
+                    parse(data)
+                else:
+                    response.end_of_stream()
+                if read_at >= move_at and idle is not None:  # one deadline, moved forward
+                    idle.deadline = read_at + timeout
+                    move_at = read_at + step
+        except httptools.HttpParserError as exc:
+            raise http1.ProtocolError(f"sent a malformed HTTP response ({exc})") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise http1.ConnectionLost(f"connection broke ({type(exc).__name__})") from None
+        finally:
+            self.counters.inc("chunks", chunks)
         for payload in splitter.flush():
             if payload != _DONE:
                 problem = _payload_problem(payload)
                 if problem is not None:
-                    return f"backend {url} sent an SSE event that is {problem}"
-                await send(protocol.chunk_frame_bytes(prefix, payload))
-        await send(protocol.done_frame(self.job_id, request_id))
-        return None
+                    raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
+                await send(prefix + payload + b"}")
+        await send(protocol.done_frame(job_id, request_id))
 
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()
-        await self._outbox.send(protocol.models_frame(self.job_id, request_id, models))
+        await self._send_or_drop(protocol.models_frame(self.job_id, request_id, models))
+
+
+async def _drain(response: http1.Response) -> None:
+    """After ``[DONE]``: read the rest of the response (briefly), so the connection is reused."""
+    if response.complete:
+        return
+    with trio.move_on_after(_DRAIN_AFTER_DONE):
+        try:
+            while not response.complete:
+                await response.read_more()
+                response.body = []
+        except http1.HTTPError:
+            pass  # the turn is done; the connection is just not kept
+
+
+def _truncated(data: bytes, limit: int) -> str:
+    if len(data) > limit:
+        return data[:limit].decode(errors="replace").strip() + "…"
+    return data.decode(errors="replace").strip()
 
 
 def _payload_problem(payload: bytes) -> str | None:
@@ -390,62 +480,3 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
-
-
-_BATCH_LIMIT = 256  # frames in one socket write at most
-
-
-def _can_write_frames(ws: WebSocketConnection) -> bool:
-    """Can ``_write_frames`` reach this connection's stream? (trio-websocket internals, checked
-    once per channel; without them the writer sends message by message through the public API)."""
-    return all(
-        hasattr(ws, name)
-        for name in ("_stream", "_stream_lock", "_close_reason", "_abort_web_socket")
-    )
-
-
-async def _send_each(ws: WebSocketConnection, batch: Sequence[str | bytes]) -> None:
-    """Without ``_write_frames``: one message at a time, through the public API."""
-    for item in batch:
-        await ws.send_message(item if isinstance(item, str) else item.decode())
-
-
-async def _write_frames(ws: WebSocketConnection, data: bytes) -> None:
-    """Write ready-made WebSocket frames in one go, as ``WebSocketConnection.send_message`` does
-    for one message: under the connection's send lock, ``ConnectionClosed`` once it is closed."""
-    if ws._close_reason:
-        raise ConnectionClosed(ws._close_reason)
-    lock = ws._stream_lock
-    if lock.locked():  # the reader is answering a ping or a close: wait for it
-        await lock.acquire()
-        if ws._close_reason:  # closed while we waited
-            lock.release()
-            raise ConnectionClosed(ws._close_reason)
-    else:
-        lock.acquire_nowait()  # free: take it without a scheduling point (send_all has one)
-    try:
-        await ws._stream.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        await ws._abort_web_socket()
-        raise ConnectionClosed(ws._close_reason) from None
-    finally:
-        lock.release()
-
-
-async def _read_limited(response: httpx.Response, limit: int) -> str:
-    data = b""
-    async for part in response.aiter_raw():
-        data += part
-        if len(data) > limit:
-            return data[:limit].decode(errors="replace").strip() + "…"
-    return data.decode(errors="replace").strip()
-
-
-def _close_text(exc: ConnectionClosed) -> str:
-    reason = exc.reason
-    if reason is None:
-        return "no close frame"
-    if reason.code == 1009:
-        return "a frame from the Server exceeded max_frame_size and was refused (code 1009)"
-    text = f"code {reason.code}"
-    return f"{text}: {reason.reason}" if reason.reason else text

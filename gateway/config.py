@@ -72,6 +72,21 @@ def _positive_float(value: Any) -> float:
     return number
 
 
+def _non_negative_float(value: Any) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise ValueError("must be >= 0")
+    return number
+
+
+def _http_url(value: Any) -> str:
+    text = str(value).strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("expected an http(s) URL, such as http://127.0.0.1:4318")
+    return text
+
+
 def _positive_int(value: Any) -> int:
     if isinstance(value, float) and not value.is_integer():
         raise ValueError("must be a whole number")
@@ -381,6 +396,24 @@ class Config:
         group="sessions",
         metavar="S",
     )
+    ping_interval: float = setting(
+        20.0,
+        env="ALP_GATEWAY_PING_INTERVAL",
+        parse=_non_negative_float,
+        help="seconds between WebSocket pings on each chat channel, which keep NAT mappings "
+        "alive and find a dead path (0: off)",
+        group="sessions",
+        metavar="S",
+    )
+    ping_timeout: float | None = setting(
+        env="ALP_GATEWAY_PING_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a pinged channel may stay silent before it counts as dropped and is redialled",
+        group="sessions",
+        shown="the ping interval",
+        metavar="S",
+        sample=20,
+    )
     max_frame_size: int = setting(
         16 * MiB,
         env="ALP_GATEWAY_MAX_FRAME_SIZE",
@@ -424,6 +457,16 @@ class Config:
         shown="off",
         metavar="[HOST:]PORT",
         sample="127.0.0.1:9464",
+    )
+    otlp_endpoint: str | None = setting(
+        env="ALP_GATEWAY_OTLP_ENDPOINT",
+        parse=_http_url,
+        help="send traces over OTLP/HTTP to this collector (a base URL; the standard "
+        "OTEL_EXPORTER_OTLP_ENDPOINT works too)",
+        group="logs",
+        shown="off",
+        metavar="URL",
+        sample="http://127.0.0.1:4318",
     )
     # == models and backends
     model: str | None = setting(

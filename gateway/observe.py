@@ -55,7 +55,7 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None 
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    for noisy in ("httpx", "httpcore", "hypercorn.access", "trio-websocket", "hpack"):
+    for noisy in ("httpx", "httpcore", "hypercorn.access", "hpack"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -164,15 +164,27 @@ def _json_str(value: str) -> bytes:
     return _encoder.encode(value)
 
 
+def _envelope(type_: str, job_id: str, request_id: str | None = None) -> bytes:
+    """The head every Runner frame opens with, ``{"type":…,"jobId":…[,"requestId":…]``, left
+    open for the frame's own fields: the one place the envelope is written."""
+    head = b'{"type":' + _json_str(type_) + b',"jobId":' + _json_str(job_id)
+    if request_id is not None:
+        head += b',"requestId":' + _json_str(request_id)
+    return head
+
+
+def runner_frame(type_: str, job_id: str, request_id: str | None = None, **fields: Any) -> bytes:
+    """One Runner → Server frame as UTF-8 JSON: the envelope, then ``fields`` encoded."""
+    parts = [_envelope(type_, job_id, request_id)]
+    for name, value in fields.items():
+        parts.append(b',"' + name.encode() + b'":' + _encoder.encode(value))
+    parts.append(b"}")
+    return b"".join(parts)
+
+
 def chunk_prefix(job_id: str, request_id: str) -> bytes:
     """The fixed head of every chunk frame of one turn; append payload + ``b"}"``."""
-    return (
-        b'{"type":"chat.completion.chunk","jobId":'
-        + _json_str(job_id)
-        + b',"requestId":'
-        + _json_str(request_id)
-        + b',"chunk":'
-    )
+    return _envelope(COMPLETION_CHUNK, job_id, request_id) + b',"chunk":'
 
 
 def chunk_frame(prefix: bytes, payload: bytes | memoryview) -> str:
@@ -181,69 +193,95 @@ def chunk_frame(prefix: bytes, payload: bytes | memoryview) -> str:
 
 
 def chunk_frame_bytes(prefix: bytes, payload: bytes | memoryview) -> bytes:
-    """The same frame as UTF-8 bytes, for a writer that sends them as a text message unchanged
-    (``ws_text_frames``): the payload is copied once and never decoded."""
+    """The same frame as UTF-8 bytes, sent as a text message unchanged: the payload is copied
+    once and never decoded."""
     return prefix + payload + b"}"
+
+
+def done_frame(job_id: str, request_id: str) -> str:
+    return runner_frame(COMPLETION_DONE, job_id, request_id).decode()
+
+
+def error_frame(job_id: str, request_id: str, error: str) -> str:
+    return runner_frame(COMPLETION_ERROR, job_id, request_id, error=error).decode()
+
+
+def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
+    return runner_frame(MODELS_RESPONSE, job_id, request_id, models=models).decode()
+
+
+def end_frame(job_id: str, reason: str) -> str:
+    return runner_frame(END, job_id, reason=reason).decode()
 
 
 _FRAME_HEAD_16 = struct.Struct("!BBH")
 _FRAME_HEAD_64 = struct.Struct("!BBQ")
 _TEXT_FIN = 0x81  # FIN + opcode 1 (text)
+_KEY_POOL = 4096  # bytes of masking keys drawn at a time
 
 
-def ws_text_frames(
-    messages: Sequence[str | bytes], *, mask: bool, entropy: Callable[[int], bytes] = os.urandom
-) -> bytes:
-    """WebSocket text frames (RFC 6455 §5.2) holding ``messages``, one frame each, ready to go
-    out in one write. ``bytes`` messages must be UTF-8 text; they are framed as they are.
+_SHORT_HEADS = [bytes((_TEXT_FIN, n | 0x80)) for n in range(126)]  # masked, length < 126
+_pack16, _pack64 = _FRAME_HEAD_16.pack, _FRAME_HEAD_64.pack
+# zeros under a frame's head and key: payload < 126 bytes, < 65536, larger
+_ZEROS_7, _ZEROS_16, _ZEROS_64 = b"\0" * 6, b"\0" * 8, b"\0" * 14
 
-    A client (``mask``) masks every frame with its own fresh key (§5.3), drawn from ``entropy``
-    (a CSPRNG: ``os.urandom``) in one call for the whole batch.
-    """
-    keys = entropy(4 * len(messages)) if mask else b""
-    parts: list[bytes] = []
-    append = parts.append
-    for i, message in enumerate(messages):
-        data = message.encode() if isinstance(message, str) else message
+
+class ClientFramer:
+    """WebSocket text frames as a client sends them (RFC 6455 §5.2): masked, each with its own
+    fresh key (§5.3), the keys drawn from ``entropy`` (a CSPRNG: ``os.urandom``) a pool at a time.
+
+    Masking is one XOR of whole numbers (a C-level pass, no per-byte Python work); for several
+    frames written together, one XOR covers them all (zeros under their heads and keys)."""
+
+    __slots__ = ("_entropy", "_pool", "_pos")
+
+    def __init__(self, entropy: Callable[[int], bytes] = os.urandom) -> None:
+        self._entropy = entropy
+        self._pool = b""
+        self._pos = _KEY_POOL
+
+    def frame(self, data: bytes) -> bytes:
+        """One masked text frame holding ``data`` (UTF-8 text, framed as it is)."""
+        pos = self._pos
+        if pos >= _KEY_POOL:
+            self._pool = self._entropy(_KEY_POOL)
+            pos = 0
+        self._pos = pos + 4
+        key = self._pool[pos : pos + 4]
         n = len(data)
+        if n:
+            pad = (key * ((n >> 2) + 1))[:n]
+            data = (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
         if n < 126:
-            head = bytes((_TEXT_FIN, n | 0x80)) if mask else bytes((_TEXT_FIN, n))
-        elif n < 65536:
-            head = _FRAME_HEAD_16.pack(_TEXT_FIN, 0xFE if mask else 126, n)
-        else:
-            head = _FRAME_HEAD_64.pack(_TEXT_FIN, 0xFF if mask else 127, n)
-        append(head)
-        if mask:
-            key = keys[4 * i : 4 * i + 4]
-            append(key)
-            if n:
-                # XOR by whole-number arithmetic: one C-level pass, no per-byte Python work
-                pad = (key * ((n >> 2) + 1))[:n]
-                data = (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
-        append(data)
-    return b"".join(parts)
+            return _SHORT_HEADS[n] + key + data
+        if n < 65536:
+            return _pack16(_TEXT_FIN, 0xFE, n) + key + data
+        return _pack64(_TEXT_FIN, 0xFF, n) + key + data
 
-
-def done_frame(job_id: str, request_id: str) -> str:
-    return _encoder.encode(
-        {"type": COMPLETION_DONE, "jobId": job_id, "requestId": request_id}
-    ).decode()
-
-
-def error_frame(job_id: str, request_id: str, error: str) -> str:
-    return _encoder.encode(
-        {"type": COMPLETION_ERROR, "jobId": job_id, "requestId": request_id, "error": error}
-    ).decode()
-
-
-def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
-    return _encoder.encode(
-        {"type": MODELS_RESPONSE, "jobId": job_id, "requestId": request_id, "models": models}
-    ).decode()
-
-
-def end_frame(job_id: str, reason: str) -> str:
-    return _encoder.encode({"type": END, "jobId": job_id, "reason": reason}).decode()
+    def frames(self, messages: list[bytes]) -> bytes:
+        """Masked text frames holding ``messages``, one each, as one buffer to write."""
+        plain: list[bytes] = []
+        pads: list[bytes] = []
+        for data in messages:
+            n = len(data)
+            if n < 126:
+                head, zeros = _SHORT_HEADS[n], _ZEROS_7
+            elif n < 65536:
+                head, zeros = _pack16(_TEXT_FIN, 0xFE, n), _ZEROS_16
+            else:
+                head, zeros = _pack64(_TEXT_FIN, 0xFF, n), _ZEROS_64
+            pos = self._pos
+            if pos >= _KEY_POOL:
+                self._pool = self._entropy(_KEY_POOL)
+                pos = 0
+            self._pos = pos + 4
+            key = self._pool[pos : pos + 4]
+            plain += (head, key, data)
+            pads += (zeros, (key * ((n >> 2) + 1))[:n])
+        whole = b"".join(plain)
+        size = len(whole)
+        mask = int.from_bytes(b"".join(pads), "big")
+        return (int.from_bytes(whole, "big") ^ mask).to_bytes(size, "big")
 
 
 def encode(obj: Any) -> str:

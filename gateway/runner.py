@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 import signal
 from dataclasses import dataclass
@@ -11,8 +10,6 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import trio
-import trio_websocket
-from trio_websocket import HandshakeError
 
 from gateway.alp import (
     AlpClient,
@@ -35,6 +32,8 @@ from gateway.protocol import CAPABILITY
 from gateway.signals import watch_signals
 from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 from gateway.state import Registration, StateError, StateStore
+from gateway.wsclient import HandshakeError, WebSocket
+from gateway.wsclient import connect as dial_channel
 
 log = logging.getLogger("gateway.runner")
 
@@ -441,33 +440,32 @@ class Runner:
                 return "failure", f"runner shut down while the channel was down ({last_problem})"
             url = channel_url(self.registration.server, job, self.registration.token)
             end: ChannelEnd | None = None
-            # our own deadline on the dial: trio-websocket's connect_timeout does not end a
-            # handshake that the Server holds open without answering
+            # one deadline on the whole dial: connect, TLS and the upgrade
             dial = trio.CancelScope(deadline=trio.current_time() + self.config.connect_timeout)
             try:
+                ws: WebSocket | None = None
                 with dial:
-                    ws_context = trio_websocket.open_websocket_url(
+                    ws = await dial_channel(
                         url,
                         ssl_context=self.ssl_context if url.startswith("wss:") else None,
                         max_message_size=self.config.max_frame_size,
-                        connect_timeout=self.config.connect_timeout,
-                        disconnect_timeout=2,
+                        ping_interval=self.config.ping_interval,
+                        ping_timeout=self.config.ping_timeout,
+                        on_ping=self._on_ping,
                     )
-                    async with ws_context as ws:
-                        dial.deadline = math.inf
+                if ws is not None:
+                    try:
                         end = await self._serve_connected(job, ws, dropped_at is not None)
-                        failures = 0
-                        dropped_at = None
+                    finally:
+                        await ws.aclose()
+                    failures = 0
+                    dropped_at = None
             except HandshakeError as exc:
-                status = getattr(exc, "status_code", None)
+                status = exc.status_code
                 if status is not None and 400 <= status < 500:
                     return "failure", f"the Server refused the chat channel ({status})"
-                last_problem = f"channel handshake failed: {type(exc).__name__}"
-            except (
-                OSError,
-                trio_websocket.ConnectionTimeout,
-                trio_websocket.DisconnectionTimeout,
-            ) as exc:
+                last_problem = f"channel handshake failed: {exc}"
+            except OSError as exc:
                 last_problem = f"channel unreachable: {describe_error(exc)}"
             if dial.cancelled_caught and end is None:
                 last_problem = f"channel handshake took over {self.config.connect_timeout:.0f} s"
@@ -489,9 +487,14 @@ class Runner:
             with trio.move_on_after(delay):
                 await self.shutdown.wait()
 
-    async def _serve_connected(
-        self, job: ChatJob, ws: trio_websocket.WebSocketConnection, redial: bool
-    ) -> ChannelEnd:
+    def _on_ping(self, what: str) -> None:
+        if what == "sent":
+            self.counters.inc("pings_sent")
+        else:  # no pong, nor any other frame, in time: the channel is dead
+            self.counters.inc("pong_timeouts")
+            self.counters.inc("channels_dead")
+
+    async def _serve_connected(self, job: ChatJob, ws: WebSocket, redial: bool) -> ChannelEnd:
         """Serve one open channel connection until it ends."""
         if redial:
             log.info("job %s: channel redialled", job.id)

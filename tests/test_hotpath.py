@@ -1,17 +1,24 @@
 """Guards on the relay's hot path that count work instead of timing it, so they cannot flake.
 
-A fixed script of backend reads (several SSE events each) is relayed through a real
-``Channel`` writing to a real trio-websocket client connection over an in-memory stream, and
-through the hub front door's ``relay_stream``. What is counted:
+A fixed script of backend reads (several SSE events each) is relayed through a real ``Channel``
+over real sockets: each backend is a socket pair whose far end a thread writes (a chunked
+HTTP/1.1 response, one block per write), and the channel is our WebSocket client on a socket
+pair whose far end a thread reads (the Server's side, wsproto); and through the hub front door's
+``relay_stream``. Threads are never counted: what is measured is the trio thread alone. What is
+counted:
 
-- socket writes: the channel's writer sends whatever is queued as one write, so writes per read
-  stay at one (plus one for the done frame), never one per chunk;
+- socket writes: the frames of one backend read go out in one write, so writes per read stay
+  at one (plus one for the done frame), never one per chunk;
 - Python calls per relayed chunk (``sys.setprofile`` call and c_call events): in all (every task
   of the thread, trio's scheduler included), and those made by the gateway's own code; a change
   that adds a function call, an await or a log call per chunk to the path fails a bound;
 - memory still held after relaying (tracemalloc): nothing is kept per chunk;
 - the zero-buffer guarantee: the backend sends its next event only once the previous one was
   written to the channel, and the relay still finishes (a chunk held back for more deadlocks);
+- no chunk waits for another turn's read: many turns whose backends release their events in
+  the same instant (a batched model server's decode step); each turn's frames are written
+  before any other turn's read comes next (the design before this one read the whole burst
+  first and wrote it from a writer task afterwards);
 - the front door: chunk frames already queued go to the HTTP client in one body write.
 
 Each bound sits above what the code does by more than scheduling order (trio shuffles it) can
@@ -23,22 +30,20 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import sys
+import threading
 import tracemalloc
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trio_websocket import WebSocketConnection, wrap_client_stream
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
-from gateway import protocol
+from gateway import http1, netio, protocol, wsclient
 from gateway.backends import BackendPool
 from gateway.channel import Channel
 from gateway.hub.frontdoor import relay
@@ -49,17 +54,19 @@ JOB = "job-hotpath"
 EVENTS_PER_READ = 25
 READS = 40
 CHUNKS = EVENTS_PER_READ * READS
+WAIT = 20.0  # s: a thread gives up on a frame that never comes (the test fails, never hangs)
 
 # The bounds (see the module docstring). Measured when they were set (the design before them in
-# brackets): 0.45 socket writes per backend read (25: one per chunk); 28.5 Python calls per chunk
-# in all (304), of which 18.8 made by the gateway's own code; 4 blocks kept after 1,000 chunks.
-# The gateway's own count does not depend on scheduling order (the writer's per-write calls are
-# spread over dozens of chunks): one more call per chunk on the path takes it over its bound. A
-# scheduling point per chunk (an ``await`` on the outbox) adds about 80 calls in all.
+# brackets): 1.02 socket writes per backend read (1.02); 8.0 Python calls per chunk in all (28.5;
+# 304 before that), of which 5.3 made by the gateway's own code (18.8); a handful of blocks kept
+# after 1,000 chunks; 0 chunks that waited for another turn's read, of 64 x 10 in lockstep (the
+# writer task read the whole burst first). One more call per chunk on the path takes the
+# gateway's count over its bound; a scheduling point per chunk adds about 40 calls in all.
 MAX_WRITES_PER_READ = 1.1
-MAX_CALLS_PER_CHUNK = 40
-MAX_GATEWAY_CALLS_PER_CHUNK = 19.5
+MAX_CALLS_PER_CHUNK = 12
+MAX_GATEWAY_CALLS_PER_CHUNK = 5.8
 MAX_BLOCKS_KEPT = 32
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 def payload(i: int) -> bytes:
@@ -79,74 +86,55 @@ def script(reads: int = READS, per_read: int = EVENTS_PER_READ) -> list[bytes]:
     return blocks
 
 
-class Backend(httpx.AsyncByteStream):
-    """A backend's body, read by read; each read is a scheduling point, like a socket read.
-
-    ``lockstep``: the next read comes only once the channel has written what the last one
-    brought (a backend producing its next token only after the previous one was delivered).
-    """
-
-    def __init__(self, blocks: list[bytes], lockstep: Counting | None = None) -> None:
-        self.blocks = blocks
-        self.lockstep = lockstep
-        self.reads = 0
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for block in self.blocks:
-            if self.lockstep is not None and self.reads:
-                await self.lockstep.wait_frames(self.reads * EVENTS_PER_READ)
-            await trio.lowlevel.checkpoint()
-            self.reads += 1
-            yield block
+def chunked(block: bytes, last: bool = False) -> bytes:
+    """One block as one chunk of a chunked body (and the body's end after the last one)."""
+    return b"%x\r\n%b\r\n" % (len(block), block) + (b"0\r\n\r\n" if last else b"")
 
 
-class Counting(trio.abc.Stream):
-    """Delegates to a stream, counting the writes and the frames written."""
+class Log:
+    """What happened on the trio thread's sockets, in order: ("read", backend) and ("write",
+    the request ids of the frames written)."""
 
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.writes = 0
-        self.data = bytearray()
-        self.count_frames = False  # parse frame headers as they are written (lockstep only)
-        self.frames = 0
-        self._parsed = 0
-        self._changed = trio.Event()
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self.on = False
 
-    def reset(self) -> None:
-        self.writes = self.frames = self._parsed = 0
-        self.data = bytearray()
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
+class ChannelSocket(socket.socket):
+    """The runner's end of the channel: counts its writes and logs the request ids each held."""
+
+    log: Log
+    writes = 0
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        sent = super().send(data, flags)
         self.writes += 1
-        self.data += data
-        if self.count_frames:
-            n, self._parsed = _count_frames(self.data, self._parsed)
-            self.frames += n
-            self._changed.set()
-            self._changed = trio.Event()
-
-    async def wait_frames(self, n: int) -> None:
-        while self.frames < n:
-            await self._changed.wait()
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+        if self.log.on:
+            self.log.events.append(("write", _request_ids(bytes(data[:sent]))))
+        return sent
 
 
-def _count_frames(data: bytearray, pos: int) -> tuple[int, int]:
-    """Whole client frames in ``data`` from ``pos`` (headers only); (how many, where the next starts)."""
-    n = 0
-    while True:
-        start = pos
-        if pos + 2 > len(data):
-            return n, start
+class BackendSocket(socket.socket):
+    """The runner's end of one backend connection: counts and logs the reads that got bytes."""
+
+    log: Log
+    name = ""
+    reads = 0
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        data = super().recv(size, flags)
+        if data:
+            self.reads += 1
+            if self.log.on:
+                self.log.events.append(("read", self.name))
+        return data
+
+
+def _request_ids(data: bytes) -> list[str]:
+    """The requestId of every (masked, client) frame in ``data``: our own frames, parsed here."""
+    ids = []
+    pos = 0
+    while pos < len(data):
         size = data[pos + 1] & 0x7F
         pos += 2
         if size == 126:
@@ -155,120 +143,157 @@ def _count_frames(data: bytearray, pos: int) -> tuple[int, int]:
         elif size == 127:
             size = int.from_bytes(data[pos : pos + 8], "big")
             pos += 8
-        pos += 4 + size
-        if pos > len(data):
-            return n, start
-        n += 1
+        key = data[pos : pos + 4]
+        pos += 4
+        body = bytes(b ^ key[i % 4] for i, b in enumerate(data[pos : pos + 200]))
+        pos += size
+        found = body.split(b'"requestId":"', 1)
+        ids.append(found[1].split(b'"', 1)[0].decode() if len(found) == 2 else "")
+    return ids
 
 
-async def _server_handshake(stream: trio.abc.Stream) -> WSConnection:
-    ws = WSConnection(ConnectionType.SERVER)
-    while True:
-        ws.receive_data(await stream.receive_some(65536))
-        for event in ws.events():
-            if isinstance(event, Request):
-                await stream.send_all(ws.send(AcceptConnection()))
-                return ws
+class Server(threading.Thread):
+    """The Server's end of the channel, on a thread of its own: the handshake, then every
+    message received, in order; ``wait_for(n)`` blocks until n have come."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(daemon=True)
+        self.sock = sock
+        self.ws = WSConnection(ConnectionType.SERVER)
+        self.messages: list[str] = []
+        self.cond = threading.Condition()
+        self.parts: list[str] = []
+
+    def run(self) -> None:
+        while True:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                return
+            self.ws.receive_data(data)
+            got = []
+            for event in self.ws.events():
+                if isinstance(event, Request):
+                    self.sock.sendall(self.ws.send(AcceptConnection()))
+                elif isinstance(event, TextMessage):
+                    self.parts.append(event.data)
+                    if event.message_finished:
+                        got.append("".join(self.parts))
+                        self.parts = []
+            if got:
+                with self.cond:
+                    self.messages += got
+                    self.cond.notify_all()
+
+    def wait_for(self, n: int) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: len(self.messages) >= n, WAIT):
+                raise AssertionError(f"{len(self.messages)} frames came, {n} expected")
+
+    def frames(self) -> list[dict[str, Any]]:
+        with self.cond:
+            return [json.loads(m) for m in self.messages]
 
 
-def _messages(ws: WSConnection, data: bytes) -> list[str]:
-    ws.receive_data(data)
-    out: list[str] = []
-    parts: list[str] = []
-    for event in ws.events():
-        if isinstance(event, TextMessage):
-            parts.append(event.data)
-            if event.message_finished:
-                out.append("".join(parts))
-                parts = []
-    return out
+def _feed(sock: socket.socket, blocks: list[bytes], server: Server, base: int, per: int) -> None:
+    """A backend answering one turn in lockstep: block n+1 is written once the frames of the
+    blocks before it were received (``per`` frames each, after the ``base`` already there)."""
+    sock.sendall(HEAD)
+    for r, block in enumerate(blocks):
+        if r:
+            server.wait_for(base + r * per)
+        sock.sendall(chunked(block, last=r == len(blocks) - 1))
 
 
 class Rig:
-    def __init__(
-        self,
-        channel: Channel,
-        counting: Counting,
-        server_ws: WSConnection,
-        client: WebSocketConnection,
-    ) -> None:
+    """A Channel serving a WebSocket on a socket pair, the Server's end on a thread."""
+
+    def __init__(self, channel: Channel, sock: ChannelSocket, server: Server, log: Log) -> None:
         self.channel = channel
-        self.counting = counting
-        self.server_ws = server_ws
-        self.client = client
+        self.sock = sock
+        self.server = server
+        self.log = log
 
-    async def relay(self, request_id: str, backend: Backend) -> str | None:
-        response = httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, stream=backend
+    def backend(self, name: str) -> tuple[http1.Response, BackendSocket, socket.socket]:
+        near, far = socket.socketpair()
+        sock = BackendSocket(fileno=near.detach())
+        sock.log, sock.name = self.log, name
+        return http1.Response(netio.Transport(sock)), sock, far
+
+    async def relay(
+        self, request_id: str, blocks: list[bytes], per: int = EVENTS_PER_READ
+    ) -> tuple[str | None, int]:
+        """Relay one turn whose backend sends ``blocks`` in lockstep; (error, reads)."""
+        response, sock, far = self.backend(request_id)
+        base = len(self.server.messages)
+        feeder = threading.Thread(
+            target=_feed, args=(far, blocks, self.server, base, per), daemon=True
         )
+        feeder.start()
+        error = await self.relay_response(request_id, response)
+        await trio.to_thread.run_sync(feeder.join)
+        far.close()
+        return error, sock.reads
+
+    async def relay_response(self, request_id: str, response: http1.Response) -> str | None:
         self.channel._started[request_id] = trio.current_time()
-        result = await self.channel._relay(request_id, "http://backend", response)
-        await trio.testing.wait_all_tasks_blocked()  # the writer has written everything
-        return result
+        try:
+            with trio.fail_after(WAIT):  # a chunk held back until more arrive deadlocks here
+                await response.read_head()
+                with trio.CancelScope() as idle:
+                    response.idle, response.idle_timeout = idle, 600.0
+                    await self.channel._relay(request_id, "http://backend", response)
+        except Exception as exc:  # the turn's error, as _turn would frame it
+            return str(exc)
+        finally:
+            response.close()
+        return None
 
-    def received(self) -> list[dict[str, Any]]:
-        return [json.loads(m) for m in _messages(self.server_ws, bytes(self.counting.data))]
 
-
-async def _rig(nursery: trio.Nursery) -> Rig:
-    client_end, server_end = trio.testing.memory_stream_pair()
-    counting = Counting(client_end)
-    async with trio.open_nursery() as handshake:
-        server_ws: list[WSConnection] = []
-
-        async def server() -> None:
-            server_ws.append(await _server_handshake(server_end))
-
-        handshake.start_soon(server)
-        client = await wrap_client_stream(nursery, counting, "hub", "/api/lives/chat/channel/ws")
-    counting.reset()  # the handshake is done: from here on count only the channel's own writes
-    channel = Channel(JOB, client, BackendPool([], None), shutdown=trio.Event())
+async def _rig(nursery: trio.Nursery, log: Log | None = None) -> Rig:
+    near, far = socket.socketpair()
+    sock = ChannelSocket(fileno=near.detach())
+    sock.log = log = log or Log()
+    server = Server(far)
+    server.start()
+    ws = await wsclient.handshake(netio.Transport(sock), "hub", "/api/lives/chat/channel/ws")
+    channel = Channel(JOB, ws, BackendPool([], None), shutdown=trio.Event())
     nursery.start_soon(channel.serve)
     await trio.testing.wait_all_tasks_blocked()
-    return Rig(channel, counting, server_ws[0], client)
+    sock.writes = 0  # from here on count only the channel's own writes
+    return Rig(channel, sock, server, log)
 
 
 async def test_one_write_per_backend_read_and_frames_verbatim() -> None:
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
-        backend = Backend(script())
-        assert await rig.relay("r1", backend) is None
-        frames = rig.received()
+        error, reads = await rig.relay("r1", script())
+        assert error is None
+        rig.server.wait_for(CHUNKS + 1)
+        frames = rig.server.frames()
         chunks = [f for f in frames if f["type"] == protocol.COMPLETION_CHUNK]
         assert len(chunks) == CHUNKS
         assert frames[-1] == {"type": protocol.COMPLETION_DONE, "jobId": JOB, "requestId": "r1"}
         # each payload spliced in unchanged, in order
-        text = bytes(rig.counting.data)
-        assert json.dumps(chunks[7]["chunk"], separators=(",", ":")).encode() == payload(7)
-        assert payload(CHUNKS - 1) in _unmasked(rig, text)
-        writes_per_read = rig.counting.writes / backend.reads
-        print(
-            f"\nwrites per backend read: {writes_per_read:.2f} ({rig.counting.writes} for {backend.reads})"
+        assert [c["chunk"]["choices"][0]["delta"]["content"] for c in chunks[:3]] == [
+            "tok0 ",
+            "tok1 ",
+            "tok2 ",
+        ]
+        assert (
+            rig.server.messages[7]
+            == (protocol.chunk_prefix(JOB, "r1") + payload(7) + b"}").decode()
         )
+        writes_per_read = rig.sock.writes / reads
+        print(f"\nwrites per backend read: {writes_per_read:.2f} ({rig.sock.writes} for {reads})")
+        assert reads >= READS
         assert writes_per_read <= MAX_WRITES_PER_READ
         nursery.cancel_scope.cancel()
-
-
-def _unmasked(rig: Rig, data: bytes) -> bytes:
-    ws = WSConnection(ConnectionType.SERVER)
-    ws.initiate_upgrade_connection(
-        [
-            (b"host", b"x"),
-            (b"upgrade", b"websocket"),
-            (b"connection", b"upgrade"),
-            (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
-            (b"sec-websocket-version", b"13"),
-        ],
-        "/",
-    )
-    ws.send(AcceptConnection())
-    return "".join(_messages(ws, data)).encode()
 
 
 async def test_python_calls_per_chunk() -> None:
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
-        await rig.relay("warm", Backend(script(reads=2)))  # first-use costs stay out of the count
+        await rig.relay("warm", script(reads=2))  # first-use costs stay out of the count
         calls = made_by_gateway = 0
 
         def count(frame: Any, event: str, arg: object) -> None:
@@ -283,17 +308,21 @@ async def test_python_calls_per_chunk() -> None:
                 if frame.f_code.co_filename.startswith(GATEWAY):
                     made_by_gateway += 1
 
-        backend = Backend(script())
-        response = httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, stream=backend
+        response, sock, far = rig.backend("r2")
+        base = len(rig.server.messages)
+        feeder = threading.Thread(
+            target=_feed, args=(far, script(), rig.server, base, EVENTS_PER_READ), daemon=True
         )
-        rig.channel._started["r2"] = trio.current_time()
+        feeder.start()
         sys.setprofile(count)
         try:
-            await rig.channel._relay("r2", "http://backend", response)
+            error = await rig.relay_response("r2", response)
             await trio.testing.wait_all_tasks_blocked()
         finally:
             sys.setprofile(None)
+        feeder.join(WAIT)
+        far.close()
+        assert error is None
         print(
             f"\nPython calls per relayed chunk: {calls / CHUNKS:.1f} in all, "
             f"{made_by_gateway / CHUNKS:.2f} made by the gateway's code"
@@ -306,16 +335,17 @@ async def test_python_calls_per_chunk() -> None:
 async def test_nothing_kept_per_chunk() -> None:
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
-        await rig.relay("warm", Backend(script(reads=4)))
+        await rig.relay("warm", script(reads=4))
         gc.collect()
         tracemalloc.start()
         try:
             before = tracemalloc.take_snapshot()
-            await rig.relay("r3", Backend(script()))
+            error, _ = await rig.relay("r3", script())
             gc.collect()
             after = tracemalloc.take_snapshot()
         finally:
             tracemalloc.stop()
+        assert error is None
         kept = [
             s
             for s in after.compare_to(before, "lineno")
@@ -328,14 +358,76 @@ async def test_nothing_kept_per_chunk() -> None:
 
 
 async def test_no_chunk_waits_for_the_next_one() -> None:
-    """Lockstep: the backend sends read n+1 only once read n's frames were written."""
+    """Lockstep, one event per read: the backend sends event n+1 only once event n's frame was
+    written; a chunk held back until more arrive would deadlock (and fail on the deadline)."""
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
-        rig.counting.count_frames = True
-        backend = Backend(script(reads=10), lockstep=rig.counting)
-        with trio.fail_after(5):  # a chunk held back until more arrive would deadlock here
-            assert await rig.relay("r4", backend) is None
-        assert backend.reads == 10
+        error, reads = await rig.relay("r4", script(reads=10, per_read=1), per=1)
+        assert error is None and reads >= 10
+        nursery.cancel_scope.cancel()
+
+
+TURNS = 64
+STEPS = 10
+
+
+async def test_no_chunk_waits_for_another_turns_read() -> None:
+    """A batched server's decode step: every turn's backend releases its next event in the same
+    instant (written from this thread without a scheduling point in between, so the turns wake
+    together). Each turn's frame must be written before any other turn's read comes next."""
+    log = Log()
+    async with trio.open_nursery() as nursery:
+        rig = await _rig(nursery, log)
+        backends = [rig.backend(f"t{i}") for i in range(TURNS)]
+        for _, _, far in backends:
+            far.setblocking(False)
+            far.send(HEAD)
+        step_done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        async def turn(i: int, response: http1.Response) -> None:
+            assert await rig.relay_response(f"t{i}", response) is None
+
+        def watch() -> None:  # the Server's side: tell the trio thread when a step is written
+            for step in range(1, STEPS + 1):
+                rig.server.wait_for(step * TURNS)
+                trio.from_thread.run_sync(step_done.set, trio_token=token)
+            rig.server.wait_for(STEPS * TURNS + TURNS)  # the done frames
+
+        async with trio.open_nursery() as turns:
+            for i, (response, _, _) in enumerate(backends):
+                turns.start_soon(turn, i, response)
+            await trio.testing.wait_all_tasks_blocked()
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            log.on = True
+            for step in range(STEPS):
+                event = b"data: %b\n\n" % payload(step)
+                if step == STEPS - 1:
+                    event += b"data: [DONE]\n\n"
+                for _, _, far in backends:  # the whole burst, no scheduling point in between
+                    far.send(chunked(event, last=step == STEPS - 1))
+                with trio.fail_after(WAIT):
+                    await step_done.wait()
+                step_done = trio.Event()
+        log.on = False
+        await trio.to_thread.run_sync(watcher.join, WAIT)
+        for _, _, far in backends:
+            far.close()
+        waited = written = 0
+        for n, (kind, who) in enumerate(log.events):
+            if kind != "read":
+                continue
+            for later_kind, later in log.events[n + 1 :]:
+                if later_kind == "write" and who in later:
+                    written += 1
+                    break
+                if later_kind == "read" and later != who:
+                    waited += 1  # another turn read before this turn's frame went out
+                    break
+        print(f"\nchunks that waited for another turn's read: {waited} of {TURNS * STEPS}")
+        assert written + waited >= TURNS * STEPS
+        assert waited == 0
         nursery.cancel_scope.cancel()
 
 
@@ -343,13 +435,15 @@ async def test_invalid_utf8_in_an_event_is_a_turn_error() -> None:
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
         bad = b'data: {"choices":[{"delta":{"content":"\xff"}}]}\n\n'
-        error = await rig.relay("r5", Backend([b"data: " + payload(0) + b"\n\n", bad]))
+        error, _ = await rig.relay("r5", [b"data: " + payload(0) + b"\n\n", bad], per=1)
         assert error is not None and "UTF-8" in error
         good = b'data: {"choices":[{"delta":{"content":"h\xc3\xa9"}}]}\n\ndata: [DONE]\n\n'
-        assert await rig.relay("r6", Backend([good])) is None
-        frames = [f for f in rig.received() if f.get("requestId") == "r6"]
+        error, _ = await rig.relay("r6", [good])
+        assert error is None
+        rig.server.wait_for(3)
+        frames = [f for f in rig.server.frames() if f.get("requestId") == "r6"]
         assert frames[0]["chunk"]["choices"][0]["delta"]["content"] == "hé"
-        assert not rig.channel.ws.closed
+        assert rig.channel.ws.closed is None
         nursery.cancel_scope.cancel()
 
 
@@ -470,31 +564,40 @@ def test_sse_splitter_matches_the_line_algorithm(
     assert got == _reference(pieces)
 
 
-@pytest.mark.parametrize("mask", [True, False])
-def test_ws_text_frames_are_what_wsproto_reads(mask: bool) -> None:
-    messages: list[str | bytes] = [
-        "",
-        "x" * 125,
+def test_client_frames_are_what_wsproto_reads() -> None:
+    messages = [
+        b"",
+        b"x" * 125,
         b"y" * 126,
-        "z" * 65535,
+        b"z" * 65535,
         b"w" * 65536,
-        '{"h\\u00e9":"h\xe9"}',
+        '{"h\xe9":"h\xe9"}'.encode(),
     ]
-    data = protocol.ws_text_frames(messages, mask=mask)
-    ws = WSConnection(ConnectionType.SERVER if mask else ConnectionType.CLIENT)
-    if mask:
-        ws.initiate_upgrade_connection(
-            [
-                (b"host", b"x"),
-                (b"upgrade", b"websocket"),
-                (b"connection", b"upgrade"),
-                (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
-                (b"sec-websocket-version", b"13"),
-            ],
-            "/",
-        )
-        ws.send(AcceptConnection())
-        assert _messages(ws, data) == [m if isinstance(m, str) else m.decode() for m in messages]
-    else:
-        # server frames are not masked: the header says so, and the payloads follow as they are
-        assert data.startswith(b"\x81\x00\x81\x7d" + b"x" * 125 + b"\x81\x7e\x00\x7e")
+    framer = protocol.ClientFramer()
+    data = framer.frame(messages[0]) + framer.frames(messages[1:4]) + framer.frames(messages[4:])
+    ws = WSConnection(ConnectionType.SERVER)
+    ws.initiate_upgrade_connection(
+        [
+            (b"host", b"x"),
+            (b"upgrade", b"websocket"),
+            (b"connection", b"upgrade"),
+            (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
+            (b"sec-websocket-version", b"13"),
+        ],
+        "/",
+    )
+    ws.send(AcceptConnection())
+    ws.receive_data(data)
+    got: list[str] = []
+    parts: list[str] = []
+    for event in ws.events():
+        if isinstance(event, Request):
+            continue  # the upgrade this test made up
+        assert isinstance(event, TextMessage)
+        parts.append(event.data)
+        if event.message_finished:
+            got.append("".join(parts))
+            parts = []
+    assert got == [m.decode() for m in messages]
+    keys = {data[2:6]} | {framer.frame(b"a")[2:6] for _ in range(2000)}
+    assert len(keys) > 1990  # a fresh masking key per frame (RFC 6455 §5.3), pool refills too

@@ -1,0 +1,442 @@
+"""The backend hop's HTTP/1.1 client: requests over ``netio`` sockets, httptools parsing, keep-alive.
+
+Only the per-turn chat-completions request goes through here (the hot path); model listing,
+health checks and doctor stay on httpx. One ``Client`` per backend origin keeps a bounded
+stack of idle connections; a response is read by the relay itself, read by read
+(``Response.read_nowait``), so no layer sits between a socket read and the SSE splitter.
+
+``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` and ``NO_PROXY`` are honoured as httpx honours
+them: an ``http://`` origin through a proxy is asked in absolute form, an ``https://`` one
+through a ``CONNECT`` tunnel with TLS inside it.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import os
+import ssl
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+import httptools
+import trio
+
+from gateway import __version__
+from gateway.netio import Transport, connect, start_tls
+
+USER_AGENT = f"alp-gateway/{__version__}".encode()
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class HTTPError(Exception):
+    """A request failed; the message is safe for a frame (no header, no key)."""
+
+
+class ConnectFailed(HTTPError):
+    """No connection could be made (refused, unreachable, name, TLS, proxy): nothing was sent."""
+
+
+class ProtocolError(HTTPError):
+    """The answer is not HTTP/1.1 as it must be."""
+
+
+class ConnectionLost(HTTPError):
+    """The connection broke or was closed before the answer was complete."""
+
+
+# -- proxies from the environment ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """An ``http://`` proxy: where it listens and the ``Proxy-Authorization`` its URL carries."""
+
+    host: str
+    port: int
+    authorization: bytes | None = None
+
+
+def proxy_for(
+    scheme: str, host: str, port: int, env: Mapping[str, str] | None = None
+) -> Proxy | None:
+    """The proxy the environment names for ``scheme://host:port``, None for a direct connection.
+
+    As httpx reads the environment: ``{scheme}_proxy`` else ``all_proxy`` (lower case first,
+    then upper case), and ``no_proxy`` entries: ``*``; a host (``example.com`` matches it and
+    its subdomains, ``.example.com`` only the subdomains); an IP address; an ``ip/prefix``
+    network; any of them with ``:port``; or a URL (``http://host:port``).
+    """
+    env = os.environ if env is None else env
+    url = _env(env, f"{scheme}_proxy") or _env(env, "all_proxy")
+    if not url:
+        return None
+    if _bypassed(_env(env, "no_proxy") or "", scheme, host.lower(), port):
+        return None
+    if "://" not in url:
+        url = f"http://{url}"
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(
+            f"unsupported proxy {parts.scheme}://{parts.hostname or ''} (only http://)"
+        )
+    authorization = None
+    if parts.username is not None:
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        authorization = b"Basic " + base64.b64encode(credentials)
+    return Proxy(parts.hostname, parts.port or 80, authorization)
+
+
+def _env(env: Mapping[str, str], name: str) -> str | None:
+    return env.get(name) or env.get(name.upper())
+
+
+def _bypassed(no_proxy: str, scheme: str, host: str, port: int) -> bool:
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        if not entry:
+            continue
+        if entry == "*":
+            return True
+        want_scheme = None
+        if "://" in entry:
+            want_scheme, entry = entry.split("://", 1)
+            if want_scheme == "all":
+                want_scheme = None
+        if want_scheme is not None and want_scheme != scheme:
+            continue
+        name, want_port = _split_port(entry)
+        if want_port is not None and want_port != port:
+            continue
+        if _host_matches(name, host):
+            return True
+    return False
+
+
+def _split_port(entry: str) -> tuple[str, int | None]:
+    if entry.startswith("["):  # [v6]:port
+        name, _, rest = entry[1:].partition("]")
+        return name, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
+    if entry.count(":") == 1:
+        name, _, port = entry.partition(":")
+        if port.isdigit():
+            return name, int(port)
+    return entry, None
+
+
+def _host_matches(pattern: str, host: str) -> bool:
+    host = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is not None:
+        try:
+            return address in ipaddress.ip_network(pattern, strict=False)
+        except ValueError:
+            return False
+    if pattern.startswith("*"):
+        pattern = pattern[1:]
+    if pattern.startswith("."):
+        return host.endswith(pattern)
+    return host == pattern or host.endswith("." + pattern)
+
+
+# -- one response ------------------------------------------------------------------------
+
+
+class Response:
+    """One connection and the response being read on it; httptools' callbacks fill it in.
+
+    ``body`` collects the body's pieces as they are parsed (already de-chunked); the reader
+    takes them. ``complete`` once the whole message was read.
+    """
+
+    __slots__ = (
+        "transport",
+        "parser",
+        "status",
+        "headers",
+        "body",
+        "head_done",
+        "complete",
+        "_sized",
+        "_reusable",
+        "_started",
+        "idle",
+        "idle_timeout",
+    )
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.head_done = False
+        self.complete = False
+        self._sized = False  # the body has a length or is chunked (else: until the close)
+        self._reusable = False
+        self._started = False  # any byte of the answer came
+        # the idle deadline of the exchange (set by its owner): moved forward as bytes arrive
+        self.idle: trio.CancelScope | None = None
+        self.idle_timeout = 0.0
+
+    # httptools' callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # an informational answer: the real one follows
+            self.headers = []
+            return
+        self.status = status
+        self.head_done = True
+        for name, value in self.headers:
+            if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value):
+                self._sized = True
+        if status in (204, 304):
+            self._sized = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
+            self._reusable = self.parser.should_keep_alive()
+
+    # reading
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def feed(self, data: bytes) -> None:
+        self._started = True
+        if self.complete:  # bytes after the whole message: not a connection to keep
+            self._reusable = False
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            raise ProtocolError(f"sent a malformed HTTP response ({exc})") from None
+
+    def read_nowait(self) -> bool:
+        """Parse what has arrived; False when nothing has (wait with ``wait_readable``).
+
+        ``ConnectionLost`` when the connection ends before the message does."""
+        try:
+            data = self.transport.recv_nowait()
+        except (OSError, ssl.SSLError) as exc:
+            raise ConnectionLost(_lost(exc)) from None
+        if data is None:
+            return False
+        if data:
+            self.feed(data)
+        else:
+            self.end_of_stream()
+        return True
+
+    def end_of_stream(self) -> None:
+        """The peer closed its side: the end of a body that runs until the close, else a loss."""
+        if self.head_done and not self._sized:
+            self.complete = True
+        elif not self.complete:
+            raise ConnectionLost("closed the connection mid-response" if self.head_done else "")
+
+    async def wait_readable(self) -> None:
+        await self.transport.wait_readable()
+
+    async def read_more(self) -> None:
+        """Wait for and parse the next bytes."""
+        while not self.read_nowait():
+            await self.transport.wait_readable()
+
+    async def read_head(self) -> None:
+        while not self.head_done:
+            await self.read_more()
+
+    async def read_body(self, limit: int | None = None) -> bytes:
+        """The rest of the body, or its first ``limit`` bytes and a bit (then the rest is left)."""
+        size = sum(map(len, self.body))
+        while not self.complete and (limit is None or size <= limit):
+            before = len(self.body)
+            await self.read_more()
+            size += sum(map(len, self.body[before:]))
+        data = b"".join(self.body)
+        self.body = []
+        return data
+
+    @property
+    def reusable(self) -> bool:
+        return self.complete and self._reusable and not self.transport.unsent
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _lost(exc: BaseException) -> str:
+    return f"connection broke ({type(exc).__name__})"
+
+
+def _os_text(exc: BaseException) -> str:
+    """A connect failure in a few words: the error's name and, when it has one, its reason."""
+    reason = getattr(exc, "strerror", None) or str(exc)
+    return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+
+
+# -- one origin ----------------------------------------------------------------------------
+
+
+class Client:
+    """Requests to one origin over kept-alive connections, through the environment's proxy.
+
+    Idle connections form a bounded stack (newest on top; ``max_idle`` at most, the oldest
+    closed beyond that; one older than ``keepalive_expiry`` or closed by the peer is dropped
+    when it comes up): O(1) per request whatever the number open.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        connect_timeout: float = 10.0,
+        max_idle: int = 8,
+        keepalive_expiry: float = 5.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url}")
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        self.port = parts.port or _DEFAULT_PORTS[parts.scheme]
+        self.base_path = parts.path.rstrip("/")
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self.keepalive_expiry = keepalive_expiry
+        self.ssl_context: ssl.SSLContext | None = None
+        if self.scheme == "https":
+            self.ssl_context = ssl_context or ssl.create_default_context()
+        self.proxy = proxy_for(self.scheme, self.host, self.port, env)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        authority = host if parts.port is None else f"{host}:{self.port}"
+        self._authority = authority.encode("ascii" if authority.isascii() else "idna")
+        self._absolute = self.proxy is not None and self.scheme == "http"
+        self._idle: deque[tuple[float, Transport]] = deque()
+
+    def target(self, path: str) -> bytes:
+        """The request target for ``path`` under the base URL (absolute form to a proxy)."""
+        target = (self.base_path + path).encode()
+        if self._absolute:
+            return b"http://" + self._authority + target
+        return target
+
+    async def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> Response:
+        """Send one request (the body as it is) and read the head of its response.
+
+        ``ConnectFailed`` when no connection could be made (nothing was sent); ``HTTPError``
+        otherwise. A kept-alive connection that turns out closed is replaced once."""
+        lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", self._authority]
+        for name, value in headers:
+            lines += (b"\r\n", name, b": ", value)
+        if self._absolute and self.proxy is not None and self.proxy.authorization:
+            lines += (b"\r\nproxy-authorization: ", self.proxy.authorization)
+        lines += (b"\r\nuser-agent: ", USER_AGENT, b"\r\ncontent-length: %d\r\n\r\n" % len(body))
+        message = b"".join(lines) + body
+        while True:
+            transport = self._take_idle()
+            reused = transport is not None
+            if transport is None:
+                transport = await self._connect()
+            response = Response(transport)
+            try:
+                try:
+                    if not transport.write(message):
+                        await transport.flush()
+                    await response.read_head()
+                except (OSError, ssl.SSLError) as exc:
+                    raise ConnectionLost(_lost(exc)) from None
+            except ConnectionLost as exc:
+                transport.close()
+                if reused and not response._started:
+                    continue  # the peer had closed it while idle: a fresh connection
+                raise ConnectionLost(str(exc) or "closed the connection before answering") from None
+            except BaseException:
+                transport.close()
+                raise
+            return response
+
+    def release(self, response: Response) -> None:
+        """Keep the connection for the next request when it can be, else close it."""
+        if not response.reusable:
+            response.close()
+            return
+        idle = self._idle
+        if len(idle) >= self.max_idle:
+            idle.popleft()[1].close()
+        idle.append((trio.current_time(), response.transport))
+
+    def _take_idle(self) -> Transport | None:
+        idle = self._idle
+        now = trio.current_time()
+        while idle:
+            since, transport = idle.pop()
+            if now - since < self.keepalive_expiry and transport.alive_when_idle():
+                return transport
+            transport.close()
+        return None
+
+    async def _connect(self) -> Transport:
+        proxy = self.proxy
+        host, port = (proxy.host, proxy.port) if proxy is not None else (self.host, self.port)
+        where = f"proxy {host}:{port}" if proxy is not None else ""
+        try:
+            with trio.fail_after(self.connect_timeout):
+                transport = await connect(host, port)
+                try:
+                    if proxy is not None and self.scheme == "https":
+                        await self._tunnel(transport, proxy)
+                    if self.ssl_context is not None:
+                        transport = await start_tls(transport, self.ssl_context, self.host)
+                except BaseException:
+                    transport.close()
+                    raise
+        except trio.TooSlowError:
+            raise ConnectFailed(f"connect timeout{' via ' + where if where else ''}") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConnectFailed(f"certificate refused ({exc.verify_message})") from None
+        except (OSError, ssl.SSLError, ConnectionLost) as exc:
+            text = str(exc) if isinstance(exc, HTTPError) else _os_text(exc)
+            raise ConnectFailed(f"{text}{' via ' + where if where else ''}") from None
+        return transport
+
+    async def _tunnel(self, transport: Transport, proxy: Proxy) -> None:
+        authority = f"{self.host}:{self.port}".encode()
+        head = b"CONNECT %b HTTP/1.1\r\nhost: %b\r\n" % (authority, authority)
+        if proxy.authorization:
+            head += b"proxy-authorization: " + proxy.authorization + b"\r\n"
+        await transport.send_all(head + b"\r\n")
+        response = Response(transport)
+        await response.read_head()
+        if response.status != 200:
+            raise ConnectFailed(
+                f"proxy {proxy.host}:{proxy.port} refused the tunnel ({response.status})"
+            )
+        if response.body:  # the tunnel carries nothing before our TLS hello
+            raise ConnectFailed(f"proxy {proxy.host}:{proxy.port} sent bytes into the tunnel")
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop()[1].close()

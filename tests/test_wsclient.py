@@ -1,0 +1,281 @@
+"""The Chat Channel's WebSocket client (gateway.wsclient) against a WebSocket server on loopback:
+pings answered, a close frame answered, an oversized message refused with 1009, a refused
+upgrade, and the keepalive that finds a silent (dead) path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from helpers import OWNER, PROJECT, request_frame, runner_config
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    CloseConnection,
+    Event,
+    Ping,
+    Pong,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
+
+from gateway import wsclient
+from gateway.hub import Hub
+from gateway.runner import Runner
+from gateway.sim import Simulator
+
+
+class Peer:
+    """The Server's side of one connection: wsproto over a trio stream, driven by the test."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.ws = WSConnection(ConnectionType.SERVER)
+
+    async def send(self, event: Event) -> None:
+        await self.stream.send_all(self.ws.send(event))
+
+    async def next_event(self) -> Event:
+        while True:
+            for event in self.ws.events():
+                return event
+            data = await self.stream.receive_some(65536)
+            self.ws.receive_data(data or None)
+
+
+Script = Callable[[Peer], Awaitable[None]]
+
+
+@asynccontextmanager
+async def server(script: Script, accept: bool = True) -> AsyncIterator[str]:
+    async def handle(stream: trio.SocketStream) -> None:
+        peer = Peer(stream)
+        request = await peer.next_event()
+        assert isinstance(request, Request)
+        if not accept:
+            await peer.send(RejectConnection(status_code=403))
+            return
+        await peer.send(AcceptConnection())
+        await script(peer)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        port = listeners[0].socket.getsockname()[1]
+        yield f"ws://127.0.0.1:{port}/api/lives/chat/channel/ws?jobId=j"
+        nursery.cancel_scope.cancel()
+
+
+async def test_ping_is_answered_and_messages_arrive() -> None:
+    got: list[Event] = []
+    answered = trio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.send(Ping(b"are you there"))
+        await peer.send(TextMessage('{"type":"chat.end"}'))
+        got.append(await peer.next_event())
+        answered.set()
+        await trio.sleep_forever()
+
+    async with server(script) as url:
+        ws = await wsclient.connect(url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.run)
+            assert await ws.receive() == '{"type":"chat.end"}'
+            with trio.fail_after(5):
+                await answered.wait()
+            nursery.cancel_scope.cancel()
+        await ws.aclose()
+    assert got == [Pong(b"are you there")]
+
+
+async def test_close_frame_is_answered_and_ends_the_connection() -> None:
+    replies: list[Event] = []
+    replied = trio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.send(CloseConnection(4000, "job over"))
+        replies.append(await peer.next_event())
+        replied.set()
+
+    async with server(script) as url:
+        ws = await wsclient.connect(url)
+        with pytest.raises(wsclient.ChannelClosed) as info:
+            await ws.receive()
+        assert str(info.value) == "code 4000: job over"
+        with trio.fail_after(5):
+            await replied.wait()
+        await ws.aclose()
+        with pytest.raises(wsclient.ChannelClosed):
+            await ws.send(b"{}")
+    assert isinstance(replies[0], CloseConnection) and replies[0].code == 4000
+
+
+async def test_oversized_message_is_refused_with_1009() -> None:
+    replies: list[Event] = []
+    replied = trio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.send(TextMessage("x" * 5000))
+        replies.append(await peer.next_event())
+        replied.set()
+
+    async with server(script) as url:
+        ws = await wsclient.connect(url, max_message_size=4096)
+        with pytest.raises(wsclient.ChannelClosed) as info:
+            await ws.receive()
+        assert "exceeded max_frame_size" in str(info.value) and "1009" in str(info.value)
+        with trio.fail_after(5):
+            await replied.wait()
+        await ws.aclose()
+    assert isinstance(replies[0], CloseConnection) and replies[0].code == 1009
+
+
+async def test_refused_upgrade_names_the_status() -> None:
+    async def script(peer: Peer) -> None:
+        pass
+
+    async with server(script, accept=False) as url:
+        with pytest.raises(wsclient.HandshakeError) as info:
+            await wsclient.connect(url)
+    assert info.value.status_code == 403
+
+
+async def test_sent_frames_arrive_in_order_with_writes_in_between() -> None:
+    received: list[str] = []
+    done = trio.Event()
+
+    async def script(peer: Peer) -> None:
+        parts: list[str] = []
+        while len(received) < 2001:
+            event = await peer.next_event()
+            if isinstance(event, TextMessage):
+                parts.append(event.data)
+                if event.message_finished:
+                    received.append("".join(parts))
+                    parts = []
+        done.set()
+
+    async with server(script) as url:
+        ws = await wsclient.connect(url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.run)
+            for i in range(1000):  # large enough that some writes leave bytes to the task
+                await ws.send(b'{"n":%d,"pad":"%s"}' % (i, b"p" * 2000))
+            await ws.send_batch([b'{"n":%d}' % i for i in range(1000, 2000)])
+            await ws.send("last")
+            await ws.drain()
+            with trio.fail_after(10):
+                await done.wait()
+            nursery.cancel_scope.cancel()
+        await ws.aclose()
+    assert [r[:12] for r in received[:3]] == ['{"n":0,"pad"', '{"n":1,"pad"', '{"n":2,"pad"']
+    assert received[1500] == '{"n":1500}' and received[-1] == "last"
+
+
+# -- keepalive -------------------------------------------------------------------------------
+
+
+async def _keepalive(answer: bool) -> tuple[list[str], float, wsclient.ChannelClosed | None]:
+    seen: list[str] = []
+    pings: list[float] = []
+
+    async def script(peer: Peer) -> None:
+        while True:
+            event = await peer.next_event()
+            if isinstance(event, Ping):
+                pings.append(trio.current_time())
+                if answer:
+                    await peer.send(event.response())
+
+    start = trio.current_time()
+    closed: wsclient.ChannelClosed | None = None
+    async with server(script) as url:
+        ws = await wsclient.connect(url, ping_interval=20, ping_timeout=10, on_ping=seen.append)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.run)
+            with trio.move_on_after(190):
+                try:
+                    await ws.receive()
+                except wsclient.ChannelClosed as exc:
+                    closed = exc
+            nursery.cancel_scope.cancel()
+        elapsed = trio.current_time() - start
+        await ws.aclose()
+    assert pings and pings[0] - start == pytest.approx(20, abs=0.5)
+    return seen, elapsed, closed
+
+
+async def test_keepalive_pings_and_a_live_peer_stays_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    seen, elapsed, closed = await _keepalive(answer=True)
+    assert closed is None and elapsed == pytest.approx(190, abs=0.5)
+    assert seen.count("sent") == 9 and "timeout" not in seen  # every 20 s for 190 s
+
+
+async def test_keepalive_declares_a_silent_peer_dead(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    seen, elapsed, closed = await _keepalive(answer=False)
+    assert closed is not None and "no answer to a ping within 10 s" in str(closed)
+    assert elapsed == pytest.approx(30, abs=0.5)  # ping at 20 s, silence until 30 s
+    assert seen == ["sent", "timeout"]
+
+
+# -- the runner's channels -------------------------------------------------------------------
+
+
+async def test_runner_finds_a_silent_channel_dead_cancels_its_turn_and_redials(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """The job's channel goes to a Server that takes one turn and then falls silent (a frozen
+    path: open, carrying nothing). With pings every 0.2 s the runner finds it dead, cancels the
+    turn (its backend request is closed) and redials."""
+    dials: list[Peer] = []
+    dialled = trio.Event()
+    job_ids: list[str] = []  # the job's id, known once it is queued (before any dial)
+
+    async def script(peer: Peer) -> None:
+        dials.append(peer)
+        dialled.set()
+        if len(dials) == 1:
+            frame = request_frame(job_ids[0], "slow", sim={"chunks": 10_000, "interval": 0.05})
+            await peer.send(TextMessage(json.dumps(frame)))
+        await trio.sleep_forever()  # never reads again, never answers a ping
+
+    async with server(script) as url:
+        definition = {"jobType": "chat_llm", "channelUrl": url}
+        runner = Runner(
+            runner_config(
+                hub[1],
+                sim.url,
+                tmp_path,
+                reconnect_window=30.0,
+                ping_interval=0.2,
+                ping_timeout=0.2,
+            )
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runner.run)
+            job = hub[0].enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], definition)
+            job_ids.append(job.id)
+            with trio.fail_after(20):
+                stream = await sim.wait_for_streams(1)
+                await runner.counters.wait("channels_dead", 1)
+                await stream.finished.wait()
+                await runner.counters.wait("turns_cancelled", 1)
+                while len(dials) < 2:
+                    await dialled.wait()
+                    dialled = trio.Event()
+            assert stream.client_closed  # the turn was cancelled and its backend request closed
+            assert runner.counters.get("pings_sent") >= 1
+            assert runner.counters.get("pong_timeouts") == 1
+            assert runner.counters.get("turns_done") == 0
+            assert list(runner.sessions) == [job.id]  # the session lives on, redialled
+            nursery.cancel_scope.cancel()
