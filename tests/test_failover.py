@@ -106,7 +106,7 @@ class Client:
 
 @asynccontextmanager
 async def runners(
-    server: str, sim: Simulator, tmp_path: Path, *names: str
+    server: str, sim: Simulator, tmp_path: Path, *names: str, extra: tuple[str, ...] = ()
 ) -> AsyncIterator[dict[str, trio.Process]]:
     """``alp-gateway run`` processes by name, all dialling ``server``; killed at the end."""
     procs: dict[str, trio.Process] = {}
@@ -129,6 +129,7 @@ async def runners(
                     "5",
                     "--grace",
                     "5",
+                    *extra,
                 ],
                 env=clean_env(
                     AGENTICS_SERVER=server,
@@ -359,3 +360,36 @@ async def test_runner_offline_jobs_force_ended_once_and_the_session_moves_at_onc
     assert not any("did not reconnect within" in line for line in logs.lines)
     observed("runner offline: jobs force-ended after the runner stopped", forced_after)
     observed("runner offline: time to first token of the moved session's turn", moved.ttft)
+
+
+async def test_frozen_path_with_both_ends_pinging_the_turn_is_served_after_the_redial(
+    sim: Simulator, tmp_path: Path
+) -> None:
+    """The runner pings too (--ping-interval): it finds the dead path itself and redials the
+    same job within the hub's reconnect window; the turn sent during the freeze is served."""
+    async with open_hub(hub_of(reconnect_timeout=20.0)) as (hub, url):
+        port = int(url.rsplit(":", 1)[1])
+        async with path_proxy(port) as proxy:
+            client = Client(url, hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+            pings = ("--ping-interval", str(PING))
+            async with runners(proxy.url, sim, tmp_path, "a", extra=pings):
+                await all_polling(hub, 1)
+                with trio.fail_after(GUARD):
+                    first = await client.turn("s")
+                    job1 = hub.jobs[session_job(hub, "s")]
+                    channel = hub.channel(job1.id)
+                    assert channel is not None
+                    frozen_at = trio.current_time()
+                    assert proxy.freeze() >= 1
+                    during = await client.turn("s")
+                    redialled = hub.channel(job1.id)
+    assert first.served
+    assert during.served and during.text == "tok0 tok1 tok2 "
+    assert session_job(hub, "s") == job1.id and hub.counters.failovers == 0  # the same job
+    # whichever end found the dead path first (the hub closes it 1011, or the runner's redial
+    # replaces it), the old channel is over and the job has a new one
+    assert redialled is not None and redialled is not channel and channel.closed.is_set()
+    observed(
+        "freeze, both ends pinging: time to first token of the turn sent during it", during.ttft
+    )
+    observed("freeze, both ends pinging: freeze to the answer", during.ended_at - frozen_at)
