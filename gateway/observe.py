@@ -56,7 +56,7 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None 
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    for noisy in ("httpx", "httpcore", "hypercorn.access", "hpack"):
+    for noisy in ("httpx", "httpcore", "hpack"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

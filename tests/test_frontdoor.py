@@ -229,7 +229,8 @@ async def test_channel_lost_mid_stream_ends_the_turn(env: Env) -> None:
     assert env.runner.claimed == [job_id] and env.runner.dials[job_id] == 2
 
 
-async def test_channel_lost_before_a_whole_answer_is_503(env: Env) -> None:
+async def test_channel_lost_before_a_whole_answer_is_served_after_the_redial(env: Env) -> None:
+    """Nothing had reached the client: the turn goes again on the redialled channel, no error."""
     gate = trio.Event()
     env.runner.scripts["fake-gated"] = Script(gate=gate)
     async with env.client() as client:
@@ -240,11 +241,17 @@ async def test_channel_lost_before_a_whole_answer_is_503(env: Env) -> None:
                     await env.runner.wait_until(lambda: bool(env.runner.turns))
                     (job_id,) = env.runner.claimed
                     await env.hub.channel(job_id).close(1011)
+                    await env.runner.wait_until(lambda: len(env.runner.turns) == 2)
+                    gate.set()
 
                 nursery.start_soon(drop_when_started)
-                with pytest.raises(openai.InternalServerError) as caught:
-                    await client.chat.completions.create(model="fake-gated", messages=MESSAGES)
-    assert caught.value.status_code == 503 and caught.value.body["code"] == "channel_lost"
+                done = await client.chat.completions.create(model="fake-gated", messages=MESSAGES)
+    assert done.choices[0].message.content == "tok0tok1tok2"
+    (job_id,) = env.runner.claimed
+    assert env.runner.dials[job_id] == 2
+    first, second = env.runner.turns.values()
+    assert first.body == second.body
+    assert env.hub.counters.failovers == 0  # the same job served it: no new job
 
 
 def test_pretty_printed_chunk_becomes_multi_line_event() -> None:

@@ -16,7 +16,7 @@ from faultproxy import LOST, RESET, Delay, FaultProxy, Hold, fault_proxy
 
 from gateway import protocol
 from gateway.hub import Hub, ServerChannel, open_hub
-from gateway.hub.app import _hypercorn_config
+from gateway.hub.app import _ssl_context
 from gateway.hub.channel import CLOSE_OFFLINE, CLOSE_REPLACED
 from gateway.hub.cli import default_data_dir, main
 
@@ -852,4 +852,4 @@ def test_tls_needs_cert_and_key(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot use --tls-cert" in err
     with pytest.raises(ValueError):
-        _hypercorn_config(Hub(), "127.0.0.1", 0, certfile="c.pem")
+        _ssl_context("c.pem", None)

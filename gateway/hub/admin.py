@@ -1,4 +1,4 @@
-"""The admin routes: every job with its reports, the front door's sessions (admin token only)."""
+"""The admin routes: every job with its reports, the front door's sessions, the counters."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from gateway.hub.hub import Hub
 
 
 class AdminApi:
-    """``GET /api/hub/jobs`` and ``GET /api/hub/sessions``."""
+    """``GET /api/hub/jobs``, ``GET /api/hub/sessions`` and ``GET /api/hub/counters``."""
 
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
@@ -28,3 +28,7 @@ class AdminApi:
         found = self.hub.frontdoor.sessions.listing()
         sessions = [{"key": key, "session": sid, "jobId": job} for (key, sid), job in found.items()]
         await req.resp.json(200, {"sessions": sessions})
+
+    async def counters(self, req: Request) -> None:
+        """Pings sent, pong timeouts, channels declared dead, failovers (since the hub started)."""
+        await req.resp.json(200, self.hub.counters.as_json())

@@ -1,18 +1,17 @@
-"""The hub's ASGI app and its launch: one router for every route, one error shape, hypercorn."""
+"""The hub's ASGI app and its launch: one router for every route, one error shape, our server."""
 
 from __future__ import annotations
 
 import logging
 import pathlib
 import re
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import hypercorn.config
-import hypercorn.trio
 import trio
 
 from gateway.hub.admin import AdminApi
@@ -29,6 +28,7 @@ from gateway.hub.http import (
 )
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
+from gateway.hub.server import Keepalive, Server
 
 log = logging.getLogger("gateway.hub")
 
@@ -77,6 +77,7 @@ class App:
             *([_route("GET", _BASE + "runners/events", runners.events)] if settings.events else []),
             _route("GET", "/api/hub/jobs", admin.jobs),
             _route("GET", "/api/hub/sessions", admin.sessions),
+            _route("GET", "/api/hub/counters", admin.counters),
             _route("POST", "/v1/chat/completions", door.chat),
             _route("GET", "/v1/models", door.list_models),
             _route("GET", "/v1/models/(?P<model>.+)", door.retrieve_model),
@@ -179,25 +180,18 @@ class App:
         await self.runners.channel(scope, receive, send)
 
 
-def _hypercorn_config(
-    hub: Hub,
-    host: str,
-    port: int,
-    certfile: str | pathlib.Path | None = None,
-    keyfile: str | pathlib.Path | None = None,
-) -> hypercorn.config.Config:
+def _ssl_context(
+    certfile: str | pathlib.Path | None, keyfile: str | pathlib.Path | None
+) -> ssl.SSLContext | None:
+    """The server's TLS context for a PEM certificate (chain) and key; None for plain HTTP."""
     if (certfile is None) != (keyfile is None):
         raise ValueError("TLS needs both a certificate and its key")
-    config = hypercorn.config.Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("gateway.hub.server")
-    config.websocket_max_message_size = hub.settings.max_body
-    config.graceful_timeout = 1.0
-    if certfile is not None and keyfile is not None:
-        config.certfile = str(certfile)
-        config.keyfile = str(keyfile)
-    return config
+    if certfile is None or keyfile is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile=str(certfile), keyfile=str(keyfile))
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 async def serve_hub(
@@ -215,14 +209,18 @@ async def serve_hub(
     With ``certfile`` and ``keyfile`` (PEM) it serves HTTPS and WSS only; the URL is ``https://``.
     ``app``: what to serve instead of the hub's own ``App`` (a wrapper around it).
     """
-    config = _hypercorn_config(hub, host, port, certfile, keyfile)
-    served: Any = app if app is not None else App(hub)  # hypercorn types its ASGI app narrowly
+    settings = hub.settings
+    server = Server(
+        app if app is not None else App(hub),
+        keepalive=Keepalive(settings.ping_interval, settings.pong_timeout),
+        counters=hub.counters,
+        max_message=settings.max_body,
+        ssl_context=_ssl_context(certfile, keyfile),
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.run)  # the stored sessions are back before any request
-        binds: list[str] = await nursery.start(
-            partial(hypercorn.trio.serve, served, config, mode="asgi")
-        )
-        task_status.started(binds[0])
+        base_url: str = await nursery.start(server.serve, host, port)
+        task_status.started(base_url)
 
 
 @asynccontextmanager

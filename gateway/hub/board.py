@@ -214,8 +214,11 @@ class JobBoard:
     # -- what runners do --------------------------------------------------------
 
     def seen(self, runner_id: str) -> None:
-        """The runner gave a sign of life."""
+        """The runner gave a sign of life (the first one wakes whoever waits on the board)."""
+        first = runner_id not in self.last_seen
         self.last_seen[runner_id] = trio.current_time()
+        if first:
+            self.changes.notify()
 
     def unstarted_claim(self, job: Job, runner_id: str) -> bool:
         """``runner_id`` claimed the job and has not started it (no in_progress, no channel)."""

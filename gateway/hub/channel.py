@@ -12,6 +12,7 @@ import trio
 
 from gateway import protocol
 from gateway.hub.board import Changes, JobBoard
+from gateway.hub.counters import HubCounters
 from gateway.hub.http import Message, Receive, Send
 
 log = logging.getLogger("gateway.hub")
@@ -20,6 +21,7 @@ REQUEST_BUFFER = 256  # inbound frames buffered per open request before the read
 GENERAL_BUFFER = 1024  # inbound frames buffered for recv(); more are dropped
 CLOSE_REPLACED = 4000  # an old channel replaced by a new connection for the same job
 CLOSE_OFFLINE = 1001  # the runner was declared offline
+DEAD_CODES = (1006, 1011)  # ended with no close handshake, or silent past the ping timeout
 
 
 class _Envelope(msgspec.Struct):
@@ -52,6 +54,8 @@ class ServerChannel:
         self._close_reason: str | None = None
         self._terminated = trio.Event()
         self.dropped = 0  # inbound frames dropped because recv() was not read
+        self.end_code: int | None = None  # the close code the channel ended with
+        self.runner_ended = False  # the runner sent chat.end on it
 
     def __repr__(self) -> str:
         state = "closed" if self.closed.is_set() else "open"
@@ -60,7 +64,8 @@ class ServerChannel:
     async def send(self, frame: dict[str, Any] | str | bytes) -> None:
         """Send one message: a dict as JSON text, a str as text, bytes as a binary message.
 
-        A send on a closed channel is dropped quietly (its requests already saw EndOfChannel).
+        A send on a closed (or breaking) channel is dropped quietly: its requests see
+        EndOfChannel.
         """
         if isinstance(frame, dict):
             message: Message = {
@@ -76,7 +81,10 @@ class ServerChannel:
         async with self._lock:
             if self.closed.is_set():
                 return
-            await self._asgi_send(message)
+            try:
+                await self._asgi_send(message)
+            except OSError as exc:  # the socket broke: the reader ends the channel
+                log.debug("channel %s: send failed: %r", self.job_id, exc)
 
     def open_request(self, request_id: str) -> trio.MemoryReceiveChannel[tuple[str, float]]:
         """Route inbound text messages whose ``requestId`` is ``request_id`` to the returned channel.
@@ -136,6 +144,9 @@ class ServerChannel:
             request_id = None
         else:
             request_id = envelope.requestId if isinstance(envelope.requestId, str) else None
+            if request_id is None and envelope.type == protocol.END:
+                self.runner_ended = True  # known before the close that follows it
+                self._channels.runner_ended.add(self.job_id)
         if request_id is not None:
             send_ch = self._requests.get(request_id)
             if send_ch is not None:
@@ -168,6 +179,7 @@ class ServerChannel:
                     kind = message.get("type")
                     if kind == "websocket.disconnect":
                         disconnected = True
+                        self.end_code = message.get("code", 1005)
                         break
                     if kind != "websocket.receive":
                         continue
@@ -193,10 +205,12 @@ class ServerChannel:
 class Channels:
     """The open channel of each job: accepted ones replace older ones, closed ones leave."""
 
-    def __init__(self, board: JobBoard, changes: Changes) -> None:
+    def __init__(self, board: JobBoard, changes: Changes, counters: HubCounters) -> None:
         self.board = board
         self.changes = changes
+        self.counters = counters
         self._open: dict[str, ServerChannel] = {}
+        self.runner_ended: set[str] = set()  # job ids whose runner sent chat.end (no redial)
 
     def get(self, job_id: str) -> ServerChannel | None:
         """The job's current open channel, or None."""
@@ -217,7 +231,18 @@ class Channels:
         return ch
 
     def gone(self, ch: ServerChannel) -> None:
-        """``ch`` closed: it is no longer the job's channel."""
+        """``ch`` closed: it is no longer the job's channel (counted dead when it ended without
+        a close handshake, silent past the ping timeout, or with its runner offline)."""
+        code = ch.end_code if ch.end_code is not None else ch._close_code
+        if code in DEAD_CODES or code == CLOSE_OFFLINE:
+            self.counters.channels_dead += 1
+            log.warning(
+                "channel of job %s (runner %s) is dead (close code %s); channels declared dead: %d",
+                ch.job_id,
+                ch.runner_id,
+                code,
+                self.counters.channels_dead,
+            )
         if self._open.get(ch.job_id) is ch:
             del self._open[ch.job_id]
             self.changes.notify()

@@ -61,7 +61,8 @@ def _build_parser() -> _Parser:
         description="Serve the hub (an ALP Server emulator) or manage its API keys.",
         epilog="Runners, API keys, Chat Jobs (with every report) and the front door's chat "
         "sessions live in DATA/hub.sqlite3: a restarted hub goes on with them. With the admin "
-        "credential, GET /api/hub/jobs and GET /api/hub/sessions list them.",
+        "credential, GET /api/hub/jobs and GET /api/hub/sessions list them; GET /api/hub/counters "
+        "gives pings sent, pong timeouts, channels declared dead and failovers.",
         parents=[data],
     )
     parser.add_argument(
@@ -83,6 +84,22 @@ def _build_parser() -> _Parser:
         default=HubSettings.models_wait,
         help="how long GET /v1/models waits for a runner when no model list is known yet "
         f"(default {HubSettings.models_wait:g})",
+    )
+    parser.add_argument(
+        "--ping-interval",
+        type=float,
+        metavar="SECONDS",
+        default=HubSettings.ping_interval,
+        help="a WebSocket ping on every chat channel this often; 0 turns pings off "
+        f"(default {HubSettings.ping_interval:g})",
+    )
+    parser.add_argument(
+        "--ping-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=None,
+        help="a channel silent this long after a ping is closed as dead and its turns move "
+        "(default: the ping interval)",
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
@@ -117,7 +134,15 @@ def main(argv: list[str] | None = None) -> int:
             _check_tls(args.tls_cert, args.tls_key)
         if not args.models_wait > 0:
             raise _UsageError("--models-wait must be a positive number of seconds")
-        settings = HubSettings(models_wait=args.models_wait)
+        if not args.ping_interval >= 0:
+            raise _UsageError("--ping-interval must be 0 (off) or a positive number of seconds")
+        if args.ping_timeout is not None and not args.ping_timeout > 0:
+            raise _UsageError("--ping-timeout must be a positive number of seconds")
+        settings = HubSettings(
+            models_wait=args.models_wait,
+            ping_interval=args.ping_interval,
+            ping_timeout=args.ping_timeout,
+        )
         return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0

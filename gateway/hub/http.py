@@ -156,7 +156,7 @@ class Response:
             raise ClientGone()
         try:
             await self._send(message)
-        except Exception as exc:  # hypercorn raises on a send after the client went away
+        except Exception as exc:  # the server raises on a send after the client went away
             self.gone = True
             log.debug("send to the HTTP client failed: %r", exc)
             raise ClientGone() from exc

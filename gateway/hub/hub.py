@@ -12,6 +12,7 @@ import trio
 
 from gateway.hub.board import Changes, Job, JobBoard
 from gateway.hub.channel import CLOSE_OFFLINE, Channels, ServerChannel
+from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor import FrontDoor
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import (
@@ -50,19 +51,25 @@ class Hub:
         else:
             self.admin_token, self.admin_token_created = new_token(ADMIN_TOKEN_PREFIX), True
         self._admin_hash = token_hash(self.admin_token)
+        self.counters = HubCounters()
         changes = Changes()
         self.board = JobBoard(self.store, self.settings, changes)
-        self.channels = Channels(self.board, changes)
-        self.frontdoor = FrontDoor(self.store, self.settings, self.board, self.channels)
+        self.channels = Channels(self.board, changes, self.counters)
+        self.frontdoor = FrontDoor(
+            self.store, self.settings, self.board, self.channels, self.counters
+        )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Everything the hub does on its own while it serves, until cancelled: the front door's
         sessions (restored before ``started``), offline runners' jobs force-ended."""
         self.frontdoor.restore()
         task_status.started()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.frontdoor.run)
-            nursery.start_soon(self._watch_offline)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.frontdoor.run)
+                nursery.start_soon(self._watch_offline)
+        finally:
+            log.info("hub counters at stop: %s", self.counters.as_json())
 
     # -- jobs and channels ------------------------------------------------------------
 

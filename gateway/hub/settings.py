@@ -22,3 +22,11 @@ class HubSettings:
     models_timeout: float = 3.0  # s: /v1/models waits this long for an open channel's answer
     models_wait: float = 15.0  # s: bound on a listing session when no model list is known yet
     max_body: int = 16 * MiB  # bytes: request bodies and WebSocket messages
+    ping_interval: float = 20.0  # s: a WebSocket ping on every Chat Channel; 0 = no pings
+    ping_timeout: float | None = None  # s without any frame after a ping: closed (None: interval)
+    first_frame_timeout: float = 300.0  # s: a turn's wait for its first frame with pings off
+
+    @property
+    def pong_timeout(self) -> float:
+        """Seconds a channel may stay silent after a ping before it is closed as dead."""
+        return self.ping_interval if self.ping_timeout is None else self.ping_timeout

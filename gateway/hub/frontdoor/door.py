@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 
 import trio
 
 from gateway.hub.board import JobBoard
-from gateway.hub.channel import Channels
+from gateway.hub.channel import Channels, ServerChannel
+from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.models import Models
-from gateway.hub.frontdoor.relay import Turn, relay_stream, relay_whole, request_frame, send_cancel
+from gateway.hub.frontdoor.relay import (
+    Turn,
+    TurnLost,
+    relay_stream,
+    relay_whole,
+    request_frame,
+    send_cancel,
+)
 from gateway.hub.frontdoor.sessions import Session, Sessions
 from gateway.hub.frontdoor.shapes import (
     channel_lost,
@@ -21,6 +30,7 @@ from gateway.hub.frontdoor.shapes import (
     model_object,
     no_key,
     parse_chat_body,
+    stream_error_event,
 )
 from gateway.hub.http import ClientGone, HTTPError, Request, Response, bearer, header
 from gateway.hub.settings import HubSettings
@@ -31,17 +41,23 @@ log = logging.getLogger("gateway.hub.frontdoor")
 
 SESSION_HEADER = b"x-chat-session"
 DEFAULT_SESSION = "default"
+MAX_ATTEMPTS = 3  # channels a turn may lose before it answers with an error
 
 
 class FrontDoor:
     """``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}`` of one hub."""
 
     def __init__(
-        self, store: Store, settings: HubSettings, board: JobBoard, channels: Channels
+        self,
+        store: Store,
+        settings: HubSettings,
+        board: JobBoard,
+        channels: Channels,
+        counters: HubCounters,
     ) -> None:
         self.store = store
         self.settings = settings
-        self.sessions = Sessions(store, settings, board, channels)
+        self.sessions = Sessions(store, settings, board, channels, counters)
         self.models = Models(store, settings, board, channels, self.sessions)
 
     def restore(self) -> None:
@@ -106,47 +122,76 @@ class FrontDoor:
         resp: Response,
         traceparent: str | None = None,
     ) -> None:
+        """Serve one turn; a channel lost before the client got anything moves the turn (the
+        same job redialled, else a new one: ``Sessions.channel_of``), up to ``MAX_ATTEMPTS``.
+        A ``traceparent`` goes into the definition of a job this turn opens, else into the
+        turn's frame (docs/protocol.md §6)."""
         try:
             arrived = trio.current_time()
-            async with session.lock:
-                if session.failure is not None and session.failure[0] >= arrived:
-                    raise session.failure[1].copy()
-                job_before = session.job_id
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                async with session.lock:
+                    if session.failure is not None and session.failure[0] >= arrived:
+                        raise session.failure[1].copy()
+                    job_before = session.job_id
+                    try:
+                        job_id, ch = await self.sessions.channel_of(session, traceparent)
+                    except HTTPError as err:
+                        session.failure = (trio.current_time(), err)
+                        raise
+                in_frame = traceparent if job_id == job_before else None
                 try:
-                    job_id, ch = await self.sessions.channel_of(session, traceparent)
-                except HTTPError as err:
-                    session.failure = (trio.current_time(), err)
-                    raise
-            turn = Turn(job_id, uuid.uuid4().hex, ch)
-            rx = ch.open_request(turn.rid)
-            try:
-                try:
-                    # a job this turn opened has the trace in its definition; a later turn's
-                    # frame carries its own (docs/protocol.md §6)
-                    in_frame = traceparent if job_id == job_before else None
-                    await ch.send(request_frame(job_id, turn.rid, body, in_frame))
-                except Exception as exc:
-                    turn.lost = True
-                    log.warning("could not send a turn on job %s: %r", job_id, exc)
-                    raise channel_lost(
-                        "the chat channel was lost before the request could be sent"
-                    ) from None
-                if stream:
-                    await relay_stream(turn, rx, resp, self.settings.keepalive_interval)
-                else:
-                    await relay_whole(turn, rx, resp)
-            finally:
-                if not turn.finished and not turn.lost:
-                    await send_cancel(turn)
-                ch.close_request(turn.rid)
+                    await self._attempt(job_id, ch, body, stream, resp, in_frame)
+                    return
+                except TurnLost:
+                    log.warning(
+                        "job %s: channel lost before request sent anything (attempt %d of %d)",
+                        job_id,
+                        attempt,
+                        MAX_ATTEMPTS,
+                    )
+            raise channel_lost(f"the chat channel was lost {MAX_ATTEMPTS} times before an answer")
         except HTTPError as err:
-            if not resp.started:
-                try:
+            try:
+                if not resp.started:
                     await resp.error(err)
-                except ClientGone:
-                    pass
+                elif not resp.finished:  # only keepalive comments went out: end with the error
+                    await resp.body(stream_error_event(err.message, err.code or "error"), False)
+            except ClientGone:
+                pass
         except ClientGone:
             pass
+
+    async def _attempt(
+        self,
+        job_id: str,
+        ch: ServerChannel,
+        body: str,
+        stream: bool,
+        resp: Response,
+        traceparent: str | None = None,
+    ) -> None:
+        """The turn on one channel: the request frame, the replies relayed; TurnLost when the
+        channel ends before the client got anything."""
+        turn = Turn(job_id, uuid.uuid4().hex, ch)
+        first_within = (
+            math.inf if self.settings.ping_interval > 0 else self.settings.first_frame_timeout
+        )
+        rx = ch.open_request(turn.rid)
+        try:
+            try:
+                await ch.send(request_frame(job_id, turn.rid, body, traceparent))
+            except Exception as exc:  # the socket broke under the send: the channel is gone
+                turn.lost = True
+                log.warning("could not send a turn on job %s: %r", job_id, exc)
+                raise TurnLost() from None
+            if stream:
+                await relay_stream(turn, rx, resp, self.settings.keepalive_interval, first_within)
+            else:
+                await relay_whole(turn, rx, resp, first_within)
+        finally:
+            if not turn.finished and not turn.lost and not ch.closed.is_set():
+                await send_cancel(turn)
+            ch.close_request(turn.rid)
 
 
 def _traceparent(req: Request) -> str | None:

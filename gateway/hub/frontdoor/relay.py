@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,6 @@ from gateway.hub.frontdoor.shapes import (
     DONE_EVENT,
     KEEPALIVE,
     SSE_HEADERS,
-    channel_lost,
     sse_data,
     stream_error_event,
     upstream_error,
@@ -83,6 +83,11 @@ def _error_text(reply: Reply) -> str:
     return msgspec.json.encode(reply.error).decode()
 
 
+class TurnLost(Exception):
+    """The channel ended before the turn sent its client anything but keepalive comments: the
+    turn can still be served elsewhere (the same job redialled, or a new one)."""
+
+
 @dataclass
 class Turn:
     """One relayed request: which channel, which request id, and how it ended."""
@@ -117,32 +122,54 @@ async def send_cancel(turn: Turn) -> None:
             log.info("could not send chat.completion.cancel for request %s: %r", turn.rid, exc)
 
 
-async def relay_stream(turn: Turn, rx: Replies, resp: Response, keepalive: float) -> None:
+async def relay_stream(
+    turn: Turn, rx: Replies, resp: Response, keepalive: float, first_within: float = math.inf
+) -> None:
     """Relay a streamed turn as SSE. Chunk frames already queued when one is read go out with
     it, as one body write (nothing waits for more); a done frame right behind them ends it.
-    Until the first chunk, a keepalive comment goes out after each quiet ``keepalive`` s."""
+    Until the first chunk, a keepalive comment goes out after each quiet ``keepalive`` s while
+    the channel is open (the hub's pings close a silent one); with pings off the wait for the
+    first frame is bounded by ``first_within`` s. TurnLost when the channel ends (or stays
+    silent that long) before the first chunk."""
     headers = [*SSE_HEADERS, (b"x-request-id", turn.rid.encode())]
     first_chunk = False
+    first_frame_by = trio.current_time() + first_within
     pending: Reply | None | object = _NOTHING  # a reply read ahead, to be handled next
     while True:
         if pending is not _NOTHING:
             reply, pending = pending, _NOTHING
-        elif not first_chunk and keepalive > 0:
-            with trio.move_on_after(keepalive) as wait:
+        elif not first_chunk:
+            wait_until = first_frame_by
+            if keepalive > 0:
+                wait_until = min(wait_until, trio.current_time() + keepalive)
+            with trio.move_on_at(wait_until) as wait:
                 reply = await next_reply(rx)
-            if wait.cancelled_caught:  # nothing yet: keep the client (and proxies) patient
-                if not resp.started:
+            if wait.cancelled_caught:
+                if trio.current_time() >= first_frame_by:
+                    turn.lost = True
+                    log.warning(
+                        "job %s: no frame for request %s within %g s: closing its channel",
+                        turn.job_id,
+                        turn.rid,
+                        first_within,
+                    )
+                    turn.ch.request_close(1011, f"no frame within {first_within:g} s")
+                    raise TurnLost()
+                if turn.ch.closed.is_set():
+                    continue  # the channel is gone: the next read says so
+                if not resp.started:  # nothing yet: keep the client (and proxies) patient
                     await resp.start(200, headers)
                 await resp.body(KEEPALIVE)
                 continue
+            first_frame_by = math.inf
         else:
             reply = await next_reply(rx)
         if reply is None:
             turn.lost = True
+            if not first_chunk:
+                raise TurnLost()
             message = "the chat channel to the runner was lost mid-turn"
             log.warning("%s (job %s, request %s)", message, turn.job_id, turn.rid)
-            if not resp.started:
-                raise channel_lost(message)
             await resp.body(stream_error_event(message, "channel_lost"), more=False)
             return
         assert isinstance(reply, Reply)
@@ -187,15 +214,25 @@ async def relay_stream(turn: Turn, rx: Replies, resp: Response, keepalive: float
             return
 
 
-async def relay_whole(turn: Turn, rx: Replies, resp: Response) -> None:
-    """Relay a non-streamed turn: every chunk gathered, then one ``chat.completion`` answer."""
+async def relay_whole(
+    turn: Turn, rx: Replies, resp: Response, first_within: float = math.inf
+) -> None:
+    """Relay a non-streamed turn: every chunk gathered, then one ``chat.completion`` answer
+    (the wait for the first frame bounded by ``first_within`` s, as in ``relay_stream``)."""
     chunks: list[bytes] = []
+    first_frame_by = trio.current_time() + first_within
     while True:
-        reply = await next_reply(rx)
-        if reply is None:
+        reply = None
+        with trio.move_on_at(first_frame_by) as wait:
+            reply = await next_reply(rx)
+        if wait.cancelled_caught:
             turn.lost = True
-            log.warning("chat channel lost mid-turn (job %s, request %s)", turn.job_id, turn.rid)
-            raise channel_lost()
+            turn.ch.request_close(1011, f"no frame within {first_within:g} s")
+            raise TurnLost()
+        first_frame_by = math.inf
+        if reply is None:
+            turn.lost = True  # nothing was sent to the client yet: it can be served elsewhere
+            raise TurnLost()
         if reply.type == protocol.COMPLETION_CHUNK and len(reply.chunk):
             chunks.append(bytes(reply.chunk))
         elif reply.type == protocol.COMPLETION_DONE:

@@ -12,8 +12,9 @@ import trio
 from gateway import protocol
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import Channels, ServerChannel
+from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.relay import reply_decoder
-from gateway.hub.frontdoor.shapes import channel_lost, no_runner
+from gateway.hub.frontdoor.shapes import no_runner
 from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Store, StoredSession
@@ -44,8 +45,14 @@ class Sessions:
     """Every live session of one hub, the channels it drains, and their background work (``run``)."""
 
     def __init__(
-        self, store: Store, settings: HubSettings, board: JobBoard, channels: Channels
+        self,
+        store: Store,
+        settings: HubSettings,
+        board: JobBoard,
+        channels: Channels,
+        counters: HubCounters,
     ) -> None:
+        self.counters = counters
         self.store = store
         self.settings = settings
         self.board = board
@@ -54,8 +61,10 @@ class Sessions:
         self._changed = trio.Event()
         self._drained: set[ServerChannel] = set()  # channels whose recv() a drain task reads
         self._to_drain: list[ServerChannel] = []  # adopted, their drain task not started yet
-        self._ended_by_runner: set[str] = set()  # job ids whose runner sent chat.end
         self._restored = False
+        # sessions forgotten because their job ended under them (its runner stopped): their next
+        # turn is a failover, counted as one: key -> (job id, when)
+        self._ended: dict[SessionKey, tuple[str, float]] = {}
 
     def listing(self) -> dict[SessionKey, str | None]:
         """The live sessions: (API key name, session id) -> job id."""
@@ -87,34 +96,38 @@ class Sessions:
         job = self.board.jobs.get(job_id)
         if job is None or job.over:
             return True
-        return job_id in self._ended_by_runner
+        return job_id in self.channels.runner_ended
 
     async def channel_of(
         self, session: Session, traceparent: str | None = None
     ) -> tuple[str, ServerChannel]:
-        """The session's (job id, open channel), opening a Chat Job when it has none (in the
-        trace ``traceparent``, when given). Lock held."""
-        if session.job_id is not None and self.job_over(session.job_id):
-            self._bind(session, None)  # the runner ended it: this turn opens a new job
-        if session.job_id is not None:
-            job_id = session.job_id
-            ch = self.channels.get(job_id)
+        """The session's (job id, open channel). Lock held. A job opened here carries
+        ``traceparent`` in its definition, when given.
+
+        A channel that is gone is waited for while its runner may redial (``reconnect_timeout``),
+        but not at all once the job cannot come back (its runner ended it with chat.end, reported
+        it final, or went offline). Then, or when the session has no job yet, a new Chat Job is
+        opened at once for any capable runner, and the session maps to it (a failover when the
+        session had a job).
+        """
+        old = session.job_id
+        ended = self._ended.pop(session.key, None)
+        if old is None and ended is not None:
+            old = ended[0]  # forgotten when its job ended: this turn moves it all the same
+        if old is not None and not self.job_over(old):
+            ch = self.channels.get(old)
             if ch is None:  # momentarily reconnecting: wait, bounded (None at once if it ends)
                 within = min(self.settings.reconnect_timeout, self.settings.runner_wait_timeout)
-                ch = await self.channels.wait(job_id, within)
-                if ch is None:
-                    self._bind(session, None)
-                    if not self.job_over(job_id):
-                        with trio.CancelScope(shield=True):
-                            await self.channels.cancel_job(job_id, "channel lost")
-                        log.warning("job %s: channel did not reconnect within %g s", job_id, within)
-                        raise channel_lost(
-                            "the chat channel of this session was lost and did not reconnect "
-                            f"within {within:g} s"
-                        )
+                ch = await self.channels.wait(old, within)
+                if ch is None and not self.job_over(old):
+                    log.warning("job %s: channel did not reconnect within %g s", old, within)
+                    with trio.CancelScope(shield=True):
+                        await self.channels.cancel_job(old, "channel lost")
             if ch is not None:
                 self._adopt(ch)
-                return job_id, ch
+                return old, ch
+        if session.job_id is not None:
+            self._bind(session, None)
         job_id, ch = await self.open_job(
             session.owner,
             session.project,
@@ -123,7 +136,19 @@ class Sessions:
         )
         self._bind(session, job_id)
         self._adopt(ch)
-        log.info("session %s/%s opened chat job %s", session.key[0], session.key[1], job_id)
+        if old is not None:
+            self.counters.failovers += 1
+            log.warning(
+                "session %s/%s: job %s is gone, failed over to job %s (runner %s); failovers: %d",
+                session.key[0],
+                session.key[1],
+                old,
+                job_id,
+                ch.runner_id,
+                self.counters.failovers,
+            )
+        else:
+            log.info("session %s/%s opened chat job %s", session.key[0], session.key[1], job_id)
         return job_id, ch
 
     async def open_job(
@@ -231,7 +256,6 @@ class Sessions:
                     continue
                 if reply.type == protocol.END:
                     log.info("job %s: the runner ended the session (%s)", ch.job_id, reply.reason)
-                    self._ended_by_runner.add(ch.job_id)
                     self.poke()
                 else:
                     log.debug("job %s: late or unrouted %s frame", ch.job_id, reply.type)
@@ -247,6 +271,8 @@ class Sessions:
             if self.live.get(key) is not session or session.turns or session.lock.locked():
                 continue  # replaced while we awaited, or busy
             if session.job_id is None or self.job_over(session.job_id):
+                if session.job_id is not None:
+                    self._ended[key] = (session.job_id, now)
                 self._forget(key)
                 continue
             due = session.last_used + idle if idle and idle > 0 else math.inf
@@ -261,7 +287,10 @@ class Sessions:
                 await self.channels.end_job(session.job_id, "idle")
             except Exception as exc:
                 log.warning("could not end idle job %s: %r", session.job_id, exc)
-        self._ended_by_runner.intersection_update(s.job_id for s in self.live.values())
+        self.channels.runner_ended.intersection_update(s.job_id for s in self.live.values())
+        for key, (_job_id, at) in list(self._ended.items()):
+            if not idle or now - at > idle:
+                del self._ended[key]
         return next_due
 
     async def run(self) -> None:

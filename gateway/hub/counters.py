@@ -1,0 +1,27 @@
+"""The hub's counters of dead paths: keepalive pings, pong timeouts, dead channels, failovers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger("gateway.hub")
+
+
+@dataclass
+class HubCounters:
+    """Counted since the hub started; ``GET /api/hub/counters`` lists them, each change is logged."""
+
+    pings_sent: int = 0  # WebSocket pings sent on Chat Channels (the server's keepalive)
+    pong_timeouts: int = 0  # channels silent past the ping timeout, closed with 1011
+    channels_dead: int = 0  # channels that ended without a close handshake (or offline)
+    failovers: int = 0  # turns moved to a new Chat Job because their session's channel was gone
+
+    def as_json(self) -> dict[str, int]:
+        """The counters by name, camelCase as the admin routes answer."""
+        return {_camel(k): v for k, v in asdict(self).items()}
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
