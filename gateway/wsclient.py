@@ -268,7 +268,8 @@ class WebSocket:
                     else:
                         self._inbox.append(b"".join(p for p in parts if not isinstance(p, str)))
             elif isinstance(event, Ping):
-                self._write_control(self._conn.send(event.response()))
+                if self._conn.state is ConnectionState.OPEN:  # closing: the close answers it
+                    self._write_control(self._conn.send(event.response()))
             elif isinstance(event, Pong):
                 pass  # heard: that is all a pong says
             elif isinstance(event, CloseConnection):

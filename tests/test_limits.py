@@ -9,11 +9,25 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import OWNER, PROJECT, LogCapture, Turns, request_frame, runner_config, running
+from helpers import ADMIN, OWNER, PROJECT, LogCapture, Turns, request_frame, running
+from helpers import runner_config as _runner_config
 
-from gateway.hub import Hub
+from gateway.config import Config
+from gateway.hub import Hub, open_hub
 from gateway.runner import ChatJob
 from gateway.sim import Simulator
+
+
+# Hours pass at once here: keepalive is off on both ends (its own tests run on real time), so no
+# ping's answer is ever judged against a clock that jumps while the answer is on its way.
+@pytest.fixture
+async def hub() -> Any:
+    async with open_hub(Hub(admin_token=ADMIN, ping_interval=0.0)) as pair:
+        yield pair
+
+
+def runner_config(server: str, backend: str | None, state_dir: Path, **overrides: Any) -> Config:
+    return _runner_config(server, backend, state_dir, ping_interval=0.0, **overrides)
 
 
 async def _chat(hub: Hub, **definition: Any) -> tuple[Any, Any]:

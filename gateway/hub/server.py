@@ -420,7 +420,8 @@ class _WebSocket:
                         self.app_blocked = False
                         self.unblocked_at = trio.current_time()
             elif isinstance(event, Ping):
-                await self._emit(event.response())
+                if self.ws.state is ConnectionState.OPEN:  # closing: the close answers it
+                    await self._emit(event.response())
             elif isinstance(event, Pong):
                 pass  # rx_at already says the path is alive
             elif isinstance(event, CloseConnection):
