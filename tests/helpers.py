@@ -240,3 +240,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     }
     base.update(extra)
     return base
+
+
+def runner_env(server: str, backend: str, **extra: str) -> dict[str, str]:
+    """The environment of an ``alp-gateway run`` subprocess on ``server`` and ``backend``: the
+    reference Runner's names, the test credentials and model, plus ``extra``."""
+    return clean_env(
+        AGENTICS_SERVER=server,
+        CHAT_LLM_BACKEND_URL=backend,
+        CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
+        CHAT_LLM_MODEL="sim-model",
+        AGENTICS_USER_TOKEN=ADMIN,
+        **extra,
+    )

@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
-from helpers import ADMIN, BACKEND_KEY, OWNER, PROJECT, Turns, clean_env, open_chat, request_frame
+from helpers import (
+    ADMIN,
+    BACKEND_KEY,
+    OWNER,
+    PROJECT,
+    Turns,
+    clean_env,
+    open_chat,
+    request_frame,
+    runner_env,
+)
 from otlp_receiver import open_receiver
 
 from gateway import __version__
@@ -75,13 +85,7 @@ async def test_run_serves_a_turn_and_status_reads_it(
             "--metrics-listen",
             "127.0.0.1:0",
         ],
-        env=clean_env(
-            AGENTICS_SERVER=hub[1],
-            CHAT_LLM_BACKEND_URL=sim.url,
-            CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-            CHAT_LLM_MODEL="sim-model",
-            AGENTICS_USER_TOKEN=ADMIN,
-        ),
+        env=runner_env(hub[1], sim.url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -120,12 +124,9 @@ async def test_the_binary_traces(hub: tuple[Hub, str], sim: Simulator, tmp_path:
     async with open_receiver() as receiver:
         proc = await trio.lowlevel.open_process(
             [str(BINARY), "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path)],
-            env=clean_env(
-                AGENTICS_SERVER=hub[1],
-                CHAT_LLM_BACKEND_URL=sim.url,
-                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                CHAT_LLM_MODEL="sim-model",
-                AGENTICS_USER_TOKEN=ADMIN,
+            env=runner_env(
+                hub[1],
+                sim.url,
                 ALP_GATEWAY_OTLP_ENDPOINT=receiver.url,
             ),
             stdout=subprocess.DEVNULL,

@@ -21,6 +21,7 @@ from helpers import (
     open_chat,
     request_frame,
     runner_config,
+    runner_env,
 )
 
 from gateway.hub import Hub, open_hub
@@ -143,13 +144,7 @@ async def test_run_serves_then_sigterm_drains(
                 "--log-level",
                 "DEBUG",
             ],
-            env=clean_env(
-                AGENTICS_SERVER=hub[1],
-                CHAT_LLM_BACKEND_URL=sim.url,
-                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                CHAT_LLM_MODEL="sim-model",
-                AGENTICS_USER_TOKEN=ADMIN,
-            ),
+            env=runner_env(hub[1], sim.url),
             stdout=log,
             stderr=log,
         )
@@ -235,13 +230,7 @@ async def test_second_signal_stops_at_once(
                 "--grace",
                 "60",
             ],
-            env=clean_env(
-                AGENTICS_SERVER=hub[1],
-                CHAT_LLM_BACKEND_URL=sim.url,
-                CHAT_LLM_MODEL="sim-model",
-                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                AGENTICS_USER_TOKEN=ADMIN,
-            ),
+            env=runner_env(hub[1], sim.url),
             stdout=log,
             stderr=log,
         )

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config, running
+from helpers import ADMIN, EXE, OWNER, PROJECT, runner_config, runner_env, running
 
 from gateway.hub import Hub, open_hub
 from gateway.runner import Runner
@@ -175,13 +175,7 @@ async def test_models_from_the_first_call_with_no_session(sim: Simulator, tmp_pa
         with log_path.open("wb") as log:
             proc = await trio.lowlevel.open_process(
                 [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path / "s")],
-                env=clean_env(
-                    AGENTICS_SERVER=url,
-                    CHAT_LLM_BACKEND_URL=sim.url,
-                    CHAT_LLM_MODEL="sim-model",
-                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                    AGENTICS_USER_TOKEN=ADMIN,
-                ),
+                env=runner_env(url, sim.url),
                 stdout=log,
                 stderr=log,
             )

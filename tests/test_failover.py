@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, LogCapture, clean_env
+from helpers import ADMIN, EXE, OWNER, PROJECT, LogCapture, runner_env
 from pathproxy import path_proxy
 
 from gateway.hub import Hub, open_hub
@@ -131,13 +131,7 @@ async def runners(
                     "5",
                     *extra,
                 ],
-                env=clean_env(
-                    AGENTICS_SERVER=server,
-                    CHAT_LLM_BACKEND_URL=sim.url,
-                    CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                    CHAT_LLM_MODEL="sim-model",
-                    AGENTICS_USER_TOKEN=ADMIN,
-                ),
+                env=runner_env(server, sim.url),
                 stdout=log,
                 stderr=log,
             )

@@ -20,8 +20,6 @@ import openai
 import pytest
 import trio
 from helpers import (
-    ADMIN,
-    BACKEND_KEY,
     EXE,
     OWNER,
     PROJECT,
@@ -31,6 +29,7 @@ from helpers import (
     quick_alp_requests,
     request_frame,
     runner_config,
+    runner_env,
     running,
 )
 from pathproxy import PathProxy, path_proxy
@@ -187,13 +186,7 @@ async def runner_process(
 ) -> AsyncIterator[RunnerProcess]:
     proc = await trio.lowlevel.open_process(
         [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(state), *args],
-        env=clean_env(
-            AGENTICS_SERVER=server,
-            CHAT_LLM_BACKEND_URL=backend,
-            CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-            CHAT_LLM_MODEL="sim-model",
-            AGENTICS_USER_TOKEN=ADMIN,
-        ),
+        env=runner_env(server, backend),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, open_chat, request_frame
+from helpers import EXE, OWNER, PROJECT, open_chat, request_frame, runner_env
 
 from gateway.hub import Hub, ServerChannel
 from gateway.sim import Simulator
@@ -74,13 +74,7 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
                 "--grace",
                 str(GRACE),
             ],
-            env=clean_env(
-                AGENTICS_SERVER=url,
-                CHAT_LLM_BACKEND_URL=sim.url,
-                CHAT_LLM_BACKEND_KEY=BACKEND_KEY,
-                CHAT_LLM_MODEL="sim-model",
-                AGENTICS_USER_TOKEN=ADMIN,
-            ),
+            env=runner_env(url, sim.url),
             stdout=log,
             stderr=log,
         )
