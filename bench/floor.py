@@ -71,6 +71,10 @@ class Out:
             return
         self.pending.append(data[sent:])
         self.waiting = True
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Send what is pending once there is room (``waiting`` is set meanwhile)."""
         try:
             while self.pending:
                 await wait_writable(self.sock)

@@ -55,6 +55,7 @@ LITELLM_SHARE = 10  # LiteLLM relays 1/10 of the chunks at full speed (it is tha
 PACE = 0.020  # s per token in the spread runs
 # path -> what it is; "floor" on the command line means the three floors
 PATHS = (
+    "floor-trio-poller",
     "floor-trio",
     "floor-trio-streams",
     "floor-asyncio",
@@ -67,6 +68,7 @@ PATHS = (
     "runner-wss",
 )
 FLOORS = {
+    "floor-trio-poller": "bench.floor_poller",
     "floor-trio": "bench.floor",
     "floor-trio-streams": "bench.floor_streams",
     "floor-asyncio": "bench.floor_asyncio",

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import enum
 import logging
-import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import httptools
-import msgspec
 import trio
 
 from gateway import http1, protocol
 from gateway.backends import Backend, BackendError, BackendPool, BackendUnreachable
-from gateway.netio import RECV_SIZE
 from gateway.observe import Counters, Histogram, Redactor
-from gateway.sse import SSESplitter
+from gateway.poller import Poller
+from gateway.relay import SSERelay, TurnFailed, payload_problem
 from gateway.wsclient import ChannelClosed, WebSocket
 
 if TYPE_CHECKING:  # imported only when tracing is on (gateway.tracing.start)
@@ -25,12 +22,8 @@ if TYPE_CHECKING:  # imported only when tracing is on (gateway.tracing.start)
 log = logging.getLogger("gateway.channel")
 
 SHUTTING_DOWN = "runner shutting down"
-_validate_json = msgspec.json.Decoder(msgspec.Raw).decode
-_DONE = b"[DONE]"
 _ERROR_BODY_LIMIT = 512
 _DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
-_DEADLINE_SLACK = 16  # the idle deadline moves once 1/16 of the timeout has passed, not per read
-_CHECKPOINT_EVERY = 16  # reads in a row that found a full buffer before a checkpoint of our own
 
 
 class Ending(enum.Enum):
@@ -85,10 +78,6 @@ class SessionLimits:
         return f"session reached its time limit of {self.total / 60:g} min (maxTimeoutMinutes)"
 
 
-class TurnFailed(Exception):
-    """The turn cannot be served; the message is safe for a frame (no key)."""
-
-
 @dataclass
 class ChannelEnd:
     """How a channel connection ended: by the Server (chat.end), the runner (shutdown) or a drop."""
@@ -120,6 +109,7 @@ class Channel:
         frame_log: Redactor | None = None,
         trace: SessionTrace | None = None,
         limits: SessionLimits | None = None,
+        poller: Poller | None = None,
     ) -> None:
         self.job_id = job_id
         self.ws = ws
@@ -141,7 +131,9 @@ class Channel:
         self.relay = relay if relay is not None else Histogram()
         self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
         self._send = ws.send if frame_log is None else self._send_logged
-        self._send_batch = ws.send_batch if frame_log is None else self._send_batch_logged
+        self._offer = ws.offer if frame_log is None else self._offer_logged
+        self._offer_batch = ws.offer_batch if frame_log is None else self._offer_batch_logged
+        self.poller = poller  # reads the backend sockets of streaming turns (None: each its own)
         self.trace = trace  # tracing on: the session's span; off: None, and turns do no tracing
         self.limits = limits
         self._turn_began: trio.Event | None = None  # set when a turn starts (idle limit only)
@@ -180,10 +172,14 @@ class Channel:
         log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
         await self.ws.send(frame)
 
-    async def _send_batch_logged(self, frames: list[bytes]) -> None:
+    def _offer_logged(self, frame: bytes) -> bool:
+        log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
+        return self.ws.offer(frame)
+
+    def _offer_batch_logged(self, frames: list[bytes]) -> bool:
         for frame in frames:
             log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
-        await self.ws.send_batch(frames)
+        return self.ws.offer_batch(frames)
 
     async def _reader(self) -> None:
         while self._end is None:
@@ -418,123 +414,55 @@ class Channel:
         span: TurnTrace | None = None,
     ) -> None:
         """Relay one backend answer: every SSE event becomes a chunk frame written the moment
-        its read is split (``WebSocket.send``: no scheduling point while the socket takes it),
-        then the done frame. The reads themselves are the turn's scheduling points."""
+        its read is split (``SSERelay``, in the poller's task while it streams), then the done
+        frame."""
         send = self._send
         if not 200 <= response.status < 300:
             text = _truncated(await response.read_body(_ERROR_BODY_LIMIT), _ERROR_BODY_LIMIT)
             raise TurnFailed(f"backend returned {response.status}: {text}")
         prefix = protocol.chunk_prefix(self.job_id, request_id)
+        done_frame = protocol.done_frame(self.job_id, request_id)
         if b"text/event-stream" not in (response.header(b"content-type") or b""):
             payload = (await response.read_body()).strip()
-            problem = _payload_problem(payload)
+            problem = payload_problem(payload)
             if problem is not None:
                 raise TurnFailed(f"backend {url} answered {problem}")
             if span is not None:
                 span.first_token()
                 span.chunks, span.last_payload = 1, payload
             await send(prefix + payload + b"}")
-            await send(protocol.done_frame(self.job_id, request_id))
+            await send(done_frame)
             return
-        splitter = SSESplitter()
-        feed = splitter.feed
-        send_batch = self._send_batch
-        job_id = self.job_id
-        chunks = 0
-        first = True
-        started = self._started.get(request_id, 0.0)
-        now = trio.lowlevel.current_clock().current_time
-        observe_relay = self.relay.observe
-        transport = response.transport
-        recv, sock = transport.recv, transport.sock
-        wait_readable = trio.lowlevel.wait_readable
-        parse = response.parser.feed_data
-        idle = response.idle
-        timeout = response.idle_timeout
-        step = timeout / _DEADLINE_SLACK
-        read_at = now()
-        move_at = read_at + step
-        drained = False
-        streak = 0
-        payload = b""  # after the loop: the last event validated (the usage chunk, if any)
+        relay = SSERelay(
+            response,
+            url=url,
+            prefix=prefix,
+            done_frame=done_frame.encode(),
+            offer=self._offer,
+            offer_batch=self._offer_batch,
+            scope=self._turns[request_id],
+            started=self._started.get(request_id, 0.0),
+            ttft=self.ttft,
+            relay=self.relay,
+            span=span,
+        )
         try:
-            while True:
-                pieces = response.body
-                if pieces:
-                    response.body = []
-                    if first:
-                        first = False
-                        self.ttft.observe(read_at - started)
-                        if span is not None:
-                            span.first_token()
-                    for raw in pieces:
-                        payloads = feed(raw)
-                        if not payloads:
-                            continue
-                        done = _DONE in payloads
-                        if done:
-                            payloads = payloads[: payloads.index(_DONE)]
-                        for payload in payloads:  # _payload_problem, inlined: runs per chunk
-                            try:
-                                _validate_json(payload)
-                            except msgspec.DecodeError:
-                                raise TurnFailed(
-                                    f"backend {url} sent a malformed SSE event"
-                                ) from None
-                            if not payload.isascii() and not _is_utf8(payload):
-                                raise TurnFailed(
-                                    f"backend {url} sent an SSE event that is not UTF-8"
-                                )
-                        if len(payloads) == 1:  # written now, unless a write is in progress
-                            await send(prefix + payloads[0] + b"}")  # protocol.chunk_frame_bytes
-                        elif payloads:  # ready together: one write
-                            await send_batch([prefix + p + b"}" for p in payloads])
-                        chunks += len(payloads)
-                        if done:
-                            await send(protocol.done_frame(job_id, request_id))
-                            await _drain(response)
-                            return
-                    observe_relay(now() - read_at)  # backend read -> frames written
-                if response.complete:
-                    break
-                if drained:  # the last read took all there was: wait, without a read to learn it
-                    await wait_readable(sock)  # the turn's scheduling (and cancellation) point
-                    streak = 0
-                elif streak >= _CHECKPOINT_EVERY:  # reads that keep finding data: stay fair
-                    await trio.lowlevel.checkpoint()
-                    streak = 0
-                try:  # Response.read_nowait, inlined
-                    data = recv(RECV_SIZE)
-                except BlockingIOError:
-                    drained = True
-                    continue
-                drained = len(data) < RECV_SIZE
-                streak += 1
-                read_at = now()
-                if data:
-                    parse(data)
-                else:
-                    response.end_of_stream()
-                if read_at >= move_at and idle is not None:  # one deadline, moved forward
-                    idle.deadline = read_at + timeout
-                    move_at = read_at + step
-        except httptools.HttpParserError as exc:
-            raise http1.ProtocolError(f"sent a malformed HTTP response ({exc})") from None
-        except (OSError, ssl.SSLError) as exc:
-            raise http1.ConnectionLost(f"connection broke ({type(exc).__name__})") from None
+            await relay.run(self.poller, self.ws.wait_room)
         finally:
-            self.counters.inc("chunks", chunks)
+            self.counters.inc("chunks", relay.chunks)
             if span is not None:  # bytes already in hand, read once the stream is over
-                span.chunks, span.last_payload = chunks, payload
-        for rest in splitter.flush():
-            if rest != _DONE:
-                problem = _payload_problem(rest)
-                if problem is not None:
-                    raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
-                await send(prefix + rest + b"}")
-                if span is not None:
-                    span.chunks, span.last_payload = span.chunks + 1, rest
-        await send(protocol.done_frame(job_id, request_id))
+                span.chunks, span.last_payload = relay.chunks, relay.last_payload
+        if relay.done:
+            await _drain(response)
+            return
+        for rest in relay.rest():
+            problem = payload_problem(rest)
+            if problem is not None:
+                raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
+            await send(prefix + rest + b"}")
+            if span is not None:
+                span.chunks, span.last_payload = span.chunks + 1, rest
+        await send(done_frame)
 
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()
@@ -558,23 +486,3 @@ def _truncated(data: bytes, limit: int) -> str:
     if len(data) > limit:
         return data[:limit].decode(errors="replace").strip() + "…"
     return data.decode(errors="replace").strip()
-
-
-def _payload_problem(payload: bytes) -> str | None:
-    """Why a payload cannot go into a frame unchanged, or None when it can."""
-    try:
-        _validate_json(payload)
-    except msgspec.DecodeError:
-        return "malformed (not JSON)"
-    return None if _is_utf8(payload) else "not UTF-8"
-
-
-def _is_utf8(data: bytes) -> bool:
-    """A payload goes into a text frame: it must be UTF-8 (JSON validation does not check)."""
-    if data.isascii():
-        return True
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True

@@ -31,6 +31,7 @@ from gateway.channel import Channel, ChannelEnd, SessionLimits
 from gateway.config import Config
 from gateway.metrics import MetricsServer, open_metrics
 from gateway.observe import Counters, Histogram, Redactor
+from gateway.poller import Poller
 from gateway.protocol import CAPABILITY
 from gateway.signals import watch_signals
 from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus
@@ -153,6 +154,7 @@ class Runner:
         self.pool = BackendPool.from_config(
             config, ssl_context=self.ssl_context, on_change=lambda: self._wake.set()
         )
+        self.poller: Poller | None = None  # opened by run: the streaming turns' backend reads
         self.registration: Registration | None = None
         self.alp: AlpClient | None = None
         self.sessions: dict[str, ChatJob] = {}
@@ -283,6 +285,9 @@ class Runner:
                     ) from None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._events_loop)
+                self.poller = Poller.open()
+                if self.poller is not None:
+                    nursery.start_soon(self.poller.run)
                 await nursery.start(self.pool.run)  # models discovered, backends probed: then poll
                 if self.metrics is not None:
                     nursery.start_soon(self.metrics.serve)
@@ -595,6 +600,7 @@ class Runner:
             frame_log=self._frame_log(),
             trace=job.trace,
             limits=limits,
+            poller=self.poller,
         )
         return await channel.serve()
 

@@ -117,33 +117,45 @@ class WebSocket:
 
         Written at once when no write is in progress: no scheduling point then. Otherwise it
         joins the next write, and waits for room when too much is already waiting."""
-        await self._put(self._frame(message if isinstance(message, bytes) else message.encode()))
+        data = self._frame(message if isinstance(message, bytes) else message.encode())
+        if not self._offer(data):
+            await self.wait_room()
 
-    async def send_batch(self, messages: list[bytes]) -> None:
-        """Send several text messages that are ready together (one backend read's chunk
-        frames) in one write, as ``send`` sends one."""
-        await self._put(self._frames(messages))
+    def offer(self, message: bytes) -> bool:
+        """``send`` without waiting: the frame is written at once or joins the next write.
+        False when more than the buffer's worth is waiting: wait (``wait_room``) before the
+        next one. ``ChannelClosed`` once the connection is closed."""
+        return self._offer(self._frame(message))
 
-    async def _put(self, data: bytes) -> None:
+    def offer_batch(self, messages: list[bytes]) -> bool:
+        """``offer`` for several messages ready together (one backend read's chunk frames):
+        one write."""
+        return self._offer(self._frames(messages))
+
+    async def wait_room(self) -> None:
+        """Wait until the frames waiting behind a write fit the buffer again."""
+        if self._writing and self._pending_bytes > self._limit:
+            await self._room.wait()
+        if self._closed is not None:
+            raise ChannelClosed(self._closed.code, self._closed.reason)
+
+    def _offer(self, data: bytes) -> bool:
         if self._closed is not None:
             raise ChannelClosed(self._closed.code, self._closed.reason)
         if self._writing:
             self._pending.append(data)
             self._pending_bytes += len(data)
-            if self._pending_bytes > self._limit:
-                await self._room.wait()
-                if self._closed is not None:
-                    raise ChannelClosed(self._closed.code, self._closed.reason)
-            return
+            return self._pending_bytes <= self._limit
         try:  # _write, inlined: this runs for every chunk
             if self.transport.write(data):
-                return
+                return True
         except _BROKEN as exc:
             self._broke(exc)
             raise ChannelClosed(None, f"the connection broke ({type(exc).__name__})") from None
         self._writing = True
         self._flushed = trio.Event()
         self._wake.set()
+        return True
 
     def _write(self, data: bytes) -> None:
         """Write now; what the socket does not take goes to the connection's task."""

@@ -36,6 +36,7 @@ import threading
 import tracemalloc
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
@@ -47,6 +48,7 @@ from gateway import http1, netio, protocol, wsclient
 from gateway.backends import BackendPool
 from gateway.channel import Channel
 from gateway.hub.frontdoor import relay
+from gateway.poller import Poller
 from gateway.sse import SSESplitter
 
 GATEWAY = os.path.dirname(protocol.__file__) + os.sep  # allocations made by the gateway's code
@@ -235,9 +237,11 @@ class Rig:
         return error, sock.reads
 
     async def relay_response(self, request_id: str, response: http1.Response) -> str | None:
+        """``Channel._relay`` of one turn, as ``Channel._turn`` runs it (its scope registered)."""
         self.channel._started[request_id] = trio.current_time()
+        self.channel._turns[request_id] = turn = trio.CancelScope()
         try:
-            with trio.fail_after(WAIT):  # a chunk held back until more arrive deadlocks here
+            with trio.fail_after(WAIT), turn:  # a chunk held back for more deadlocks here
                 await response.read_head()
                 with trio.CancelScope() as idle:
                     response.idle, response.idle_timeout = idle, 600.0
@@ -245,27 +249,34 @@ class Rig:
         except Exception as exc:  # the turn's error, as _turn would frame it
             return str(exc)
         finally:
+            del self.channel._turns[request_id]
             response.close()
         return None
 
 
-async def _rig(nursery: trio.Nursery, log: Log | None = None) -> Rig:
+async def _rig(nursery: trio.Nursery, log: Log | None = None, poller: bool = True) -> Rig:
+    """A channel as the runner has it: its backend reads in the runner's poller (``poller``
+    False: each turn's own task reads its socket, as where there is no epoll)."""
     near, far = socket.socketpair()
     sock = ChannelSocket(fileno=near.detach())
     sock.log = log = log or Log()
     server = Server(far)
     server.start()
     ws = await wsclient.handshake(netio.Transport(sock), "hub", "/api/lives/chat/channel/ws")
-    channel = Channel(JOB, ws, BackendPool([], None), shutdown=trio.Event())
+    the_poller = Poller.open() if poller else None
+    if the_poller is not None:
+        nursery.start_soon(the_poller.run)
+    channel = Channel(JOB, ws, BackendPool([], None), shutdown=trio.Event(), poller=the_poller)
     nursery.start_soon(channel.serve)
     await trio.testing.wait_all_tasks_blocked()
     sock.writes = 0  # from here on count only the channel's own writes
     return Rig(channel, sock, server, log)
 
 
-async def test_one_write_per_backend_read_and_frames_verbatim() -> None:
+@pytest.mark.parametrize("poller", [True, False], ids=["poller", "own-task"])
+async def test_one_write_per_backend_read_and_frames_verbatim(poller: bool) -> None:
     async with trio.open_nursery() as nursery:
-        rig = await _rig(nursery)
+        rig = await _rig(nursery, poller=poller)
         error, reads = await rig.relay("r1", script())
         assert error is None
         rig.server.wait_for(CHUNKS + 1)
@@ -371,13 +382,14 @@ TURNS = 64
 STEPS = 10
 
 
-async def test_no_chunk_waits_for_another_turns_read() -> None:
+@pytest.mark.parametrize("poller", [True, False], ids=["poller", "own-task"])
+async def test_no_chunk_waits_for_another_turns_read(poller: bool) -> None:
     """A batched server's decode step: every turn's backend releases its next event in the same
     instant (written from this thread without a scheduling point in between, so the turns wake
     together). Each turn's frame must be written before any other turn's read comes next."""
     log = Log()
     async with trio.open_nursery() as nursery:
-        rig = await _rig(nursery, log)
+        rig = await _rig(nursery, log, poller=poller)
         backends = [rig.backend(f"t{i}") for i in range(TURNS)]
         for _, _, far in backends:
             far.setblocking(False)
