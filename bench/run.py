@@ -53,7 +53,7 @@ SIZES: dict[str, dict[str, int]] = {
 REPEAT = 3  # every measurement is run this many times, the paths alternating; the median is kept
 LITELLM_SHARE = 10  # LiteLLM relays 1/10 of the chunks at full speed (it is that much slower)
 PACE = 0.020  # s per token in the spread runs
-# path -> what it is; "floor" on the command line means the three floors
+# path -> what it is; "floor" on the command line means the four floors
 PATHS = (
     "floor-trio-poller",
     "floor-trio",
@@ -670,7 +670,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--paths",
         default=",".join(PATHS),
-        help=f"comma-separated subset of {','.join(PATHS)} ('floor': the three floors)",
+        help=f"comma-separated subset of {','.join(PATHS)} ('floor': the four floors)",
     )
     parser.add_argument(
         "--scenarios",

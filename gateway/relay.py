@@ -12,7 +12,7 @@ or readability where there is no poller) in the turn's task, under its cancel sc
 from __future__ import annotations
 
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from typing import TYPE_CHECKING
 
 import httptools
@@ -61,7 +61,8 @@ class SSERelay:
         "_splitter",
         "_recv",
         "_parse",
-        "_scope",
+        "_request_id",
+        "_stopped",
         "_full",
         "_first",
         "_started",
@@ -82,7 +83,8 @@ class SSERelay:
         done_frame: bytes,
         offer: Callable[[bytes], bool],
         offer_batch: Callable[[list[bytes]], bool],
-        scope: trio.CancelScope,
+        request_id: str,
+        stopped: Container[str],
         started: float,
         ttft: Histogram,
         relay: Histogram,
@@ -105,7 +107,8 @@ class SSERelay:
         self._splitter = SSESplitter()
         self._recv = transport.recv
         self._parse = response.parser.feed_data
-        self._scope = scope
+        self._request_id = request_id
+        self._stopped = stopped  # the request ids of the turns the channel has cancelled
         self._full = False
         self._first = True
         self._started = started
@@ -117,8 +120,9 @@ class SSERelay:
         self._move_at = trio.current_time() + self._step
 
     def stopped(self) -> bool:
-        """The turn was cancelled: no frame may follow."""
-        return self._scope.cancel_called
+        """The channel cancelled the turn (chat.completion.cancel, the session's end): no frame
+        may follow. A dict lookup: ``CancelScope.cancel_called`` reads the clock."""
+        return self._request_id in self._stopped
 
     def pump(self) -> int:
         """Relay what has arrived, without waiting: ``IDLE`` (the socket is empty), ``MORE``

@@ -27,10 +27,14 @@ class SSESplitter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Return the data payloads of the events that ``chunk`` completes."""
-        if not self._buf and not self._data and chunk.endswith(b"\n\n") and b"\r" not in chunk:
-            # the usual read: whole events only, each one "data: " line
-            if chunk.find(b"\n") == len(chunk) - 2 and chunk.startswith(b"data: "):  # just one
-                return [chunk[6:-2]]
+        if self._buf or self._data:
+            return self._feed_rest(chunk)
+        end = chunk.find(b"\n")
+        if end == len(chunk) - 2 and chunk[-1] == 10 and chunk[:6] == b"data: ":
+            if b"\r" not in chunk:  # the usual read: one whole event of one "data: " line
+                return [chunk[6:end]]
+        if chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # whole events only, each one "data: " line
             events = chunk.split(b"\n\n")  # several: one C-level split
             del events[-1]
             out = [e[6:] for e in events if e[:6] == b"data: " and b"\n" not in e]
@@ -42,6 +46,10 @@ class SSESplitter:
             while pos < end:
                 pos = self._lines(chunk, pos, out, stop_at_event=True)
             return out
+        return self._feed_rest(chunk)
+
+    def _feed_rest(self, chunk: bytes) -> list[bytes]:
+        """``feed`` for everything but whole events of one data line each."""
         buf = self._buf + chunk if self._buf else chunk
         keep_cr = False
         if b"\r" in buf:
@@ -50,7 +58,7 @@ class SSESplitter:
                 buf = buf[:-1]
                 keep_cr = True
             buf = buf.replace(b"\r", b"\n")
-        out = []
+        out: list[bytes] = []
         if self._buf or self._data or b"\n\n" not in buf:
             # an event (or line) begun in an earlier read: the line parser finishes it
             start = self._lines(buf, 0, out, stop_at_event=True)

@@ -1,0 +1,99 @@
+"""The runner's poller (``gateway/poller.py``): one task reading every streaming turn's backend.
+
+Over the hot-path rig (a real ``Channel`` on a socket pair, the Server's end on a thread, each
+backend a socket pair written from here): a turn whose backend goes wrong fails alone while the
+others in the poller stream on, and a cancelled turn leaves the poller and writes nothing more.
+"""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from test_hotpath import HEAD, Rig, _rig, chunked, payload
+
+from gateway import http1, protocol
+from gateway.channel import Ending, TurnEnd
+
+
+def _event(i: int) -> bytes:
+    return chunked(b"data: %b\n\n" % payload(i))
+
+
+def _ids(rig: Rig, request_id: str, kind: str = protocol.COMPLETION_CHUNK) -> int:
+    return sum(
+        1 for f in rig.server.frames() if f.get("requestId") == request_id and f["type"] == kind
+    )
+
+
+async def test_a_failing_turn_leaves_the_others_streaming() -> None:
+    async with trio.open_nursery() as nursery:
+        rig = await _rig(nursery)
+        poller = rig.channel.poller
+        assert poller is not None
+        names = ["a", "bad", "c"]
+        backends = {name: rig.backend(name) for name in names}
+        errors: dict[str, str | None] = {}
+
+        async def turn(name: str) -> None:
+            errors[name] = await rig.relay_response(name, backends[name][0])
+
+        for _, _, far in backends.values():
+            far.send(HEAD + _event(0))
+        async with trio.open_nursery() as turns:
+            for name in names:
+                turns.start_soon(turn, name)
+            # one chunk each: all three are in the poller now
+            await trio.to_thread.run_sync(rig.server.wait_for, 3)
+            await trio.testing.wait_all_tasks_blocked()
+            assert poller.following == 3
+            backends["bad"][2].send(chunked(b"data: {not json\n\n"))
+            for name in ("a", "c"):
+                far = backends[name][2]
+                far.send(_event(1))
+                far.send(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        assert errors["a"] is None and errors["c"] is None
+        assert errors["bad"] is not None and "malformed SSE event" in errors["bad"]
+        # a and c: their second chunk and their done frame
+        await trio.to_thread.run_sync(rig.server.wait_for, 3 + 2 + 2)
+        assert _ids(rig, "a") == 2 and _ids(rig, "c") == 2 and _ids(rig, "bad") == 1
+        assert _ids(rig, "a", protocol.COMPLETION_DONE) == 1
+        assert poller.following == 0
+        assert rig.channel.ws.closed is None  # the channel itself is untouched
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cancelled_turn_leaves_the_poller_and_writes_nothing_more() -> None:
+    async with trio.open_nursery() as nursery:
+        rig = await _rig(nursery)
+        poller = rig.channel.poller
+        assert poller is not None
+        response, _, far = rig.backend("gone")
+        result: list[str | None] = []
+
+        async def turn() -> None:
+            result.append(await rig.relay_response("gone", response))
+
+        far.send(HEAD + _event(0))
+        async with trio.open_nursery() as turns:
+            turns.start_soon(turn)
+            await trio.to_thread.run_sync(rig.server.wait_for, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert poller.following == 1
+            far.send(_event(1))  # ready in the same pass as the cancel below
+            rig.channel._cancel_turn("gone", TurnEnd(Ending.CANCELLED, "cancelled"))
+        assert result == [None]  # cancelled, not failed
+        assert poller.following == 0
+        assert response.transport.closed  # the connection is closed: the generation stops
+        # a frame written after the cancel would come before this one, on the same channel
+        error = await rig.relay_response("after", _answered(rig))
+        assert error is None
+        await trio.to_thread.run_sync(rig.server.wait_for, 2)
+        assert _ids(rig, "gone") == 1
+        nursery.cancel_scope.cancel()
+
+
+def _answered(rig: Rig) -> http1.Response:
+    """A backend that has its whole answer written already: one chunk, [DONE], the end."""
+    response, _, far = rig.backend("after")
+    far.send(HEAD + _event(0) + chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    return response
