@@ -10,6 +10,9 @@ own (level-triggered, registered once per turn), that set's descriptor is what t
 on, and one task relays the ready sockets in the order the kernel reports them: each turn's
 ``pump`` reads its socket and writes its frames before the next turn's socket is read.
 
+A stream alone (``streaming`` is 1) waits on its own socket instead: the poller's own epoll
+round would cost it a syscall per read, and there is no burst to share.
+
 A turn comes back to its own task (``follow`` returns) when its response ends, when the
 channel has no room for more frames, or when its read failed (the error is raised there):
 everything that waits happens in the turn's own task, under its own cancel scopes.
@@ -50,6 +53,7 @@ class Poller:
     def __init__(self, epoll: select.epoll) -> None:
         self._epoll = epoll
         self._turns: dict[int, Pumped] = {}
+        self.streaming = 0  # turns relaying a stream now (kept by them): one alone waits itself
 
     @classmethod
     def open(cls) -> Poller | None:

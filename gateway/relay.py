@@ -206,27 +206,34 @@ class SSERelay:
         return False
 
     async def run(self, poller: Poller | None, wait_room: Callable[[], Awaitable[None]]) -> None:
-        """Relay until the response ends: in the poller's task while it streams, else here.
+        """Relay until the response ends: in the poller's task while other turns stream too,
+        else here (a lone stream saves the poller's extra epoll round per read).
         ``wait_room`` is awaited when the channel has too much waiting."""
         streak = 0
-        while True:
-            state = self.pump()
-            if state == IDLE:
-                if poller is None:
-                    await trio.lowlevel.wait_readable(self.fd)
+        if poller is not None:
+            poller.streaming += 1
+        try:
+            while True:
+                state = self.pump()
+                if state == IDLE:
+                    if poller is None or poller.streaming == 1:
+                        await trio.lowlevel.wait_readable(self.fd)
+                        streak = 0
+                        continue
+                    state = await poller.follow(self)
+                if state == END:
+                    return
+                if state == ROOM:
+                    await wait_room()
                     streak = 0
-                    continue
-                state = await poller.follow(self)
-            if state == END:
-                return
-            if state == ROOM:
-                await wait_room()
-                streak = 0
-            elif state == MORE:
-                streak += 1
-                if streak >= _CHECKPOINT_EVERY:  # reads that keep finding data: stay fair
-                    await trio.lowlevel.checkpoint()
-                    streak = 0
+                elif state == MORE:
+                    streak += 1
+                    if streak >= _CHECKPOINT_EVERY:  # reads that keep finding data: stay fair
+                        await trio.lowlevel.checkpoint()
+                        streak = 0
+        finally:
+            if poller is not None:
+                poller.streaming -= 1
 
     def rest(self) -> list[bytes]:
         """At the end of the stream: the payload of a last event that had no blank line."""

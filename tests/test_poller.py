@@ -7,6 +7,8 @@ others in the poller stream on, and a cancelled turn leaves the poller and write
 
 from __future__ import annotations
 
+import socket
+
 import trio
 import trio.testing
 from test_hotpath import HEAD, Rig, _rig, chunked, payload
@@ -37,25 +39,20 @@ async def test_a_failing_turn_leaves_the_others_streaming() -> None:
         async def turn(name: str) -> None:
             errors[name] = await rig.relay_response(name, backends[name][0])
 
-        for _, _, far in backends.values():
-            far.send(HEAD + _event(0))
         async with trio.open_nursery() as turns:
             for name in names:
                 turns.start_soon(turn, name)
-            # one chunk each: all three are in the poller now
-            await trio.to_thread.run_sync(rig.server.wait_for, 3)
-            await trio.testing.wait_all_tasks_blocked()
-            assert poller.following == 3
+            await _in_the_poller(rig, [far for _, _, far in backends.values()])
             backends["bad"][2].send(chunked(b"data: {not json\n\n"))
             for name in ("a", "c"):
                 far = backends[name][2]
-                far.send(_event(1))
+                far.send(_event(2))
                 far.send(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         assert errors["a"] is None and errors["c"] is None
         assert errors["bad"] is not None and "malformed SSE event" in errors["bad"]
-        # a and c: their second chunk and their done frame
-        await trio.to_thread.run_sync(rig.server.wait_for, 3 + 2 + 2)
-        assert _ids(rig, "a") == 2 and _ids(rig, "c") == 2 and _ids(rig, "bad") == 1
+        # a and c: their third chunk and their done frame
+        await trio.to_thread.run_sync(rig.server.wait_for, 6 + 2 + 2)
+        assert _ids(rig, "a") == 3 and _ids(rig, "c") == 3 and _ids(rig, "bad") == 2
         assert _ids(rig, "a", protocol.COMPLETION_DONE) == 1
         assert poller.following == 0
         assert rig.channel.ws.closed is None  # the channel itself is untouched
@@ -68,28 +65,45 @@ async def test_a_cancelled_turn_leaves_the_poller_and_writes_nothing_more() -> N
         poller = rig.channel.poller
         assert poller is not None
         response, _, far = rig.backend("gone")
+        streaming, _, other = rig.backend("other")  # streaming too: the poller relays "gone"
         result: list[str | None] = []
 
         async def turn() -> None:
             result.append(await rig.relay_response("gone", response))
 
-        far.send(HEAD + _event(0))
         async with trio.open_nursery() as turns:
             turns.start_soon(turn)
-            await trio.to_thread.run_sync(rig.server.wait_for, 1)
-            await trio.testing.wait_all_tasks_blocked()
-            assert poller.following == 1
-            far.send(_event(1))  # ready in the same pass as the cancel below
+            turns.start_soon(rig.relay_response, "other", streaming)
+            await _in_the_poller(rig, [far, other])
+            far.send(_event(2))  # ready in the same pass as the cancel below
             rig.channel._cancel_turn("gone", TurnEnd(Ending.CANCELLED, "cancelled"))
+            await trio.testing.wait_all_tasks_blocked()
+            turns.cancel_scope.cancel()  # "other" is done with
         assert result == [None]  # cancelled, not failed
         assert poller.following == 0
         assert response.transport.closed  # the connection is closed: the generation stops
         # a frame written after the cancel would come before this one, on the same channel
         error = await rig.relay_response("after", _answered(rig))
         assert error is None
-        await trio.to_thread.run_sync(rig.server.wait_for, 2)
-        assert _ids(rig, "gone") == 1
+        await trio.to_thread.run_sync(rig.server.wait_for, 4 + 1)
+        assert _ids(rig, "gone") == 2
         nursery.cancel_scope.cancel()
+
+
+async def _in_the_poller(rig: Rig, fars: list[socket.socket]) -> None:
+    """Start the turns on ``fars`` streaming, two chunks each: the first turn to stream was
+    alone and waited on its own socket; at its second read it joins the poller too."""
+    poller = rig.channel.poller
+    assert poller is not None
+    base = len(rig.server.messages)
+    for far in fars:
+        far.send(HEAD + _event(0))
+    await trio.to_thread.run_sync(rig.server.wait_for, base + len(fars))
+    for far in fars:
+        far.send(_event(1))
+    await trio.to_thread.run_sync(rig.server.wait_for, base + 2 * len(fars))
+    await trio.testing.wait_all_tasks_blocked()
+    assert poller.following == len(fars)
 
 
 def _answered(rig: Rig) -> http1.Response:
