@@ -44,8 +44,6 @@ class Pumped(Protocol):
 
     def pump(self) -> int: ...
 
-    def stopped(self) -> bool: ...
-
 
 class Poller:
     """The ready backend sockets of every streaming turn, relayed by one task (``run``)."""
@@ -86,14 +84,11 @@ class Poller:
             turn = turns.get(ready)
             if turn is None:
                 continue
-            if turn.stopped():  # cancelled: no more frames; its task ends it
+            try:
+                state = turn.pump()
+            except Exception as exc:  # the turn's own task raises it
+                turn.error = exc
                 state = END
-            else:
-                try:
-                    state = turn.pump()
-                except Exception as exc:  # the turn's own task raises it
-                    turn.error = exc
-                    state = END
             if state >= ROOM:
                 self._release(turn)
                 turn.state = state

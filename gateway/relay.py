@@ -53,6 +53,7 @@ class SSERelay:
         "chunks",
         "last_payload",
         "done",
+        "cancelled",
         "_url",
         "_prefix",
         "_offer",
@@ -99,6 +100,7 @@ class SSERelay:
         self.chunks = 0
         self.last_payload = b""  # the last event relayed (the usage chunk, if any)
         self.done = False  # [DONE] came (and its done frame was offered)
+        self.cancelled = False  # the channel cancelled the turn: nothing more is sent
         self._url = url
         self._prefix = prefix
         self._done_frame = done_frame
@@ -119,14 +121,13 @@ class SSERelay:
         self._step = response.idle_timeout / _DEADLINE_SLACK
         self._move_at = trio.current_time() + self._step
 
-    def stopped(self) -> bool:
-        """The channel cancelled the turn (chat.completion.cancel, the session's end): no frame
-        may follow. A dict lookup: ``CancelScope.cancel_called`` reads the clock."""
-        return self._request_id in self._stopped
-
     def pump(self) -> int:
         """Relay what has arrived, without waiting: ``IDLE`` (the socket is empty), ``MORE``
-        (the read filled the buffer), ``ROOM`` (wait for room first) or ``END``."""
+        (the read filled the buffer), ``ROOM`` (wait for room first) or ``END`` (the end, or
+        the channel cancelled the turn: its task ends it, and no frame may follow)."""
+        if self._request_id in self._stopped:  # a dict lookup: cancel_called reads the clock
+            self.cancelled = True
+            return END
         response = self.response
         if response.body and self._frames(self._now()):  # what came with the head
             return END
@@ -222,6 +223,8 @@ class SSERelay:
                         continue
                     state = await poller.follow(self)
                 if state == END:
+                    if self.cancelled:  # the turn's scope is cancelled: this raises Cancelled
+                        await trio.lowlevel.checkpoint()
                     return
                 if state == ROOM:
                     await wait_room()

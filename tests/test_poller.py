@@ -87,6 +87,7 @@ async def test_a_cancelled_turn_leaves_the_poller_and_writes_nothing_more() -> N
         assert error is None
         await trio.to_thread.run_sync(rig.server.wait_for, 4 + 1)
         assert _ids(rig, "gone") == 2
+        assert _ids(rig, "gone", protocol.COMPLETION_DONE) == 0
         nursery.cancel_scope.cancel()
 
 
