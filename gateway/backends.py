@@ -125,6 +125,8 @@ class Backend:
             raise ConfigError(f"backend {name} ({self.url}): {exc}") from None
         self._turn_target = self.http.target("/chat/completions")
         self._turn_headers = [(k.encode(), v.encode()) for k, v in self._headers.items()]
+        # the head of every turn's request, built once (a traceparent gets its own per turn)
+        self._turn_head = self.http.prepare(b"POST", self._turn_target, self._turn_headers)
         # Model listing and health checks (not hot) on httpx. Per-read idle timeout, never an
         # overall deadline: long generations are normal.
         self.client = httpx.AsyncClient(
@@ -211,13 +213,14 @@ class Backend:
         is kept for the next turn."""
         idle = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
         response: http1.Response | None = None
-        headers = self._turn_headers
+        head = self._turn_head
         if traceparent is not None:
-            headers = [*headers, (b"traceparent", traceparent.encode())]
+            headers = [*self._turn_headers, (b"traceparent", traceparent.encode())]
+            head = self.http.prepare(b"POST", self._turn_target, headers)
         try:
             with idle:
                 try:
-                    response = await self.http.request(b"POST", self._turn_target, headers, body)
+                    response = await self.http.send(head, body)
                 except http1.ConnectFailed as exc:
                     raise BackendUnreachable(f"backend {self.url} unreachable: {exc}") from None
                 except http1.HTTPError as exc:
@@ -531,7 +534,12 @@ class BackendPool:
             return f"the turn names no model and this runner has no default (--model); {listing}"
         return f"model {requested!r} is not available on this runner; {listing}"
 
-    def _choose(self, route: Route, exclude: Iterable[Backend]) -> Backend:
+    def _choose(self, route: Route, exclude: Sequence[Backend]) -> Backend:
+        candidates = route.candidates
+        if len(candidates) == 1 and not exclude:  # one backend serves the model: the usual case
+            only = candidates[0]
+            if only.has_free_slot or only.queue_has_room:
+                return only
         skip = set(exclude)
         pool = [b for b in route.candidates if b not in skip]
         if not pool:
@@ -547,18 +555,12 @@ class BackendPool:
             backend.busy_total += 1
         raise BackendBusy("; ".join(b.busy_text() for b in up))
 
-    @asynccontextmanager
-    async def turn(
-        self, route: Route, job_id: str, request_id: str, exclude: Iterable[Backend] = ()
-    ) -> AsyncIterator[Backend]:
-        """Hold a slot on the chosen backend for the length of the block (waiting in its queue)."""
-        backend = self._choose(route, exclude)
-        await backend.acquire(job_id, request_id)
-        backend.turns_total += 1
-        try:
-            yield backend
-        finally:
-            backend.release()
+    def turn(
+        self, route: Route, job_id: str, request_id: str, exclude: Sequence[Backend] = ()
+    ) -> _Slot:
+        """Hold a slot on the chosen backend for the length of the block (waiting in its queue):
+        ``async with pool.turn(...) as backend``."""
+        return _Slot(self, route, job_id, request_id, exclude)
 
     # -- health --------------------------------------------------------------------------
 
@@ -618,6 +620,40 @@ class BackendPool:
                 await backend._probe_now.wait()
             backend._probe_now = trio.Event()
             await self.probe(backend)
+
+
+class _Slot:
+    """``BackendPool.turn``: a plain class rather than a generator-based context manager, as it
+    runs at the start of every turn."""
+
+    __slots__ = ("pool", "route", "job_id", "request_id", "exclude", "backend")
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        route: Route,
+        job_id: str,
+        request_id: str,
+        exclude: Sequence[Backend],
+    ) -> None:
+        self.pool = pool
+        self.route = route
+        self.job_id = job_id
+        self.request_id = request_id
+        self.exclude = exclude
+        self.backend: Backend | None = None
+
+    async def __aenter__(self) -> Backend:
+        backend = self.pool._choose(self.route, self.exclude)
+        await backend.acquire(self.job_id, self.request_id)
+        backend.turns_total += 1
+        self.backend = backend
+        return backend
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.release()
 
 
 LOCAL_SERVERS: tuple[tuple[str, str], ...] = (

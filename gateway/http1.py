@@ -337,6 +337,19 @@ class Client:
             return b"http://" + self._authority + target
         return target
 
+    def prepare(
+        self, method: bytes, target: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> bytes:
+        """The head of a request up to its ``content-length`` value, for ``send``: a request
+        made on every turn has it built once."""
+        lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", self._authority]
+        for name, value in headers:
+            lines += (b"\r\n", name, b": ", value)
+        if self._absolute and self.proxy is not None and self.proxy.authorization:
+            lines += (b"\r\nproxy-authorization: ", self.proxy.authorization)
+        lines += (b"\r\nuser-agent: ", USER_AGENT, b"\r\ncontent-length: ")
+        return b"".join(lines)
+
     async def request(
         self,
         method: bytes,
@@ -348,13 +361,11 @@ class Client:
 
         ``ConnectFailed`` when no connection could be made (nothing was sent); ``HTTPError``
         otherwise. A kept-alive connection that turns out closed is replaced once."""
-        lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", self._authority]
-        for name, value in headers:
-            lines += (b"\r\n", name, b": ", value)
-        if self._absolute and self.proxy is not None and self.proxy.authorization:
-            lines += (b"\r\nproxy-authorization: ", self.proxy.authorization)
-        lines += (b"\r\nuser-agent: ", USER_AGENT, b"\r\ncontent-length: %d\r\n\r\n" % len(body))
-        message = b"".join(lines) + body
+        return await self.send(self.prepare(method, target, headers), body)
+
+    async def send(self, head: bytes, body: bytes) -> Response:
+        """``request`` with its head from ``prepare``."""
+        message = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         while True:
             transport = self._take_idle()
             reused = transport is not None

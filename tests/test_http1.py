@@ -252,6 +252,37 @@ async def test_connections_are_kept_alive_and_a_closed_one_is_replaced() -> None
         await backend.aclose()
 
 
+async def test_every_turn_sends_the_head_built_once_with_its_own_length() -> None:
+    """The turn's request head is built once per backend (``Client.prepare``); each turn adds its
+    own content-length, on the one kept-alive connection, and ``request`` sends the same."""
+    key = "sk-backend-very-secret-4242"
+    async with open_sim(require_key=key) as sim:
+        backend = Backend(sim.url, key)
+        bodies = [BODY, BODY.replace(b'"hi"', b'"a longer prompt than hi"')]
+        try:
+            for body in bodies:
+                async with backend.stream(body) as response:
+                    assert response.status == 200
+                    assert b"[DONE]" in await _read_all(response)
+            response = await backend.http.request(
+                b"POST", b"/v1/chat/completions", backend._turn_headers, BODY
+            )
+            assert response.status == 200 and b"[DONE]" in await _read_all(response)
+            backend.http.release(response)
+        finally:
+            await backend.aclose()
+    assert [r.body for r in sim.requests] == [*bodies, BODY]
+    for recorded in sim.requests:
+        assert recorded.method == "POST" and recorded.path == "/v1/chat/completions"
+        assert recorded.headers["authorization"] == f"Bearer {key}"
+        assert recorded.headers["accept"] == "text/event-stream"
+        assert recorded.headers["content-type"] == "application/json"
+        assert recorded.headers["user-agent"].startswith("alp-gateway/")
+        assert recorded.headers["host"] == sim.url.split("/")[2]
+        assert recorded.headers["content-length"] == str(len(recorded.body))
+    assert sim.connections == 1
+
+
 async def test_a_cancelled_turn_closes_its_backend_connection() -> None:
     async with open_sim() as sim:
         backend = Backend(sim.url)
