@@ -88,6 +88,8 @@ class WebSocket:
         framer = protocol.ClientFramer()
         self._frame, self._frames = framer.frame, framer.frames
         self._inbox: deque[str | bytes] = deque()
+        self._rx = bytearray()  # bytes of a frame not complete yet (see _take_frames)
+        self._raw = True  # False once a frame too big to hold whole went to wsproto
         self._parts: list[str | bytes | bytearray] = []
         self._size = 0
         # writing: frames wait in _pending only while a write is in progress (_writing)
@@ -270,10 +272,79 @@ class WebSocket:
                 continue
             if self.ping_interval > 0:
                 self._heard_at = trio.current_time()
+            if data and self._raw:
+                self._take_frames(data)
+                continue
+            if self._rx:  # the end of the stream inside a frame: wsproto says what that is
+                self._conn.receive_data(bytes(self._rx))
+                self._rx.clear()
             self._conn.receive_data(data or None)
             self.on_events(self._conn.events())
             if not data and self._closed is None:
                 self.abort(ChannelClosed(None, "no close frame"))
+
+    def _take_frames(self, data: bytes) -> None:
+        """Whole frames from what came: a complete, unfragmented, unmasked text frame (the hot
+        path: every turn's request) goes to the inbox here, without wsproto's per-byte parsing;
+        any other frame (control, fragment, binary, bad UTF-8, masked) goes to wsproto whole, so
+        wsproto never holds part of a frame and the two never disagree about where one starts.
+        A frame longer than ``max_message_size`` goes to wsproto as it comes (it refuses it), and
+        so does everything after it."""
+        rx = self._rx
+        buf: bytes | bytearray = data
+        if rx:  # a frame begun in an earlier read: grown in place, never copied whole again
+            rx += data
+            buf = rx
+        conn = self._conn
+        pos, end = 0, len(buf)
+        while end - pos >= 2 and self._closed is None:
+            b0, b1 = buf[pos], buf[pos + 1]
+            size = b1 & 0x7F
+            off = pos + 2
+            if size == 126:
+                if end - off < 2:
+                    break
+                size = int.from_bytes(buf[off : off + 2], "big")
+                off += 2
+            elif size == 127:
+                if end - off < 8:
+                    break
+                size = int.from_bytes(buf[off : off + 8], "big")
+                off += 8
+            if b1 & 0x80:
+                off += 4  # masked (a Server must not mask): wsproto refuses it
+            if size > self.max_message_size:
+                self._raw = False
+                conn.receive_data(bytes(buf[pos:]))
+                rx.clear()
+                self.on_events(conn.events())
+                return
+            stop = off + size
+            if stop > end:
+                break
+            if (
+                b0 == 0x81
+                and not b1 & 0x80
+                and not self._parts
+                and conn.state is ConnectionState.OPEN
+            ):
+                try:
+                    self._inbox.append(buf[off:stop].decode())
+                    pos = stop
+                    continue
+                except UnicodeDecodeError:
+                    pass  # wsproto closes with 1007
+            conn.receive_data(bytes(buf[pos:stop]))
+            self.on_events(conn.events())
+            pos = stop
+        rest = end - pos if self._closed is None else 0  # a frame not complete yet
+        if buf is rx:
+            if rest:
+                del rx[:pos]
+            else:
+                rx.clear()
+        elif rest:
+            rx += memoryview(buf)[pos:]
 
     def on_events(self, events: Iterable[Event]) -> None:
         """Handle what wsproto read: messages to the inbox, pings answered, a close answered."""
@@ -412,10 +483,12 @@ async def handshake(
     """The client's opening handshake (RFC 6455 §4.1) on a connected transport."""
     conn = WSConnection(ConnectionType.CLIENT)
     await transport.send_all(conn.send(Request(host=host, target=target)))
+    received = b""
     while True:
         data = await transport.receive()
         if not data:
             raise HandshakeError("the Server closed the connection during the upgrade")
+        received += data
         try:
             conn.receive_data(data)
             events = conn.events()
@@ -429,6 +502,9 @@ async def handshake(
                         ping_timeout=ping_timeout,
                         on_ping=on_ping,
                     )
+                    # bytes after the answer's head are wsproto's (it may hold part of a
+                    # frame): then it reads every frame of this connection
+                    ws._raw = received.find(b"\r\n\r\n") + 4 == len(received)
                     ws.on_events(events)  # frames that came with the answer
                     return ws
                 if isinstance(event, RejectConnection):

@@ -136,6 +136,94 @@ async def test_oversized_message_is_refused_with_1009() -> None:
     assert isinstance(replies[0], CloseConnection) and replies[0].code == 1009
 
 
+def _frame(opcode: int, payload: bytes, fin: bool = True, mask: bytes | None = None) -> bytes:
+    """A Server frame written by hand (``mask``: a frame a Server must not send)."""
+    n = len(payload)
+    head = bytes(((0x80 if fin else 0) | opcode,))
+    bit = 0x80 if mask else 0
+    if n < 126:
+        head += bytes((bit | n,))
+    elif n < 65536:
+        head += bytes((bit | 126,)) + n.to_bytes(2, "big")
+    else:
+        head += bytes((bit | 127,)) + n.to_bytes(8, "big")
+    if mask:
+        payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        head += mask
+    return head + payload
+
+
+async def test_frames_split_anywhere_with_control_frames_and_fragments_between() -> None:
+    """Whole text frames, frames cut into single bytes, a ping, a fragmented message and one
+    of 70,000 bytes (a 64-bit length) arrive as their messages, in order; the ping is answered."""
+    big = "é" * 35000
+    wire = (
+        _frame(1, b'{"n":1}')
+        + _frame(9, b"hello?")
+        + _frame(1, b'{"n":2,"t":"' + "ø".encode() * 100 + b'"}')
+        + _frame(1, b'{"n":', fin=False)
+        + _frame(0, b"3}")
+        + _frame(1, big.encode())
+        + _frame(1, b'{"n":4}')
+    )
+    got_pong: list[Event] = []
+    answered = trio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.stream.send_all(wire[:9])  # the first frame and two bytes of the ping
+        for i in range(9, 60):
+            await peer.stream.send_all(wire[i : i + 1])
+        await peer.stream.send_all(wire[60:])
+        got_pong.append(await peer.next_event())
+        answered.set()
+        await trio.sleep_forever()
+
+    async with server(script) as url:
+        ws = await wsclient.connect(url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.run)
+            with trio.fail_after(5):
+                messages = [await ws.receive() for _ in range(5)]
+                await answered.wait()
+            nursery.cancel_scope.cancel()
+        await ws.aclose()
+    assert messages == [
+        '{"n":1}',
+        '{"n":2,"t":"' + "ø" * 100 + '"}',
+        '{"n":3}',
+        big,
+        '{"n":4}',
+    ]
+    assert got_pong == [Pong(b"hello?")]
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (_frame(1, b'{"bad":"\xff"}'), 1007),  # not UTF-8
+        (_frame(1, b'{"masked":1}', mask=b"abcd"), 1002),  # a Server must not mask
+    ],
+)
+async def test_a_bad_text_frame_closes_the_connection(frame: bytes, code: int) -> None:
+    replies: list[Event] = []
+    replied = trio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.stream.send_all(_frame(1, b'{"n":1}') + frame + _frame(1, b'{"n":2}'))
+        replies.append(await peer.next_event())
+        replied.set()
+
+    async with server(script) as url:
+        ws = await wsclient.connect(url)
+        assert await ws.receive() == '{"n":1}'
+        with pytest.raises(wsclient.ChannelClosed):
+            await ws.receive()
+        with trio.fail_after(5):
+            await replied.wait()
+        await ws.aclose()
+    assert isinstance(replies[0], CloseConnection) and replies[0].code == code
+
+
 async def test_refused_upgrade_names_the_status() -> None:
     async def script(peer: Peer) -> None:
         pass
