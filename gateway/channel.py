@@ -1,4 +1,5 @@
-"""One Chat Channel connection: a reader, and one task per in-flight turn writing its own frames."""
+"""One Chat Channel connection: a reader, and one task per in-flight turn (its stream relayed
+read by read by ``relay.SSERelay``, in the runner's ``Poller`` while other turns stream too)."""
 
 from __future__ import annotations
 
@@ -89,10 +90,10 @@ class ChannelEnd:
 class Channel:
     """Serves one open Chat Channel WebSocket of one Chat Job until it ends or drops.
 
-    Turns run concurrently, each in its own task, and each writes its own frames: at once
-    when no write is in progress, else together with the others in the next write
-    (``WebSocket.send``). A slow Server makes the turns wait for room, so the backend reads
-    slow down too and memory stays bounded.
+    Turns run concurrently, each in its own task; each backend read's frames are written at
+    once when no write is in progress, else together with the others in the next write
+    (``WebSocket.offer``), before the next turn's socket is read. A slow Server makes the turns
+    wait for room, so the backend reads slow down too and memory stays bounded.
     """
 
     def __init__(

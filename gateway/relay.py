@@ -124,48 +124,41 @@ class SSERelay:
     def pump(self) -> int:
         """Relay what has arrived, without waiting: ``IDLE`` (the socket is empty), ``MORE``
         (the read filled the buffer), ``ROOM`` (wait for room first) or ``END`` (the end, or
-        the channel cancelled the turn: its task ends it, and no frame may follow)."""
+        the channel cancelled the turn: its task ends it, and no frame may follow). The first
+        call relays what came with the head; each later one reads the socket once."""
         if self._request_id in self._stopped:  # a dict lookup: cancel_called reads the clock
             self.cancelled = True
             return END
         response = self.response
-        if response.body and self._frames(self._now()):  # what came with the head
-            return END
-        if response.complete:
-            return END
-        try:
-            try:
-                data = self._recv(RECV_SIZE)
-            except BlockingIOError:
-                return IDLE
+        data = b""
+        if response.body:  # what came with the head
             read_at = self._now()
-            if data:
-                self._parse(data)
-            else:
-                response.end_of_stream()
-        except httptools.HttpParserError as exc:
-            raise http1.ProtocolError(f"sent a malformed HTTP response ({exc})") from None
-        except (OSError, ssl.SSLError) as exc:
-            raise http1.ConnectionLost(f"connection broke ({type(exc).__name__})") from None
-        if read_at >= self._move_at:  # one idle deadline, moved forward now and then
-            idle = response.idle
-            if idle is not None:
-                idle.deadline = read_at + response.idle_timeout
-            self._move_at = read_at + self._step
-        if response.body:
-            if self._frames(read_at):
-                return END
-            self._observe(self._now() - read_at)  # backend read -> frames written
-        if response.complete:
+        elif response.complete:
             return END
-        if self._full:
-            self._full = False
-            return ROOM
-        return MORE if len(data) == RECV_SIZE else IDLE
-
-    def _frames(self, read_at: float) -> bool:
-        """Offer the frames of the body pieces parsed so far; True once ``[DONE]`` came."""
-        response = self.response
+        else:
+            try:
+                try:
+                    data = self._recv(RECV_SIZE)
+                except BlockingIOError:
+                    return IDLE
+                read_at = self._now()
+                if data:
+                    self._parse(data)
+                else:
+                    response.end_of_stream()
+            except httptools.HttpParserError as exc:
+                raise http1.ProtocolError(f"sent a malformed HTTP response ({exc})") from None
+            except (OSError, ssl.SSLError) as exc:
+                raise http1.ConnectionLost(f"connection broke ({type(exc).__name__})") from None
+            if read_at >= self._move_at:  # one idle deadline, moved forward now and then
+                idle = response.idle
+                if idle is not None:
+                    idle.deadline = read_at + response.idle_timeout
+                self._move_at = read_at + self._step
+            if not response.body:  # a chunk's head, or the body's end
+                if response.complete:
+                    return END
+                return MORE if len(data) == RECV_SIZE else IDLE
         pieces = response.body
         response.body = []
         if self._first:
@@ -203,8 +196,14 @@ class SSERelay:
             if done:
                 self.done = True
                 self._offer(self._done_frame)
-                return True
-        return False
+                return END
+        self._observe(self._now() - read_at)  # backend read -> frames written
+        if response.complete:
+            return END
+        if self._full:
+            self._full = False
+            return ROOM
+        return MORE if len(data) == RECV_SIZE else IDLE
 
     async def run(self, poller: Poller | None, wait_room: Callable[[], Awaitable[None]]) -> None:
         """Relay until the response ends: in the poller's task while other turns stream too,

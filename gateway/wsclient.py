@@ -1,12 +1,14 @@
 """The Chat Channel's WebSocket client: wsproto over a ``netio`` socket, frames written at once.
 
-The runner is only ever a WebSocket client, so it owns that side: wsproto does the handshake,
-reads the Server's frames and builds the control frames (pong, close, ping); the text frames of
-the hot path are built here (``protocol.ws_text_frame``) and written by the task that has them,
-at once, when no write is in progress. A write the socket cannot take whole leaves the rest to
-the connection's own task (``run``); frames that become ready meanwhile wait in a bounded list
-and go out together in its next write, so a burst costs few syscalls and a slow Server slows
-the senders (they wait for room) instead of growing a queue.
+The runner is only ever a WebSocket client, so it owns that side: wsproto does the handshake
+and builds the control frames (pong, close, ping); the Server's whole unfragmented text frames
+(every turn's request) are decoded here and every other frame goes to wsproto whole. The text
+frames of the hot path are built here (``protocol.ClientFramer``) and written by the code that
+has them (``offer``: a turn's task, or the runner's poller for it), at once, when no write is in
+progress. A write the socket cannot take whole leaves the rest to the connection's own task
+(``run``); frames that become ready meanwhile wait in a bounded list and go out together in its
+next write, so a burst costs few syscalls and a slow Server slows the senders (``offer`` says
+there is no room; they wait with ``wait_room``) instead of growing a queue.
 """
 
 from __future__ import annotations
