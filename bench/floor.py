@@ -115,6 +115,8 @@ class Reader:
 
 
 class Floor:
+    """The floor process: session sockets dialled to the sink, a task per stream (``forward``)."""
+
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
@@ -125,6 +127,9 @@ class Floor:
         self.idle: list[socket.socket] = []
         self.active = 0
         self.forwarded = 0
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the floor's own tasks, if it has any (this one has none)."""
 
     async def forward(self, body: bytes, out: Out) -> None:
         self.active += 1
@@ -171,10 +176,11 @@ class Floor:
                     buf = rest[size:]
 
 
-async def main(host: str, port: int) -> None:
-    floor = Floor(host, port)
+async def main(host: str, port: int, kind: type[Floor] = Floor) -> None:
+    floor = kind(host, port)
     reply_line({"ok": True})
     async with trio.open_nursery() as nursery:
+        floor.start(nursery)
 
         async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             if cmd["cmd"] == "dial":

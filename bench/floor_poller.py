@@ -19,8 +19,7 @@ from typing import Any
 
 import trio
 
-from bench.common import reply_line, serve_commands
-from bench.floor import Out, Reader, connect
+from bench.floor import Floor, Out, connect, main
 
 _END = b"\r\n0\r\n\r\n"
 _RECV = 65536
@@ -48,7 +47,7 @@ class Poller:
 class Stream:
     """One stream followed by the poller: ``pump`` relays what has arrived, never waits."""
 
-    def __init__(self, floor: Floor, sock: socket.socket, out: Out) -> None:
+    def __init__(self, floor: PollerFloor, sock: socket.socket, out: Out) -> None:
         self.floor = floor
         self.sock = sock
         self.out = out
@@ -108,18 +107,15 @@ class Stream:
                 await self.out.flush()
 
 
-class Floor:
+class PollerFloor(Floor):
+    """``bench.floor.Floor`` with each stream relayed by the poller (``Stream.follow``)."""
+
     def __init__(self, host: str, port: int) -> None:
-        self.host = host
-        self.port = port
-        self.head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\n"
-            "content-type: application/json\r\naccept: text/event-stream\r\ncontent-length: "
-        ).encode()
-        self.idle: list[socket.socket] = []
-        self.active = 0
-        self.forwarded = 0
+        super().__init__(host, port)
         self.poller = Poller()
+
+    def start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self.poller.run)
 
     async def forward(self, body: bytes, out: Out) -> None:
         self.active += 1
@@ -138,44 +134,6 @@ class Floor:
         finally:
             self.active -= 1
 
-    async def session(self, sock: socket.socket) -> None:
-        out = Out(sock)
-        recv = Reader(sock).recv
-        buf = b""
-        async with trio.open_nursery() as nursery:
-            while True:
-                data = await recv()
-                if not data:
-                    nursery.cancel_scope.cancel()
-                    return
-                buf += data
-                while True:
-                    head, sep, rest = buf.partition(b"\n")
-                    if not sep or len(rest) < int(head):
-                        break
-                    size = int(head)
-                    nursery.start_soon(self.forward, rest[:size], out)
-                    buf = rest[size:]
-
-
-async def main(host: str, port: int) -> None:
-    floor = Floor(host, port)
-    reply_line({"ok": True})
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(floor.poller.run)
-
-        async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
-            if cmd["cmd"] == "dial":
-                for _ in range(cmd["n"]):
-                    nursery.start_soon(floor.session, await connect(cmd["host"], cmd["port"]))
-                return {"ok": True}
-            if cmd["cmd"] == "status":
-                return {"active": floor.active, "bytes": floor.forwarded}
-            raise ValueError(f"unknown command {cmd['cmd']!r}")
-
-        await serve_commands(handle)
-        nursery.cancel_scope.cancel()
-
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1], int(sys.argv[2]))
+    trio.run(main, sys.argv[1], int(sys.argv[2]), PollerFloor)

@@ -129,18 +129,7 @@ class WebSocket:
         """``send`` without waiting: the frame is written at once or joins the next write.
         False when more than the buffer's worth is waiting: wait (``wait_room``) before the
         next one. ``ChannelClosed`` once the connection is closed."""
-        if self._writing or self._closed is not None:
-            return self._offer(self._frame(message))
-        try:  # _offer's usual case, inlined: this runs for every chunk
-            if self.transport.write(self._frame(message)):
-                return True
-        except _BROKEN as exc:
-            self._broke(exc)
-            raise ChannelClosed(None, f"the connection broke ({type(exc).__name__})") from None
-        self._writing = True
-        self._flushed = trio.Event()
-        self._wake.set()
-        return True
+        return self._offer(self._frame(message))
 
     def offer_batch(self, messages: list[bytes]) -> bool:
         """``offer`` for several messages ready together (one backend read's chunk frames):
