@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import trio
 
-from gateway.hub.board import BoardError
+from gateway.hub.board import BoardError, Job
 from gateway.hub.http import (
     HTTPError,
     Receive,
@@ -116,26 +118,24 @@ class RunnerApi:
         await req.resp.json(200, {"runId": run_id})
 
     async def status(self, req: Request) -> None:
-        body = await req.body(self.hub.settings.max_body)
-        runner = self._runner(req)
-        p = req.params
-        try:
-            job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])
-            self.board.report_status(job, json_object(body))
-        except BoardError as exc:
-            raise refused(exc) from None
+        job = await self._report(req, self.board.report_status)
         await req.resp.json(200, {"id": job.id, "runId": job.run_id, "status": job.status})
 
     async def progress(self, req: Request) -> None:
+        await self._report(req, self.board.report_progress)
+        await req.resp.json(200, {})
+
+    async def _report(self, req: Request, report: Callable[[Job, dict[str, Any]], None]) -> Job:
+        """A report on the runner's own job (status or progress): the body given to ``report``."""
         body = await req.body(self.hub.settings.max_body)
         runner = self._runner(req)
         p = req.params
         try:
             job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])
-            self.board.report_progress(job, json_object(body))
+            report(job, json_object(body))
         except BoardError as exc:
             raise refused(exc) from None
-        await req.resp.json(200, {})
+        return job
 
     async def events(self, req: Request) -> None:
         """``job_available`` events for the runner's project until it disconnects; a keepalive
