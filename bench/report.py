@@ -13,6 +13,7 @@ LABELS = {
     "peer": "plain asyncio peer",
     "runner": "runner",
     "e2e": "e2e front door → runner",
+    "plain-e2e": "plain aiohttp Server → plain peer",
     "litellm": "LiteLLM proxy",
     "peer-wss": "plain asyncio peer, wss",
     "runner-wss": "runner, wss",
@@ -27,6 +28,7 @@ RELAYS = {
     "peer": ["peer"],
     "runner": ["runner"],
     "e2e": ["runner", "hub"],
+    "plain-e2e": ["peer", "plainhub"],
     "litellm": ["litellm"],
     "peer-wss": ["peer"],
     "runner-wss": ["runner"],
@@ -42,6 +44,7 @@ LOOP = {
     "runner": "trio",
     "runner-wss": "trio",
     "e2e": "trio",
+    "plain-e2e": "asyncio",
     "litellm": "asyncio",
 }
 # the floors of each loop: a path's "× floor" is over the cheapest of them in that scenario
@@ -178,6 +181,190 @@ def scenario_table(results: dict[str, Any], key: str) -> str | None:
     return _table(head, rows)
 
 
+# -- end to end (issue 18): hub + runner against the plain pair ----------------------------
+
+# path -> (its Server's process, its runner's process), as labelled in cpu_us_per_chunk
+PAIRS = {"e2e": ("hub", "runner"), "plain-e2e": ("plainhub", "peer")}
+PAIR_LABELS = {"e2e": "hub + runner", "plain-e2e": "plain Server + plain peer (baseline)"}
+# the runner alone (its channel ending in the lean sink) of each pair: the front door's share
+ALONE = {"e2e": "runner", "plain-e2e": "peer"}
+PLAIN = "plain-e2e"
+E2E_SCENARIOS = ("lockstep", "c64s8", "single")  # paced first, then full speed
+E2E_FIGURES = (
+    "server_cpu_us_per_chunk",
+    "runner_cpu_us_per_chunk",
+    "whole_cpu_us_per_chunk",
+    "added_latency_ms_p50",
+    "added_latency_ms_p99",
+)
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def e2e_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """Each pair's figures per scenario, the front door's idle TTFT, each with its ratio to the
+    plain pair's (``x_plain``). Stored in the JSON as ``e2e``."""
+    paths = results.get("paths", {})
+    out: dict[str, Any] = {"scenarios": {}, "ttft": {}}
+    for key in E2E_SCENARIOS:
+        rows: dict[str, dict[str, Any]] = {}
+        for name, (server, runner) in PAIRS.items():
+            res = _get(paths, name, key)
+            if not res or not res.get("chunks"):
+                continue
+            s = _get(res, "cpu_us_per_chunk", server)
+            r = _get(res, "cpu_us_per_chunk", runner)
+            row: dict[str, Any] = {
+                "chunks": res.get("chunks"),
+                "chunks_per_s": res.get("chunks_per_s"),
+                "server_cpu_us_per_chunk": s,
+                "runner_cpu_us_per_chunk": r,
+                "whole_cpu_us_per_chunk": None if s is None or r is None else round(s + r, 2),
+            }
+            for q in ("p50", "p99"):
+                row[f"latency_ms_{q}"] = _get(res, "latency_ms", q)
+                row[f"added_latency_ms_{q}"] = _minus(
+                    _get(res, "latency_ms", q), _get(paths, "direct", key, "latency_ms", q)
+                )
+            rows[name] = row
+        plain = rows.get(PLAIN, {})
+        for row in rows.values():
+            row["x_plain"] = {
+                f: None if (r := _ratio(row.get(f), plain.get(f))) is None else round(r, 3)
+                for f in E2E_FIGURES
+            }
+        if rows:
+            out["scenarios"][key] = rows
+    direct = _get(paths, "direct", "ttft", "ttft_ms", "p50")
+    for name, alone in ALONE.items():
+        t = _get(paths, name, "ttft", "ttft_ms", "p50")
+        if t is None:
+            continue
+        a = _get(paths, alone, "ttft", "ttft_ms", "p50")
+        out["ttft"][name] = {
+            "ttft_ms_p50": t,
+            "ttft_ms_p99": _get(paths, name, "ttft", "ttft_ms", "p99"),
+            "runner_alone_ms_p50": a,
+            "front_door_added_ms": _minus(t, a),
+            "added_over_direct_ms": _minus(t, direct),
+        }
+    plain_t = out["ttft"].get(PLAIN, {})
+    for row in out["ttft"].values():
+        row["x_plain"] = {
+            f: None if (r := _ratio(row.get(f), plain_t.get(f))) is None else round(r, 3)
+            for f in ("front_door_added_ms", "added_over_direct_ms")
+        }
+    return out
+
+
+def e2e_tables(results: dict[str, Any]) -> list[str]:
+    summary = results.get("e2e") or e2e_summary(results)
+    out: list[str] = []
+    for key, rows in summary["scenarios"].items():
+        paced = any(r.get("latency_ms_p50") is not None for r in rows.values())
+        head = ["pair", "chunks/s", "Server µs/chunk", "× plain", "runner µs/chunk", "× plain"]
+        head += ["whole path µs/chunk", "× plain"]
+        if paced:
+            head += ["added lat p50 ms", "× plain", "added lat p99 ms", "× plain"]
+        table = []
+        for name, row in rows.items():
+            x = row["x_plain"]
+            line = [PAIR_LABELS.get(name, name), _num(row["chunks_per_s"])]
+            for f in E2E_FIGURES[:3]:
+                line += [_num(row[f], 1), _x(x[f])]
+            if paced:
+                for f in E2E_FIGURES[3:]:
+                    line += [_num(row[f], 2), _x(x[f])]
+            table.append(line)
+        title = dict(SCENARIOS).get(key, key)
+        out += [
+            "",
+            "End to end (client → Server front door → runner → backend): "
+            + _scenario_title(results, key, title),
+            "",
+            _table(head, table),
+        ]
+    if summary["ttft"]:
+        table = []
+        for name, row in summary["ttft"].items():
+            x = row["x_plain"]
+            table.append(
+                [
+                    PAIR_LABELS.get(name, name),
+                    _num(row["ttft_ms_p50"], 3),
+                    f"{_num(row['runner_alone_ms_p50'], 3)} ({ALONE[name]})",
+                    _num(row["front_door_added_ms"], 3),
+                    _x(x["front_door_added_ms"]),
+                    _num(row["added_over_direct_ms"], 3),
+                    _x(x["added_over_direct_ms"]),
+                ]
+            )
+        head = ["pair", "TTFT p50", "runner alone p50", "front door added", "× plain"]
+        head += ["added over direct", "× plain"]
+        out += ["", "End to end, idle time to first token (ms, p50)", "", _table(head, table)]
+    return out
+
+
+def targets_18(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Issue 18 point 6's targets, each checked: (target, measured, "yes" / "NO" / "—")."""
+    summary = results.get("e2e") or e2e_summary(results)
+    rows: list[tuple[str, str, str]] = []
+
+    def check(label: str, a: float | None, b: float | None, limit: float, what: str) -> None:
+        r = _ratio(a, b)
+        if a is None or b is None or (r is None):
+            rows.append((label, "not measured", "—"))
+        else:
+            rows.append(
+                (label, f"{r:.2f}× ({a:.2f} vs {what} {b:.2f})", "yes" if r <= limit else "NO")
+            )
+
+    lock = summary["scenarios"].get("lockstep", {})
+    hub = lock.get("e2e", {})
+    plain = lock.get(PLAIN, {})
+    check(
+        "lockstep: hub CPU/chunk ≤ the runner's own (same run)",
+        hub.get("server_cpu_us_per_chunk"),
+        hub.get("runner_cpu_us_per_chunk"),
+        1.0,
+        "runner µs",
+    )
+    for key in ("lockstep", "c64s8"):
+        sc = summary["scenarios"].get(key, {})
+        check(
+            f"{key}: whole-path CPU/chunk ≤ 0.5× the plain pair's",
+            _get(sc, "e2e", "whole_cpu_us_per_chunk"),
+            _get(sc, PLAIN, "whole_cpu_us_per_chunk"),
+            0.5,
+            "plain µs",
+        )
+    for q in ("p50", "p99"):
+        check(
+            f"lockstep: whole-path added latency {q} ≤ 0.5× the plain pair's",
+            hub.get(f"added_latency_ms_{q}"),
+            plain.get(f"added_latency_ms_{q}"),
+            0.5,
+            "plain ms",
+        )
+    t = summary["ttft"].get("e2e", {})
+    added = t.get("front_door_added_ms")
+    if added is None:
+        rows.append(
+            ("front door added idle TTFT ≤ 1 ms over the runner alone", "not measured", "—")
+        )
+    else:
+        rows.append(
+            (
+                "front door added idle TTFT ≤ 1 ms over the runner alone",
+                f"{added:.3f} ms ({t['ttft_ms_p50']:.3f} vs runner {t['runner_alone_ms_p50']:.3f})",
+                "yes" if added <= 1.0 else "NO",
+            )
+        )
+    return rows
+
+
 def render(results: dict[str, Any]) -> str:
     paths = results.get("paths", {})
     m = results.get("machine", {})
@@ -219,6 +406,8 @@ def render(results: dict[str, Any]) -> str:
     if rows:
         out += ["", "Time to first token, one-chunk turns one at a time on an idle path (ms)", ""]
         out.append(_table(["path", "TTFT p50", "TTFT p99", "added TTFT p50"], rows))
+    if any(n in paths for n in PAIRS):
+        out += e2e_tables(results)
     sink = results.get("sink_check")
     if sink:
         out += [
@@ -242,6 +431,9 @@ def render(results: dict[str, Any]) -> str:
     scale = results.get("scale")
     if scale:
         out += ["", *_scale(scale)]
+    if any(n in paths for n in PAIRS):
+        out += ["", "Targets (issue 18, point 6: end to end, against the plain pair)", ""]
+        out.append(_table(["target", "measured", "met"], [list(t) for t in targets_18(results)]))
     out += ["", "Targets (issue #10, point 4, and the scale targets)", ""]
     out.append(_table(["target", "measured", "met"], [[a, b, c] for a, b, c in targets(results)]))
     for note in results.get("notes", []):
