@@ -64,6 +64,7 @@ PATHS = (
     "peer",
     "runner",
     "e2e",
+    "plain-e2e",
     "litellm",
     "peer-wss",
     "runner-wss",
@@ -233,7 +234,7 @@ class Bench:
             await floor.rpc("dial", host="127.0.0.1", port=sink.port, n=sessions)
             await sink.wait_sessions(sessions)
             self.paths[name] = FloorPath(name, floor, sink.sessions)
-        if self.wanted("peer", "peer-wss"):
+        if self.wanted("peer", "peer-wss", "plain-e2e"):
             self.peer, _ = await self.child("peer", _py("-m", "bench.peer", self.sim_url, ca_file))
             for name, sink in (("peer", self.ws_sink), ("peer-wss", self.wss_sink)):
                 if not self.wanted(name):
@@ -243,6 +244,8 @@ class Bench:
                 await self.peer.rpc("dial", urls=urls)
                 channels = await sink.wait_channels(ids, 60)
                 self.paths[name] = ChannelPath(name, "peer", self.peer, channels)
+            if self.wanted("plain-e2e"):
+                await self._plain_e2e(sessions)
         self.runner, _ = await self.child(
             "runner",
             self.runner_argv(
@@ -270,6 +273,30 @@ class Bench:
             out = await self.paths["e2e"].run(sessions, sessions, False, "warm")
             if out.errors:
                 raise RuntimeError(f"front door warm-up failed: {out.errors[:3]}")
+
+    async def _plain_e2e(self, sessions: int) -> None:
+        """The plain pair: client → ``bench/plainhub.py`` (aiohttp Server) → the plain peer →
+        simulator; the peer dials one channel per session before anything is measured."""
+        plain, hello = await self.child("plainhub", _py("-m", "bench.plainhub"))
+        assert hello is not None
+        urls = [f"{hello['channel_url']}?jobId=plain-{i}" for i in range(sessions)]
+        await self.peer.rpc("dial", urls=urls)
+        with trio.fail_after(60):
+            while (await plain.rpc("channels"))["n"] < sessions:  # noqa: ASYNC110 (another process)
+                await trio.sleep(0.05)
+        self.paths["plain-e2e"] = HttpPath(
+            "plain-e2e",
+            SSEClient(
+                "127.0.0.1", hello["port"], headers={"authorization": f"Bearer {hello['key']}"}
+            ),
+            {"peer": (self.peer, False), "plainhub": (plain, False)},
+            sessions=True,
+        )
+        # the same warm-up as the front door's: every session has served a turn
+        await self.sim.rpc("opts", opts={"chunks": 1})
+        out = await self.paths["plain-e2e"].run(sessions, sessions, False, "warm-plain")
+        if out.errors:
+            raise RuntimeError(f"plain Server warm-up failed: {out.errors[:3]}")
 
     async def _start_litellm(self) -> None:
         try:
@@ -793,6 +820,17 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     results = trio.run(bench.main)
     results["id"] = uuid.uuid4().hex[:8]
+    results["e2e"] = report.e2e_summary(results)
+    results["targets"] = {
+        "issue18": [
+            dict(zip(("target", "measured", "met"), t, strict=True))
+            for t in report.targets_18(results)
+        ],
+        "issue10": [
+            dict(zip(("target", "measured", "met"), t, strict=True))
+            for t in report.targets(results)
+        ],
+    }
     FsPath(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print()
     print(report.render(results))
