@@ -125,11 +125,19 @@ class TLSTransport(Transport):
 
     __slots__ = ("tls", "_incoming", "_outgoing")
 
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str) -> None:
+    def __init__(
+        self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str | None
+    ) -> None:
         super().__init__(sock)
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
-        self.tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
+        # no host name: the server side of the connection (the hub's listener)
+        self.tls = context.wrap_bio(
+            self._incoming,
+            self._outgoing,
+            server_side=server_hostname is None,
+            server_hostname=server_hostname,
+        )
         self.recv = self._recv_tls
 
     @property
@@ -213,7 +221,7 @@ async def connect(
 ) -> Transport:
     """A TCP connection (trio's happy eyeballs, TCP_NODELAY), TLS on top when ``ssl_context``."""
     stream = await trio.open_tcp_stream(host, port)
-    sock = _take_socket(stream)
+    sock = take_socket(stream)
     if ssl_context is None:
         return Transport(sock)
     return await start_tls(Transport(sock), ssl_context, server_hostname or host)
@@ -240,7 +248,7 @@ async def _receive_raw(sock: socket.socket) -> bytes:
             await _wait_readable(sock)
 
 
-def _take_socket(stream: trio.SocketStream) -> socket.socket:
+def take_socket(stream: trio.SocketStream) -> socket.socket:
     """The stdlib socket under a connected trio ``SocketStream`` (its fd moves over)."""
     trio_sock = stream.socket
     family, type_, proto = trio_sock.family, trio_sock.type, trio_sock.proto

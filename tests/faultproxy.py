@@ -342,13 +342,16 @@ async def fault_proxy(target_url: str) -> AsyncIterator[FaultProxy]:
 
 
 class RequestLog:
-    """A test-only ASGI wrapper: every request (method, path) the wrapped app was given."""
+    """A test-only wrapper of the hub's handler: every request (method, path) it was given."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.requests: list[tuple[str, str]] = []
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket"):
-            self.requests.append((scope.get("method", "GET"), scope["path"]))
-        await self.app(scope, receive, send)
+    async def http(self, req: Any) -> None:
+        self.requests.append((req.scope["method"], req.scope["path"]))
+        await self.app.http(req)
+
+    async def websocket(self, req: Any) -> None:
+        self.requests.append((req.scope["method"], req.scope["path"]))
+        await self.app.websocket(req)

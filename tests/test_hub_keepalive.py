@@ -233,26 +233,32 @@ async def test_with_pings_off_a_silent_channel_is_bounded(stream: bool) -> None:
 
 
 async def test_an_app_slow_to_read_is_not_a_dead_path() -> None:
-    """The app stops reading (a slow front-door client holds its channel up): the frames, the
+    """The app stops reading (a slow consumer holds the channel's reader up): the frames, the
     pongs among them, wait in the socket; the connection is not declared dead for that."""
     from gateway.hub.counters import HubCounters
-    from gateway.hub.server import INBOX, Keepalive, Server
+    from gateway.hub.server import Keepalive, Server
 
     release = trio.Event()
     got: list[str] = []
+    total = 256
 
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        assert (await receive())["type"] == "websocket.connect"
-        await send({"type": "websocket.accept"})
-        await release.wait()  # held up: reads nothing meanwhile
-        while (message := await receive())["type"] == "websocket.receive":
-            got.append(message["text"])
-            if len(got) == total:
-                await send({"type": "websocket.close", "code": 1000})
+    class SlowApp:
+        async def http(self, req: Any) -> None:
+            raise AssertionError("no HTTP here")
 
-    total = INBOX * 4
+        async def websocket(self, req: Any) -> None:
+            ws = await req.accept()
+
+            async def on_texts(texts: list[bytes]) -> None:
+                await release.wait()  # held up: reads nothing meanwhile
+                got.extend(t.decode() for t in texts)
+                if len(got) == total:
+                    ws.close_nowait(1000)
+
+            await ws.run(on_texts)
+
     counters = HubCounters()
-    server = Server(app, keepalive=Keepalive(PING, PING), counters=counters, max_message=1 << 20)
+    server = Server(SlowApp(), keepalive=Keepalive(PING, PING), counters=counters)
     async with trio.open_nursery() as nursery:
         url = await nursery.start(server.serve, "127.0.0.1", 0)
         with trio.fail_after(30):  # a hang guard only

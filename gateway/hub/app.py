@@ -1,4 +1,4 @@
-"""The hub's ASGI app and its launch: one router for every route, one error shape, our server."""
+"""The hub's routes and its launch: one router for every route, one error shape, our server."""
 
 from __future__ import annotations
 
@@ -15,20 +15,11 @@ from typing import Any
 import trio
 
 from gateway.hub.admin import AdminApi
-from gateway.hub.http import (
-    ASGIApp,
-    ClientGone,
-    HTTPError,
-    Receive,
-    Request,
-    Response,
-    Scope,
-    Send,
-    error_envelope,
-)
+from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
-from gateway.hub.server import Keepalive, Server
+from gateway.hub.server import Handler as ServerHandler
+from gateway.hub.server import Keepalive, Limits, Server, WebSocketRequest
 
 log = logging.getLogger("gateway.hub")
 
@@ -50,7 +41,7 @@ def _route(method: str, path: str, handler: Handler) -> Route:
 
 
 class App:
-    """The hub's ASGI app: HTTP routes through one table, the Chat Channel WebSocket, lifespan."""
+    """The hub's handler: HTTP routes through one table, and the Chat Channel WebSocket."""
 
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
@@ -85,21 +76,6 @@ class App:
         # checked before the route is looked up: without the credential, no 404 or 405 either
         self._guards: list[tuple[str, Callable[[Request], None]]] = [("/api/hub/", admin.check)]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "websocket":
-            await self._websocket(scope, receive, send)
-        elif kind == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-
     def _resolve(self, req: Request) -> Handler:
         """The handler of the request's route (its params filled in); HTTPError 404/405."""
         method = req.scope["method"]
@@ -129,14 +105,15 @@ class App:
             )
         raise HTTPError(404, f"Invalid URL ({method} {path})", "unknown_url")
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = Response(send)
-        req = Request(scope, receive, resp, {})
+    async def http(self, req: Request) -> None:
+        """One HTTP request through its route; every failure answered in the error shape."""
+        resp = req.resp
+        scope = req.scope
         try:
             handler = self._resolve(req)
             await handler(req)
         except HTTPError as err:
-            if not resp.started:
+            if not resp.started and not resp.gone:
                 try:
                     await resp.error(err)
                 except ClientGone:
@@ -144,7 +121,7 @@ class App:
         except ClientGone:
             return
         except Exception:
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unexpected error on %s %.200r", scope.get("method"), scope.get("path"))
             try:
                 if not resp.started:
                     await resp.error(HTTPError(500, "internal error in the hub", "internal_error"))
@@ -159,25 +136,12 @@ class App:
                 except ClientGone:
                     pass
 
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = await receive()
-        if message.get("type") != "websocket.connect":
+    async def websocket(self, req: WebSocketRequest) -> None:
+        """The Chat Channel handshake; any other WebSocket path is a 404."""
+        if req.scope["path"] != CHANNEL_PATH:
+            await req.refuse(404, "not found", "unknown_url")
             return
-        if scope["path"] != CHANNEL_PATH:
-            body = error_envelope("not found", "invalid_request_error", "unknown_url")
-            await send(
-                {
-                    "type": "websocket.http.response.start",
-                    "status": 404,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "websocket.http.response.body", "body": body})
-            return
-        await self.runners.channel(scope, receive, send)
+        await self.runners.channel(req)
 
 
 def _ssl_context(
@@ -201,7 +165,7 @@ async def serve_hub(
     port: int = 0,
     certfile: str | pathlib.Path | None = None,
     keyfile: str | pathlib.Path | None = None,
-    app: ASGIApp | None = None,
+    app: ServerHandler | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``hub`` on ``host:port`` (0 = a free port) until cancelled; ``started`` gets the base URL.
@@ -214,7 +178,12 @@ async def serve_hub(
         app if app is not None else App(hub),
         keepalive=Keepalive(settings.ping_interval, settings.pong_timeout),
         counters=hub.counters,
-        max_message=settings.max_body,
+        limits=Limits(
+            head_timeout=settings.head_timeout,
+            body_timeout=settings.body_timeout,
+            max_connections=settings.max_connections,
+            max_message=settings.max_body,
+        ),
         ssl_context=_ssl_context(certfile, keyfile),
     )
     async with trio.open_nursery() as nursery:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -13,45 +13,74 @@ import trio
 from gateway import protocol
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.counters import HubCounters
-from gateway.hub.http import Message, Receive, Send
+from gateway.hub.http import ClientGone
+from gateway.hub.server import ServerWebSocket
+from gateway.hub.wsframes import OP_BINARY
 
 log = logging.getLogger("gateway.hub")
 
+_CHUNK = protocol.COMPLETION_CHUNK
 REQUEST_BUFFER = 256  # inbound frames buffered per open request before the reader pushes back
 GENERAL_BUFFER = 1024  # inbound frames buffered for recv(); more are dropped
 CLOSE_REPLACED = 4000  # an old channel replaced by a new connection for the same job
 CLOSE_OFFLINE = 1001  # the runner was declared offline
-DEAD_CODES = (1006, 1011)  # ended with no close handshake, or silent past the ping timeout
+# ended with no close handshake, failed for a protocol violation, or silent past the ping timeout
+DEAD_CODES = (1002, 1006, 1007, 1009, 1011)
 
 
-class _Envelope(msgspec.Struct):
-    """Just enough of an inbound frame to route it; every other field is skipped."""
+class Frame(msgspec.Struct):
+    """An inbound frame, decoded once where it is read: the fields that route it and end a turn;
+    ``chunk`` stays raw bytes (never re-encoded), every other field is skipped."""
 
     type: Any = None
     requestId: Any = None
+    chunk: msgspec.Raw = msgspec.Raw(b"")
+    error: Any = None
+    reason: Any = None
 
 
-_envelope_decoder = msgspec.json.Decoder(_Envelope)
+_frame_decoder = msgspec.json.Decoder(Frame)
 _json_encoder = msgspec.json.Encoder()
 
 
-class ServerChannel:
-    """One accepted Chat Channel WebSocket, seen from the Server side."""
+class TurnSink(Protocol):
+    """Where the channel's reader puts a streamed turn's frames (the front door's client)."""
 
-    def __init__(self, job_id: str, runner_id: str, send: Send, channels: Channels) -> None:
+    def chunk(self, chunk: msgspec.Raw) -> None:
+        """One chunk frame's chunk, in order."""
+
+    def flush_batch(self) -> None:
+        """Every chunk of the read at hand is in: write them."""
+
+    def frame(self, frame: Frame) -> None:
+        """Any other frame of the turn (done, error)."""
+
+    def lost(self) -> None:
+        """The channel ended."""
+
+
+class ServerChannel:
+    """One accepted Chat Channel WebSocket, seen from the Server side.
+
+    Its reader runs in the connection's own task: each read's frames are decoded once, and a
+    streamed turn's chunks go straight to that turn's ``TurnSink`` (its client's socket); frames
+    of requests opened with ``open_request`` go to their memory channel, the rest to ``recv``.
+    """
+
+    def __init__(
+        self, job_id: str, runner_id: str, ws: ServerWebSocket | None, channels: Channels
+    ) -> None:
         self.job_id = job_id
         self.runner_id = runner_id
         self.closed = trio.Event()
-        self._asgi_send = send
+        self._ws = ws
         self._channels = channels
-        self._lock = trio.Lock()
         self._requests: dict[str, trio.MemorySendChannel[tuple[str, float]]] = {}
+        self._sinks: dict[str, TurnSink] = {}
         self._general_send, self._general_recv = trio.open_memory_channel[tuple[str, float]](
             GENERAL_BUFFER
         )
-        self._loop_scope = trio.CancelScope()
         self._close_code: int | None = None
-        self._close_reason: str | None = None
         self._terminated = trio.Event()
         self.dropped = 0  # inbound frames dropped because recv() was not read
         self.end_code: int | None = None  # the close code the channel ended with
@@ -68,23 +97,22 @@ class ServerChannel:
         EndOfChannel.
         """
         if isinstance(frame, dict):
-            message: Message = {
-                "type": "websocket.send",
-                "text": _json_encoder.encode(frame).decode(),
-            }
+            data, binary = _json_encoder.encode(frame), False
         elif isinstance(frame, str):
-            message = {"type": "websocket.send", "text": frame}
+            data, binary = frame.encode(), False
         elif isinstance(frame, bytes | bytearray | memoryview):
-            message = {"type": "websocket.send", "bytes": bytes(frame)}
+            data, binary = bytes(frame), True
         else:
             raise TypeError(f"cannot send {type(frame).__name__} on a channel")
-        async with self._lock:
-            if self.closed.is_set():
-                return
-            try:
-                await self._asgi_send(message)
-            except OSError as exc:  # the socket broke: the reader ends the channel
-                log.debug("channel %s: send failed: %r", self.job_id, exc)
+        if self.closed.is_set() or self._ws is None:
+            return
+        try:
+            if binary:
+                await self._ws.send_message(OP_BINARY, data)
+            else:
+                await self._ws.send_text(data)
+        except ClientGone as exc:  # the socket broke: the reader ends the channel
+            log.debug("channel %s: send failed: %r", self.job_id, exc)
 
     def open_request(self, request_id: str) -> trio.MemoryReceiveChannel[tuple[str, float]]:
         """Route inbound text messages whose ``requestId`` is ``request_id`` to the returned channel.
@@ -92,7 +120,7 @@ class ServerChannel:
         Each item is ``(text, time.perf_counter() at receipt)``. When the socket closes the
         channel ends (EndOfChannel); on an already closed channel it ends at once.
         """
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._sinks:
             raise ValueError(f"request {request_id!r} is already open on this channel")
         send_ch, recv_ch = trio.open_memory_channel[tuple[str, float]](REQUEST_BUFFER)
         if self.closed.is_set():
@@ -101,8 +129,19 @@ class ServerChannel:
             self._requests[request_id] = send_ch
         return recv_ch
 
+    def open_turn(self, request_id: str, sink: TurnSink) -> None:
+        """Hand the frames of ``request_id`` to ``sink`` as they are read (``lost`` at once on a
+        closed channel)."""
+        if request_id in self._requests or request_id in self._sinks:
+            raise ValueError(f"request {request_id!r} is already open on this channel")
+        if self.closed.is_set():
+            sink.lost()
+        else:
+            self._sinks[request_id] = sink
+
     def close_request(self, request_id: str) -> None:
         """Stop routing ``request_id``; later messages for it go to ``recv()``."""
+        self._sinks.pop(request_id, None)
         send_ch = self._requests.pop(request_id, None)
         if send_ch is not None:
             send_ch.close()
@@ -118,14 +157,14 @@ class ServerChannel:
             await self._terminated.wait()
 
     def request_close(self, code: int = 1000, reason: str | None = None) -> None:
-        """Close without waiting: end the channel now, the close frame follows from its own task."""
+        """Close without waiting: end the channel now, the close frame written at once."""
         if self._close_code is None and not self._terminated.is_set():
             self._close_code = code
-            self._close_reason = reason
+        if self._ws is not None:
+            self._ws.close_nowait(code, reason or "")
         self._finish()
-        self._loop_scope.cancel()
 
-    # -- internals, driven by the hub's WebSocket handler --------------------
+    # -- internals, driven by the connection's reader --------------------------------------
 
     def _finish(self) -> None:
         if self.closed.is_set():
@@ -134,33 +173,62 @@ class ServerChannel:
         for send_ch in self._requests.values():
             send_ch.close()
         self._requests.clear()
+        sinks = list(self._sinks.values())
+        self._sinks.clear()
+        for sink in sinks:
+            sink.lost()
         self._general_send.close()
         self._channels.gone(self)
 
-    async def _route(self, text: str, at: float) -> None:
-        try:
-            envelope = _envelope_decoder.decode(text)
-        except msgspec.DecodeError:
-            request_id = None
-        else:
-            request_id = envelope.requestId if isinstance(envelope.requestId, str) else None
-            if request_id is None and envelope.type == protocol.END:
+    async def _on_texts(self, texts: list[bytes]) -> None:
+        """One read's text messages, in order: chunks of streamed turns written to their
+        clients (each turn's chunks of this read in one write), the rest routed."""
+        self._seen(self.runner_id)
+        sinks = self._sinks
+        decode = _frame_decoder.decode
+        dirty: dict[int, TurnSink] | None = None
+        for text in texts:
+            try:
+                frame = decode(text)
+            except msgspec.DecodeError:
+                await self._general(text)
+                continue
+            rid = frame.requestId
+            if rid.__class__ is str:
+                sink = sinks.get(rid)
+                if sink is not None:
+                    if frame.type == _CHUNK:
+                        sink.chunk(frame.chunk)
+                        if dirty is None:
+                            dirty = {id(sink): sink}
+                        else:
+                            dirty[id(sink)] = sink
+                    else:
+                        sink.frame(frame)
+                    continue
+                send_ch = self._requests.get(rid)
+                if send_ch is not None:
+                    item = (text.decode(), time.perf_counter())
+                    try:
+                        try:
+                            send_ch.send_nowait(item)
+                        except trio.WouldBlock:
+                            await send_ch.send(item)  # that request reads slowly: push back
+                        continue
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        if self._requests.get(rid) is send_ch:
+                            del self._requests[rid]
+            elif rid is None and frame.type == protocol.END:
                 self.runner_ended = True  # known before the close that follows it
                 self._channels.runner_ended.add(self.job_id)
-        if request_id is not None:
-            send_ch = self._requests.get(request_id)
-            if send_ch is not None:
-                try:
-                    try:
-                        send_ch.send_nowait((text, at))  # no scheduling point per frame
-                    except trio.WouldBlock:
-                        await send_ch.send((text, at))  # that request reads slowly: push back
-                    return
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    if self._requests.get(request_id) is send_ch:
-                        del self._requests[request_id]
+            await self._general(text)
+        if dirty is not None:
+            for sink in dirty.values():
+                sink.flush_batch()
+
+    async def _general(self, text: bytes) -> None:
         try:
-            self._general_send.send_nowait((text, at))
+            self._general_send.send_nowait((text.decode(), time.perf_counter()))
         except trio.WouldBlock:
             self.dropped += 1
             if self.dropped == 1:
@@ -168,38 +236,17 @@ class ServerChannel:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
-    async def serve(self, receive: Receive) -> None:
-        """Pump inbound messages until the socket closes or ``close()`` is asked for."""
-        disconnected = False
-        seen, runner_id = self._channels.board.seen, self.runner_id
+    def _seen(self, runner_id: str) -> None:
+        self._channels.board.seen(runner_id)
+
+    async def serve(self) -> None:
+        """Read the WebSocket until it closes (or ``close()`` is asked for)."""
         try:
-            with self._loop_scope:
-                while True:
-                    message = await receive()
-                    kind = message.get("type")
-                    if kind == "websocket.disconnect":
-                        disconnected = True
-                        self.end_code = message.get("code", 1005)
-                        break
-                    if kind != "websocket.receive":
-                        continue
-                    text = message.get("text")
-                    if text is None:
-                        continue  # binary inbound frames are ignored
-                    at = time.perf_counter()
-                    seen(runner_id)
-                    await self._route(text, at)
+            if self._ws is not None:
+                self.end_code = await self._ws.run(self._on_texts)
         finally:
             self._finish()
-            try:
-                if not disconnected:
-                    close: Message = {"type": "websocket.close", "code": self._close_code or 1000}
-                    if self._close_reason:
-                        close["reason"] = self._close_reason
-                    async with self._lock:
-                        await self._asgi_send(close)
-            finally:
-                self._terminated.set()
+            self._terminated.set()
 
 
 class Channels:
@@ -220,9 +267,9 @@ class Channels:
         """Every open channel."""
         return list(self._open.values())
 
-    def accept(self, job_id: str, runner_id: str, send: Send) -> ServerChannel:
+    def accept(self, job_id: str, runner_id: str, ws: ServerWebSocket) -> ServerChannel:
         """A new channel for the job (its handshake accepted); an older one is closed."""
-        ch = ServerChannel(job_id, runner_id, send, self)
+        ch = ServerChannel(job_id, runner_id, ws, self)
         old = self._open.get(job_id)
         self._open[job_id] = ch
         if old is not None:

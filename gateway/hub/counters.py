@@ -16,6 +16,9 @@ class HubCounters:
     pong_timeouts: int = 0  # channels silent past the ping timeout, closed with 1011
     channels_dead: int = 0  # channels that ended without a close handshake (or offline)
     failovers: int = 0  # turns moved to a new Chat Job because their session's channel was gone
+    ws_protocol_errors: int = 0  # WebSockets failed for a protocol violation (1002/1007/1009)
+    connections_refused: int = 0  # connections refused past max_connections (or on EMFILE)
+    turns_overrun: int = 0  # turns ended because their client read too slowly (backlog bound)
 
     def as_json(self) -> dict[str, int]:
         """The counters by name, camelCase as the admin routes answer."""

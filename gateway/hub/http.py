@@ -1,12 +1,17 @@
-"""What every hub route shares: the one error type and shape, body reader, bearer, answers."""
+"""What every hub route shares: the error type and shape, the request and response, bearer."""
 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
+import h11
 import msgspec
+import trio
+
+from gateway.netio import Transport
 
 log = logging.getLogger("gateway.hub")
 
@@ -91,30 +96,6 @@ def bearer(scope: Scope) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body; HTTPError 413 past ``limit`` bytes, ClientGone on a disconnect."""
-    declared = header(scope, b"content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-def _too_large(limit: int) -> HTTPError:
-    return HTTPError(413, f"request body exceeds {limit} bytes", "request_too_large")
-
-
 def json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; HTTPError 400 otherwise."""
     try:
@@ -142,42 +123,124 @@ async def wait_disconnect(receive: Receive) -> None:
         pass
 
 
-class Response:
-    """One HTTP response on its way out, remembering how far it got."""
+class Connection(Protocol):
+    """What a request needs of the connection it came on (``gateway.hub.server``)."""
 
-    def __init__(self, send: Send) -> None:
-        self._send = send
+    async def read_body(self, limit: int, resp: Response) -> bytes: ...
+
+    async def wait_disconnect(self) -> None: ...
+
+
+_NET_ERRORS = (OSError, ssl.SSLError, trio.ClosedResourceError, trio.BrokenResourceError)
+
+
+class Response:
+    """One HTTP response on its way out, written straight to the client's socket.
+
+    The ``*_nowait`` methods write at once what the socket takes and keep the rest for
+    ``flush`` (they never wait: the channel's reader writes a turn's chunks with them); the
+    others flush too. A failed write marks the response ``gone`` and raises ClientGone. A
+    streamed body (no ``content-length``, HTTP/1.1) is chunked here, one chunk per write.
+    """
+
+    __slots__ = (
+        "_h11",
+        "_transport",
+        "_http10",
+        "_head",
+        "chunked",
+        "started",
+        "finished",
+        "gone",
+        "close_after",
+    )
+
+    def __init__(
+        self, conn: h11.Connection, transport: Transport, http10: bool, method: bytes
+    ) -> None:
+        self._h11 = conn
+        self._transport = transport
+        self._http10 = http10
+        self._head = method == b"HEAD"
+        self.chunked = False
         self.started = False
         self.finished = False
         self.gone = False
+        self.close_after = False  # the connection closes after this response
 
-    async def _emit(self, message: Message) -> None:
+    @property
+    def backlog(self) -> int:
+        """Bytes written but not yet taken by the socket."""
+        return len(self._transport.unsent)
+
+    def write_raw(self, data: bytes) -> bool:
+        """Bytes as they are; True when the socket took them all."""
         if self.gone:
             raise ClientGone()
         try:
-            await self._send(message)
-        except Exception as exc:  # the server raises on a send after the client went away
+            return self._transport.write(data)
+        except _NET_ERRORS as exc:
             self.gone = True
-            log.debug("send to the HTTP client failed: %r", exc)
+            raise ClientGone() from exc
+
+    def start_nowait(self, status: int, headers: Headers) -> bool:
+        headers = list(headers)
+        if self._h11.their_state is h11.SEND_BODY:  # its body unread: no next request here
+            headers.append((b"connection", b"close"))
+            self.close_after = True
+        self.chunked = (
+            not self._http10
+            and not self._head
+            and status not in (204, 304)
+            and not any(k.lower() == b"content-length" for k, _ in headers)
+        )
+        data = self._h11.send(h11.Response(status_code=status, headers=headers)) or b""
+        self.started = True
+        return self.write_raw(data)
+
+    def write_nowait(self, data: bytes) -> bool:
+        """A part of the body."""
+        if not data or self._head:
+            return not self._transport.unsent
+        if self.chunked:
+            return self.write_raw(b"%x\r\n%b\r\n" % (len(data), data))
+        return self.write_raw(self._h11.send(h11.Data(data=data)) or b"")
+
+    def end_nowait(self) -> bool:
+        """The end of the body."""
+        self.finished = True
+        return self.write_raw(self._h11.send(h11.EndOfMessage()) or b"")
+
+    async def flush(self) -> None:
+        """Wait until the socket took everything written."""
+        if self.gone:
+            raise ClientGone()
+        try:
+            await self._transport.flush()
+        except _NET_ERRORS as exc:
+            self.gone = True
             raise ClientGone() from exc
 
     async def start(self, status: int, headers: Headers) -> None:
-        self.started = True
-        await self._emit({"type": "http.response.start", "status": status, "headers": headers})
+        self.start_nowait(status, headers)
+        await self.flush()
 
     async def body(self, data: bytes, more: bool = True) -> None:
+        self.write_nowait(data)
         if not more:
-            self.finished = True
-        await self._emit({"type": "http.response.body", "body": data, "more_body": more})
+            self.end_nowait()
+        await self.flush()
 
     async def whole(self, status: int, data: bytes, headers: Headers | None = None) -> None:
         """A complete response: ``data`` (JSON unless ``headers`` say otherwise) in one body."""
         if status == 204:
-            await self.start(status, list(headers or []))
+            self.start_nowait(status, list(headers or []))
         else:
             head = [JSON_HEADER, (b"content-length", str(len(data)).encode())]
-            await self.start(status, head + list(headers or []))
-        await self.body(b"" if status == 204 else data, more=False)
+            self.start_nowait(status, head + list(headers or []))
+            self.write_nowait(data)
+        self.end_nowait()
+        await self.flush()
 
     async def json(self, status: int, obj: Any, headers: Headers | None = None) -> None:
         await self.whole(status, _encoder.encode(obj), headers)
@@ -187,18 +250,24 @@ class Response:
 
 
 class Request:
-    """One HTTP request as a route handler sees it: the ASGI scope and receive, the response on
-    its way out, and the values the route's path captured."""
+    """One HTTP request as a route handler sees it: its head (``scope``: method, path,
+    query_string, headers, client), its body read on demand (``body``: after the credentials
+    are checked), the response on its way out, and the values the route's path captured."""
 
-    __slots__ = ("params", "receive", "resp", "scope")
+    __slots__ = ("params", "scope", "resp", "_conn")
 
-    def __init__(
-        self, scope: Scope, receive: Receive, resp: Response, params: dict[str, str]
-    ) -> None:
+    def __init__(self, conn: Connection, scope: Scope, resp: Response) -> None:
+        self._conn = conn
         self.scope = scope
-        self.receive = receive
         self.resp = resp
-        self.params = params
+        self.params: dict[str, str] = {}
 
     async def body(self, limit: int) -> bytes:
-        return await read_body(self.scope, self.receive, limit)
+        """The whole body: HTTPError 413 past ``limit`` bytes (408 when too slow, 400 when its
+        framing is broken), ClientGone when the client leaves mid-upload."""
+        return await self._conn.read_body(limit, self.resp)
+
+    async def receive(self) -> Message:
+        """``{"type": "http.disconnect"}`` once the client has gone (after the body was read)."""
+        await self._conn.wait_disconnect()
+        return {"type": "http.disconnect"}

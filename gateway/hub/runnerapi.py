@@ -13,16 +13,14 @@ import trio
 from gateway.hub.board import BoardError, Job
 from gateway.hub.http import (
     HTTPError,
-    Receive,
     Request,
-    Scope,
-    Send,
     bearer,
     json_object,
     string_list,
     wait_disconnect,
 )
 from gateway.hub.hub import Hub
+from gateway.hub.server import WebSocketRequest
 from gateway.hub.store import Registration
 
 log = logging.getLogger("gateway.hub")
@@ -161,13 +159,13 @@ class RunnerApi:
                         data = _encoder.encode({"jobId": job_id})
                         await resp.body(b"event: job_available\ndata: " + data + b"\n\n")
 
-    async def channel(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def channel(self, req: WebSocketRequest) -> None:
         """The Chat Channel handshake (``?jobId=&token=``), then the channel until it closes.
 
         Refused (403, before the accept) unless the token's runner claimed that job and the job
         is not over.
         """
-        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        query = urllib.parse.parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         job_id = (query.get("jobId") or [""])[0]
         token = (query.get("token") or [""])[0]
         runner = self.hub.store.registration_by_token(token) if token else None
@@ -175,9 +173,9 @@ class RunnerApi:
             self.board.seen(runner.id)
         job = self.board.may_open_channel(runner.id, job_id) if runner is not None else None
         if runner is None or job is None:
-            await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+            await req.refuse(403, "no channel for this job and token", "forbidden")
             return
-        await send({"type": "websocket.accept"})
+        ws = await req.accept()
         job.channel_opened = True
-        ch = self.hub.channels.accept(job.id, runner.id, send)
-        await ch.serve(receive)
+        ch = self.hub.channels.accept(job.id, runner.id, ws)
+        await ch.serve()

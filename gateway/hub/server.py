@@ -1,53 +1,65 @@
-"""The hub's HTTP/1.1 and WebSocket server: an ASGI app over trio, h11 and wsproto, with pings.
+"""The hub's HTTP/1.1 and WebSocket server core: typed requests to a handler over our own sockets.
 
-Why our own: ASGI shows the app no ping and no pong, so behind hypercorn the hub could not tell
-a silent dead Chat Channel from an idle live one (its ``websocket_ping_interval`` never acts on
-a missing pong, and its ``read_timeout`` would also cut a front-door client waiting through a
-long generation). Here each accepted WebSocket gets a ping every ``ping_interval`` and is closed
-(1011) when no frame at all arrives within ``ping_timeout`` of one; the app then sees
-``websocket.disconnect``. HTTP responses are written the moment the app sends each body part,
-and ``http.disconnect`` is delivered as soon as the client goes.
+Why our own: the hub's serving path writes each chunk a runner sends straight to its client's
+socket from the channel's reader, and a Chat Channel needs pings whose pongs are seen; an ASGI
+server gives neither (a chunk crossed four representations and two task hops there). Here each
+connection is one task over a non-blocking socket (``gateway.netio``, writes tried at once),
+h11 parses the HTTP/1.1 heads and bodies, and the WebSocket frames are our own
+(``gateway.hub.wsframes``: validated as RFC 6455 asks, a violation fails that connection).
+
+A handler gets ``http(Request)`` (``gateway.hub.http``: the head, ``body(limit)`` read on demand
+so credentials are checked first, the ``Response``) and ``websocket(WebSocketRequest)`` (accept
+it, or refuse it with an HTTP status). Every bound a network server needs is here: a head
+deadline and size cap, a body deadline, keep-alive idle time, a cap on open connections
+(refused with 503, one warning a minute), ``Content-Length`` with ``Transfer-Encoding`` refused
+and closed, a lingering close so that an early answer reaches a client still sending.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
+import hashlib
+import http
 import logging
 import math
+import socket
 import ssl
 import urllib.parse
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import h11
 import trio
-from wsproto import ConnectionType, WSConnection
-from wsproto.connection import ConnectionState
-from wsproto.events import (
-    AcceptConnection,
-    BytesMessage,
-    CloseConnection,
-    Event,
-    Ping,
-    Pong,
-    TextMessage,
-)
-from wsproto.utilities import RemoteProtocolError
 
 from gateway.hub.counters import HubCounters
-from gateway.hub.http import ASGIApp, Message
+from gateway.hub.http import ClientGone, HTTPError, Request, Response, error_envelope
+from gateway.hub.wsframes import (
+    OP_CLOSE,
+    OP_PING,
+    OP_PONG,
+    OP_TEXT,
+    FrameReader,
+    close_code_of,
+    close_payload,
+    server_frame,
+    text_frame,
+)
+from gateway.netio import RECV_SIZE, TLSTransport, Transport, take_socket
 
 log = logging.getLogger("gateway.hub.server")
 
-READ_SIZE = 65536
-MAX_HEAD = 64 * 1024  # bytes: a request head larger than this is refused (431 by h11's rule)
-MAX_BACKLOG = 256 * 1024  # bytes read ahead of what the app consumed before reading pauses
-IDLE_TIMEOUT = 5.0  # s: a connection idle before (or between) requests is closed
 CLOSE_TIMEOUT = 2.0  # s: how long a closing WebSocket waits for the peer's close frame
-INBOX = 64  # WebSocket messages read ahead of the app before reading pauses
+LINGER = 2.0  # s: a connection closed with unread input is drained this long (lingering close)
+LINGER_BYTES = 1 << 20  # bytes drained at most in that time
+REFUSE_TIMEOUT = 1.0  # s: a connection refused at the cap gets this long to read its 503
+WARN_EVERY = 60.0  # s: at most one warning this often about refused connections / EMFILE
 CLOSE_NO_PONG = 1011
 CLOSE_ABNORMAL = 1006  # the TCP connection ended without a close frame (RFC 6455 §7.1.5)
-_NET_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)
+_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+_NET_ERRORS = (OSError, ssl.SSLError, trio.ClosedResourceError, trio.BrokenResourceError)
+_ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,544 +70,682 @@ class Keepalive:
     timeout: float = 20.0
 
 
-@dataclass(eq=False)
-class _Peer:
-    """One TCP (or TLS) connection: its stream, the read-ahead and what arrived when."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The bounds of every connection (the hub's settings of the same names)."""
 
-    stream: trio.abc.Stream
-    rx_at: float = field(default_factory=trio.current_time)  # trio clock of the last bytes
-    eof: bool = False
-    wake: trio.Event = field(default_factory=trio.Event)  # new bytes or EOF
-    consumed: trio.Event = field(default_factory=trio.Event)  # the read-ahead was taken
-    send_lock: trio.Lock = field(default_factory=trio.Lock)
-
-    def woken(self) -> None:
-        self.wake.set()
-        self.wake = trio.Event()
-
-    def taken(self) -> None:
-        self.consumed.set()
-        self.consumed = trio.Event()
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            async with self.send_lock:
-                await self.stream.send_all(data)
+    head_timeout: float = 10.0  # s: a request head (and a TLS handshake) must arrive within
+    body_timeout: float = 60.0  # s: a request body must arrive within, from the end of its head
+    idle_timeout: float = 5.0  # s: a kept-alive connection may wait this long for its next request
+    max_head: int = 64 * 1024  # bytes: a longer request head is refused (431)
+    max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
+    max_message: int = 16 * 1024 * 1024  # bytes: a larger WebSocket message fails it (1009)
 
 
-class ClientGoneError(OSError):
-    """A send to a client that is gone (the ASGI app sees it from ``send``; an OSError, as the
-    ASGI spec asks of a send on a closed connection)."""
+class Handler(Protocol):
+    """What the server serves: HTTP requests and WebSocket handshakes."""
+
+    async def http(self, req: Request) -> None: ...
+
+    async def websocket(self, req: WebSocketRequest) -> None: ...
 
 
-class _HTTP:
-    """The HTTP/1.1 side of one connection: requests in turn (keep-alive), each through the app."""
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
-    def __init__(self, server: Server, peer: _Peer, scope_base: dict[str, Any]) -> None:
+
+def _raw_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]] = ()) -> bytes:  # type: ignore[assignment]
+    """A whole HTTP/1.1 response that closes the connection, built without h11."""
+    phrase = http.HTTPStatus(status).phrase.encode()
+    lines = [b"HTTP/1.1 %d %s" % (status, phrase)]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *extra,
+    ]
+    lines += [k + b": " + v for k, v in headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def _error_body(status: int, message: str, code: str) -> bytes:
+    return error_envelope(message, HTTPError(status, message).type, code)
+
+
+class _Conn:
+    """One accepted connection: HTTP/1.1 requests in turn (keep-alive), or one WebSocket."""
+
+    def __init__(self, server: Server, transport: Transport, client: tuple[str, int] | None):
         self.server = server
-        self.peer = peer
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        self.scope_base = scope_base
-        self.ws: _WebSocket | None = None  # once upgraded, the reader feeds it instead
+        self.limits = server.limits
+        self.transport = transport
+        self.client = client
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_head)
+        self.eof = False
+        self.body_deadline = math.inf
+        self.upgraded = False
 
-    def backlog(self) -> int:
-        return len(self.conn.trailing_data[0])
+    # -- reading ---------------------------------------------------------------------------
+
+    async def _fill(self) -> None:
+        """Read what arrived into h11 (waiting for it); the end of the stream noted."""
+        data = await self.transport.receive()
+        if data:
+            self.h11.receive_data(data)
+        else:
+            self.eof = True
+            self.h11.receive_data(b"")
 
     async def next_event(self) -> Any:
-        """The next h11 event, reading as needed (the reader task feeds the bytes)."""
         while True:
-            event = self.conn.next_event()
+            event = self.h11.next_event()
             if event is h11.NEED_DATA:
-                if self.peer.eof:
-                    self.conn.receive_data(b"")
-                    continue
-                wake = self.peer.wake
-                self.peer.taken()
-                await wake.wait()
+                if self.eof:
+                    return h11.ConnectionClosed()
+                await self._fill()
                 continue
-            self.peer.taken()
             return event
 
-    async def send(self, event: Any) -> None:
-        data = self.conn.send(event)
-        if data:
-            await self.peer.write(data)
+    async def read_body(self, limit: int, resp: Response) -> bytes:
+        """The request's whole body: HTTPError 413 past ``limit`` (from ``Content-Length`` before
+        any of it is read), 408 past the body deadline, 400 for broken chunked framing;
+        ClientGone when the client leaves mid-upload (one DEBUG line)."""
+        h = self.h11
+        if h.their_state is not h11.SEND_BODY:
+            return b""
+        declared = self._declared_length
+        if declared is not None and declared > limit:
+            raise _too_large(limit)
+        if h.they_are_waiting_for_100_continue:
+            resp.write_raw(h.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+        parts: list[bytes] = []
+        size = 0
+        with trio.move_on_at(self.body_deadline):
+            try:
+                while True:
+                    event = await self.next_event()
+                    if isinstance(event, h11.Data):
+                        size += len(event.data)
+                        if size > limit:
+                            raise _too_large(limit)
+                        parts.append(bytes(event.data))
+                    elif isinstance(event, h11.EndOfMessage):
+                        return b"".join(parts)
+                    else:
+                        break
+            except h11.RemoteProtocolError as exc:
+                if not self.eof:
+                    raise HTTPError(
+                        400, f"malformed request body: {exc}", "invalid_request"
+                    ) from None
+            except _NET_ERRORS as exc:
+                log.debug("client %s left mid-upload: %r", self.client, exc)
+                resp.gone = True
+                raise ClientGone() from None
+            log.debug("client %s left mid-upload (%d bytes read)", self.client, size)
+            resp.gone = True
+            raise ClientGone()
+        raise HTTPError(
+            408,
+            f"request body not received within {self.limits.body_timeout:g} s",
+            "request_timeout",
+        )
+
+    async def wait_disconnect(self) -> None:
+        """Return once the client has gone (bytes it pipelines meanwhile are kept, bounded)."""
+        while not self.eof:
+            if len(self.h11.trailing_data[0]) > self.limits.max_head:
+                await trio.sleep_forever()  # it floods while it waits: stop reading it
+            try:
+                data = await self.transport.receive()
+            except _NET_ERRORS:
+                data = b""
+            if not data:
+                self.eof = True
+                return
+            self.h11.receive_data(data)
+
+    # -- serving ---------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Serve requests until the connection closes (or is upgraded to a WebSocket)."""
+        first = True
         while True:
+            if not first and not self.h11.trailing_data[0]:
+                with trio.move_on_after(self.limits.idle_timeout) as idle:
+                    try:
+                        await self._fill()
+                    except _NET_ERRORS:
+                        return
+                if idle.cancelled_caught:
+                    return  # idle past the keep-alive time
             event: Any = None
-            with trio.move_on_after(
-                IDLE_TIMEOUT if self.conn.their_state is h11.IDLE else math.inf
-            ):
+            with trio.move_on_after(self.limits.head_timeout) as waited:
                 try:
                     event = await self.next_event()
                 except h11.RemoteProtocolError as exc:
-                    await self._refuse(exc.error_status_hint, str(exc))
+                    status = exc.error_status_hint
+                    await self.refuse(status, f"bad request: {exc}", "invalid_request")
                     return
-            if not isinstance(event, h11.Request):
-                return  # idle past the timeout, or the client closed
-            if _header(event.headers, b"upgrade").lower() == b"websocket":
-                await self._websocket(event)
+                except _NET_ERRORS:
+                    return
+            if waited.cancelled_caught:
+                if self.h11.trailing_data[0]:
+                    why = f"request head not received within {self.limits.head_timeout:g} s"
+                    await self.refuse(408, why, "request_timeout")
                 return
-            await self._request(event)
-            if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
-                self.conn.start_next_cycle()
+            if not isinstance(event, h11.Request):
+                return  # the client closed
+            first = False
+            headers = list(event.headers)
+            if _header(headers, b"transfer-encoding") is not None:
+                if _header(headers, b"content-length") is not None:
+                    await self.refuse(
+                        400,
+                        "a request with both Content-Length and Transfer-Encoding is refused",
+                        "invalid_request",
+                    )
+                    return
+            upgrade = _header(headers, b"upgrade")
+            if upgrade is not None and upgrade.lower() == b"websocket":
+                await self._websocket(event, headers)
+                return
+            if not await self._request(event, headers):
+                return
+            if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+                self.h11.start_next_cycle()
             else:
                 return
 
-    async def _refuse(self, status: int, why: str) -> None:
-        body = why.encode()
-        headers = [("content-type", "text/plain"), ("content-length", str(len(body)))]
-        headers.append(("connection", "close"))
+    @property
+    def _declared_length(self) -> int | None:
+        raw = self._content_length
+        return int(raw) if raw is not None and raw.isdigit() else None
+
+    async def refuse(self, status: int, message: str, code: str) -> None:
+        """Answer ``status`` with an error body and close (a malformed or timed-out request)."""
+        log.debug("refusing client %s: %d %.200r", self.client, status, message)
+        data = _raw_response(status, _error_body(status, message, code))
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await self.transport.send_all(data)
+            except _NET_ERRORS:
+                pass
+
+    def _scope(self, kind: str, event: h11.Request, headers: list[tuple[bytes, bytes]]) -> dict:
+        raw_path, _, query = bytes(event.target).partition(b"?")
+        return {
+            "type": kind,
+            "http_version": event.http_version.decode(),
+            "method": event.method.decode(),
+            "path": urllib.parse.unquote(raw_path.decode("latin-1")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "headers": headers,
+            "client": self.client,
+            "scheme": "https" if self.transport.secure else "http",
+        }
+
+    async def _request(self, event: h11.Request, headers: list[tuple[bytes, bytes]]) -> bool:
+        """One request through the handler; True when the connection may serve another."""
+        self._content_length = _header(headers, b"content-length")
+        self.body_deadline = trio.current_time() + self.limits.body_timeout
+        resp = Response(self.h11, self.transport, event.http_version == b"1.0", event.method)
+        req = Request(self, self._scope("http", event, headers), resp)
         try:
-            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                await self.send(h11.Response(status_code=status, headers=headers))
-                await self.send(h11.Data(data=body))
-                await self.send(h11.EndOfMessage())
-        except (h11.LocalProtocolError, *_NET_ERRORS):
+            await self.server.handler.http(req)
+        except ClientGone:
+            resp.gone = True
+        if resp.gone:
+            return False
+        try:
+            if not resp.started:
+                await resp.error(HTTPError(500, "the hub sent no response", "internal_error"))
+            elif not resp.finished:
+                resp.end_nowait()
+            await resp.flush()
+        except (ClientGone, h11.LocalProtocolError):
+            return False
+        if self.h11.their_state is not h11.DONE:
+            return False  # its body was not read (refused first): the connection closes
+        return not resp.close_after
+
+    async def _websocket(self, event: h11.Request, headers: list[tuple[bytes, bytes]]) -> None:
+        length = _header(headers, b"content-length")
+        if (length is not None and length.strip() != b"0") or _header(
+            headers, b"transfer-encoding"
+        ) is not None:
+            await self.refuse(400, "a WebSocket handshake carries no body", "invalid_request")
+            return
+        key = _header(headers, b"sec-websocket-key")
+        version = _header(headers, b"sec-websocket-version")
+        if event.method != b"GET" or not key or version != b"13":
+            await self.refuse(
+                400, "bad WebSocket handshake (GET, Sec-WebSocket-Key, version 13)", "bad_handshake"
+            )
+            return
+        req = WebSocketRequest(self, self._scope("websocket", event, headers), key)
+        await self.server.handler.websocket(req)
+        if not req.answered:
+            await self.refuse(404, "not found", "unknown_url")
+
+    _content_length: bytes | None = None
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"request body exceeds {limit} bytes", "request_too_large")
+
+
+class WebSocketRequest:
+    """A WebSocket handshake as its handler sees it: ``scope`` (path, query, headers), then
+    ``accept()`` (the 101 and the open ``ServerWebSocket``) or ``refuse(status)``."""
+
+    def __init__(self, conn: _Conn, scope: dict[str, Any], key: bytes) -> None:
+        self._conn = conn
+        self.scope = scope
+        self._key = key
+        self.answered = False
+
+    async def accept(self) -> ServerWebSocket:
+        self.answered = True
+        conn = self._conn
+        digest = hashlib.sha1(self._key.strip() + _WS_GUID).digest()
+        head = (
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Accept: " + base64.b64encode(digest) + b"\r\n\r\n"
+        )
+        conn.upgraded = True
+        leftover = bytes(conn.h11.trailing_data[0])
+        ws = ServerWebSocket(conn.transport, leftover, conn.server, self.scope["path"])
+        try:
+            await conn.transport.send_all(head)
+        except _NET_ERRORS as exc:
+            raise ClientGone() from exc
+        return ws
+
+    async def refuse(
+        self, status: int, message: str = "forbidden", code: str = "forbidden"
+    ) -> None:
+        self.answered = True
+        await self._conn.refuse(status, message, code)
+
+
+class ServerWebSocket:
+    """One accepted WebSocket, the server's end: ``run`` reads it in the connection's own task
+    (messages handed over a read's worth at a time), pings it, and says how it ended; text goes
+    out with ``send_text`` (written at once, waiting only when the socket is full)."""
+
+    def __init__(self, transport: Transport, leftover: bytes, server: Server, path: str) -> None:
+        self.transport = transport
+        self.server = server
+        self.path = path
+        self.reader = FrameReader(server.limits.max_message)
+        self._leftover = leftover
+        self.rx_at = trio.current_time()  # trio clock of the last bytes read
+        self.close_sent = False
+        self.close_code: int | None = None  # why it ended
+        self.app_blocked = False  # the reader waits for a slow consumer of its messages
+        self.unblocked_at = -math.inf
+        self._flush_lock = trio.Lock()
+        self._scope = trio.CancelScope()  # the reader's: its deadline set once we close
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def open(self) -> bool:
+        return not self.close_sent and not self.transport.closed
+
+    def _write(self, data: bytes) -> bool:
+        try:
+            return self.transport.write(data)
+        except _NET_ERRORS as exc:
+            raise ClientGone(f"the WebSocket is gone: {exc!r}") from exc
+
+    async def flush(self) -> None:
+        async with self._flush_lock:
+            try:
+                await self.transport.flush()
+            except _NET_ERRORS as exc:
+                raise ClientGone(f"the WebSocket is gone: {exc!r}") from exc
+
+    async def send_text(self, data: bytes) -> None:
+        """One text message (UTF-8 bytes); ClientGone once the WebSocket is closing or gone."""
+        if not self.open:
+            raise ClientGone("the WebSocket is closed")
+        if not self._write(text_frame(data)):
+            await self.flush()
+
+    async def send_message(self, opcode: int, payload: bytes) -> None:
+        """One frame of ``opcode`` (binary, a control frame); ClientGone once closing or gone."""
+        if not self.open:
+            raise ClientGone("the WebSocket is closed")
+        if not self._write(server_frame(opcode, payload)):
+            await self.flush()
+
+    def _control_nowait(self, opcode: int, payload: bytes) -> None:
+        """A control frame from the reader: written at once, the rest flushed by a task."""
+        try:
+            done = self._write(server_frame(opcode, payload))
+        except ClientGone:
+            return
+        if not done and self._nursery is not None:
+            self._nursery.start_soon(self._flush_quietly)
+
+    async def _flush_quietly(self) -> None:
+        try:
+            await self.flush()
+        except ClientGone:
             pass
 
-    def _scope(self, kind: str, request: h11.Request) -> dict[str, Any]:
-        raw_path, _, query = bytes(request.target).partition(b"?")
-        scope = dict(self.scope_base)
-        scope.update(
-            type=kind,
-            http_version=request.http_version.decode(),
-            method=request.method.decode(),
-            path=urllib.parse.unquote(raw_path.decode("latin-1")),
-            raw_path=raw_path,
-            query_string=query,
-            headers=[(k, v) for k, v in request.headers],
-        )
-        if kind == "websocket":
-            scope["scheme"] = "wss" if scope["scheme"] == "https" else "ws"
-            scope["subprotocols"] = []
-        return scope
-
-    async def _request(self, request: h11.Request) -> None:
-        """One request through the app: body parts as they come, each response part at once."""
-        gone = trio.Event()
-        state = {"started": False, "ended": False, "body_done": False}
-
-        async def receive() -> Message:
-            if not state["body_done"]:
-                if self.conn.they_are_waiting_for_100_continue:
-                    await self.send(h11.InformationalResponse(status_code=100, headers=[]))
-                event = await self.next_event()
-                if isinstance(event, h11.Data):
-                    return {"type": "http.request", "body": bytes(event.data), "more_body": True}
-                if isinstance(event, h11.EndOfMessage):
-                    state["body_done"] = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
-                gone.set()
-                return {"type": "http.disconnect"}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: Message) -> None:
-            if gone.is_set():
-                raise ClientGoneError("the client is gone")
-            kind = message["type"]
-            try:
-                if kind == "http.response.start":
-                    headers = list(message.get("headers", []))
-                    state["started"] = True
-                    await self.send(h11.Response(status_code=message["status"], headers=headers))
-                elif kind == "http.response.body":
-                    body = message.get("body", b"")
-                    more = message.get("more_body", False)
-                    data = self.conn.send(h11.Data(data=body)) if body else b""
-                    if not more:
-                        state["ended"] = True
-                        data = (data or b"") + (self.conn.send(h11.EndOfMessage()) or b"")
-                    if data:
-                        await self.peer.write(data)
-            except _NET_ERRORS as exc:
-                gone.set()
-                raise ClientGoneError(f"the client is gone: {exc!r}") from exc
-
-        async def watch_eof() -> None:
-            while not self.peer.eof:
-                await self.peer.wake.wait()
-            gone.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_eof)
-            try:
-                await self.server.app(self._scope("http", request), receive, send)
-            except ClientGoneError:
-                pass
-            finally:
-                nursery.cancel_scope.cancel()
-        if gone.is_set():
-            return
-        try:
-            if not state["started"]:
-                await self._refuse(500, "the app sent no response")
-            elif not state["ended"]:
-                await self.send(h11.EndOfMessage())
-            if self.conn.their_state is h11.SEND_BODY:  # the app did not read the whole body
-                while not isinstance(
-                    await self.next_event(), h11.EndOfMessage | h11.ConnectionClosed
-                ):
-                    pass
-        except (h11.ProtocolError, *_NET_ERRORS):
-            return
-
-    async def _websocket(self, request: h11.Request) -> None:
-        ws = WSConnection(ConnectionType.SERVER)
-        try:
-            ws.initiate_upgrade_connection(list(request.headers), request.target)
-            next(iter(ws.events()))  # the handshake's Request event
-            while not isinstance(await self.next_event(), h11.EndOfMessage):
-                pass
-        except (RemoteProtocolError, h11.RemoteProtocolError) as exc:
-            await self._refuse(400, f"bad WebSocket handshake: {exc}")
-            return
-        channel = _WebSocket(self, ws, self._scope("websocket", request))
-        await channel.serve()
-
-
-class _WebSocket:
-    """One WebSocket through the app: messages both ways, pings, the close handshake."""
-
-    def __init__(self, http: _HTTP, ws: WSConnection, scope: dict[str, Any]) -> None:
-        self.http = http
-        self.peer = http.peer
-        self.ws = ws
-        self.scope = scope
-        self.connect_sent = False
-        self.accepted = False
-        self.settled = trio.Event()  # accepted, or the app is done
-        self.close_sent = False
-        self.close_code: int | None = None  # why it ended, as the app is told
-        self.app_blocked = False  # the reader waits for the app to take a message
-        self.unblocked_at = -math.inf  # trio clock when the app last took a message it held up
-        self.inbox_send, self.inbox = trio.open_memory_channel[Message](INBOX)
-        self.peer_closed = trio.Event()
-        self._text: list[str] = []
-        self._bytes: list[bytes] = []
-        self._size = 0
-
-    async def _emit(self, event: Event) -> None:
-        async with self.peer.send_lock:
-            await self.peer.stream.send_all(self.ws.send(event))
-
-    async def receive(self) -> Message:
-        if not self.connect_sent:
-            self.connect_sent = True
-            return {"type": "websocket.connect"}
-        try:
-            return await self.inbox.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            return {"type": "websocket.disconnect", "code": self.close_code or CLOSE_ABNORMAL}
-
-    async def send(self, message: Message) -> None:
-        kind = message["type"]
-        try:
-            if kind == "websocket.accept":
-                headers = list(message.get("headers", []))
-                await self._emit(AcceptConnection(extra_headers=headers))
-                self.accepted = True
-                self.http.ws = self
-                leftover = self.http.conn.trailing_data[0]
-                if leftover:
-                    self.ws.receive_data(leftover)
-                self.settled.set()
-            elif kind == "websocket.send":
-                if self.close_sent or self.ws.state is not ConnectionState.OPEN:
-                    raise ClientGoneError("the WebSocket is closed")
-                text = message.get("text")
-                if text is not None:
-                    await self._emit(TextMessage(data=text))
-                else:
-                    await self._emit(BytesMessage(data=message.get("bytes", b"")))
-            elif kind == "websocket.close":
-                if not self.accepted:  # refused before the accept: HTTP 403
-                    self.close_sent = True
-                    await self.http._refuse(403, "forbidden")
-                    return
-                await self.close(message.get("code", 1000), message.get("reason") or "")
-            elif kind == "websocket.http.response.start":
-                headers = list(message.get("headers", [])) + [(b"connection", b"close")]
-                await self.http.send(h11.Response(status_code=message["status"], headers=headers))
-            elif kind == "websocket.http.response.body":
-                await self.http.send(h11.Data(data=message.get("body", b"")))
-                if not message.get("more_body", False):
-                    self.close_sent = True
-                    await self.http.send(h11.EndOfMessage())
-        except (h11.LocalProtocolError, *_NET_ERRORS) as exc:
-            raise ClientGoneError(f"the WebSocket is gone: {exc!r}") from exc
-
-    async def close(self, code: int, reason: str) -> None:
-        """Send our close frame once (the peer's answer ends the connection)."""
-        if self.close_sent or self.ws.state is not ConnectionState.OPEN:
+    def close_nowait(self, code: int, reason: str = "") -> None:
+        """Send our close frame once; the reader then waits ``CLOSE_TIMEOUT`` for the answer."""
+        if self.close_sent or self.transport.closed:
             return
         self.close_sent = True
         if self.close_code is None:
             self.close_code = code
-        await self._emit(CloseConnection(code=code, reason=reason or None))
+        self._control_nowait(OP_CLOSE, close_payload(code, reason))
+        self._scope.deadline = min(self._scope.deadline, trio.current_time() + CLOSE_TIMEOUT)
 
-    async def serve(self) -> None:
-        async with trio.open_nursery() as nursery:
-            app_done = trio.Event()
-
-            async def run_app() -> None:
-                try:
-                    await self.http.server.app(self.scope, self.receive, self.send)
-                except ClientGoneError:
-                    pass
-                finally:
-                    app_done.set()
-                    self.settled.set()
-
-            nursery.start_soon(run_app)
-            await self.settled.wait()
-            if self.accepted:
-                nursery.start_soon(self._read)
-                keepalive = self.http.server.keepalive
-                if keepalive.interval > 0:
-                    nursery.start_soon(self._keepalive, keepalive, nursery)
-            await app_done.wait()
-            if self.accepted:
-                try:
-                    with trio.move_on_after(CLOSE_TIMEOUT):
-                        await self.close(1000, "")
-                        await self.peer_closed.wait()
-                except (h11.LocalProtocolError, *_NET_ERRORS):
-                    pass
-            nursery.cancel_scope.cancel()
-
-    async def _read(self) -> None:
-        """Frames in: messages to the app (bounded), pings answered, the close handshake."""
+    async def run(self, on_texts: Callable[[list[bytes]], Awaitable[None]]) -> int:
+        """Read until the WebSocket ends; the close code it ended with (1006: no close frame)."""
         try:
-            await self._deliver()
-            while self.ws.state is not ConnectionState.CLOSED:
-                await self.peer.wake.wait()
-                await self._deliver()
-                if self.peer.eof:
-                    break
-        except (h11.LocalProtocolError, *_NET_ERRORS):
-            pass  # a pong or close answer to a socket that broke: the connection is over
-        finally:
-            self.peer_closed.set()
-            self.inbox_send.close()
-
-    async def _deliver(self) -> None:
-        if self.peer.eof:
-            self.ws.receive_data(None)
-        for event in self.ws.events():
-            if isinstance(event, TextMessage | BytesMessage):
-                if isinstance(event, TextMessage):
-                    self._text.append(event.data)
-                else:
-                    self._bytes.append(bytes(event.data))
-                self._size += len(event.data)
-                if self._size > self.http.server.max_message:
-                    self._text, self._bytes, self._size = [], [], 0
-                    self.close_code = 1009
-                    self.inbox_send.close()  # the app sees the disconnect now; the rest is dropped
-                    await self.close(1009, "message too big")
-                    continue
-                if self.close_code == 1009:
-                    continue
-                if not event.message_finished:
-                    continue
-                message: Message = {"type": "websocket.receive"}
-                if isinstance(event, TextMessage):
-                    message["text"] = self._text[0] if len(self._text) == 1 else "".join(self._text)
-                    self._text = []
-                else:
-                    message["bytes"] = b"".join(self._bytes)
-                    self._bytes = []
-                self._size = 0
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                keepalive = self.server.keepalive
+                if keepalive.interval > 0:
+                    nursery.start_soon(self._keepalive, keepalive)
                 try:
-                    self.inbox_send.send_nowait(message)
-                except trio.WouldBlock:
-                    self.app_blocked = True
-                    try:
-                        await self.inbox_send.send(message)
-                    finally:
-                        self.app_blocked = False
-                        self.unblocked_at = trio.current_time()
-            elif isinstance(event, Ping):
-                if self.ws.state is ConnectionState.OPEN:  # closing: the close answers it
-                    await self._emit(event.response())
-            elif isinstance(event, Pong):
-                pass  # rx_at already says the path is alive
-            elif isinstance(event, CloseConnection):
-                if self.close_code is None:
-                    self.close_code = event.code
-                if self.ws.state is ConnectionState.REMOTE_CLOSING:
-                    await self._emit(event.response())
-                self.peer_closed.set()
-        self.peer.taken()
+                    with self._scope:
+                        await self._read(on_texts)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._nursery = None
+            self.transport.close()
+        return self.close_code if self.close_code is not None else CLOSE_ABNORMAL
 
-    async def _keepalive(self, keepalive: Keepalive, nursery: trio.Nursery) -> None:
-        """A ping every interval; the connection closed (1011) when nothing came ``timeout``
-        after one. A reader waiting for the app counts as alive (the app is slow, not the path)."""
-        counters = self.http.server.counters
+    async def _read(self, on_texts: Callable[[list[bytes]], Awaitable[None]]) -> None:
+        transport = self.transport
+        recv = transport.recv
+        feed = self.reader.feed
+        data: bytes | None = self._leftover or None
+        self._leftover = b""
+        found = 0
+        while True:
+            if data is None:
+                try:
+                    data = recv(RECV_SIZE)
+                except BlockingIOError:
+                    found = 0
+                    try:
+                        await transport.wait_readable()
+                    except _NET_ERRORS:
+                        return
+                    continue
+                except _NET_ERRORS:
+                    return
+                if not data:
+                    return  # the end of the stream
+            self.rx_at = trio.current_time()
+            texts: list[bytes] | None = None
+            for op, payload in feed(data):
+                if op == OP_TEXT:
+                    if texts is None:
+                        texts = [payload]
+                    else:
+                        texts.append(payload)
+                elif op == OP_PING:
+                    if not self.close_sent:
+                        self._control_nowait(OP_PONG, payload)
+                elif op == OP_CLOSE:
+                    if texts is not None:
+                        await self._hand(on_texts, texts)
+                    code = close_code_of(payload)
+                    if self.close_code is None:
+                        self.close_code = code
+                    if not self.close_sent:
+                        self.close_sent = True
+                        self._control_nowait(OP_CLOSE, payload[:2])
+                    return
+            if texts is not None:
+                await self._hand(on_texts, texts)
+            violation = self.reader.violation
+            if violation is not None:
+                code, reason = violation
+                self.server.counters.ws_protocol_errors += 1
+                log.info("WebSocket %s: %s: failing it with %d", self.path, reason, code)
+                self.close_code = code
+                if not self.close_sent:
+                    self.close_sent = True
+                    try:
+                        self._write(server_frame(OP_CLOSE, close_payload(code, reason)))
+                    except ClientGone:
+                        pass
+                return
+            data = None
+            found += 1
+            if found >= 16:  # a reader that always finds data still lets others run
+                found = 0
+                await trio.lowlevel.checkpoint()
+
+    async def _hand(
+        self, on_texts: Callable[[list[bytes]], Awaitable[None]], texts: list[bytes]
+    ) -> None:
+        self.app_blocked = True
+        try:
+            await on_texts(texts)
+        finally:
+            self.app_blocked = False
+            self.unblocked_at = trio.current_time()
+
+    async def _keepalive(self, keepalive: Keepalive) -> None:
+        """A ping every interval; closed (1011) when nothing came ``timeout`` after one. A reader
+        waiting for a slow consumer counts as alive (the consumer is slow, not the path)."""
+        counters = self.server.counters
         next_ping = trio.current_time() + keepalive.interval
         unanswered: float | None = None  # trio clock of the oldest ping nothing came after
-        pinging = False
-
-        async def ping() -> None:
-            nonlocal pinging
-            pinging = True
-            try:
-                await self._emit(Ping(payload=b"alp"))
-                counters.pings_sent += 1
-            except (*_NET_ERRORS, h11.LocalProtocolError):
-                pass
-            finally:
-                pinging = False
-
-        while self.ws.state is ConnectionState.OPEN:
+        while self.open:
             due = (
                 next_ping if unanswered is None else min(next_ping, unanswered + keepalive.timeout)
             )
             await trio.sleep_until(due)
             now = trio.current_time()
-            heard = max(self.peer.rx_at, self.unblocked_at)
+            heard = max(self.rx_at, self.unblocked_at)
             if unanswered is not None and (heard > unanswered or self.app_blocked):
                 unanswered = None
             if unanswered is not None and now >= unanswered + keepalive.timeout:
-                await self._dead(keepalive.timeout)
+                self._dead(keepalive.timeout)
                 return
             if now >= next_ping:
                 next_ping = now + keepalive.interval
-                if not pinging and self.ws.state is ConnectionState.OPEN:
+                if self.open:
                     if unanswered is None:
                         unanswered = now
-                    nursery.start_soon(ping)
+                    self._control_nowait(OP_PING, b"alp")
+                    counters.pings_sent += 1
 
-    async def _dead(self, silent_for: float) -> None:
-        counters = self.http.server.counters
+    def _dead(self, silent_for: float) -> None:
+        counters = self.server.counters
         counters.pong_timeouts += 1
         self.close_code = CLOSE_NO_PONG
         reason = f"no pong within {silent_for:g} s"
         log.warning(
             "WebSocket %s: %s, closing it (pings sent %d, pong timeouts %d)",
-            self.scope.get("path"),
+            self.path,
             reason,
             counters.pings_sent,
             counters.pong_timeouts,
         )
-        if not self.peer.send_lock.locked():
-            with trio.move_on_after(CLOSE_TIMEOUT):
-                try:
-                    await self.close(CLOSE_NO_PONG, reason)
-                except (*_NET_ERRORS, h11.LocalProtocolError):
-                    pass
-        await trio.aclose_forcefully(self.peer.stream)
+        if not self.close_sent:
+            self.close_sent = True
+            try:
+                self._write(server_frame(OP_CLOSE, close_payload(CLOSE_NO_PONG, reason)))
+            except ClientGone:
+                pass
+        self._scope.cancel()
 
 
 class Server:
-    """Serves one ASGI app on TCP (or TLS) listeners: HTTP/1.1 with keep-alive, and WebSockets
-    with the ``keepalive`` pings; ``counters`` count pings sent and pong timeouts."""
+    """Serves a ``Handler`` on TCP (or TLS) listeners within ``limits``; WebSockets get the
+    ``keepalive`` pings; ``counters`` count pings, pong timeouts, refusals."""
 
     def __init__(
         self,
-        app: ASGIApp,
+        handler: Handler,
         *,
         keepalive: Keepalive,
         counters: HubCounters,
-        max_message: int,
+        limits: Limits | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.app = app
+        self.handler = handler
         self.keepalive = keepalive
         self.counters = counters
-        self.max_message = max_message
+        self.limits = limits or Limits()
         self.ssl_context = ssl_context
+        self.open_connections = 0
+        self._warned_at = -math.inf
 
     async def serve(
         self, host: str, port: int, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen on ``host:port`` (0: a free port) until cancelled; ``started`` gets the URL."""
-        tcp = await trio.open_tcp_listeners(port, host=host)
-        bound = tcp[0].socket.getsockname()
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()
         scheme = "https" if self.ssl_context is not None else "http"
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        listeners: list[trio.abc.Listener[Any]] = list(tcp)
-        if self.ssl_context is not None:
-            listeners = [trio.SSLListener(t, self.ssl_context, https_compatible=True) for t in tcp]
-        task_status.started(f"{scheme}://{shown}:{bound[1]}")
-        await trio.serve_listeners(self._handle, listeners)
+        shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener, nursery)
+            task_status.started(f"{scheme}://{shown_host}:{bound[1]}")
 
-    async def _handle(self, stream: trio.abc.Stream) -> None:
-        peer = _Peer(stream)
-        tls = isinstance(stream, trio.SSLStream)
-        sock = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
-        scope_base: dict[str, Any] = {
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "scheme": "https" if tls else "http",
-            "root_path": "",
-            "client": _address(sock, "getpeername"),
-            "server": _address(sock, "getsockname"),
-            "extensions": {},
-        }
-        http = _HTTP(self, peer, scope_base)
+    def _warn(self, message: str, *args: Any) -> None:
+        now = trio.current_time()
+        if now - self._warned_at >= WARN_EVERY:
+            self._warned_at = now
+            log.warning(message, *args)
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_ERRNOS:
+                    raise
+                self.counters.connections_refused += 1
+                self._warn(
+                    "cannot accept connections: %s (open: %d)", exc.strerror, self.open_connections
+                )
+                await trio.sleep(0.1)
+                continue
+            sock = take_socket(stream)
+            if self.open_connections >= self.limits.max_connections:
+                self.counters.connections_refused += 1
+                self._warn(
+                    "%d connections open (max_connections): refusing new ones with 503 "
+                    "(refused so far: %d)",
+                    self.open_connections,
+                    self.counters.connections_refused,
+                )
+                nursery.start_soon(_refuse_busy, sock)
+                continue
+            self.open_connections += 1
+            nursery.start_soon(self._handle, sock)
+
+    async def _handle(self, sock: socket.socket) -> None:
+        transport: Transport | None = None
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pump, peer, http)
-                try:
-                    await http.serve()
-                finally:
-                    nursery.cancel_scope.cancel()
+            client = _address(sock)
+            if self.ssl_context is not None:
+                transport = TLSTransport(sock, self.ssl_context, None)
+                with trio.move_on_after(self.limits.head_timeout) as waited:
+                    try:
+                        await transport.handshake()  # type: ignore[attr-defined]
+                    except _NET_ERRORS as exc:
+                        log.debug("TLS handshake with %s failed: %r", client, exc)
+                        return
+                if waited.cancelled_caught:
+                    return
+            else:
+                transport = Transport(sock)
+            conn = _Conn(self, transport, client)
+            try:
+                await conn.serve()
+            except _NET_ERRORS as exc:
+                log.debug("connection from %s ended: %r", client, exc)
+            if not conn.upgraded and not conn.eof:
+                await _linger(transport)
         except Exception:
             log.exception("unexpected error serving a connection")
         finally:
-            with trio.move_on_after(CLOSE_TIMEOUT) as scope:
-                try:
-                    await stream.aclose()
-                except _NET_ERRORS:
-                    pass
-            if scope.cancelled_caught:
-                await trio.aclose_forcefully(stream)
-
-
-async def _pump(peer: _Peer, http: _HTTP) -> None:
-    """Read the connection into h11 (or, once upgraded, wsproto), pausing while the app lags."""
-    try:
-        while True:
-            while http.ws is None and http.backlog() > MAX_BACKLOG:
-                await peer.consumed.wait()
-            data = bytes(await peer.stream.receive_some(READ_SIZE))
-            if not data:
-                return
-            peer.rx_at = trio.current_time()
-            consumed = peer.consumed
-            if http.ws is not None:
-                http.ws.ws.receive_data(data)
+            self.open_connections -= 1
+            if transport is not None:
+                transport.close()
             else:
-                http.conn.receive_data(data)
-            peer.woken()
-            if http.ws is not None:
-                await consumed.wait()  # the WebSocket reader took these frames
-    except _NET_ERRORS:
-        return
-    finally:
-        peer.eof = True
-        peer.woken()
+                sock.close()
 
 
-def _address(stream: trio.abc.Stream, which: str) -> tuple[str, int] | None:
-    if not isinstance(stream, trio.SocketStream):
-        return None
+async def _linger(transport: Transport) -> None:
+    """Close our side, then drain what the client still sends for a moment (so that an answer
+    given before its request was read reaches it, instead of a reset)."""
+    with trio.move_on_after(LINGER):
+        try:
+            if transport.unsent:
+                await transport.flush()
+            transport.sock.shutdown(socket.SHUT_WR)
+            drained = 0
+            while drained < LINGER_BYTES:
+                data = await transport.receive()
+                if not data:
+                    return
+                drained += len(data)
+        except _NET_ERRORS:
+            return
+
+
+_BUSY = _raw_response(
+    503,
+    _error_body(
+        503, "the hub has too many open connections; retry shortly", "too_many_connections"
+    ),
+    [(b"retry-after", b"1")],
+)
+
+
+async def _refuse_busy(sock: socket.socket) -> None:
+    """A connection past the cap: a 503 written at once, a moment for the client to read it."""
+    sock.setblocking(False)
     try:
-        addr = getattr(stream.socket, which)()
+        sock.send(_BUSY)
+        sock.shutdown(socket.SHUT_WR)
+        with trio.move_on_after(REFUSE_TIMEOUT):
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                if not sock.recv(65536):
+                    break
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def _address(sock: socket.socket) -> tuple[str, int] | None:
+    try:
+        addr = sock.getpeername()
     except OSError:
         return None
     return (str(addr[0]), int(addr[1]))
 
 
-def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
-    for key, value in headers:
-        if key == name:
-            return bytes(value)
-    return b""
-
-
-__all__ = ["CLOSE_ABNORMAL", "CLOSE_NO_PONG", "Keepalive", "Server"]
+__all__ = [
+    "CLOSE_ABNORMAL",
+    "CLOSE_NO_PONG",
+    "Handler",
+    "Keepalive",
+    "Limits",
+    "Server",
+    "ServerWebSocket",
+    "WebSocketRequest",
+]

@@ -25,6 +25,10 @@ class HubSettings:
     ping_interval: float = 20.0  # s: a WebSocket ping on every Chat Channel; 0 = no pings
     ping_timeout: float | None = None  # s without any frame after a ping: closed (None: interval)
     first_frame_timeout: float = 300.0  # s: a turn's wait for its first frame with pings off
+    head_timeout: float = 10.0  # s: a request head (and a TLS handshake) must arrive within
+    body_timeout: float = 60.0  # s: a request body must arrive within, from the end of its head
+    max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
+    client_backlog: int = 1024 * 1024  # bytes of a turn's stream its client may fall behind by
 
     @property
     def pong_timeout(self) -> float:

@@ -14,12 +14,14 @@ from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.models import Models
 from gateway.hub.frontdoor.relay import (
+    StreamSink,
     Turn,
     TurnLost,
     relay_stream,
     relay_whole,
     request_frame,
     send_cancel,
+    stream_headers,
 )
 from gateway.hub.frontdoor.sessions import Session, Sessions
 from gateway.hub.frontdoor.shapes import (
@@ -57,6 +59,7 @@ class FrontDoor:
     ) -> None:
         self.store = store
         self.settings = settings
+        self.counters = counters
         self.sessions = Sessions(store, settings, board, channels, counters)
         self.models = Models(store, settings, board, channels, self.sessions)
 
@@ -176,7 +179,13 @@ class FrontDoor:
         first_within = (
             math.inf if self.settings.ping_interval > 0 else self.settings.first_frame_timeout
         )
-        rx = ch.open_request(turn.rid)
+        sink: StreamSink | None = None
+        rx = None
+        if stream:
+            sink = StreamSink(resp, stream_headers(turn.rid), self.settings.client_backlog)
+            ch.open_turn(turn.rid, sink)
+        else:
+            rx = ch.open_request(turn.rid)
         try:
             try:
                 await ch.send(request_frame(job_id, turn.rid, body, traceparent))
@@ -184,9 +193,17 @@ class FrontDoor:
                 turn.lost = True
                 log.warning("could not send a turn on job %s: %r", job_id, exc)
                 raise TurnLost() from None
-            if stream:
-                await relay_stream(turn, rx, resp, self.settings.keepalive_interval, first_within)
+            if sink is not None:
+                await relay_stream(
+                    turn,
+                    sink,
+                    resp,
+                    self.settings.keepalive_interval,
+                    first_within,
+                    self.counters,
+                )
             else:
+                assert rx is not None
                 await relay_whole(turn, rx, resp, first_within)
         finally:
             if not turn.finished and not turn.lost and not ch.closed.is_set():

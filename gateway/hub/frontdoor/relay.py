@@ -1,4 +1,8 @@
-"""One turn's relay: request frame down, replies up as SSE (bytes verbatim) or one completion."""
+"""One turn's relay: request frame down, replies up as SSE (bytes verbatim) or one completion.
+
+A streamed turn's chunks never pass through its task: the channel's reader writes them to the
+client's socket (``StreamSink``); the task only flushes what the socket did not take and ends
+the turn. A non-streamed turn's replies come through a memory channel and are folded here."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import msgspec
 import trio
 
 from gateway import protocol
-from gateway.hub.channel import ServerChannel
+from gateway.hub.channel import Frame, ServerChannel
+from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.shapes import (
     DONE_EVENT,
     KEEPALIVE,
@@ -21,7 +26,7 @@ from gateway.hub.frontdoor.shapes import (
     upstream_error,
     whole_completion,
 )
-from gateway.hub.http import Response
+from gateway.hub.http import ClientGone, Headers, Response
 
 log = logging.getLogger("gateway.hub.frontdoor")
 
@@ -56,26 +61,7 @@ async def next_reply(rx: Replies) -> Reply | None:
             log.warning("ignoring an undecodable frame from the runner: %.200s", text)
 
 
-_NOTHING = object()  # no reply queued right now
-
-
-def _queued_reply(rx: Replies) -> Reply | None | object:
-    """The next decodable reply if one is queued already: ``_NOTHING`` if none is, None if the
-    channel has ended (never waits)."""
-    while True:
-        try:
-            text, _t_recv = rx.receive_nowait()
-        except trio.WouldBlock:
-            return _NOTHING
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            return None
-        try:
-            return reply_decoder.decode(text)
-        except msgspec.DecodeError:
-            log.warning("ignoring an undecodable frame from the runner: %.200s", text)
-
-
-def _error_text(reply: Reply) -> str:
+def _error_text(reply: Reply | Frame) -> str:
     if isinstance(reply.error, str) and reply.error:
         return reply.error
     if reply.error is None:
@@ -122,96 +108,178 @@ async def send_cancel(turn: Turn) -> None:
             log.info("could not send chat.completion.cancel for request %s: %r", turn.rid, exc)
 
 
+STREAMING, DONE, ERROR, LOST, GONE, OVERRUN = range(6)  # a StreamSink's states
+
+
+class StreamSink:
+    """A streamed turn's way to its client, fed by the channel's reader (``TurnSink``).
+
+    Each chunk becomes one SSE event around its raw bytes; a read's events for this turn go to
+    the client's socket in one write, at once (the response head with the first). What the
+    socket does not take stays in the connection's buffer, and the turn's own task flushes it
+    (``relay_stream``): nothing the reader does waits for a client. A client that falls more
+    than ``bound`` bytes behind ends its turn (``OVERRUN``), no other.
+    """
+
+    __slots__ = ("resp", "headers", "bound", "pending", "state", "wake", "error", "sent_chunk")
+
+    def __init__(self, resp: Response, headers: Headers, bound: int) -> None:
+        self.resp = resp
+        self.headers = headers
+        self.bound = bound
+        self.pending: list[bytes] = []
+        self.state = STREAMING
+        self.wake = trio.Event()  # the turn's task has something to do
+        self.error: str | None = None
+        self.sent_chunk = False
+
+    def chunk(self, chunk: msgspec.Raw) -> None:
+        if self.state == STREAMING and len(chunk):
+            self.pending.append(sse_data(chunk))
+
+    def flush_batch(self) -> None:
+        pending = self.pending
+        if pending:
+            self.pending = []
+            self._write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def _write(self, data: bytes, end: bool = False) -> None:
+        resp = self.resp
+        try:
+            if not resp.started:
+                resp.start_nowait(200, self.headers)
+            done = resp.write_nowait(data)
+            if end:
+                done = resp.end_nowait()
+        except ClientGone:
+            self._to(GONE)
+            return
+        self.sent_chunk = True
+        if not done:
+            if resp.backlog > self.bound:
+                self._to(OVERRUN)
+            else:
+                self.wake.set()  # the turn's task flushes the rest
+
+    def _to(self, state: int) -> None:
+        self.state = state
+        self.wake.set()
+
+    def frame(self, frame: Frame) -> None:
+        if self.state != STREAMING:
+            return
+        if frame.type == protocol.COMPLETION_DONE:
+            self.pending.append(DONE_EVENT)
+            data = b"".join(self.pending)
+            self.pending = []
+            self.state = DONE
+            self._write(data, end=True)  # the last chunks and the end, in one write
+            self.wake.set()
+        elif frame.type == protocol.COMPLETION_ERROR:
+            self.error = _error_text(frame)
+            if self.resp.started or self.pending:
+                self.pending.append(stream_error_event(self.error, "upstream_error"))
+                data = b"".join(self.pending)
+                self.pending = []
+                self.state = ERROR
+                self._write(data, end=True)
+            self._to(ERROR)
+
+    def lost(self) -> None:
+        if self.state == STREAMING:
+            self.flush_batch()
+            if self.state == STREAMING:
+                self._to(LOST)
+
+
+def stream_headers(rid: str) -> Headers:
+    return [*SSE_HEADERS, (b"x-request-id", rid.encode())]
+
+
 async def relay_stream(
-    turn: Turn, rx: Replies, resp: Response, keepalive: float, first_within: float = math.inf
+    turn: Turn,
+    sink: StreamSink,
+    resp: Response,
+    keepalive: float,
+    first_within: float = math.inf,
+    counters: HubCounters | None = None,
 ) -> None:
-    """Relay a streamed turn as SSE. Chunk frames already queued when one is read go out with
-    it, as one body write (nothing waits for more); a done frame right behind them ends it.
-    Until the first chunk, a keepalive comment goes out after each quiet ``keepalive`` s while
-    the channel is open (the hub's pings close a silent one); with pings off the wait for the
-    first frame is bounded by ``first_within`` s. TurnLost when the channel ends (or stays
+    """Serve a streamed turn from its task while the channel's reader writes its chunks
+    (``StreamSink``): flush what the client's socket did not take, and end the turn as its sink
+    says. Until the first chunk, a keepalive comment goes out after each quiet ``keepalive`` s
+    while the channel is open (the hub's pings close a silent one); with pings off the wait for
+    the first frame is bounded by ``first_within`` s. TurnLost when the channel ends (or stays
     silent that long) before the first chunk."""
-    headers = [*SSE_HEADERS, (b"x-request-id", turn.rid.encode())]
-    first_chunk = False
     first_frame_by = trio.current_time() + first_within
-    pending: Reply | None | object = _NOTHING  # a reply read ahead, to be handled next
     while True:
-        if pending is not _NOTHING:
-            reply, pending = pending, _NOTHING
-        elif not first_chunk:
-            wait_until = first_frame_by
-            if keepalive > 0:
-                wait_until = min(wait_until, trio.current_time() + keepalive)
-            with trio.move_on_at(wait_until) as wait:
-                reply = await next_reply(rx)
-            if wait.cancelled_caught:
-                if trio.current_time() >= first_frame_by:
-                    turn.lost = True
-                    log.warning(
-                        "job %s: no frame for request %s within %g s: closing its channel",
-                        turn.job_id,
-                        turn.rid,
-                        first_within,
-                    )
-                    turn.ch.request_close(1011, f"no frame within {first_within:g} s")
-                    raise TurnLost()
-                if turn.ch.closed.is_set():
-                    continue  # the channel is gone: the next read says so
-                if not resp.started:  # nothing yet: keep the client (and proxies) patient
-                    await resp.start(200, headers)
-                await resp.body(KEEPALIVE)
-                continue
-            first_frame_by = math.inf
-        else:
-            reply = await next_reply(rx)
-        if reply is None:
+        sink.wake = trio.Event()
+        state = sink.state
+        if state == GONE:
+            raise ClientGone()
+        if state == OVERRUN:
+            await _overrun(turn, resp, sink.bound, counters)
+            return
+        if resp.backlog:
+            await resp.flush()
+            continue
+        if state == DONE:
+            turn.finished = True
+            return
+        if state == ERROR:
+            turn.finished = True
+            message = sink.error or "the runner reported an error"
+            log.info("runner error on job %s request %s: %s", turn.job_id, turn.rid, message)
+            if not resp.started:
+                raise upstream_error(message)
+            if not resp.finished:  # only keepalive comments went out before it
+                await resp.body(stream_error_event(message, "upstream_error"), more=False)
+            return
+        if state == LOST:
             turn.lost = True
-            if not first_chunk:
+            if not sink.sent_chunk:
                 raise TurnLost()
             message = "the chat channel to the runner was lost mid-turn"
             log.warning("%s (job %s, request %s)", message, turn.job_id, turn.rid)
             await resp.body(stream_error_event(message, "channel_lost"), more=False)
             return
-        assert isinstance(reply, Reply)
-        if reply.type == protocol.COMPLETION_CHUNK:
-            events: list[bytes] = []
-            while True:
-                if len(reply.chunk):
-                    events.append(sse_data(reply.chunk))
-                else:
-                    log.warning("job %s: ignoring a chunk frame without a chunk", turn.job_id)
-                pending = _queued_reply(rx)
-                if pending is _NOTHING or pending is None:
-                    break
-                assert isinstance(pending, Reply)
-                if pending.type != protocol.COMPLETION_CHUNK:
-                    break
-                reply, pending = pending, _NOTHING
-            if not events:
-                continue
-            if not resp.started:
-                await resp.start(200, headers)
-            first_chunk = True
-            if isinstance(pending, Reply) and pending.type == protocol.COMPLETION_DONE:
-                turn.finished = True  # the last chunks and the end of the stream, in one write
-                events.append(DONE_EVENT)
-                await resp.body(b"".join(events), more=False)
-                return
-            await resp.body(events[0] if len(events) == 1 else b"".join(events))
-        elif reply.type == protocol.COMPLETION_DONE:
-            turn.finished = True
-            if not resp.started:
-                await resp.start(200, headers)
-            await resp.body(DONE_EVENT, more=False)
-            return
-        elif reply.type == protocol.COMPLETION_ERROR:
-            turn.finished = True
-            message = _error_text(reply)
-            log.info("runner error on job %s request %s: %s", turn.job_id, turn.rid, message)
-            if not resp.started:
-                raise upstream_error(message)
-            await resp.body(stream_error_event(message, "upstream_error"), more=False)
-            return
+        if sink.sent_chunk:
+            await sink.wake.wait()
+            continue
+        wait_until = first_frame_by
+        if keepalive > 0:
+            wait_until = min(wait_until, trio.current_time() + keepalive)
+        with trio.move_on_at(wait_until) as wait:
+            await sink.wake.wait()
+        if not wait.cancelled_caught or sink.state != STREAMING:
+            continue
+        if trio.current_time() >= first_frame_by:
+            turn.lost = True
+            log.warning(
+                "job %s: no frame for request %s within %g s: closing its channel",
+                turn.job_id,
+                turn.rid,
+                first_within,
+            )
+            turn.ch.request_close(1011, f"no frame within {first_within:g} s")
+            raise TurnLost()
+        if not resp.started:  # nothing yet: keep the client (and proxies) patient
+            resp.start_nowait(200, sink.headers)
+        await resp.body(KEEPALIVE)
+
+
+async def _overrun(turn: Turn, resp: Response, bound: int, counters: HubCounters | None) -> None:
+    """The client fell ``bound`` bytes behind: its turn ends (the runner is told by the caller's
+    cancel), an error event is offered for a moment, and its connection closes."""
+    if counters is not None:
+        counters.turns_overrun += 1
+    message = f"the client read too slowly: more than {bound} bytes of the stream were waiting"
+    log.warning("job %s request %s: %s; ending the turn", turn.job_id, turn.rid, message)
+    with trio.move_on_after(CANCEL_SEND_TIMEOUT):
+        try:
+            await resp.body(stream_error_event(message, "client_too_slow"), more=False)
+        except ClientGone:
+            pass
+    resp.gone = True  # its connection closes
 
 
 async def relay_whole(
