@@ -462,56 +462,85 @@ async def test_invalid_utf8_in_an_event_is_a_turn_error() -> None:
 # -- the front door -------------------------------------------------------------------------
 
 
-class _Resp:
-    def __init__(self) -> None:
-        self.started = False
-        self.finished = False
-        self.gone = False
-        self.bodies: list[bytes] = []
-        self.changed = trio.Event()
+class _CountingTransport(netio.Transport):
+    """A real socket's transport that keeps every write it is asked for."""
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
+    __slots__ = ("writes",)
 
-    async def body(self, data: bytes, more: bool = True) -> None:
-        self.bodies.append(data)
-        self.finished = not more
-        self.changed.set()
-        self.changed = trio.Event()
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray) -> bool:
+        self.writes.append(bytes(data))
+        return super().write(data)
+
+
+def _front_door_turn(rid: str) -> tuple[Any, _CountingTransport, Any, Any, socket.socket]:
+    """A channel, and a streamed turn on it whose client is the far end of a socket pair."""
+    import h11
+
+    from gateway.hub import Hub
+    from gateway.hub.channel import ServerChannel
+    from gateway.hub.http import Response
+
+    ours, theirs = socket.socketpair()
+    transport = _CountingTransport(ours)
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    assert isinstance(conn.next_event(), h11.Request)
+    assert isinstance(conn.next_event(), h11.EndOfMessage)
+    resp = Response(conn, transport, False, b"POST")
+    ch = ServerChannel(JOB, "runner", None, Hub().channels)
+    sink = relay.StreamSink(resp, relay.stream_headers(rid), 1 << 20)
+    ch.open_turn(rid, sink)
+    return ch, transport, resp, sink, theirs
 
 
 def _chunk_frame(rid: str, i: int) -> str:
     return protocol.chunk_frame(protocol.chunk_prefix(JOB, rid), payload(i))
 
 
-async def test_front_door_sends_queued_chunks_in_one_write() -> None:
-    send, rx = trio.open_memory_channel[tuple[str, float]](1000)
-    for i in range(100):
-        send.send_nowait((_chunk_frame("f1", i), 0.0))
-    send.send_nowait((protocol.done_frame(JOB, "f1"), 0.0))
-    resp = _Resp()
-    turn = relay.Turn(JOB, "f1", None)  # type: ignore[arg-type]
-    await relay.relay_stream(turn, rx, resp, 15.0)  # type: ignore[arg-type]
-    assert turn.finished and resp.finished
-    assert len(resp.bodies) == 1  # 100 chunks and [DONE], one write
-    events = resp.bodies[0].split(b"\n\n")
+def _events(raw: bytes) -> list[bytes]:
+    """The SSE events of a whole chunked response, as a client reads them."""
+    import h11
+
+    client = h11.Connection(h11.CLIENT)
+    client.send(
+        h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")])
+    )
+    client.send(h11.EndOfMessage())
+    client.receive_data(raw)
+    body = b""
+    while not isinstance(event := client.next_event(), h11.EndOfMessage | type(h11.NEED_DATA)):
+        if isinstance(event, h11.Data):
+            body += event.data
+    return body.split(b"\n\n")[:-1]
+
+
+async def test_front_door_writes_a_reads_chunks_in_one_write() -> None:
+    """The channel's reader writes a read's 100 chunks, [DONE] and the end of the response to
+    the client's socket in one write, the response head with them."""
+    ch, transport, resp, sink, client = _front_door_turn("f1")
+    texts = [_chunk_frame("f1", i).encode() for i in range(100)]
+    await ch.on_texts([*texts, protocol.done_frame(JOB, "f1").encode()])
+    assert len(transport.writes) == 1
+    assert sink.state == relay.DONE and resp.finished
+    events = _events(client.recv(1 << 20))
     assert events[0] == b"data: " + payload(0) and events[99] == b"data: " + payload(99)
-    assert events[100] == b"data: [DONE]"
+    assert events[100:] == [b"data: [DONE]"]
 
 
 async def test_front_door_never_holds_a_chunk_back() -> None:
-    send, rx = trio.open_memory_channel[tuple[str, float]](1000)
-    resp = _Resp()
-    turn = relay.Turn(JOB, "f2", None)  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.relay_stream, turn, rx, resp, 15.0)
-        for i in range(5):
-            await send.send((_chunk_frame("f2", i), 0.0))
-            with trio.fail_after(2):
-                while len(resp.bodies) < i + 1:  # written before the next one exists
-                    await resp.changed.wait()
-        await send.send((protocol.done_frame(JOB, "f2"), 0.0))
-    assert resp.bodies[-1] == b"data: [DONE]\n\n" and len(resp.bodies) == 6
+    """Each read's chunk is on the client's socket before the next read is handed over."""
+    ch, transport, resp, sink, client = _front_door_turn("f2")
+    for i in range(5):
+        await ch.on_texts([_chunk_frame("f2", i).encode()])
+        assert len(transport.writes) == i + 1 and payload(i) in transport.writes[-1]
+    await ch.on_texts([protocol.done_frame(JOB, "f2").encode()])
+    assert len(transport.writes) == 6 and resp.finished
+    events = _events(client.recv(1 << 20))
+    assert events == [b"data: " + payload(i) for i in range(5)] + [b"data: [DONE]"]
 
 
 # -- the SSE splitter's fast path gives what the line parser gives ------------------------------

@@ -76,6 +76,7 @@ async def test_models_request_answered_during_a_generation(
     await turns.until("m1")
     assert turns.last("m1")["models"] == ["sim-model"]
     assert not turns.finished("long")
+    stream = await sim.wait_for_streams(1)  # the generation has reached the backend
     await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "long"})
     await turns.until("long", errors={"long"})
     assert turns.last("long") == {
@@ -85,8 +86,8 @@ async def test_models_request_answered_during_a_generation(
         "error": "cancelled",
     }
     with trio.fail_after(5):
-        await sim.streams[0].finished.wait()
-    assert sim.streams[0].client_closed
+        await stream.finished.wait()
+    assert stream.client_closed
 
 
 async def test_chat_end_mid_generation_closes_backend_and_reports_success(

@@ -180,9 +180,9 @@ class ServerChannel:
         self._general_send.close()
         self._channels.gone(self)
 
-    async def _on_texts(self, texts: list[bytes]) -> None:
-        """One read's text messages, in order: chunks of streamed turns written to their
-        clients (each turn's chunks of this read in one write), the rest routed."""
+    async def on_texts(self, texts: list[bytes]) -> None:
+        """One read's text messages, in order (the reader's hand-over): chunks of streamed turns
+        written to their clients (each turn's chunks of this read in one write), the rest routed."""
         self._seen(self.runner_id)
         sinks = self._sinks
         decode = _frame_decoder.decode
@@ -243,7 +243,7 @@ class ServerChannel:
         """Read the WebSocket until it closes (or ``close()`` is asked for)."""
         try:
             if self._ws is not None:
-                self.end_code = await self._ws.run(self._on_texts)
+                self.end_code = await self._ws.run(self.on_texts)
         finally:
             self._finish()
             self._terminated.set()

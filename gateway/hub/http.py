@@ -184,6 +184,11 @@ class Response:
             raise ClientGone() from exc
 
     def start_nowait(self, status: int, headers: Headers) -> bool:
+        return self.write_raw(self.head(status, headers))
+
+    def head(self, status: int, headers: Headers) -> bytes:
+        """The response head as bytes, for the caller to write (with the first part of the
+        body, in one write); the response counts as started."""
         headers = list(headers)
         if self._h11.their_state is h11.SEND_BODY:  # its body unread: no next request here
             headers.append((b"connection", b"close"))
@@ -196,20 +201,28 @@ class Response:
         )
         data = self._h11.send(h11.Response(status_code=status, headers=headers)) or b""
         self.started = True
-        return self.write_raw(data)
+        return data
 
-    def write_nowait(self, data: bytes) -> bool:
-        """A part of the body."""
-        if not data or self._head:
-            return not self._transport.unsent
-        if self.chunked:
-            return self.write_raw(b"%x\r\n%b\r\n" % (len(data), data))
-        return self.write_raw(self._h11.send(h11.Data(data=data)) or b"")
+    def write_nowait(self, data: bytes, before: bytes = b"", end: bool = False) -> bool:
+        """A part of the body, in one write with ``before`` it (bytes as they are: the head)
+        and, with ``end``, the end of the body after it."""
+        if self._head:
+            data = b""
+        if data:
+            if self.chunked:
+                out = b"%b%x\r\n%b\r\n" % (before, len(data), data)
+            else:
+                out = before + (self._h11.send(h11.Data(data=data)) or b"")
+        else:
+            out = before
+        if end:
+            self.finished = True
+            out += self._h11.send(h11.EndOfMessage()) or b""
+        return self.write_raw(out) if out else not self._transport.unsent
 
     def end_nowait(self) -> bool:
         """The end of the body."""
-        self.finished = True
-        return self.write_raw(self._h11.send(h11.EndOfMessage()) or b"")
+        return self.write_nowait(b"", end=True)
 
     async def flush(self) -> None:
         """Wait until the socket took everything written."""
@@ -234,12 +247,14 @@ class Response:
     async def whole(self, status: int, data: bytes, headers: Headers | None = None) -> None:
         """A complete response: ``data`` (JSON unless ``headers`` say otherwise) in one body."""
         if status == 204:
-            self.start_nowait(status, list(headers or []))
+            head = self.head(status, list(headers or []))
+            data = b""
         else:
-            head = [JSON_HEADER, (b"content-length", str(len(data)).encode())]
-            self.start_nowait(status, head + list(headers or []))
-            self.write_nowait(data)
-        self.end_nowait()
+            head = self.head(
+                status,
+                [JSON_HEADER, (b"content-length", str(len(data)).encode())] + list(headers or []),
+            )
+        self.write_nowait(data, head, end=True)  # one write
         await self.flush()
 
     async def json(self, status: int, obj: Any, headers: Headers | None = None) -> None:

@@ -146,11 +146,8 @@ class StreamSink:
     def _write(self, data: bytes, end: bool = False) -> None:
         resp = self.resp
         try:
-            if not resp.started:
-                resp.start_nowait(200, self.headers)
-            done = resp.write_nowait(data)
-            if end:
-                done = resp.end_nowait()
+            head = b"" if resp.started else resp.head(200, self.headers)
+            done = resp.write_nowait(data, head, end)  # the head goes with the first chunk
         except ClientGone:
             self._to(GONE)
             return
