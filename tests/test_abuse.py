@@ -427,7 +427,8 @@ async def test_content_length_with_chunked_is_400_and_the_connection_closed(
     assert records.bad() == []
 
 
-@pytest.mark.parametrize("size_line", [b"zz", b"-1", b"1 1", b"0x5"])
+# int(x, 16) takes the last three
+@pytest.mark.parametrize("size_line", [b"zz", b"-1", b"1 1", b"0x5", b"1_0", b" 5"])
 async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(
     autojump_clock: trio.testing.MockClock, records: Records, size_line: bytes
 ) -> None:
@@ -444,15 +445,17 @@ async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(
     assert records.bad() == []
 
 
+@pytest.mark.parametrize("route", ["chat", "poll"])
 async def test_json_nested_100000_deep_is_invalid_json_not_a_500(
-    autojump_clock: trio.testing.MockClock, records: Records
+    autojump_clock: trio.testing.MockClock, records: Records, route: str
 ) -> None:
     depth = 100_000
     body = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    method, path = _target(route)
     async with open_hub(_hub()) as (hub, url):
-        key = hub.create_api_key("k")
+        credential = _credential(hub, route)
         with trio.fail_after(120):
-            resp = await exchange(url, request("POST", CHAT, [bearer(key)], body))
+            resp = await exchange(url, request(method, path, [bearer(credential)], body))
     assert resp.status == 400, resp
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

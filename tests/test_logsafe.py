@@ -150,12 +150,14 @@ def test_the_hub_command_installs_it_on_its_log_handler() -> None:
     from gateway.hub.cli import configure_logging
 
     root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
+    server = logging.getLogger("gateway.hub.server")
+    saved = (root.handlers[:], root.level, server.level)
     root.handlers[:] = []
     try:
         configure_logging()
         handlers = root.handlers[:]
     finally:
-        root.handlers[:], level = saved
+        root.handlers[:], level, server_level = saved
         root.setLevel(level)
+        server.setLevel(server_level)
     assert handlers and all(any(isinstance(f, SafeFilter) for f in h.filters) for h in handlers)
