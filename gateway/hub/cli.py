@@ -14,6 +14,7 @@ from typing import NoReturn
 
 import trio
 
+from gateway import logsafe
 from gateway.config import default_state_dir
 from gateway.config import parse_listen as config_parse_listen
 from gateway.hub.app import serve_hub
@@ -198,6 +199,19 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
         store.close()
 
 
+def configure_logging() -> None:
+    """The hub's log output: INFO lines on stderr (unless logging is set up already), every
+    handler's lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    for handler in root.handlers:
+        logsafe.install(handler)
+    logging.getLogger("gateway.hub.server").setLevel(logging.WARNING)
+
+
 def _serve(
     data_dir: pathlib.Path,
     host: str,
@@ -212,11 +226,7 @@ def _serve(
             f"admin token (a user credential for runner registration; shown only now, kept in {data_dir / 'admin-token'}):"
         )
         print(f"  {hub.admin_token}", flush=True)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-    logging.getLogger("gateway.hub.server").setLevel(logging.WARNING)
+    configure_logging()
     try:
         trio.run(_run, hub, host, port, certfile, keyfile)
     except KeyboardInterrupt:

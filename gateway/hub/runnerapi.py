@@ -64,7 +64,6 @@ class RunnerApi:
         return runner
 
     async def register(self, req: Request) -> None:
-        body = await req.body(self.hub.settings.max_body)
         token = bearer(req.scope)
         if token is None:
             raise HTTPError(401, "a user credential is required to register a runner")
@@ -79,7 +78,7 @@ class RunnerApi:
                     403, "an API key was presented: only a user credential registers a runner"
                 )
             raise HTTPError(401, "unknown credential")
-        obj = json_object(body)
+        obj = json_object(await req.body(self.hub.settings.max_body))
         name = obj.get("name")
         if not isinstance(name, str) or not name:
             raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
@@ -88,8 +87,8 @@ class RunnerApi:
         await req.resp.json(201, self.hub.register_runner(owner, project, name, labels))
 
     async def poll(self, req: Request) -> None:
+        runner = self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
-        runner = self._runner(req)
         capabilities = set(string_list(json_object(body), "capabilities", required=True))
         owner, project = req.params["owner"], req.params["project"]
         jobs = [
@@ -101,8 +100,8 @@ class RunnerApi:
         await req.resp.json(200, {"jobs": jobs})
 
     async def claim(self, req: Request) -> None:
+        runner = self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
-        runner = self._runner(req)
         obj = json_object(body)
         job_id, name = obj.get("jobId"), obj.get("name")
         if not isinstance(job_id, str) or not isinstance(name, str):
@@ -125,8 +124,8 @@ class RunnerApi:
 
     async def _report(self, req: Request, report: Callable[[Job, dict[str, Any]], None]) -> Job:
         """A report on the runner's own job (status or progress): the body given to ``report``."""
+        runner = self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
-        runner = self._runner(req)
         p = req.params
         try:
             job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])

@@ -22,6 +22,9 @@ class HubSettings:
     models_timeout: float = 3.0  # s: /v1/models waits this long for an open channel's answer
     models_wait: float = 15.0  # s: bound on a listing session when no model list is known yet
     max_body: int = 16 * MiB  # bytes: request bodies and WebSocket messages
+    head_timeout: float = 10.0  # s: a request head (or WebSocket handshake) complete within this
+    body_timeout: float = 60.0  # s: a request body complete within this of the end of its head
+    max_connections: int = 1024  # open connections; one more is answered 503 and closed
     ping_interval: float = 20.0  # s: a WebSocket ping on every Chat Channel; 0 = no pings
     ping_timeout: float | None = None  # s without any frame after a ping: closed (None: interval)
     first_frame_timeout: float = 300.0  # s: a turn's wait for its first frame with pings off
