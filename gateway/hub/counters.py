@@ -16,6 +16,9 @@ class HubCounters:
     pong_timeouts: int = 0  # channels silent past the ping timeout, closed with 1011
     channels_dead: int = 0  # channels that ended without a close handshake (or offline)
     failovers: int = 0  # turns moved to a new Chat Job because their session's channel was gone
+    # of those: moved at once, another capable runner being free (no wait for the redial)
+    failovers_immediate: int = 0
+    redial_waits: int = 0  # turns that waited for a dropped channel's redial (no other runner free)
 
     def as_json(self) -> dict[str, int]:
         """The counters by name, camelCase as the admin routes answer."""
