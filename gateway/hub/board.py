@@ -257,6 +257,7 @@ class JobBoard:
         )
         self.jobs[job.id] = job
         self.save(job)
+        self.changes.notify()
         subscribers = self._subscribers.get((owner, project), set())
         for send_ch in list(subscribers):
             try:

@@ -44,6 +44,7 @@ class Session:
     job_id: str | None = None
     turns: int = 0  # requests in flight (waiting for the channel or relaying)
     last_used: float = field(default_factory=trio.current_time)
+    used: int = 0  # the order of last use among the hub's sessions (a tie on the clock breaks)
     # the last failed attempt to get a channel (when, why): requests that queued on the
     # lock behind it share its answer instead of each waiting out another timeout
     failure: tuple[float, HTTPError] | None = None
@@ -84,6 +85,7 @@ class Sessions:
         # turn is a failover, counted as one: key -> (job id, when)
         self._ended: dict[SessionKey, tuple[str, float]] = {}
         self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
+        self._uses = 0  # sessions left so far (their ``used`` order)
 
     def listing(self) -> dict[tuple[str, str], str | None]:
         """The live sessions: (API key name, session id) -> job id."""
@@ -121,7 +123,7 @@ class Sessions:
                             session_id,
                         )
                         raise too_many_sessions(limit)
-                    evicted = min(idle, key=lambda s: s.last_used)
+                    evicted = min(idle, key=lambda s: (s.last_used, s.used))
                     self._forget(evicted)
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
         session.turns += 1
@@ -139,6 +141,8 @@ class Sessions:
     def leave(self, session: Session) -> None:
         session.turns -= 1
         session.last_used = trio.current_time()
+        self._uses += 1
+        session.used = self._uses
         if session.job_id is None and not session.turns and self.live.get(session.key) is session:
             del self.live[session.key]
         self.poke()
