@@ -248,6 +248,8 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
                             model="gpt-nope", messages=MESSAGES
                         )
                     again = await chat(url, key, model="fake-tools")
+                    fake.models.append("fake-new")  # the runner came back with another model
+                    renewed = await chat(url, key, model="fake-new")
     assert served.status_code == 200
     assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
     assert caught.value.status_code == 404
@@ -260,6 +262,7 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
     }
     assert fake.claimed[: len(claimed)] == claimed and again.status_code == 200
     assert len(fake.claimed) == len(claimed)  # the 404 opened no job (the session's was reused)
+    assert renewed.status_code == 200  # a kept list is checked again before a model is refused
 
 
 async def test_a_backend_refusing_the_request_is_a_4xx_not_a_retried_502(

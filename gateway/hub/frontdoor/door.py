@@ -98,9 +98,9 @@ class FrontDoor:
         key = self._key(req)
         text, stream, model = parse_chat_request(await req.body(self.settings.max_body))
         if model is not None:  # a model no runner of the project lists: 404 before any job
-            known = self.models.known(key.owner, key.project)
-            if known is not None and model not in known:
-                raise model_not_found(model, known)
+            available = await self.models.unknown(key.owner, key.project, model)
+            if available is not None:
+                raise model_not_found(model, available)
         raw_sid = header(req.scope, SESSION_HEADER)
         sid = raw_sid.decode("latin-1").strip() if raw_sid else ""
         session = await self.sessions.enter(key, sid or DEFAULT_SESSION)

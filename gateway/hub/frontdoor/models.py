@@ -65,6 +65,17 @@ class Models:
             return None
         return list(dict.fromkeys(m for runner_id in runners for m in lists[runner_id]))
 
+    async def unknown(self, owner: str, project: str, model: str) -> list[str] | None:
+        """The models there are when no live runner of the project lists ``model``, else None
+        (also when that is not known). A kept list may be stale (a runner restarted with other
+        models): the project's open channels are asked again before a model is called unknown."""
+        known = self.known(owner, project)
+        if known is None or model in known:
+            return None
+        await self._ask_open_channels(owner, project)
+        known = self.known(owner, project)
+        return None if known is None or model in known else known
+
     def _lists_of(self, owner: str, project: str) -> dict[str, tuple[str, ...]]:
         lists = self._lists.get((owner, project))
         if lists is None:
