@@ -362,7 +362,8 @@ async def test_client_disconnect_cancels_the_turn(env: Env) -> None:
 
 
 async def test_no_runner_is_503(env: Env) -> None:
-    env.hub.settings.runner_wait_timeout = 0.3
+    # no runner of the key's project at all: answered at once (tests/test_causes.py has the rest)
+    env.hub.settings.runner_wait_timeout = 30
     lonely = env.hub.create_api_key("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT):
@@ -370,9 +371,12 @@ async def test_no_runner_is_503(env: Env) -> None:
             with pytest.raises(openai.APIStatusError) as caught:
                 await _stream(client)
             elapsed = trio.current_time() - started
-    assert caught.value.status_code == 503
-    assert caught.value.body["message"] == "no runner with chat-llm:v1 connected within 0.3 s"
-    assert 0.3 <= elapsed < 3
+    assert caught.value.status_code == 503 and caught.value.body["code"] == "no_runner"
+    assert caught.value.body["message"] == (
+        "no runner is connected for project nobody/here: start one with "
+        "`alp-gateway run --project nobody/here`"
+    )
+    assert elapsed < 3
     # concurrent first requests of one session share one wait and one answer
     statuses: list[int] = []
     async with env.client(key=lonely) as client:
@@ -388,7 +392,7 @@ async def test_no_runner_is_503(env: Env) -> None:
                 for _ in range(3):
                     nursery.start_soon(turn)
             elapsed = trio.current_time() - started
-    assert statuses == [503] * 3 and elapsed < 0.9
+    assert statuses == [503] * 3 and elapsed < 3
     assert not [j for j in env.hub.jobs.values() if j.owner == "nobody"]  # the job was withdrawn
 
 
@@ -446,14 +450,15 @@ async def test_models_forget_runners_not_seen_recently(env: Env) -> None:
 
 
 async def test_models_with_no_runner_is_an_error_naming_the_cause(env: Env) -> None:
-    env.hub.settings.models_wait = 0.3
+    env.hub.settings.models_wait = 30
     lonely = env.hub.create_api_key("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT), pytest.raises(openai.APIStatusError) as caught:
             await client.models.list()
     assert caught.value.status_code == 503
     assert caught.value.body == {
-        "message": "no runner with chat-llm:v1 connected within 0.3 s to list models",
+        "message": "no runner is connected for project nobody/here to list models: start one "
+        "with `alp-gateway run --project nobody/here`",
         "type": "service_unavailable",
         "param": None,
         "code": "no_runner",

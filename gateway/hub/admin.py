@@ -21,7 +21,8 @@ class AdminApi:
             raise HTTPError(403, "only the admin credential may use /api/hub/")
 
     async def jobs(self, req: Request) -> None:
-        jobs = [job.admin_json() for job in self.hub.board.jobs.values()]
+        """Every job with its reports: live ones from memory, ended ones from the store."""
+        jobs = [job.admin_json() for job in self.hub.jobs.values()]
         await req.resp.json(200, {"jobs": jobs})
 
     async def sessions(self, req: Request) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from gateway.hub.store import Store, StoredJob
 log = logging.getLogger("gateway.hub")
 
 SUBSCRIBER_BUFFER = 64  # job_available events buffered per subscriber; more are dropped
+RECENT_ENDED = 256  # ended jobs kept in memory (late reports land on them); older: the store
 
 Refusal = Literal["not_found", "conflict", "forbidden", "invalid"]
 
@@ -150,16 +152,88 @@ class Job:
         }
 
 
+@dataclass
+class RunnerState:
+    """What the board knows of one runner since the hub started: its project, and what its last
+    poll advertised (None: it has not polled yet)."""
+
+    owner: str
+    project: str
+    capabilities: frozenset[str] | None = None
+    polled_at: float | None = None  # trio clock
+
+
+@dataclass(frozen=True)
+class Availability:
+    """The runners of one project that gave a sign of life within ``offline_after``, by what
+    they can do about a job that needs one capability right now."""
+
+    free: int = 0  # their last poll advertised the capability
+    unknown: int = 0  # not polled since the hub started: they may well advertise it
+    busy: int = 0  # stopped advertising it while holding jobs: at their capacity
+    down: int = 0  # stopped advertising it holding no job: their backends are down
+
+    @property
+    def live(self) -> int:
+        return self.free + self.unknown + self.busy + self.down
+
+
+class JobsView(Mapping[str, "Job"]):
+    """Every job the hub knows, by id: the live ones from memory, ended ones read from the store
+    (a fresh copy each time); iterating reads the store."""
+
+    def __init__(self, board: JobBoard) -> None:
+        self._board = board
+
+    def __getitem__(self, job_id: str) -> Job:
+        job = self._board.lookup(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        return job
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._board.store.job_ids())
+
+    def __len__(self) -> int:
+        return self._board.store.count_jobs()
+
+
 class JobBoard:
-    """Every Chat Job of the hub and what runners did with it; each change is saved to the store."""
+    """Every Chat Job of the hub and what runners did with it; each change is saved to the store.
+
+    ``jobs`` holds the live jobs only: a job leaves it when it is completed (it stays in the
+    store, where ``lookup`` and ``JobsView`` find it), so polls scan only what can still run;
+    the last ``RECENT_ENDED`` ended ones stay in memory too, for a late report.
+    """
 
     def __init__(self, store: Store, settings: HubSettings, changes: Changes) -> None:
         self.store = store
         self.settings = settings
         self.changes = changes
-        self.jobs: dict[str, Job] = {job.id: Job.from_record(job) for job in store.load_jobs()}
+        self.jobs: dict[str, Job] = {
+            job.id: Job.from_record(job) for job in store.load_jobs(live_only=True)
+        }
         self.last_seen: dict[str, float] = {}  # runner id -> trio clock of its last sign of life
+        self.runners: dict[str, RunnerState] = {}  # runner id -> its project and last poll
+        self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+
+    def lookup(self, job_id: str) -> Job | None:
+        """The job, live (the board's own object) or ended (a copy read from the store)."""
+        job = self.jobs.get(job_id) or self.recent.get(job_id)
+        if job is not None:
+            return job
+        stored = self.store.load_job(job_id)
+        return Job.from_record(stored) if stored is not None else None
+
+    def _ended(self, job: Job) -> None:
+        """A job completed: saved, then out of memory (the store keeps it)."""
+        self.save(job)
+        if self.jobs.get(job.id) is job:
+            del self.jobs[job.id]
+            self.recent[job.id] = job
+            while len(self.recent) > RECENT_ENDED:
+                self.recent.popitem(last=False)
 
     # -- jobs in ----------------------------------------------------------------
 
@@ -183,6 +257,7 @@ class JobBoard:
         )
         self.jobs[job.id] = job
         self.save(job)
+        self.changes.notify()
         subscribers = self._subscribers.get((owner, project), set())
         for send_ch in list(subscribers):
             try:
@@ -217,8 +292,53 @@ class JobBoard:
         """The runner gave a sign of life (the first one wakes whoever waits on the board)."""
         first = runner_id not in self.last_seen
         self.last_seen[runner_id] = trio.current_time()
+        if runner_id not in self.runners:
+            registration = self.store.registration(runner_id)
+            if registration is not None:
+                self.runners[runner_id] = RunnerState(registration.owner, registration.project)
         if first:
             self.changes.notify()
+
+    def polled(self, runner_id: str, owner: str, project: str, capabilities: set[str]) -> None:
+        """Note what a runner's poll advertised (a change wakes whoever waits on the board)."""
+        caps = frozenset(capabilities)
+        state = self.runners.get(runner_id)
+        if state is None:
+            state = self.runners[runner_id] = RunnerState(owner, project)
+        changed = state.capabilities != caps
+        state.capabilities, state.polled_at = caps, trio.current_time()
+        if changed:
+            self.changes.notify()
+
+    def alive(self, runner_id: str) -> bool:
+        """The runner gave a sign of life within ``offline_after``."""
+        last = self.last_seen.get(runner_id)
+        return last is not None and trio.current_time() - last <= self.settings.offline_after
+
+    def held(self, runner_id: str) -> int:
+        """How many live jobs the runner holds (claimed, not completed nor withdrawn)."""
+        return sum(1 for job in self.jobs.values() if job.claimed_by == runner_id and not job.over)
+
+    def availability(
+        self, owner: str, project: str, capability: str, *, exclude: str | None = None
+    ) -> Availability:
+        """The live runners of ``owner/project`` (but ``exclude``), by whether they can take a
+        job needing ``capability`` now."""
+        counts = {"free": 0, "unknown": 0, "busy": 0, "down": 0}
+        for runner_id, state in self.runners.items():
+            if (state.owner, state.project) != (owner, project) or runner_id == exclude:
+                continue
+            if not self.alive(runner_id):
+                continue
+            if state.capabilities is None:
+                counts["unknown"] += 1
+            elif capability in state.capabilities:
+                counts["free"] += 1
+            elif self.held(runner_id):
+                counts["busy"] += 1
+            else:
+                counts["down"] += 1
+        return Availability(**counts)
 
     def unstarted_claim(self, job: Job, runner_id: str) -> bool:
         """``runner_id`` claimed the job and has not started it (no in_progress, no channel)."""
@@ -234,6 +354,7 @@ class JobBoard:
     ) -> list[Job]:
         """The jobs a poll offers: queued, within the capabilities, or this runner's own unstarted
         claim after ``reoffer_after`` (its claim answer may have been lost)."""
+        self.polled(runner_id, owner, project, capabilities)
         now = trio.current_time()
 
         def offer(job: Job) -> bool:
@@ -254,7 +375,7 @@ class JobBoard:
     def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
         """Claim a job for ``runner_id``: its run id. The same runner again before starting it
         gets the same run id (it lost the answer); anyone else a conflict."""
-        job = self.jobs.get(job_id)
+        job = self.lookup(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
         if self.unstarted_claim(job, runner_id):
@@ -271,11 +392,12 @@ class JobBoard:
         job.claimed_at = trio.current_time()
         job.claimed.set()
         self.save(job)
+        self.changes.notify()
         return job.run_id
 
     def own_job(self, runner_id: str, owner: str, project: str, run_id: str, job_id: str) -> Job:
         """The job a runner reports on, if it is that runner's claim under that run."""
-        job = self.jobs.get(job_id)
+        job = self.lookup(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
         if job.claimed_by != runner_id:
@@ -306,7 +428,7 @@ class JobBoard:
         job.conclusion = conclusion
         job.final_reported = True
         job.completed.set()
-        self.save(job)
+        self._ended(job)
         self.changes.notify()
 
     def report_progress(self, job: Job, report: dict[str, Any]) -> None:
@@ -370,7 +492,7 @@ class JobBoard:
             job.status = "completed"
             job.conclusion = "failure"
             job.completed.set()
-            self.save(job)
+            self._ended(job)
             forced.append(job)
             log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
         if forced:

@@ -102,6 +102,24 @@ def _build_parser() -> _Parser:
         help="a channel silent this long after a ping is closed as dead and its turns move "
         "(default: the ping interval)",
     )
+    parser.add_argument(
+        "--capacity-wait",
+        type=float,
+        metavar="SECONDS",
+        default=HubSettings.capacity_wait,
+        help="when every runner that could serve a new chat session is at capacity, wait this "
+        "long for one to free up, then answer 503 with Retry-After "
+        f"(default {HubSettings.capacity_wait:g})",
+    )
+    parser.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        metavar="N",
+        default=HubSettings.max_sessions_per_key,
+        help="chat sessions one API key may hold: past it the key's least recently used idle "
+        "session is ended, or 429 when all are busy; 0 = no bound "
+        f"(default {HubSettings.max_sessions_per_key})",
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
     keys_sub = keys.add_subparsers(
@@ -139,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError("--ping-interval must be 0 (off) or a positive number of seconds")
         if args.ping_timeout is not None and not args.ping_timeout > 0:
             raise _UsageError("--ping-timeout must be a positive number of seconds")
+        if not args.capacity_wait >= 0:
+            raise _UsageError("--capacity-wait must be 0 or a positive number of seconds")
+        if args.max_sessions_per_key < 0:
+            raise _UsageError("--max-sessions-per-key must be 0 (no bound) or a positive number")
         settings = HubSettings(
             models_wait=args.models_wait,
             ping_interval=args.ping_interval,
             ping_timeout=args.ping_timeout,
+            capacity_wait=args.capacity_wait,
+            max_sessions_per_key=args.max_sessions_per_key,
         )
         return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
     except SystemExit as exc:  # --help

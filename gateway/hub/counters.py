@@ -16,6 +16,9 @@ class HubCounters:
     pong_timeouts: int = 0  # channels silent past the ping timeout, closed with 1011
     channels_dead: int = 0  # channels that ended without a close handshake (or offline)
     failovers: int = 0  # turns moved to a new Chat Job because their session's channel was gone
+    # of those: moved at once, another capable runner being free (no wait for the redial)
+    failovers_immediate: int = 0
+    redial_waits: int = 0  # turns that waited for a dropped channel's redial (no other runner free)
     ws_protocol_errors: int = 0  # WebSockets failed for a protocol violation (1002/1007/1009)
     connections_refused: int = 0  # connections refused past max_connections (or on EMFILE)
     turns_overrun: int = 0  # turns ended because their client read too slowly (backlog bound)

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from gateway.hub.board import Changes, Job, JobBoard
+from gateway.hub.board import Changes, Job, JobBoard, JobsView
 from gateway.hub.channel import CLOSE_OFFLINE, Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor import FrontDoor
@@ -74,8 +74,9 @@ class Hub:
     # -- jobs and channels ------------------------------------------------------------
 
     @property
-    def jobs(self) -> dict[str, Job]:
-        return self.board.jobs
+    def jobs(self) -> JobsView:
+        """Every job by id: live ones from memory, ended ones from the store (``JobsView``)."""
+        return JobsView(self.board)
 
     @property
     def last_seen(self) -> dict[str, float]:
@@ -150,6 +151,7 @@ class Hub:
     ) -> dict[str, Any]:
         """Register a runner for ``owner/project``: ``{"id","name","token","registeredAt"}``."""
         registration, token = self.store.add_registration(owner, project, name, list(labels))
+        self.board.seen(registration.id)  # a registration is the runner's first sign of life
         return {
             "id": registration.id,
             "name": registration.name,
@@ -170,7 +172,11 @@ class Hub:
         return self.store.list_api_keys()
 
     def revoke_api_key(self, name: str) -> bool:
-        return self.store.revoke_api_key(name)
+        """Revoke the active key ``name``: its chat sessions end at once (``chat.end``)."""
+        revoked = self.store.revoke_api_key(name)
+        if revoked:
+            self.frontdoor.sessions.check_keys()
+        return revoked
 
     def check_api_key(self, token: str) -> ApiKey | None:
         return self.store.check_api_key(token)

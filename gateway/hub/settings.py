@@ -28,10 +28,17 @@ class HubSettings:
     ping_interval: float = 20.0  # s: a WebSocket ping on every Chat Channel; 0 = no pings
     ping_timeout: float | None = None  # s without any frame after a ping: closed (None: interval)
     first_frame_timeout: float = 300.0  # s: a turn's wait for its first frame with pings off
-    head_timeout: float = 10.0  # s: a request head (and a TLS handshake) must arrive within
-    body_timeout: float = 60.0  # s: a request body must arrive within, from the end of its head
-    max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
     client_backlog: int = 1024 * 1024  # bytes of a turn's stream its client may fall behind by
+    # s: when every runner of the project that could serve is busy (stopped advertising
+    # chat-llm:v1 while it holds sessions), a new session waits this long for a free slot, then
+    # 503 runners_busy with Retry-After
+    capacity_wait: float = 10.0
+    # live chat sessions one API key may hold (its least recently used idle one is ended to make
+    # room for a new one; none idle: 429 too_many_sessions); 0 = no bound
+    max_sessions_per_key: int = 16
+    # s: how often the hub checks that its live sessions' API keys are still active (a key
+    # revoked by another process on the same store); a revoked key's sessions end
+    key_check_interval: float = 5.0
 
     @property
     def pong_timeout(self) -> float:

@@ -76,6 +76,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     owner TEXT NOT NULL,
     project TEXT NOT NULL,
     job_id TEXT NOT NULL,
+    key_id TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (key_name, session_id)
 );
 """
@@ -95,6 +96,12 @@ def utc_now() -> str:
     """The current time as an ISO 8601 UTC string (``...Z``)."""
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     return now.isoformat().replace("+00:00", "Z")
+
+
+def key_id_of(key_hash: str) -> str:
+    """An API key's id: the start of its hash, unique per key (a new key with a revoked key's
+    name has another), not a secret, never the key itself."""
+    return key_hash[:16]
 
 
 def split_project(project: str) -> tuple[str, str]:
@@ -125,6 +132,7 @@ class ApiKey:
     name: str
     owner: str
     project: str
+    id: str = ""  # ``key_id_of`` its hash: what its chat sessions are keyed by
 
 
 @dataclass(slots=True)
@@ -161,13 +169,15 @@ class ModelList:
 
 @dataclass(frozen=True, slots=True)
 class StoredSession:
-    """A front-door chat session: (API key name, X-Chat-Session) -> its Chat Job."""
+    """A front-door chat session: (API key, X-Chat-Session) -> its Chat Job. ``key_id``: the
+    key's id (empty in rows stored before keys had one: then the key is found by name)."""
 
     key_name: str
     session_id: str
     owner: str
     project: str
     job_id: str
+    key_id: str = ""
 
 
 class Store:
@@ -185,6 +195,9 @@ class Store:
             with contextlib.suppress(OSError):
                 os.chmod(self.path, 0o600)
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        if "key_id" not in columns:  # a store from before sessions were keyed by the key's id
+            self._db.execute("ALTER TABLE sessions ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
         self._db.commit()
 
     def close(self) -> None:
@@ -242,65 +255,101 @@ class Store:
                 (job_id, job_id, json.dumps(body), utc_now()),
             )
 
-    def load_jobs(self) -> list[StoredJob]:
-        """Every stored job with its reports, oldest first."""
+    _JOB_COLUMNS = (
+        "id, owner, project, needs, agent_definition, origin, run_id, claimed_by,"
+        " runner_name, status, conclusion, final_reported, cancelled, cancel_reason"
+    )
+
+    def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
+        """Every stored job with its reports, oldest first (``live_only``: not completed)."""
+        where = " WHERE status != 'completed'" if live_only else ""
         reports: dict[str, list[dict[str, Any]]] = {}
-        for job_id, body in self._db.execute(
-            "SELECT job_id, body FROM job_reports ORDER BY job_id, seq"
-        ):
+        query = "SELECT job_id, body FROM job_reports ORDER BY job_id, seq"
+        if live_only:
+            query = (
+                "SELECT job_id, body FROM job_reports WHERE job_id IN"
+                f" (SELECT id FROM jobs{where}) ORDER BY job_id, seq"
+            )
+        for job_id, body in self._db.execute(query):
             reports.setdefault(job_id, []).append(json.loads(body))
         rows = self._db.execute(
-            "SELECT id, owner, project, needs, agent_definition, origin, run_id, claimed_by,"
-            " runner_name, status, conclusion, final_reported, cancelled, cancel_reason"
-            " FROM jobs ORDER BY created_at, rowid"
+            f"SELECT {self._JOB_COLUMNS} FROM jobs{where} ORDER BY created_at, rowid"
         ).fetchall()
-        return [
-            StoredJob(
-                id=r[0],
-                owner=r[1],
-                project=r[2],
-                needs=json.loads(r[3]),
-                agent_definition=json.loads(r[4]),
-                origin=r[5],
-                run_id=r[6],
-                claimed_by=r[7],
-                runner_name=r[8],
-                status=r[9],
-                conclusion=r[10],
-                final_reported=bool(r[11]),
-                cancelled=bool(r[12]),
-                cancel_reason=r[13],
-                reports=reports.get(r[0], []),
+        return [self._stored_job(r, reports.get(r[0], [])) for r in rows]
+
+    def load_job(self, job_id: str) -> StoredJob | None:
+        """One stored job with its reports, or None."""
+        row = self._db.execute(
+            f"SELECT {self._JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        reports = [
+            json.loads(body)
+            for (body,) in self._db.execute(
+                "SELECT body FROM job_reports WHERE job_id = ? ORDER BY seq", (job_id,)
             )
-            for r in rows
         ]
+        return self._stored_job(row, reports)
+
+    def job_ids(self) -> list[str]:
+        """The id of every stored job, oldest first."""
+        return [r[0] for r in self._db.execute("SELECT id FROM jobs ORDER BY created_at, rowid")]
+
+    def count_jobs(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
+
+    @staticmethod
+    def _stored_job(r: Any, reports: list[dict[str, Any]]) -> StoredJob:
+        return StoredJob(
+            id=r[0],
+            owner=r[1],
+            project=r[2],
+            needs=json.loads(r[3]),
+            agent_definition=json.loads(r[4]),
+            origin=r[5],
+            run_id=r[6],
+            claimed_by=r[7],
+            runner_name=r[8],
+            status=r[9],
+            conclusion=r[10],
+            final_reported=bool(r[11]),
+            cancelled=bool(r[12]),
+            cancel_reason=r[13],
+            reports=reports,
+        )
 
     # -- front-door sessions -------------------------------------------------
 
     def save_session(self, session: StoredSession) -> None:
         with self._db:
             self._db.execute(
-                "INSERT OR REPLACE INTO sessions (key_name, session_id, owner, project, job_id)"
-                " VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO sessions"
+                " (key_name, session_id, owner, project, job_id, key_id) VALUES (?, ?, ?, ?, ?, ?)",
                 (
                     session.key_name,
                     session.session_id,
                     session.owner,
                     session.project,
                     session.job_id,
+                    session.key_id,
                 ),
             )
 
-    def delete_session(self, key_name: str, session_id: str) -> None:
+    def delete_session(self, key_name: str, session_id: str, job_id: str | None = None) -> None:
+        """Forget a session's row (with ``job_id``: only while it still points at that job, so
+        a revoked key's ending session does not take a new same-named key's row with it)."""
+        query = "DELETE FROM sessions WHERE key_name = ? AND session_id = ?"
+        args: tuple[str, ...] = (key_name, session_id)
+        if job_id is not None:
+            query += " AND job_id = ?"
+            args = (*args, job_id)
         with self._db:
-            self._db.execute(
-                "DELETE FROM sessions WHERE key_name = ? AND session_id = ?",
-                (key_name, session_id),
-            )
+            self._db.execute(query, args)
 
     def load_sessions(self) -> list[StoredSession]:
         rows = self._db.execute(
-            "SELECT key_name, session_id, owner, project, job_id FROM sessions"
+            "SELECT key_name, session_id, owner, project, job_id, key_id FROM sessions"
             " ORDER BY key_name, session_id"
         ).fetchall()
         return [StoredSession(*row) for row in rows]
@@ -449,8 +498,20 @@ class Store:
         found: ApiKey | None = None
         for name, owner, project, stored in rows:
             if hmac.compare_digest(stored, digest):
-                found = ApiKey(name, owner, project)
+                found = ApiKey(name, owner, project, key_id_of(stored))
         return found
+
+    def active_key_ids(self) -> set[str]:
+        """The ids of every active (not revoked) API key."""
+        rows = self._db.execute("SELECT key_hash FROM api_keys WHERE revoked = 0")
+        return {key_id_of(stored) for (stored,) in rows}
+
+    def active_key_id(self, name: str) -> str | None:
+        """The id of the active API key named ``name``, or None."""
+        row = self._db.execute(
+            "SELECT key_hash FROM api_keys WHERE name = ? AND revoked = 0", (name,)
+        ).fetchone()
+        return key_id_of(row[0]) if row is not None else None
 
 
 def ensure_private_dir(path: pathlib.Path) -> None:

@@ -31,7 +31,7 @@ from gateway.hub.frontdoor.shapes import (
     model_not_found,
     model_object,
     no_key,
-    parse_chat_body,
+    parse_chat_request,
     stream_error_event,
 )
 from gateway.hub.http import ClientGone, HTTPError, Request, Response, bearer, header
@@ -99,10 +99,14 @@ class FrontDoor:
     async def chat(self, req: Request) -> None:
         """One chat turn: cancelled (``chat.completion.cancel`` to the runner) if the client leaves."""
         key = self._key(req)
-        text, stream = parse_chat_body(await req.body(self.settings.max_body))
+        text, stream, model = parse_chat_request(await req.body(self.settings.max_body))
+        if model is not None:  # a model no runner of the project lists: 404 before any job
+            available = await self.models.unknown(key.owner, key.project, model)
+            if available is not None:
+                raise model_not_found(model, available)
         raw_sid = header(req.scope, SESSION_HEADER)
         sid = raw_sid.decode("latin-1").strip() if raw_sid else ""
-        session = self.sessions.enter((key.name, sid or DEFAULT_SESSION), key.owner, key.project)
+        session = await self.sessions.enter(key, sid or DEFAULT_SESSION)
         traceparent = _traceparent(req)
         try:
             with trio.CancelScope() as turn_scope:
@@ -113,7 +117,7 @@ class FrontDoor:
                     finally:
                         nursery.cancel_scope.cancel()
             if turn_scope.cancelled_caught:
-                log.info("client of session %s/%s disconnected", *session.key)
+                log.info("client of session %s disconnected", session.name)
         finally:
             self.sessions.leave(session)
 

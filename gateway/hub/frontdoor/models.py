@@ -49,6 +49,39 @@ class Models:
         self.channels = channels
         self.sessions = sessions
         self._listing: dict[tuple[str, str], trio.Lock] = {}  # one listing session per project
+        # each project's runners' last model lists (read from the store once, then kept here)
+        self._lists: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {}
+
+    def known(self, owner: str, project: str) -> list[str] | None:
+        """Every model the project's live runners list, when each of them has answered a models
+        request (the answer is kept); None when that is not known (then nothing is refused)."""
+        lists = self._lists_of(owner, project)
+        runners = [
+            runner_id
+            for runner_id, state in self.board.runners.items()
+            if (state.owner, state.project) == (owner, project) and self.board.alive(runner_id)
+        ]
+        if not runners or any(runner_id not in lists for runner_id in runners):
+            return None
+        return list(dict.fromkeys(m for runner_id in runners for m in lists[runner_id]))
+
+    async def unknown(self, owner: str, project: str, model: str) -> list[str] | None:
+        """The models there are when no live runner of the project lists ``model``, else None
+        (also when that is not known). A kept list may be stale (a runner restarted with other
+        models): the project's open channels are asked again before a model is called unknown."""
+        known = self.known(owner, project)
+        if known is None or model in known:
+            return None
+        await self._ask_open_channels(owner, project)
+        known = self.known(owner, project)
+        return None if known is None or model in known else known
+
+    def _lists_of(self, owner: str, project: str) -> dict[str, tuple[str, ...]]:
+        lists = self._lists.get((owner, project))
+        if lists is None:
+            stored = self.store.load_models(owner, project)
+            lists = self._lists[(owner, project)] = {m.runner_id: m.models for m in stored}
+        return lists
 
     async def listing(self, owner: str, project: str) -> list[str]:
         """Every model id ``owner/project`` can serve, deduplicated, in order; HTTPError 503
@@ -138,6 +171,7 @@ class Models:
                         models = model_ids(reply.models)
                         listed = ModelList(ch.runner_id, owner, project, tuple(models), time.time())
                         self.store.save_models(listed)
+                        self._lists_of(owner, project)[ch.runner_id] = listed.models
                         return models
         except Exception as exc:
             log.info("no models from the channel of job %s: %r", ch.job_id, exc)

@@ -10,35 +10,54 @@ import msgspec
 import trio
 
 from gateway import protocol
-from gateway.hub.board import JobBoard
+from gateway.hub.board import Job, JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.relay import reply_decoder
-from gateway.hub.frontdoor.shapes import no_runner
+from gateway.hub.frontdoor.shapes import (
+    no_capable_runner,
+    no_runner,
+    no_runner_connected,
+    runners_busy,
+    too_many_sessions,
+)
 from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import Store, StoredSession
+from gateway.hub.store import ApiKey, Store, StoredSession
 
 log = logging.getLogger("gateway.hub.frontdoor")
 
-SessionKey = tuple[str, str]  # (API key name, session id)
+SessionKey = tuple[str, str]  # (API key id, session id)
 CHAT_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
+LEGACY_KEY = "name:"  # the key part of a restored session whose key is known by name only
 
 
 @dataclass(eq=False)
 class Session:
-    """One chat session: (API key name, X-Chat-Session) -> its Chat Job."""
+    """One chat session: (API key, X-Chat-Session) -> its Chat Job."""
 
-    key: SessionKey
+    key: SessionKey  # (the key's id, the session id): a new key with an old name starts afresh
     owner: str
     project: str
+    key_name: str = ""  # for listings and log lines
     lock: trio.Lock = field(default_factory=trio.Lock)
     job_id: str | None = None
     turns: int = 0  # requests in flight (waiting for the channel or relaying)
     last_used: float = field(default_factory=trio.current_time)
+    used: int = 0  # the order of last use among the hub's sessions (a tie on the clock breaks)
     # the last failed attempt to get a channel (when, why): requests that queued on the
     # lock behind it share its answer instead of each waiting out another timeout
     failure: tuple[float, HTTPError] | None = None
+
+    @property
+    def name(self) -> str:
+        """``key name/session id``, for log lines (never the key itself)."""
+        return f"{self.key_name}/{self.key[1]}"
+
+    @property
+    def key_checked(self) -> bool:
+        """Whether the key's revocation is watched (not for a session restored by name only)."""
+        return not self.key[0].startswith(LEGACY_KEY)
 
 
 class Sessions:
@@ -65,28 +84,65 @@ class Sessions:
         # sessions forgotten because their job ended under them (its runner stopped): their next
         # turn is a failover, counted as one: key -> (job id, when)
         self._ended: dict[SessionKey, tuple[str, float]] = {}
+        self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
+        self._uses = 0  # sessions left so far (their ``used`` order)
 
-    def listing(self) -> dict[SessionKey, str | None]:
+    def listing(self) -> dict[tuple[str, str], str | None]:
         """The live sessions: (API key name, session id) -> job id."""
-        return {key: s.job_id for key, s in self.live.items()}
+        return {(s.key_name, key[1]): s.job_id for key, s in self.live.items()}
 
     def poke(self) -> None:
         """Wake ``run``: a session or a channel changed."""
         self._changed.set()
 
+    def check_keys(self) -> None:
+        """Check the live sessions' API keys now (one was revoked in this process)."""
+        self._next_key_check = -math.inf
+        self.poke()
+
     # -- one session's turns ----------------------------------------------------------
 
-    def enter(self, key: SessionKey, owner: str, project: str) -> Session:
-        """The session of ``key`` (created if new), counted busy until ``leave``."""
-        session = self.live.get(key)
+    async def enter(self, key: ApiKey, session_id: str) -> Session:
+        """The session ``session_id`` of API key ``key`` (created if new), counted busy until
+        ``leave``. A key holds at most ``max_sessions_per_key``: a new session past it ends the
+        key's least recently used idle session; when none is idle, HTTPError 429."""
+        skey = (key.id or LEGACY_KEY + key.name, session_id)
+        session = self.live.get(skey)
+        evicted: Session | None = None
         if session is None:
-            session = self.live[key] = Session(key, owner, project)
+            limit = self.settings.max_sessions_per_key
+            if limit > 0:
+                held = [s for k, s in self.live.items() if k[0] == skey[0]]
+                if len(held) >= limit:
+                    idle = [s for s in held if not s.turns and not s.lock.locked()]
+                    if not idle:
+                        log.warning(
+                            "API key %s holds %d busy sessions: session %s refused",
+                            key.name,
+                            len(held),
+                            session_id,
+                        )
+                        raise too_many_sessions(limit)
+                    evicted = min(idle, key=lambda s: (s.last_used, s.used))
+                    self._forget(evicted)
+            session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
         session.turns += 1
+        if evicted is not None and evicted.job_id is not None:
+            log.info(
+                "API key %s at %d sessions: ending its least recently used session %s (job %s)",
+                key.name,
+                self.settings.max_sessions_per_key,
+                evicted.name,
+                evicted.job_id,
+            )
+            await self._end_job(evicted.job_id, "session ended: its API key opened too many")
         return session
 
     def leave(self, session: Session) -> None:
         session.turns -= 1
         session.last_used = trio.current_time()
+        self._uses += 1
+        session.used = self._uses
         if session.job_id is None and not session.turns and self.live.get(session.key) is session:
             del self.live[session.key]
         self.poke()
@@ -104,11 +160,13 @@ class Sessions:
         """The session's (job id, open channel). Lock held. A job opened here carries
         ``traceparent`` in its definition, when given.
 
-        A channel that is gone is waited for while its runner may redial (``reconnect_timeout``),
-        but not at all once the job cannot come back (its runner ended it with chat.end, reported
-        it final, or went offline). Then, or when the session has no job yet, a new Chat Job is
-        opened at once for any capable runner, and the session maps to it (a failover when the
-        session had a job).
+        A channel that is gone moves the session at once to a new Chat Job when another runner
+        of the project is free (its last poll advertised chat-llm:v1): the old job is withdrawn,
+        so its runner, if alive, is refused its redial. With no other runner free it is waited
+        for while its runner may redial (``reconnect_timeout``), but not at all once the job
+        cannot come back (its runner ended it with chat.end, reported it final, or went
+        offline). Then, or when the session has no job yet, a new Chat Job is opened for any
+        capable runner, and the session maps to it (a failover when the session had a job).
         """
         old = session.job_id
         ended = self._ended.pop(session.key, None)
@@ -116,13 +174,32 @@ class Sessions:
             old = ended[0]  # forgotten when its job ended: this turn moves it all the same
         if old is not None and not self.job_over(old):
             ch = self.channels.get(old)
-            if ch is None:  # momentarily reconnecting: wait, bounded (None at once if it ends)
-                within = min(self.settings.reconnect_timeout, self.settings.runner_wait_timeout)
-                ch = await self.channels.wait(old, within)
-                if ch is None and not self.job_over(old):
-                    log.warning("job %s: channel did not reconnect within %g s", old, within)
+            if ch is None:
+                job = self.board.jobs.get(old)
+                holder = job.claimed_by if job is not None else None
+                others = self.board.availability(
+                    session.owner, session.project, protocol.CAPABILITY, exclude=holder
+                )
+                if others.free:  # another runner can serve it now: no wait for the dead
+                    self.counters.failovers_immediate += 1
+                    log.warning(
+                        "job %s: channel gone and %d other runner(s) free: moving session %s "
+                        "at once (immediate failovers: %d)",
+                        old,
+                        others.free,
+                        session.name,
+                        self.counters.failovers_immediate,
+                    )
                     with trio.CancelScope(shield=True):
                         await self.channels.cancel_job(old, "channel lost")
+                else:  # momentarily reconnecting: wait, bounded (None at once if it ends)
+                    self.counters.redial_waits += 1
+                    within = min(self.settings.reconnect_timeout, self.settings.runner_wait_timeout)
+                    ch = await self.channels.wait(old, within)
+                    if ch is None and not self.job_over(old):
+                        log.warning("job %s: channel did not reconnect within %g s", old, within)
+                        with trio.CancelScope(shield=True):
+                            await self.channels.cancel_job(old, "channel lost")
             if ch is not None:
                 self._adopt(ch)
                 return old, ch
@@ -139,17 +216,25 @@ class Sessions:
         if old is not None:
             self.counters.failovers += 1
             log.warning(
-                "session %s/%s: job %s is gone, failed over to job %s (runner %s); failovers: %d",
-                session.key[0],
-                session.key[1],
+                "session %s: job %s is gone, failed over to job %s (runner %s); failovers: %d",
+                session.name,
                 old,
                 job_id,
                 ch.runner_id,
                 self.counters.failovers,
             )
         else:
-            log.info("session %s/%s opened chat job %s", session.key[0], session.key[1], job_id)
+            log.info("session %s opened chat job %s", session.name, job_id)
         return job_id, ch
+
+    def refuse_now(self, owner: str, project: str, purpose: str = "") -> None:
+        """HTTPError at once when no job of ``owner/project`` could be served soon: no runner
+        connected, or runners connected but none advertising chat-llm:v1 and none busy."""
+        available = self.board.availability(owner, project, protocol.CAPABILITY)
+        if not available.live:
+            raise no_runner_connected(owner, project, purpose)
+        if not (available.free or available.unknown or available.busy):
+            raise no_capable_runner(available.live, purpose)
 
     async def open_job(
         self,
@@ -159,8 +244,14 @@ class Sessions:
         purpose: str = "",
         traceparent: str | None = None,
     ) -> tuple[str, ServerChannel]:
-        """A new front-door Chat Job and its channel, once a runner claimed it and dialled in;
-        the job is withdrawn and ``no_runner`` raised when none does within ``within`` s."""
+        """A new front-door Chat Job and its channel, once a runner claimed it and dialled in.
+
+        Answered at once (HTTPError 503, before any job) when no runner of the project is
+        connected or none advertises chat-llm:v1 (``refuse_now``); while every runner that could
+        serve is at capacity, the job waits ``capacity_wait`` s for one to free up, then 503
+        ``runners_busy`` with Retry-After; otherwise ``no_runner`` when none took it within
+        ``within`` s. The job is withdrawn whenever no channel came."""
+        self.refuse_now(owner, project, purpose)
         definition = dict(CHAT_DEFINITION)
         if traceparent is not None:
             definition["traceparent"] = traceparent
@@ -173,57 +264,113 @@ class Sessions:
         )
         ch = None
         try:
-            ch = await self.channels.wait(job.id, within)
+            ch = await self._wait_taken(job, within, purpose)
         finally:
             if ch is None:
                 with trio.CancelScope(shield=True):
                     await self.channels.cancel_job(job.id, "no runner")
-        if ch is None:
-            log.warning(
-                "no runner with %s connected within %g s (job %s%s)",
-                protocol.CAPABILITY,
-                within,
-                job.id,
-                purpose,
-            )
-            raise no_runner(within, purpose)
         return job.id, ch
+
+    async def _wait_taken(self, job: Job, within: float, purpose: str) -> ServerChannel:
+        """The channel of ``job`` once a runner claimed it and dialled in; HTTPError when the
+        project's runners go away, stay busy past ``capacity_wait``, or none came in ``within``."""
+        started = trio.current_time()
+        give_up = started + within
+        while True:
+            ch = self.channels.get(job.id)
+            if ch is not None:
+                return ch
+            now = trio.current_time()
+            wake = give_up
+            if job.claimed_by is None and not job.over:
+                available = self.board.availability(job.owner, job.project, protocol.CAPABILITY)
+                if not available.free and not available.unknown:
+                    if not available.busy:
+                        self.refuse_now(job.owner, job.project, purpose)
+                    waited = self.settings.capacity_wait
+                    if now >= started + waited:
+                        log.warning(
+                            "every runner of %s/%s busy for %g s (job %s%s)",
+                            job.owner,
+                            job.project,
+                            waited,
+                            job.id,
+                            purpose,
+                        )
+                        raise runners_busy(available.busy, waited, purpose)
+                    wake = min(wake, started + waited)
+            if job.over or now >= give_up:
+                log.warning(
+                    "no runner with %s connected within %g s (job %s%s)",
+                    protocol.CAPABILITY,
+                    within,
+                    job.id,
+                    purpose,
+                )
+                raise no_runner(within, purpose)
+            with trio.move_on_at(wake):
+                await self.board.changes.wait()
+
+    async def _end_job(self, job_id: str, reason: str) -> None:
+        """End a session's job for the hub's own reason: chat.end, then withdrawn (so its runner's
+        redial is refused and the runner reports the job's outcome)."""
+        try:
+            with trio.CancelScope(shield=True):
+                await self.channels.cancel_job(job_id, reason)
+        except Exception as exc:
+            log.warning("could not end job %s: %r", job_id, exc)
 
     def _bind(self, session: Session, job_id: str | None) -> None:
         """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
+        before = session.job_id
         session.job_id = job_id
         if job_id is None:
-            self.store.delete_session(*session.key)
+            self.store.delete_session(session.key_name, session.key[1], before)
         else:
-            key_name, session_id = session.key
-            stored = StoredSession(key_name, session_id, session.owner, session.project, job_id)
+            key_id = "" if not session.key_checked else session.key[0]
+            stored = StoredSession(
+                session.key_name, session.key[1], session.owner, session.project, job_id, key_id
+            )
             self.store.save_session(stored)
 
-    def _forget(self, key: SessionKey) -> None:
-        self.live.pop(key, None)
-        self.store.delete_session(*key)
+    def _forget(self, session: Session) -> None:
+        if self.live.get(session.key) is session:
+            del self.live[session.key]
+        self.store.delete_session(session.key_name, session.key[1], session.job_id)
 
     # -- across restarts ---------------------------------------------------------------
 
     def restore(self) -> None:
-        """Reload the stored sessions whose job can still serve (once, before serving).
+        """Reload the stored sessions whose job can still serve and whose key is active (once,
+        before serving).
 
-        A front-door job that no stored session points at lost its client in the restart: it is
-        withdrawn, so its runner's redial is refused and the runner reports the job's outcome.
+        A front-door job that no stored session points at lost its client in the restart (or
+        its key was revoked): it is withdrawn, so its runner's redial is refused and the runner
+        reports the job's outcome.
         """
         if self._restored:
             return
         self._restored = True
         now = trio.current_time()
         kept: set[str] = set()
+        active = self.store.active_key_ids()
         for stored in self.store.load_sessions():
-            key = (stored.key_name, stored.session_id)
-            if key in self.live or self.job_over(stored.job_id):
+            key_id = stored.key_id or self.store.active_key_id(stored.key_name)
+            if key_id is None:  # stored before keys had ids, and no active key has its name
+                key_id = LEGACY_KEY + stored.key_name
+            key = (key_id, stored.session_id)
+            revoked = not key_id.startswith(LEGACY_KEY) and key_id not in active
+            if key in self.live or revoked or self.job_over(stored.job_id):
                 if key not in self.live:
-                    self.store.delete_session(*key)
+                    self.store.delete_session(stored.key_name, stored.session_id, stored.job_id)
                 continue
             self.live[key] = Session(
-                key, stored.owner, stored.project, job_id=stored.job_id, last_used=now
+                key,
+                stored.owner,
+                stored.project,
+                stored.key_name,
+                job_id=stored.job_id,
+                last_used=now,
             )
             kept.add(stored.job_id)
         for job in list(self.board.jobs.values()):
@@ -262,27 +409,45 @@ class Sessions:
         finally:
             self._drained.discard(ch)
 
+    async def _end_revoked(self) -> None:
+        """End every live session whose API key is no longer active (revoked here, or by another
+        process on the same store): chat.end "api key revoked", the job withdrawn."""
+        active = self.store.active_key_ids()
+        for key, session in list(self.live.items()):
+            if self.live.get(key) is not session or not session.key_checked or key[0] in active:
+                continue
+            self._forget(session)
+            log.info(
+                "session %s: its API key was revoked: ending job %s", session.name, session.job_id
+            )
+            if session.job_id is not None and not self.job_over(session.job_id):
+                await self._end_job(session.job_id, "api key revoked")
+
     async def _reap(self) -> float:
-        """Forget finished sessions, end idle ones; returns when the next one falls due."""
+        """Forget finished sessions, end idle ones and those of revoked keys; returns when the
+        next one falls due."""
         idle = self.settings.session_idle_timeout
         now = trio.current_time()
         next_due = math.inf
+        if self.live and now >= self._next_key_check:
+            self._next_key_check = now + self.settings.key_check_interval
+            await self._end_revoked()
+        if self.live:
+            next_due = self._next_key_check
         for key, session in list(self.live.items()):
             if self.live.get(key) is not session or session.turns or session.lock.locked():
                 continue  # replaced while we awaited, or busy
             if session.job_id is None or self.job_over(session.job_id):
                 if session.job_id is not None:
                     self._ended[key] = (session.job_id, now)
-                self._forget(key)
+                self._forget(session)
                 continue
             due = session.last_used + idle if idle and idle > 0 else math.inf
             if due > now:
                 next_due = min(next_due, due)
                 continue
-            self._forget(key)
-            log.info(
-                "session %s/%s idle for %g s: ending job %s", key[0], key[1], idle, session.job_id
-            )
+            self._forget(session)
+            log.info("session %s idle for %g s: ending job %s", session.name, idle, session.job_id)
             try:
                 await self.channels.end_job(session.job_id, "idle")
             except Exception as exc:

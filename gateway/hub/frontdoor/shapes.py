@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
 from typing import Any
@@ -23,17 +25,80 @@ SSE_HEADERS = [
 # -- errors ---------------------------------------------------------------------------
 
 
+class Code:
+    """The ``code`` of every answer that names why a turn could not be served (one place)."""
+
+    NO_RUNNER = "no_runner"  # no runner of the key's project is connected (or none came in time)
+    NO_CAPABLE_RUNNER = "no_capable_runner"  # runners connected, none advertises chat-llm:v1
+    RUNNERS_BUSY = "runners_busy"  # every capable runner is at capacity (503 + Retry-After)
+    MODEL_NOT_FOUND = "model_not_found"  # no runner of the project lists the model (404)
+    TOO_MANY_SESSIONS = "too_many_sessions"  # the key holds max_sessions_per_key busy sessions
+    SESSION_ENDED = "session_ended"  # the session was ended (its key revoked) under the turn
+
+
 def no_runner(within: float, what: str = "") -> HTTPError:
     """503: no capable runner came within ``within`` s (``what``: for what, when not a chat)."""
     message = f"no runner with {protocol.CAPABILITY} connected within {within:g} s{what}"
-    return HTTPError(503, message, "no_runner")
+    return HTTPError(503, message, Code.NO_RUNNER)
+
+
+def no_runner_connected(owner: str, project: str, what: str = "") -> HTTPError:
+    """503 at once: no runner of the key's project gave a sign of life lately (other projects'
+    runners are never named)."""
+    message = (
+        f"no runner is connected for project {owner}/{project}{what}: start one with "
+        f"`alp-gateway run --project {owner}/{project}`"
+    )
+    return HTTPError(503, message, Code.NO_RUNNER)
+
+
+def no_capable_runner(connected: int, what: str = "") -> HTTPError:
+    """503 at once: runners are connected, none advertises chat-llm:v1 and none holds a job."""
+    message = (
+        f"{connected} runner(s) connected, none advertises {protocol.CAPABILITY}{what}: their "
+        "backends are down (see `alp-gateway doctor`)"
+    )
+    return HTTPError(503, message, Code.NO_CAPABLE_RUNNER)
+
+
+def runners_busy(busy: int, waited: float, what: str = "") -> HTTPError:
+    """503 with Retry-After: every capable runner stayed at capacity for ``waited`` s."""
+    retry_after = max(1, math.ceil(waited))
+    message = (
+        f"every runner is busy ({busy} at capacity, none freed a session within {waited:g} s)"
+        f"{what}: retry in {retry_after} s, or start another runner"
+    )
+    return HTTPError(
+        503, message, Code.RUNNERS_BUSY, headers=[(b"retry-after", str(retry_after).encode())]
+    )
+
+
+def too_many_sessions(limit: int) -> HTTPError:
+    """429: the key holds ``limit`` sessions, all busy with a turn (none could be ended)."""
+    message = (
+        f"this API key already holds {limit} chat sessions, each with a turn in flight: wait for "
+        "one to finish, or reuse a session (X-Chat-Session)"
+    )
+    return HTTPError(429, message, Code.TOO_MANY_SESSIONS, type_="rate_limit_error")
 
 
 def channel_lost(message: str = "the chat channel to the runner was lost mid-turn") -> HTTPError:
     return HTTPError(503, message, "channel_lost")
 
 
+_BACKEND_STATUS = re.compile(r"^backend returned (\d{3})\b")
+_PASSED_ON = {400, 404, 413, 422}  # the backend refused the request itself: the client's to fix
+
+
 def upstream_error(message: str, code: str = "upstream_error") -> HTTPError:
+    """502 for a turn the runner failed; but a backend's own 400/404/413/422 (``backend
+    returned 404: ...``) is passed on as that status, a request error the SDKs do not retry."""
+    found = _BACKEND_STATUS.match(message)
+    if found is not None and int(found.group(1)) in _PASSED_ON:
+        status = int(found.group(1))
+        if status == 404 and "model" in message.lower():
+            return HTTPError(404, message, Code.MODEL_NOT_FOUND, type_="invalid_request_error")
+        return HTTPError(status, message, "invalid_request", type_="invalid_request_error")
     return HTTPError(502, message, code)
 
 
@@ -63,6 +128,7 @@ class _ChatBody(msgspec.Struct):
 
     messages: list[msgspec.Raw]
     stream: bool | None = None
+    model: Any = None
 
 
 _chat_body_decoder = msgspec.json.Decoder(_ChatBody)
@@ -76,6 +142,13 @@ def _invalid_json(why: str) -> HTTPError:
 
 def parse_chat_body(body: bytes) -> tuple[str, bool]:
     """(body as text, stream?) for a valid chat-completions body; HTTPError 400 otherwise."""
+    text, stream, _model = parse_chat_request(body)
+    return text, stream
+
+
+def parse_chat_request(body: bytes) -> tuple[str, bool, str | None]:
+    """(body as text, stream?, its ``model`` when a string) for a valid chat-completions body;
+    HTTPError 400 otherwise."""
     if not body.strip():
         raise _invalid_json("it is empty.")
     try:
@@ -90,7 +163,8 @@ def parse_chat_body(body: bytes) -> tuple[str, bool]:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise _invalid_json("it is not UTF-8.") from None
-    return text, bool(parsed.stream)
+    model = parsed.model if isinstance(parsed.model, str) else None
+    return text, bool(parsed.stream), model
 
 
 # -- SSE and whole completions -----------------------------------------------------------------
@@ -247,5 +321,10 @@ def model_list(models: list[str], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_object(m, created) for m in models]}
 
 
-def model_not_found(model_id: str) -> HTTPError:
-    return HTTPError(404, f"The model '{model_id}' does not exist", "model_not_found")
+def model_not_found(model_id: str, available: list[str] | None = None) -> HTTPError:
+    """404 (not retried by the SDKs); ``available``: the models there are, named."""
+    message = f"The model '{model_id}' does not exist"
+    if available is not None:
+        listed = ", ".join(f"'{m}'" for m in available) if available else "none"
+        message += f"; the models available are: {listed}"
+    return HTTPError(404, message, Code.MODEL_NOT_FOUND, type_="invalid_request_error")
