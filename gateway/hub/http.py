@@ -100,7 +100,7 @@ def json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; HTTPError 400 otherwise."""
     try:
         obj = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nested too deep is not JSON we take
         raise HTTPError(400, "request body is not JSON", "invalid_json") from None
     if not isinstance(obj, dict):
         raise HTTPError(400, "request body must be a JSON object", "invalid_request")

@@ -74,9 +74,10 @@ class Keepalive:
 class Limits:
     """The bounds of every connection (the hub's settings of the same names)."""
 
-    head_timeout: float = 10.0  # s: a request head (and a TLS handshake) must arrive within
+    # s: a request head (and a TLS handshake) must arrive within this of the connection's start
+    # or, kept alive, of the previous response's end
+    head_timeout: float = 10.0
     body_timeout: float = 60.0  # s: a request body must arrive within, from the end of its head
-    idle_timeout: float = 5.0  # s: a kept-alive connection may wait this long for its next request
     max_head: int = 64 * 1024  # bytes: a longer request head is refused (431)
     max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
     max_message: int = 16 * 1024 * 1024  # bytes: a larger WebSocket message fails it (1009)
@@ -214,7 +215,7 @@ class _Conn:
         first = True
         while True:
             if not first and not self.h11.trailing_data[0]:
-                with trio.move_on_after(self.limits.idle_timeout) as idle:
+                with trio.move_on_after(self.limits.head_timeout) as idle:
                     try:
                         await self._fill()
                     except _NET_ERRORS:
@@ -240,6 +241,12 @@ class _Conn:
                 return  # the client closed
             first = False
             headers = list(event.headers)
+            size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers)
+            if size > self.limits.max_head:  # h11 bounds a head only while it is incomplete
+                await self.refuse(
+                    431, f"request head over {self.limits.max_head} bytes", "head_too_large"
+                )
+                return
             if _header(headers, b"transfer-encoding") is not None:
                 if _header(headers, b"content-length") is not None:
                     await self.refuse(
@@ -292,6 +299,11 @@ class _Conn:
         """One request through the handler; True when the connection may serve another."""
         self._content_length = _header(headers, b"content-length")
         self.body_deadline = trio.current_time() + self.limits.body_timeout
+        if self._declared_length == 0 or (
+            self._content_length is None and _header(headers, b"transfer-encoding") is None
+        ):
+            event_after = self.h11.next_event()  # no body: its end is there already
+            assert isinstance(event_after, h11.EndOfMessage), event_after
         resp = Response(self.h11, self.transport, event.http_version == b"1.0", event.method)
         req = Request(self, self._scope("http", event, headers), resp)
         try:

@@ -159,6 +159,8 @@ def parse_chat_request(body: bytes) -> tuple[str, bool, str | None]:
         ) from None
     except msgspec.DecodeError as exc:
         raise _invalid_json(str(exc)) from None
+    except RecursionError:
+        raise _invalid_json("it is nested too deeply.") from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
