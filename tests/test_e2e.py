@@ -182,6 +182,9 @@ async def test_models_from_the_first_call_with_no_session(sim: Simulator, tmp_pa
         try:
             oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=90)
             with trio.fail_after(90):
+                # once the runner is up (the hub answers "no runner" at once before that)
+                while not hub.board.availability(OWNER, PROJECT, "chat-llm:v1").free:
+                    await hub.board.changes.wait()
                 listed = await oc.models.list()
                 one = await oc.models.retrieve("sim-model")
                 (job,) = hub.jobs.values()  # the listing session's job
