@@ -191,6 +191,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
         async with trio.open_nursery() as nursery:
             nursery.start_soon(runner.run)
             with trio.fail_after(30):
+                await runner.first_poll.wait()  # up (before it the hub answers "no runner")
                 first_usage = await _front_door_turn(base, key, PARENT)
                 second_usage = await _front_door_turn(base, key, CLIENT)
             runner.begin_shutdown()  # the session ends (its span too), the exporter is flushed
