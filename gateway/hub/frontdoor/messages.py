@@ -601,9 +601,12 @@ def _stop_reason(
 
     A turn that called tools and did not end by ``length`` or a content filter is ``tool_use``
     whatever its finish reason said (some servers answer ``stop`` with tool calls, and a client
-    runs its tools on ``tool_use``); ``stop`` with a known stop string (vLLM's ``stop_reason``)
-    is ``stop_sequence``; a missing or unknown finish reason is ``end_turn``."""
+    runs its tools on ``tool_use``); one that called none is never ``tool_use``. ``stop`` with
+    a known stop string (vLLM's ``stop_reason``) is ``stop_sequence``; a missing or unknown
+    finish reason is ``end_turn``; ``content_filter`` is ``refusal``."""
     reason = _STOP_REASONS.get(finish or "stop", "end_turn")
+    if reason == "tool_use" and not any_tool:
+        return "end_turn", None  # no tool_use block to act on: a client would look for one
     if any_tool and reason == "end_turn":
         return "tool_use", None
     if reason == "end_turn" and stop_string is not None:
