@@ -519,6 +519,54 @@ def test_tool_result_images_follow_in_a_user_message() -> None:
     }
 
 
+def test_consecutive_turns_of_a_role_are_merged() -> None:
+    image = {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}}
+    messages = [
+        {"role": "user", "content": "one"},
+        {"role": "user", "content": [{"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": "thinking aloud"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]},
+        {"role": "user", "content": "then"},
+        {"role": "user", "content": [image]},
+    ]
+    out = chat(base(messages=messages))["messages"]
+    assert out == [
+        {"role": "user", "content": "one\ntwo"},
+        {
+            "role": "assistant",
+            "content": "thinking aloud",
+            "tool_calls": [
+                {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t", "content": "r"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "then"},
+                {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}},
+            ],
+        },
+    ]
+
+
+def test_documents_with_text_are_text() -> None:
+    content = [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}},
+        {
+            "type": "document",
+            "source": {"type": "base64", "media_type": "application/pdf", "data": "JVB"},
+        },
+        {"type": "text", "text": "summarize"},
+    ]
+    out = chat(base(messages=[{"role": "user", "content": content}]))["messages"]
+    assert out == [{"role": "user", "content": "doc\nsummarize"}]
+
+
 def test_tools_and_server_tools() -> None:
     tools = [
         {
@@ -893,6 +941,24 @@ def test_interleaved_tool_calls_are_held_until_the_open_one_completes() -> None:
         ("call_1", "time", {"tz": "UTC"}),
     ]
     assert text_of(message) == "Two calls. And text."
+
+
+def test_calls_without_an_index_are_told_apart_by_id() -> None:
+    def whole(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+
+    chunks = [
+        chunk({"tool_calls": [whole("call_a", "f", '{"x":1}'), whole("call_b", "g", "{}")]}),
+        chunk({"tool_calls": [whole("call_c", "h", '{"y":2}')]}),
+        chunk({}, "tool_calls"),
+    ]
+    expected = [("call_a", "f", {"x": 1}), ("call_b", "g", {}), ("call_c", "h", {"y": 2})]
+    assert tools_of(_SDK.stream(run_stream(chunks))) == expected
+    assert tools_of(_SDK.create(fold(chunks, "m", "msg_f"))) == expected
 
 
 def test_a_call_whose_name_comes_late_waits_for_it() -> None:

@@ -10,7 +10,9 @@ What is dropped on the way (never an error): ``thinking``, ``metadata``, ``cache
 not plain custom tools (Anthropic's server and client tools such as ``web_search_20250305``,
 ``bash_20250124``, ``text_editor_20250728``, ``computer_…``, which Claude Code may send: a
 local model cannot run them); content blocks a chat backend has no place for (``thinking``,
-``redacted_thinking``, ``server_tool_use``, ``web_search_tool_result``, ``search_result``...).
+``redacted_thinking``, ``server_tool_use``, ``web_search_tool_result``, ``search_result``,
+``document`` but for its plain-text source, images in assistant turns...). Consecutive
+messages of one role are merged (Anthropic combines them into one turn).
 On the way back, ``reasoning_content``/``reasoning`` deltas are not turned into thinking blocks
 (a thinking block needs a signature the client would send back; it was not asked for).
 """
@@ -411,6 +413,36 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         parts = tool_images + parts
         if parts or not any(b["type"] == "tool_result" for b in content):
             out.append({"role": "user", "content": _user_content(parts)})
+    return _merge_adjacent(out)
+
+
+def _as_parts(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    parts: list[dict[str, Any]] = content
+    return parts
+
+
+def _merge_adjacent(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) messages made one, as Anthropic combines consecutive
+    turns of a role (and chat templates that insist on alternating roles refuse them)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        prev = out[-1] if out else None
+        if prev is None or prev["role"] != message["role"] or message["role"] == "tool":
+            out.append(message)
+        elif message["role"] == "user":
+            a, b = prev["content"], message["content"]
+            if isinstance(a, str) and isinstance(b, str):
+                prev["content"] = "\n".join(t for t in (a, b) if t)
+            else:
+                prev["content"] = _as_parts(a) + _as_parts(b)
+        else:
+            texts = [t for t in (prev["content"], message["content"]) if t]
+            calls = prev.get("tool_calls", []) + message.get("tool_calls", [])
+            prev["content"] = "\n".join(texts) if texts or not calls else None
+            if calls:
+                prev["tool_calls"] = calls
     return out
 
 
@@ -618,6 +650,24 @@ def _tool_id(message_id: str, index: int) -> str:
     """A stable tool_use id for a call the backend sent without one."""
     base = message_id[4:] if message_id.startswith("msg_") else message_id
     return f"toolu_{base}_{index}"
+
+
+def _call_key(calls: dict[int, _Block], call: _ToolCall, position: int) -> int:
+    """Which call a tool_calls delta continues: its ``index``; without one (older Ollama sends
+    whole calls without it), the call with the same ``id``, else a new call when the one at its
+    position in the delta has another id, else that position."""
+    if _is_int(call.index):
+        index: int = call.index
+        return index
+    call_id = call.id if isinstance(call.id, str) and call.id else None
+    if call_id is not None:
+        for key, block in calls.items():
+            if block.id == call_id:
+                return key
+        taken = calls.get(position)
+        if taken is not None and taken.id is not None:
+            return max(calls) + 1
+    return position
 
 
 def _is_complete_json(text: str) -> bool:
@@ -833,7 +883,7 @@ class MessagesStream:
         self._advance(out)
 
     def _on_tool(self, call: _ToolCall, position: int, out: list[bytes]) -> None:
-        key = call.index if _is_int(call.index) else position
+        key = _call_key(self._tools, call, position)
         block = self._tools.get(key)
         function = call.function
         if block is None:
@@ -972,7 +1022,7 @@ def fold(chunks: list[bytes], model: str, message_id: str, input_tokens_estimate
                 if delta.tool_calls:
                     pieces_seen += 1
                     for position, call in enumerate(delta.tool_calls):
-                        key = call.index if _is_int(call.index) else position
+                        key = _call_key(calls, call, position)
                         block = calls.get(key)
                         if block is None:
                             block = calls[key] = _Block(_TOOL, key)
