@@ -734,6 +734,17 @@ def test_translate_gives_the_estimate_with_the_body() -> None:
     assert (request.body, request.stream, request.model) == to_chat(body)
 
 
+def test_translate_body_for_another_model() -> None:
+    request = translate(json.dumps(base(model="claude-sonnet-4-5", stream=True)).encode())
+    assert request.body_for("claude-sonnet-4-5") == request.body
+    mapped = json.loads(request.body_for("qwen3:8b"))
+    assert mapped == {**json.loads(request.body), "model": "qwen3:8b"}
+    assert next(iter(mapped)) == "model"
+    unnamed = translate(json.dumps({"max_tokens": 5, "messages": []}).encode())
+    assert unnamed.model is None
+    assert json.loads(unnamed.body_for("qwen3:8b"))["model"] == "qwen3:8b"
+
+
 # -- stream: the basics --------------------------------------------------------------------------
 
 

@@ -95,13 +95,21 @@ def new_message_id() -> str:
 # -- the request -----------------------------------------------------------------------------
 
 
-class ChatRequest(msgspec.Struct, frozen=True):
+class ChatRequest(msgspec.Struct):
     """A Messages request translated: what ``to_chat`` returns, plus the token estimate."""
 
     body: bytes  # the chat-completions body
     stream: bool
-    model: str | None
+    model: str | None  # as the client asked (None: absent)
     input_tokens_estimate: int  # estimate_tokens() of the Messages request
+    chat: dict[str, Any]  # the chat body before encoding
+
+    def body_for(self, model: str) -> bytes:
+        """The chat body asking for ``model`` instead (a client's ``claude-…`` name mapped
+        to a model the runners serve)."""
+        if model == self.model:
+            return self.body
+        return _encode({"model": model, **{k: v for k, v in self.chat.items() if k != "model"}})
 
 
 def to_chat(body: bytes) -> tuple[bytes, bool, str | None]:
@@ -493,7 +501,7 @@ def _translate(obj: dict[str, Any]) -> ChatRequest:
     chat["stream"] = bool(stream)
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    return ChatRequest(_encode(chat), bool(stream), model, estimate_tokens(obj))
+    return ChatRequest(_encode(chat), bool(stream), model, estimate_tokens(obj), chat)
 
 
 # -- the token estimate -----------------------------------------------------------------------
