@@ -509,6 +509,8 @@ def test_previous_response_id_is_refused_with_the_decision() -> None:
         "previous_response_id is not supported: send the whole conversation in input (store: false)"
     )
     assert (err.code, err.param) == ("unsupported_parameter", "previous_response_id")
+    err = refused({"input": "x", "conversation": "conv_1"})
+    assert (err.code, err.param) == ("unsupported_parameter", "conversation")
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,8 @@ _IGNORED_ITEM_TYPES = frozenset(
         "local_shell_call_output",
         "shell_call",
         "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
         "mcp_list_tools",
         "mcp_approval_request",
         "mcp_approval_response",
