@@ -61,11 +61,11 @@ class Records(logging.Handler):
         ]
 
     def warnings(self, since: int = 0) -> list[logging.LogRecord]:
-        """WARNING records of the hub's loggers from ``since`` on."""
+        """WARNING records of the hub's loggers (and its server core's) from ``since`` on."""
         return [
             r
             for r in self.records[since:]
-            if r.levelno == logging.WARNING and r.name.startswith("gateway.hub")
+            if r.levelno == logging.WARNING and r.name.startswith(("gateway.hub", "gateway.wire"))
         ]
 
 
@@ -575,7 +575,7 @@ def hub_log() -> Iterator[Records]:
 
     handler = Records()
     root = logging.getLogger()
-    server = logging.getLogger("gateway.hub.server")
+    server = logging.getLogger("gateway.wire.server")
     saved = (root.level, server.level)
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)

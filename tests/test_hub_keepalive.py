@@ -22,7 +22,7 @@ from wsproto.events import (
 
 from gateway import protocol
 from gateway.hub import Hub, open_hub
-from gateway.hub.server import CLOSE_NO_PONG
+from gateway.wire.server import CLOSE_NO_PONG
 
 BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
 PING = 0.2  # s: short intervals, real sockets; no test asserts how long anything took
@@ -236,7 +236,7 @@ async def test_an_app_slow_to_read_is_not_a_dead_path() -> None:
     """The app stops reading (a slow consumer holds the channel's reader up): the frames, the
     pongs among them, wait in the socket; the connection is not declared dead for that."""
     from gateway.hub.counters import HubCounters
-    from gateway.hub.server import Keepalive, Server
+    from gateway.wire.server import Keepalive, Server
 
     release = trio.Event()
     got: list[str] = []

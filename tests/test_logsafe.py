@@ -150,7 +150,7 @@ def test_the_hub_command_installs_it_on_its_log_handler() -> None:
     from gateway.hub.cli import configure_logging
 
     root = logging.getLogger()
-    server = logging.getLogger("gateway.hub.server")
+    server = logging.getLogger("gateway.wire.server")
     saved = (root.handlers[:], root.level, server.level)
     root.handlers[:] = []
     try:

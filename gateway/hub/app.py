@@ -18,8 +18,8 @@ from gateway.hub.admin import AdminApi
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
-from gateway.hub.server import Handler as ServerHandler
-from gateway.hub.server import Keepalive, Limits, Server, WebSocketRequest
+from gateway.wire.server import Handler as ServerHandler
+from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
 
 log = logging.getLogger("gateway.hub")
 

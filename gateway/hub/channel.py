@@ -14,8 +14,8 @@ from gateway import protocol
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.counters import HubCounters
 from gateway.hub.http import ClientGone
-from gateway.hub.server import ServerWebSocket
-from gateway.hub.wsframes import OP_BINARY
+from gateway.wire.server import ServerWebSocket
+from gateway.wire.wsframes import OP_BINARY
 
 log = logging.getLogger("gateway.hub")
 

@@ -233,7 +233,7 @@ def configure_logging() -> None:
         )
     for handler in root.handlers:
         logsafe.install(handler)
-    logging.getLogger("gateway.hub.server").setLevel(logging.WARNING)
+    logging.getLogger("gateway.wire.server").setLevel(logging.WARNING)
 
 
 def _serve(

@@ -20,8 +20,8 @@ from gateway.hub.http import (
     wait_disconnect,
 )
 from gateway.hub.hub import Hub
-from gateway.hub.server import WebSocketRequest
 from gateway.hub.store import Registration
+from gateway.wire.server import WebSocketRequest
 
 log = logging.getLogger("gateway.hub")
 

@@ -1,13 +1,13 @@
-"""The hub's HTTP/1.1 and WebSocket server core: typed requests to a handler over our own sockets.
+"""The HTTP/1.1 and WebSocket server core: typed requests to a handler over our own sockets.
 
 Why our own: the hub's serving path writes each chunk a runner sends straight to its client's
 socket from the channel's reader, and a Chat Channel needs pings whose pongs are seen; an ASGI
 server gives neither (a chunk crossed four representations and two task hops there). Here each
 connection is one task over a non-blocking socket (``gateway.netio``, writes tried at once),
 h11 parses the HTTP/1.1 heads and bodies, and the WebSocket frames are our own
-(``gateway.hub.wsframes``: validated as RFC 6455 asks, a violation fails that connection).
+(``gateway.wire.wsframes``: validated as RFC 6455 asks, a violation fails that connection).
 
-A handler gets ``http(Request)`` (``gateway.hub.http``: the head, ``body(limit)`` read on demand
+A handler gets ``http(Request)`` (``gateway.wire.http``: the head, ``body(limit)`` read on demand
 so credentials are checked first, the ``Response``) and ``websocket(WebSocketRequest)`` (accept
 it, or refuse it with an HTTP status). Every bound a network server needs is here: a head
 deadline and size cap, a body deadline, keep-alive idle time, a cap on open connections
@@ -33,9 +33,9 @@ from typing import Any, Protocol
 import h11
 import trio
 
-from gateway.hub.counters import HubCounters
-from gateway.hub.http import ClientGone, HTTPError, Request, Response, error_envelope
-from gateway.hub.wsframes import (
+from gateway.netio import RECV_SIZE, TLSTransport, Transport, take_socket
+from gateway.wire.http import ClientGone, HTTPError, Request, Response, error_envelope
+from gateway.wire.wsframes import (
     OP_CLOSE,
     OP_PING,
     OP_PONG,
@@ -46,9 +46,8 @@ from gateway.hub.wsframes import (
     server_frame,
     text_frame,
 )
-from gateway.netio import RECV_SIZE, TLSTransport, Transport, take_socket
 
-log = logging.getLogger("gateway.hub.server")
+log = logging.getLogger("gateway.wire.server")
 
 CLOSE_TIMEOUT = 2.0  # s: how long a closing WebSocket waits for the peer's close frame
 LINGER = 2.0  # s: a connection closed with unread input is drained this long (lingering close)
@@ -81,6 +80,25 @@ class Limits:
     max_head: int = 64 * 1024  # bytes: a longer request head is refused (431)
     max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
     max_message: int = 16 * 1024 * 1024  # bytes: a larger WebSocket message fails it (1009)
+
+
+class Counters(Protocol):
+    """What the server counts (the hub's ``HubCounters`` has these among its own)."""
+
+    pings_sent: int
+    pong_timeouts: int
+    ws_protocol_errors: int
+    connections_refused: int
+
+
+@dataclass
+class ServerCounters:
+    """The server's counters, for a user that keeps none of its own."""
+
+    pings_sent: int = 0
+    pong_timeouts: int = 0
+    ws_protocol_errors: int = 0
+    connections_refused: int = 0
 
 
 class Handler(Protocol):
@@ -607,14 +625,14 @@ class Server:
         self,
         handler: Handler,
         *,
-        keepalive: Keepalive,
-        counters: HubCounters,
+        keepalive: Keepalive | None = None,
+        counters: Counters | None = None,
         limits: Limits | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.handler = handler
-        self.keepalive = keepalive
-        self.counters = counters
+        self.keepalive = keepalive or Keepalive()
+        self.counters: Counters = counters if counters is not None else ServerCounters()
         self.limits = limits or Limits()
         self.ssl_context = ssl_context
         self.open_connections = 0
@@ -756,8 +774,10 @@ __all__ = [
     "CLOSE_NO_PONG",
     "Handler",
     "Keepalive",
+    "Counters",
     "Limits",
     "Server",
+    "ServerCounters",
     "ServerWebSocket",
     "WebSocketRequest",
 ]

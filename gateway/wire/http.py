@@ -1,0 +1,259 @@
+"""The HTTP request and response as the server core hands them to a handler, and the one error
+type and shape every HTTP API of this project answers with (OpenAI's error envelope)."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import MutableMapping
+from typing import Any, Protocol
+
+import h11
+import msgspec
+import trio
+
+from gateway.netio import Transport
+
+log = logging.getLogger("gateway.wire")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Headers = list[tuple[bytes, bytes]]
+
+JSON_HEADER = (b"content-type", b"application/json")
+_encoder = msgspec.json.Encoder()
+
+_TYPE_BY_STATUS = {
+    401: "invalid_request_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+}
+
+
+class HTTPError(Exception):
+    """A request refused or failed, answered as ``{"error": {"message", "type", "param", "code"}}``
+    (OpenAI's error envelope, on every route of the hub)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        *,
+        type_: str | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.type = type_ or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+        self.headers = list(headers or [])
+        if status == 401 and not any(k == b"www-authenticate" for k, _ in self.headers):
+            self.headers.append((b"www-authenticate", b"Bearer"))
+
+    def copy(self) -> HTTPError:
+        """The same answer as a new exception (to raise it again elsewhere)."""
+        return HTTPError(
+            self.status, self.message, self.code, type_=self.type, headers=self.headers
+        )
+
+    def body(self) -> bytes:
+        """The JSON error envelope."""
+        return error_envelope(self.message, self.type, self.code)
+
+
+def error_envelope(message: str, type_: str, code: str | None) -> bytes:
+    """``{"error": {"message", "type", "param": null, "code"}}`` as JSON bytes."""
+    error = {"message": message, "type": type_, "param": None, "code": code}
+    return _encoder.encode({"error": error})
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected (or sending to it failed)."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case), or None."""
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+def bearer(scope: Scope) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header; None without one (or another scheme)."""
+    raw = header(scope, b"authorization")
+    if raw is None:
+        return None
+    scheme, _, token = raw.decode("latin-1").strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class Connection(Protocol):
+    """What a request needs of the connection it came on (``gateway.wire.server``)."""
+
+    async def read_body(self, limit: int, resp: Response) -> bytes: ...
+
+    async def wait_disconnect(self) -> None: ...
+
+
+_NET_ERRORS = (OSError, ssl.SSLError, trio.ClosedResourceError, trio.BrokenResourceError)
+
+
+class Response:
+    """One HTTP response on its way out, written straight to the client's socket.
+
+    The ``*_nowait`` methods write at once what the socket takes and keep the rest for
+    ``flush`` (they never wait: the channel's reader writes a turn's chunks with them); the
+    others flush too. A failed write marks the response ``gone`` and raises ClientGone. A
+    streamed body (no ``content-length``, HTTP/1.1) is chunked here, one chunk per write.
+    """
+
+    __slots__ = (
+        "_h11",
+        "_transport",
+        "_http10",
+        "_head",
+        "chunked",
+        "started",
+        "finished",
+        "gone",
+        "close_after",
+    )
+
+    def __init__(
+        self, conn: h11.Connection, transport: Transport, http10: bool, method: bytes
+    ) -> None:
+        self._h11 = conn
+        self._transport = transport
+        self._http10 = http10
+        self._head = method == b"HEAD"
+        self.chunked = False
+        self.started = False
+        self.finished = False
+        self.gone = False
+        self.close_after = False  # the connection closes after this response
+
+    @property
+    def backlog(self) -> int:
+        """Bytes written but not yet taken by the socket."""
+        return len(self._transport.unsent)
+
+    def write_raw(self, data: bytes) -> bool:
+        """Bytes as they are; True when the socket took them all."""
+        if self.gone:
+            raise ClientGone()
+        try:
+            return self._transport.write(data)
+        except _NET_ERRORS as exc:
+            self.gone = True
+            raise ClientGone() from exc
+
+    def start_nowait(self, status: int, headers: Headers) -> bool:
+        return self.write_raw(self.head(status, headers))
+
+    def head(self, status: int, headers: Headers) -> bytes:
+        """The response head as bytes, for the caller to write (with the first part of the
+        body, in one write); the response counts as started."""
+        headers = list(headers)
+        if self._h11.their_state is h11.SEND_BODY:  # its body unread: no next request here
+            headers.append((b"connection", b"close"))
+            self.close_after = True
+        self.chunked = (
+            not self._http10
+            and not self._head
+            and status not in (204, 304)
+            and not any(k.lower() == b"content-length" for k, _ in headers)
+        )
+        data = self._h11.send(h11.Response(status_code=status, headers=headers)) or b""
+        self.started = True
+        return data
+
+    def write_nowait(self, data: bytes, before: bytes = b"", end: bool = False) -> bool:
+        """A part of the body, in one write with ``before`` it (bytes as they are: the head)
+        and, with ``end``, the end of the body after it."""
+        if self._head:
+            data = b""
+        if data:
+            if self.chunked:
+                out = b"%b%x\r\n%b\r\n" % (before, len(data), data)
+            else:
+                out = before + (self._h11.send(h11.Data(data=data)) or b"")
+        else:
+            out = before
+        if end:
+            self.finished = True
+            out += self._h11.send(h11.EndOfMessage()) or b""
+        return self.write_raw(out) if out else not self._transport.unsent
+
+    def end_nowait(self) -> bool:
+        """The end of the body."""
+        return self.write_nowait(b"", end=True)
+
+    async def flush(self) -> None:
+        """Wait until the socket took everything written."""
+        if self.gone:
+            raise ClientGone()
+        try:
+            await self._transport.flush()
+        except _NET_ERRORS as exc:
+            self.gone = True
+            raise ClientGone() from exc
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.start_nowait(status, headers)
+        await self.flush()
+
+    async def body(self, data: bytes, more: bool = True) -> None:
+        self.write_nowait(data)
+        if not more:
+            self.end_nowait()
+        await self.flush()
+
+    async def whole(self, status: int, data: bytes, headers: Headers | None = None) -> None:
+        """A complete response: ``data`` (JSON unless ``headers`` say otherwise) in one body."""
+        if status == 204:
+            head = self.head(status, list(headers or []))
+            data = b""
+        else:
+            head = self.head(
+                status,
+                [JSON_HEADER, (b"content-length", str(len(data)).encode())] + list(headers or []),
+            )
+        self.write_nowait(data, head, end=True)  # one write
+        await self.flush()
+
+    async def json(self, status: int, obj: Any, headers: Headers | None = None) -> None:
+        await self.whole(status, _encoder.encode(obj), headers)
+
+    async def error(self, err: HTTPError) -> None:
+        await self.whole(err.status, err.body(), err.headers)
+
+
+class Request:
+    """One HTTP request as a route handler sees it: its head (``scope``: method, path,
+    query_string, headers, client), its body read on demand (``body``: after the credentials
+    are checked), the response on its way out, and the values the route's path captured."""
+
+    __slots__ = ("params", "scope", "resp", "_conn")
+
+    def __init__(self, conn: Connection, scope: Scope, resp: Response) -> None:
+        self._conn = conn
+        self.scope = scope
+        self.resp = resp
+        self.params: dict[str, str] = {}
+
+    async def body(self, limit: int) -> bytes:
+        """The whole body: HTTPError 413 past ``limit`` bytes (408 when too slow, 400 when its
+        framing is broken), ClientGone when the client leaves mid-upload."""
+        return await self._conn.read_body(limit, self.resp)
+
+    async def receive(self) -> Message:
+        """``{"type": "http.disconnect"}`` once the client has gone (after the body was read)."""
+        await self._conn.wait_disconnect()
+        return {"type": "http.disconnect"}
