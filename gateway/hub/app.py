@@ -18,6 +18,7 @@ from gateway.hub.admin import AdminApi
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
+from gateway.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
 
@@ -70,11 +71,39 @@ class App:
             _route("GET", "/api/hub/sessions", admin.sessions),
             _route("GET", "/api/hub/counters", admin.counters),
             _route("POST", "/v1/chat/completions", door.chat),
+            _route("POST", "/v1/messages", door.messages),
+            _route("POST", "/v1/messages/count_tokens", door.count_tokens),
+            _route("POST", "/v1/responses", door.responses),
+            _route("POST", "/v1/(?:completions|embeddings)", door.not_served),
+            _route("GET", "/healthz", self.healthz),
             _route("GET", "/v1/models", door.list_models),
             _route("GET", "/v1/models/(?P<model>.+)", door.retrieve_model),
         ]
         # checked before the route is looked up: without the credential, no 404 or 405 either
         self._guards: list[tuple[str, Callable[[Request], None]]] = [("/api/hub/", admin.check)]
+
+    async def healthz(self, req: Request) -> None:
+        """``GET /healthz`` (no key): 200 with the connected runners and the models they list;
+        503 saying why when no runner can serve a chat turn."""
+        board = self.hub.board
+        live = [state for rid, state in board.runners.items() if board.alive(rid)]
+        capable = [s for s in live if s.capabilities is None or CAPABILITY in s.capabilities]
+        models: dict[str, None] = {}
+        for owner, project in {(s.owner, s.project) for s in live}:
+            models.update(dict.fromkeys(self.hub.frontdoor.models.known(owner, project) or []))
+        found = {"runners": len(live), "capable": len(capable), "models": len(models)}
+        if not live:
+            await req.resp.json(
+                503, {"status": "unavailable", "reason": "no runner is connected", **found}
+            )
+        elif not capable:
+            reason = (
+                f"{len(live)} runner(s) connected, none advertises {CAPABILITY}: their "
+                "backends are down (see `alp-gateway doctor` on the runner's machine)"
+            )
+            await req.resp.json(503, {"status": "unavailable", "reason": reason, **found})
+        else:
+            await req.resp.json(200, {"status": "ok", **found})
 
     def _resolve(self, req: Request) -> Handler:
         """The handler of the request's route (its params filled in); HTTPError 404/405."""

@@ -120,6 +120,37 @@ def _build_parser() -> _Parser:
         "session is ended, or 429 when all are busy; 0 = no bound "
         f"(default {HubSettings.max_sessions_per_key})",
     )
+    parser.add_argument(
+        "--default-model",
+        metavar="MODEL",
+        default=None,
+        help="serve a request for a model no runner lists with this one instead of a 404 (for "
+        "clients with fixed model names, such as Claude Code's claude-*) (default: the 404)",
+    )
+    parser.add_argument(
+        "--head-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=HubSettings.head_timeout,
+        help="a request head (or TLS handshake) not complete within this is closed; also how "
+        f"long a kept-alive connection waits for its next request (default {HubSettings.head_timeout:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=HubSettings.body_timeout,
+        help="a request body not complete within this of its head gets 408 and is closed "
+        f"(default {HubSettings.body_timeout:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        default=HubSettings.max_connections,
+        help="open connections at most; one more gets 503 and is closed "
+        f"(default {HubSettings.max_connections})",
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
     keys_sub = keys.add_subparsers(
@@ -161,12 +192,22 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError("--capacity-wait must be 0 or a positive number of seconds")
         if args.max_sessions_per_key < 0:
             raise _UsageError("--max-sessions-per-key must be 0 (no bound) or a positive number")
+        if not args.head_timeout > 0 or not args.body_timeout > 0:
+            raise _UsageError(
+                "--head-timeout and --body-timeout must be positive numbers of seconds"
+            )
+        if args.max_connections < 1:
+            raise _UsageError("--max-connections must be a positive number")
         settings = HubSettings(
             models_wait=args.models_wait,
             ping_interval=args.ping_interval,
             ping_timeout=args.ping_timeout,
             capacity_wait=args.capacity_wait,
             max_sessions_per_key=args.max_sessions_per_key,
+            default_model=args.default_model,
+            head_timeout=args.head_timeout,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
         )
         return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
     except SystemExit as exc:  # --help

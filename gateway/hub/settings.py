@@ -28,6 +28,9 @@ class HubSettings:
     ping_interval: float = 20.0  # s: a WebSocket ping on every Chat Channel; 0 = no pings
     ping_timeout: float | None = None  # s without any frame after a ping: closed (None: interval)
     first_frame_timeout: float = 300.0  # s: a turn's wait for its first frame with pings off
+    # a model no runner lists is served by this one instead of a 404 (None: the 404); for
+    # clients with fixed model names (Claude Code's claude-*)
+    default_model: str | None = None
     client_backlog: int = 1024 * 1024  # bytes of a turn's stream its client may fall behind by
     # s: when every runner of the project that could serve is busy (stopped advertising
     # chat-llm:v1 while it holds sessions), a new session waits this long for a free slot, then

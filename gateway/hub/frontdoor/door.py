@@ -12,6 +12,7 @@ import trio
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
+from gateway.hub.frontdoor import dialects, messages
 from gateway.hub.frontdoor.models import Models
 from gateway.hub.frontdoor.relay import (
     StreamSink,
@@ -32,7 +33,6 @@ from gateway.hub.frontdoor.shapes import (
     model_object,
     no_key,
     parse_chat_request,
-    stream_error_event,
 )
 from gateway.hub.http import ClientGone, HTTPError, Request, Response, bearer, header
 from gateway.hub.settings import HubSettings
@@ -42,12 +42,21 @@ from gateway.tracing import valid_traceparent
 log = logging.getLogger("gateway.hub.frontdoor")
 
 SESSION_HEADER = b"x-chat-session"
+CLAUDE_SESSION_HEADER = b"x-claude-code-session-id"  # Claude Code's own session id
+SERVED = (
+    "POST /v1/chat/completions",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "GET /v1/models",
+)
 DEFAULT_SESSION = "default"
 MAX_ATTEMPTS = 3  # channels a turn may lose before it answers with an error
 
 
 class FrontDoor:
-    """``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}`` of one hub."""
+    """The ``/v1`` routes of one hub: chat completions, Anthropic Messages, the Responses API
+    (one chat turn each), and the models."""
 
     def __init__(
         self,
@@ -100,12 +109,86 @@ class FrontDoor:
         """One chat turn: cancelled (``chat.completion.cancel`` to the runner) if the client leaves."""
         key = self._key(req)
         text, stream, model = parse_chat_request(await req.body(self.settings.max_body))
-        if model is not None:  # a model no runner of the project lists: 404 before any job
-            available = await self.models.unknown(key.owner, key.project, model)
-            if available is not None:
-                raise model_not_found(model, available)
-        raw_sid = header(req.scope, SESSION_HEADER)
-        sid = raw_sid.decode("latin-1").strip() if raw_sid else ""
+        mapped = await self._model_for(key, model)
+        if mapped is not None and mapped != model:  # the hub's default_model for an unknown one
+            text = dialects.with_model(text.encode(), mapped).decode()
+        await self._serve(req, key, dialects.chat_turn(text, stream), _session_id(req))
+
+    async def messages(self, req: Request) -> None:
+        """``POST /v1/messages`` (Anthropic Messages): translated to one chat turn, the answer
+        translated back; every error in Anthropic's shape."""
+        try:
+            key = self._anthropic_key(req)
+            request = dialects.messages_request(await req.body(self.settings.max_body))
+            model = await self._model_for(key, request.model)
+            turn = dialects.messages_turn(request, model, request.model or model or "")
+        except HTTPError as err:
+            await req.resp.whole(err.status, dialects.anthropic_error_body(err), err.headers)
+            return
+        sid = _session_id(req) or _header_text(req, CLAUDE_SESSION_HEADER)
+        await self._serve(req, key, turn, sid)
+
+    async def count_tokens(self, req: Request) -> None:
+        """``POST /v1/messages/count_tokens``: an estimate (characters / 4, images 1,600 each:
+        the hub has no tokenizer of the runners' models)."""
+        try:
+            self._anthropic_key(req)
+            body = await req.body(self.settings.max_body)
+            try:
+                tokens = messages.count_tokens(body)
+            except messages.MessagesError as exc:
+                raise HTTPError(exc.status, exc.message, None, type_=exc.type) from None
+        except HTTPError as err:
+            await req.resp.whole(err.status, dialects.anthropic_error_body(err), err.headers)
+            return
+        await req.resp.json(200, {"input_tokens": tokens})
+
+    async def responses(self, req: Request) -> None:
+        """``POST /v1/responses`` (OpenAI Responses API): translated to one chat turn, the
+        answer translated back."""
+        key = self._key(req)
+        request = dialects.responses_request(await req.body(self.settings.max_body))
+        model = await self._model_for(key, request.model)
+        turn = dialects.responses_turn(request, model, request.model or model or "")
+        await self._serve(req, key, turn, _session_id(req))
+
+    async def not_served(self, req: Request) -> None:
+        """``/v1/completions``, ``/v1/embeddings``: the channel carries chat turns only."""
+        raise HTTPError(
+            404,
+            f"{req.scope['path']} is not served by this hub (its runners carry chat turns "
+            f"only); it serves {', '.join(SERVED)}",
+            "unknown_url",
+        )
+
+    def _anthropic_key(self, req: Request) -> ApiKey:
+        """The API key of ``x-api-key`` or ``Authorization: Bearer`` (Anthropic's clients send
+        the first); HTTPError 401 with Anthropic's ``authentication_error``."""
+        raw = header(req.scope, b"x-api-key")
+        token = raw.decode("latin-1").strip() if raw else bearer(req.scope)
+        if not token:
+            raise HTTPError(401, "x-api-key header is required", None, type_="authentication_error")
+        key = self.store.check_api_key(token)
+        if key is None:
+            raise HTTPError(401, "invalid x-api-key", None, type_="authentication_error")
+        return key
+
+    async def _model_for(self, key: ApiKey, model: str | None) -> str | None:
+        """The model the runner is asked for: ``model`` when a runner of the project lists it
+        (or the lists are not known), else the hub's ``default_model`` when one is set (a client
+        with fixed model names: Claude Code), else 404 before any job is opened."""
+        if model is None:
+            return self.settings.default_model
+        available = await self.models.unknown(key.owner, key.project, model)
+        if available is None:
+            return None  # as the client asked
+        if self.settings.default_model:
+            return self.settings.default_model
+        raise model_not_found(model, available)
+
+    async def _serve(self, req: Request, key: ApiKey, turn: dialects.Turn, sid: str) -> None:
+        """Serve one turn of the key's session ``sid``: cancelled (``chat.completion.cancel``
+        to the runner) if the client leaves."""
         session = await self.sessions.enter(key, sid or DEFAULT_SESSION)
         traceparent = _traceparent(req)
         try:
@@ -113,7 +196,7 @@ class FrontDoor:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_watch_disconnect, req, turn_scope)
                     try:
-                        await self._turn(session, text, stream, req.resp, traceparent)
+                        await self._turn(session, turn, req.resp, traceparent)
                     finally:
                         nursery.cancel_scope.cancel()
             if turn_scope.cancelled_caught:
@@ -124,8 +207,7 @@ class FrontDoor:
     async def _turn(
         self,
         session: Session,
-        body: str,
-        stream: bool,
+        turn: dialects.Turn,
         resp: Response,
         traceparent: str | None = None,
     ) -> None:
@@ -133,6 +215,7 @@ class FrontDoor:
         same job redialled, else a new one: ``Sessions.channel_of``), up to ``MAX_ATTEMPTS``.
         A ``traceparent`` goes into the definition of a job this turn opens, else into the
         turn's frame (docs/protocol.md §6)."""
+        translation = turn.new_stream() if turn.stream else None
         try:
             arrived = trio.current_time()
             for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -147,7 +230,7 @@ class FrontDoor:
                         raise
                 in_frame = traceparent if job_id == job_before else None
                 try:
-                    await self._attempt(job_id, ch, body, stream, resp, in_frame)
+                    await self._attempt(job_id, ch, turn, translation, resp, in_frame)
                     return
                 except TurnLost:
                     log.warning(
@@ -160,9 +243,10 @@ class FrontDoor:
         except HTTPError as err:
             try:
                 if not resp.started:
-                    await resp.error(err)
-                elif not resp.finished:  # only keepalive comments went out: end with the error
-                    await resp.body(stream_error_event(err.message, err.code or "error"), False)
+                    await resp.whole(err.status, turn.error_body(err), err.headers)
+                elif not resp.finished and translation is not None:
+                    # only keepalive comments went out: end with the error
+                    await resp.body(translation.error(err.message, err.code or "error"), False)
             except ClientGone:
                 pass
         except ClientGone:
@@ -172,8 +256,8 @@ class FrontDoor:
         self,
         job_id: str,
         ch: ServerChannel,
-        body: str,
-        stream: bool,
+        spec: dialects.Turn,
+        translation: dialects.Translation | None,
         resp: Response,
         traceparent: str | None = None,
     ) -> None:
@@ -185,14 +269,16 @@ class FrontDoor:
         )
         sink: StreamSink | None = None
         rx = None
-        if stream:
-            sink = StreamSink(resp, stream_headers(turn.rid), self.settings.client_backlog)
+        if translation is not None:
+            sink = StreamSink(
+                resp, stream_headers(turn.rid), self.settings.client_backlog, translation
+            )
             ch.open_turn(turn.rid, sink)
         else:
             rx = ch.open_request(turn.rid)
         try:
             try:
-                await ch.send(request_frame(job_id, turn.rid, body, traceparent))
+                await ch.send(request_frame(job_id, turn.rid, spec.body, traceparent))
             except Exception as exc:  # the socket broke under the send: the channel is gone
                 turn.lost = True
                 log.warning("could not send a turn on job %s: %r", job_id, exc)
@@ -208,11 +294,21 @@ class FrontDoor:
                 )
             else:
                 assert rx is not None
-                await relay_whole(turn, rx, resp, first_within)
+                await relay_whole(turn, rx, resp, first_within, spec.fold)
         finally:
             if not turn.finished and not turn.lost and not ch.closed.is_set():
                 await send_cancel(turn)
             ch.close_request(turn.rid)
+
+
+def _header_text(req: Request, name: bytes) -> str:
+    raw = header(req.scope, name)
+    return raw.decode("latin-1").strip() if raw else ""
+
+
+def _session_id(req: Request) -> str:
+    """The ``X-Chat-Session`` header ("" without one)."""
+    return _header_text(req, SESSION_HEADER)
 
 
 def _traceparent(req: Request) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,9 @@ import trio
 from gateway import protocol
 from gateway.hub.channel import Frame, ServerChannel
 from gateway.hub.counters import HubCounters
+from gateway.hub.frontdoor.dialects import ChatStream, Translation
 from gateway.hub.frontdoor.shapes import (
-    DONE_EVENT,
-    KEEPALIVE,
     SSE_HEADERS,
-    sse_data,
-    stream_error_event,
     upstream_error,
     whole_completion,
 )
@@ -121,10 +119,25 @@ class StreamSink:
     than ``bound`` bytes behind ends its turn (``OVERRUN``), no other.
     """
 
-    __slots__ = ("resp", "headers", "bound", "pending", "state", "wake", "error", "sent_chunk")
+    __slots__ = (
+        "resp",
+        "headers",
+        "bound",
+        "translation",
+        "_encode",
+        "pending",
+        "state",
+        "wake",
+        "error",
+        "sent_chunk",
+    )
 
-    def __init__(self, resp: Response, headers: Headers, bound: int) -> None:
+    def __init__(
+        self, resp: Response, headers: Headers, bound: int, translation: Translation | None = None
+    ) -> None:
         self.resp = resp
+        self.translation: Translation = translation if translation is not None else ChatStream()
+        self._encode = self.translation.chunk  # chat completions: one SSE event, bytes verbatim
         self.headers = headers
         self.bound = bound
         self.pending: list[bytes] = []
@@ -135,7 +148,9 @@ class StreamSink:
 
     def chunk(self, chunk: msgspec.Raw) -> None:
         if self.state == STREAMING and len(chunk):
-            self.pending.append(sse_data(chunk))
+            events = self._encode(chunk)
+            if events:
+                self.pending.append(events)
 
     def flush_batch(self) -> None:
         pending = self.pending
@@ -166,7 +181,7 @@ class StreamSink:
         if self.state != STREAMING:
             return
         if frame.type == protocol.COMPLETION_DONE:
-            self.pending.append(DONE_EVENT)
+            self.pending.append(self.translation.done())
             data = b"".join(self.pending)
             self.pending = []
             self.state = DONE
@@ -175,7 +190,7 @@ class StreamSink:
         elif frame.type == protocol.COMPLETION_ERROR:
             self.error = _error_text(frame)
             if self.resp.started or self.pending:
-                self.pending.append(stream_error_event(self.error, "upstream_error"))
+                self.pending.append(self.translation.error(self.error, "upstream_error"))
                 data = b"".join(self.pending)
                 self.pending = []
                 self.state = ERROR
@@ -214,7 +229,7 @@ async def relay_stream(
         if state == GONE:
             raise ClientGone()
         if state == OVERRUN:
-            await _overrun(turn, resp, sink.bound, counters)
+            await _overrun(turn, resp, sink, counters)
             return
         if resp.backlog:
             await resp.flush()
@@ -229,7 +244,7 @@ async def relay_stream(
             if not resp.started:
                 raise upstream_error(message)
             if not resp.finished:  # only keepalive comments went out before it
-                await resp.body(stream_error_event(message, "upstream_error"), more=False)
+                await resp.body(sink.translation.error(message, "upstream_error"), more=False)
             return
         if state == LOST:
             turn.lost = True
@@ -237,7 +252,7 @@ async def relay_stream(
                 raise TurnLost()
             message = "the chat channel to the runner was lost mid-turn"
             log.warning("%s (job %s, request %s)", message, turn.job_id, turn.rid)
-            await resp.body(stream_error_event(message, "channel_lost"), more=False)
+            await resp.body(sink.translation.error(message, "channel_lost"), more=False)
             return
         if sink.sent_chunk:
             await sink.wake.wait()
@@ -261,26 +276,32 @@ async def relay_stream(
             raise TurnLost()
         if not resp.started:  # nothing yet: keep the client (and proxies) patient
             resp.start_nowait(200, sink.headers)
-        await resp.body(KEEPALIVE)
+        await resp.body(sink.translation.keepalive())
 
 
-async def _overrun(turn: Turn, resp: Response, bound: int, counters: HubCounters | None) -> None:
+async def _overrun(
+    turn: Turn, resp: Response, sink: StreamSink, counters: HubCounters | None
+) -> None:
     """The client fell ``bound`` bytes behind: its turn ends (the runner is told by the caller's
     cancel), an error event is offered for a moment, and its connection closes."""
     if counters is not None:
         counters.turns_overrun += 1
-    message = f"the client read too slowly: more than {bound} bytes of the stream were waiting"
+    message = f"the client read too slowly: more than {sink.bound} bytes of the stream were waiting"
     log.warning("job %s request %s: %s; ending the turn", turn.job_id, turn.rid, message)
     with trio.move_on_after(CANCEL_SEND_TIMEOUT):
         try:
-            await resp.body(stream_error_event(message, "client_too_slow"), more=False)
+            await resp.body(sink.translation.error(message, "client_too_slow"), more=False)
         except ClientGone:
             pass
     resp.gone = True  # its connection closes
 
 
 async def relay_whole(
-    turn: Turn, rx: Replies, resp: Response, first_within: float = math.inf
+    turn: Turn,
+    rx: Replies,
+    resp: Response,
+    first_within: float = math.inf,
+    fold: Callable[[list[bytes]], bytes] = whole_completion,
 ) -> None:
     """Relay a non-streamed turn: every chunk gathered, then one ``chat.completion`` answer
     (the wait for the first frame bounded by ``first_within`` s, as in ``relay_stream``)."""
@@ -312,4 +333,4 @@ async def relay_whole(
         raise upstream_error(
             "the runner finished the turn without a completion", "empty_completion"
         )
-    await resp.whole(200, whole_completion(chunks), [(b"x-request-id", turn.rid.encode())])
+    await resp.whole(200, fold(chunks), [(b"x-request-id", turn.rid.encode())])

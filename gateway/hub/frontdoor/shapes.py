@@ -99,7 +99,12 @@ def upstream_error(message: str, code: str = "upstream_error") -> HTTPError:
         if status == 404 and "model" in message.lower():
             return HTTPError(404, message, Code.MODEL_NOT_FOUND, type_="invalid_request_error")
         return HTTPError(status, message, "invalid_request", type_="invalid_request_error")
+    if _RUNNER_LACKS_MODEL.match(message):  # the runner's own answer (gateway/backends.py)
+        return HTTPError(404, message, Code.MODEL_NOT_FOUND, type_="invalid_request_error")
     return HTTPError(502, message, code)
+
+
+_RUNNER_LACKS_MODEL = re.compile(r"model .* is not available on this runner")
 
 
 def stream_error_event(message: str, code: str) -> bytes:
