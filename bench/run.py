@@ -116,6 +116,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _until_healthy(host: str, port: int, within: float) -> None:
+    """Wait until the hub's ``GET /healthz`` answers 200 (a runner can serve a chat turn)."""
+    with trio.fail_after(within):
+        while True:
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                await stream.send_all(
+                    b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+                )
+                head = await stream.receive_some(65536)
+            if head.startswith(b"HTTP/1.1 200"):
+                return
+            await trio.sleep(0.05)
+
+
 def _py(*args: str) -> list[str]:
     return [sys.executable, *args]
 
@@ -268,6 +283,7 @@ class Bench:
             sessions=True,
         )
         if self.wanted("e2e"):
+            await _until_healthy("127.0.0.1", self.hub_port, 60)  # the runner has polled
             # open the front door's sessions (one Chat Job each) before anything is measured
             await self.sim.rpc("opts", opts={"chunks": 1})
             out = await self.paths["e2e"].run(sessions, sessions, False, "warm")
