@@ -166,7 +166,9 @@ class Hub:
         return hmac.compare_digest(token_hash(token), self._admin_hash)
 
     def create_api_key(self, name: str, project: str = DEFAULT_KEY_PROJECT) -> str:
-        return self.store.create_api_key(name, project)
+        key = self.store.create_api_key(name, project)
+        self.frontdoor.forget_keys()
+        return key
 
     def list_api_keys(self) -> list[dict[str, Any]]:
         return self.store.list_api_keys()
@@ -174,6 +176,7 @@ class Hub:
     def revoke_api_key(self, name: str) -> bool:
         """Revoke the active key ``name``: its chat sessions end at once (``chat.end``)."""
         revoked = self.store.revoke_api_key(name)
+        self.frontdoor.forget_keys()
         if revoked:
             self.frontdoor.sessions.check_keys()
         return revoked

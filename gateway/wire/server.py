@@ -53,6 +53,7 @@ CLOSE_TIMEOUT = 2.0  # s: how long a closing WebSocket waits for the peer's clos
 LINGER = 2.0  # s: a connection closed with unread input is drained this long (lingering close)
 LINGER_BYTES = 1 << 20  # bytes drained at most in that time
 REFUSE_TIMEOUT = 1.0  # s: a connection refused at the cap gets this long to read its 503
+MAX_REFUSING = 64  # connections refused with a 503 at once; past it they are closed at once
 WARN_EVERY = 60.0  # s: at most one warning this often about refused connections / EMFILE
 CLOSE_NO_PONG = 1011
 CLOSE_ABNORMAL = 1006  # the TCP connection ended without a close frame (RFC 6455 §7.1.5)
@@ -636,6 +637,7 @@ class Server:
         self.limits = limits or Limits()
         self.ssl_context = ssl_context
         self.open_connections = 0
+        self._refusing = 0  # refused connections still being told so
         self._warned_at = -math.inf
 
     async def serve(
@@ -679,10 +681,31 @@ class Server:
                     self.open_connections,
                     self.counters.connections_refused,
                 )
-                nursery.start_soon(_refuse_busy, sock)
+                if self._refusing < MAX_REFUSING:
+                    self._refusing += 1
+                    nursery.start_soon(self._refuse_busy, sock)
+                else:  # a flood: no 503 for these, just the close
+                    sock.close()
                 continue
             self.open_connections += 1
             nursery.start_soon(self._handle, sock)
+
+    async def _refuse_busy(self, sock: socket.socket) -> None:
+        """A connection past the cap: a 503 written at once, a moment for the client to read it."""
+        sock.setblocking(False)
+        try:
+            sock.send(_BUSY)
+            sock.shutdown(socket.SHUT_WR)
+            with trio.move_on_after(REFUSE_TIMEOUT):
+                while True:
+                    await trio.lowlevel.wait_readable(sock)
+                    if not sock.recv(65536):
+                        break
+        except OSError:
+            pass
+        finally:
+            self._refusing -= 1
+            sock.close()
 
     async def _handle(self, sock: socket.socket) -> None:
         transport: Transport | None = None
@@ -742,23 +765,6 @@ _BUSY = _raw_response(
     ),
     [(b"retry-after", b"1")],
 )
-
-
-async def _refuse_busy(sock: socket.socket) -> None:
-    """A connection past the cap: a 503 written at once, a moment for the client to read it."""
-    sock.setblocking(False)
-    try:
-        sock.send(_BUSY)
-        sock.shutdown(socket.SHUT_WR)
-        with trio.move_on_after(REFUSE_TIMEOUT):
-            while True:
-                await trio.lowlevel.wait_readable(sock)
-                if not sock.recv(65536):
-                    break
-    except OSError:
-        pass
-    finally:
-        sock.close()
 
 
 def _address(sock: socket.socket) -> tuple[str, int] | None:

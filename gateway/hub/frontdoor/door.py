@@ -52,6 +52,7 @@ SERVED = (
 )
 DEFAULT_SESSION = "default"
 MAX_ATTEMPTS = 3  # channels a turn may lose before it answers with an error
+KEY_CACHE = 10_000  # API key answers kept at most
 
 
 class FrontDoor:
@@ -69,8 +70,27 @@ class FrontDoor:
         self.store = store
         self.settings = settings
         self.counters = counters
+        self._keys: dict[str, tuple[ApiKey | None, float]] = {}  # token -> (key, valid until)
         self.sessions = Sessions(store, settings, board, channels, counters)
         self.models = Models(store, settings, board, channels, self.sessions)
+
+    def check_key(self, token: str) -> ApiKey | None:
+        """The active API key ``token`` is, or None: from the store, the answer kept for
+        ``key_check_interval`` s (a key revoked by another process is refused within that, as
+        its sessions end; one revoked here is refused at once: ``forget_keys``)."""
+        now = time.monotonic()
+        kept = self._keys.get(token)
+        if kept is not None and kept[1] > now:
+            return kept[0]
+        key = self.store.check_api_key(token)
+        if len(self._keys) >= KEY_CACHE:  # bounded: a flood of wrong keys cannot grow it
+            self._keys.clear()
+        self._keys[token] = (key, now + self.settings.key_check_interval)
+        return key
+
+    def forget_keys(self) -> None:
+        """Drop the kept answers (a key was revoked or created in this process)."""
+        self._keys.clear()
 
     def restore(self) -> None:
         """Reload the stored sessions (before serving)."""
@@ -84,7 +104,7 @@ class FrontDoor:
         if header(req.scope, b"authorization") is None:
             raise no_key()
         token = bearer(req.scope)
-        key = self.store.check_api_key(token) if token else None
+        key = self.check_key(token) if token else None
         if key is None:
             raise invalid_key()
         return key
@@ -168,7 +188,7 @@ class FrontDoor:
         token = raw.decode("latin-1").strip() if raw else bearer(req.scope)
         if not token:
             raise HTTPError(401, "x-api-key header is required", None, type_="authentication_error")
-        key = self.store.check_api_key(token)
+        key = self.check_key(token)
         if key is None:
             raise HTTPError(401, "invalid x-api-key", None, type_="authentication_error")
         return key
