@@ -10,8 +10,9 @@ collector over the snapshot: none of its global registry, default collectors or 
 imported only when the server is opened, so a runner without ``--metrics-listen`` does not pay
 its import time.
 
-The server is trio + h11 (both already in the process through trio and httpx): one request per
-connection, GET/HEAD only, bounded head size and time, so a stuck client cannot hold anything.
+The server is the project's own HTTP core (``gateway.wire.server``) on listeners bound at the
+start: GET/HEAD only, bounded head size and time and open connections, so a stuck client cannot
+hold anything.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import h11
 import trio
 
 from gateway.snapshot import RunnerStatus
+from gateway.wire.http import Request
+from gateway.wire.server import Limits, Server
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -35,6 +37,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "alp_gateway_"
 MAX_REQUEST_HEAD = 8192
 REQUEST_TIMEOUT = 10.0
+MAX_CONNECTIONS = 64
 
 # counter name in RunnerStatus.counters -> (metric family, help)
 _COUNTERS: dict[str, tuple[str, str]] = {
@@ -167,6 +170,15 @@ class MetricsServer:
         self.status = status
         self.registry = registry(status)
         self.listeners = listeners
+        self.server = Server(
+            self,
+            limits=Limits(
+                head_timeout=REQUEST_TIMEOUT,
+                body_timeout=REQUEST_TIMEOUT,
+                max_head=MAX_REQUEST_HEAD,
+                max_connections=MAX_CONNECTIONS,
+            ),
+        )
         sockname = listeners[0].socket.getsockname()
         self.host, self.port = str(sockname[0]), int(sockname[1])
 
@@ -178,7 +190,7 @@ class MetricsServer:
     async def serve(self) -> None:
         """Answer requests until cancelled (the listeners are closed then)."""
         log.info("health and metrics on %s/healthz and %s/metrics", self.url, self.url)
-        await trio.serve_listeners(self._connection, self.listeners)
+        await self.server.serve_listeners(self.listeners)
 
     def respond(self, method: str, target: str) -> tuple[int, str, str]:
         """(status, content type, body) for one request."""
@@ -196,45 +208,22 @@ class MetricsServer:
             return 200, CONTENT_TYPE, generate_latest(self.registry).decode()
         return 404, "text/plain; charset=utf-8", "not found: try /healthz, /livez or /metrics\n"
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
-        try:
-            with trio.move_on_after(REQUEST_TIMEOUT):
-                request = await _read_request(stream, conn)
-                if request is None:
-                    return
-                method = request.method.decode("ascii", "replace")
-                status, content_type, text = self.respond(
-                    method, request.target.decode("ascii", "replace")
-                )
-                body = text.encode()
-                headers = [
-                    ("content-type", content_type),
-                    ("content-length", str(len(body))),
-                    ("cache-control", "no-store"),
-                    ("connection", "close"),
-                ]
-                data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-                if method != "HEAD":
-                    data += conn.send(h11.Data(data=body)) or b""
-                data += conn.send(h11.EndOfMessage()) or b""
-                await stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
-            pass
-        finally:
-            await trio.aclose_forcefully(stream)
-
-
-async def _read_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(4096)
-            conn.receive_data(data)  # b"" marks end of stream
-            continue
-        if isinstance(event, h11.Request):
-            return event
-        return None  # ConnectionClosed or anything else: nothing to answer
+    async def http(self, req: Request) -> None:
+        """One request, answered whole (the body left out for HEAD)."""
+        scope = req.scope
+        status, content_type, text = self.respond(scope["method"], scope["path"])
+        body = text.encode()
+        resp = req.resp
+        head = resp.head(
+            status,
+            [
+                (b"content-type", content_type.encode()),
+                (b"content-length", b"%d" % len(body)),
+                (b"cache-control", b"no-store"),
+            ],
+        )
+        resp.write_nowait(body, head, end=True)
+        await resp.flush()
 
 
 async def open_metrics(host: str, port: int, status: Callable[[], RunnerStatus]) -> MetricsServer:

@@ -1,4 +1,4 @@
-"""Serve a simulated OpenAI-compatible model server over raw trio sockets and h11."""
+"""Serve a simulated OpenAI-compatible model server (its HTTP from ``gateway.wire.server``)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,22 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
+import math
 import random
-import socket
 import string
-import struct
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from http import HTTPStatus
 from typing import Any
 
-import h11
 import msgspec
 import trio
+
+from gateway.wire.http import ClientGone, HTTPError, Request, error_envelope
+from gateway.wire.server import Limits, Server
 
 __all__ = [
     "DIALECTS",
@@ -43,11 +43,12 @@ FAULTS: frozenset[str] = frozenset({"500", "stall", "disconnect", "malformed"})
 DIALECTS: frozenset[str] = frozenset({"openai", "ollama", "vllm", "llamacpp", "litellm"})
 """The streaming shapes ``SimOptions.dialect`` can imitate (see ``_Reply`` for their sources)."""
 
-_RECV_SIZE = 65536
+_MAX_BODY = 64 * 1024 * 1024  # bytes: a larger request body is refused (413)
+# no deadline (a test may hold a connection idle as long as it likes), no connection cap
+_LIMITS = Limits(head_timeout=math.inf, body_timeout=math.inf, max_connections=1 << 30)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _perf_counter = time.perf_counter
-_os_write = os.write
 
 _CHAT_PATH = "/v1/chat/completions"
 _MODELS_PATH = "/v1/models"
@@ -208,7 +209,8 @@ class Simulator:
         self.record = record
         self.requests: list[RecordedRequest] = []
         self.streams: list[StreamRecord] = []
-        self.connections = 0
+        self.connections = 0  # connections that sent a request
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()  # the open ones among them
         self._changed = trio.Event()
         self._ids = itertools.count(1)
 
@@ -237,18 +239,13 @@ class Simulator:
         self._changed = trio.Event()
         event.set()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        try:
-            await _Connection(self, stream).run()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except Exception:
-            logger.exception("sim: connection handler failed")
-
-
-def _error(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
-    return _encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    async def http(self, req: Request) -> None:
+        """One request from the server core (``gateway.wire.server``): answered in turn."""
+        conn = req.connection
+        if conn not in self._seen:
+            self._seen.add(conn)
+            self.connections += 1
+        await _Exchange(self, req).run()
 
 
 def _prompt_tokens(data: Mapping[str, Any]) -> int:
@@ -662,112 +659,39 @@ _DIALECT_STREAMS: dict[str, Callable[[_Reply], Iterator[dict[str, Any]]]] = {
 }
 
 
-class _Connection:
-    """One accepted connection: reads requests with h11 and answers them in turn."""
+class _Exchange:
+    """One request and its answer: recorded, routed, the chat path streamed with its faults."""
 
-    __slots__ = ("sim", "stream", "fd", "conn", "gone")
+    __slots__ = ("sim", "req", "resp")
 
-    def __init__(self, sim: Simulator, stream: trio.SocketStream) -> None:
+    def __init__(self, sim: Simulator, req: Request) -> None:
         self.sim = sim
-        self.stream = stream
-        self.fd = stream.socket.fileno()
-        self.conn = h11.Connection(h11.SERVER)
-        self.gone = False
-
-    async def _write(self, data: bytes) -> None:
-        """Write all of ``data`` straight to the socket, one ``write`` call when it fits.
-
-        It does not yield after the last byte is written, so the caller can record the send
-        before any other task (a client in the same trio run) can see the bytes.
-        """
-        fd = self.fd
-        try:
-            written = _os_write(fd, data)
-        except BlockingIOError:
-            written = 0
-        except OSError as exc:
-            raise trio.BrokenResourceError(str(exc)) from exc
-        if written == len(data):
-            return
-        view = memoryview(data)[written:]
-        while view:
-            await trio.lowlevel.wait_writable(fd)
-            try:
-                written = _os_write(fd, view)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise trio.BrokenResourceError(str(exc)) from exc
-            view = view[written:]
+        self.req = req
+        self.resp = req.resp
 
     async def run(self) -> None:
-        conn = self.conn
-        while True:
-            got = await self._read_request()
-            if got is None:
-                return
-            request, body = got
-            outcome = await self._dispatch(request, body)
-            if outcome == _ABORT:
-                self.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                await self.stream.aclose()
-                return
-            if outcome == _GONE or self.gone:
-                return
-            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-                conn.start_next_cycle()
-            else:
-                return
+        """Read the body, answer; a ``disconnect`` fault resets the connection."""
+        resp = self.resp
+        try:
+            body = await self.req.body(_MAX_BODY)
+        except HTTPError as err:
+            await resp.error(err)
+            return
+        outcome = await self._dispatch(body)
+        if outcome == _ABORT:
+            resp.reset()
+        elif outcome == _GONE:
+            resp.gone = True  # the connection ends here
 
-    async def _read_request(self) -> tuple[h11.Request, bytes] | None:
-        conn = self.conn
-        request: h11.Request | None = None
-        parts: list[bytes] = []
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                    body = _error(f"bad request: {exc}", "invalid_request_error", None)
-                    with contextlib.suppress(h11.LocalProtocolError):
-                        await self._send_simple(exc.error_status_hint, body)
-                return None
-            if event is h11.NEED_DATA:
-                try:
-                    data = await self.stream.receive_some(_RECV_SIZE)
-                except trio.BrokenResourceError:
-                    return None
-                conn.receive_data(data)
-            elif isinstance(event, h11.Request):
-                request = event
-            elif isinstance(event, h11.Data):
-                parts.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                assert request is not None
-                return request, b"".join(parts)
-            else:  # ConnectionClosed or PAUSED
-                return None
-
-    async def _send_simple(
-        self, status: int, body: bytes, content_type: bytes = b"application/json"
-    ) -> None:
-        conn = self.conn
-        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
-        reason = HTTPStatus(status).phrase.encode()
-        data = conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
-        assert data is not None
-        if body:
-            data += conn.send(h11.Data(data=body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-        await self._write(data)
-
-    async def _dispatch(self, request: h11.Request, body: bytes) -> str:
+    async def _dispatch(self, body: bytes) -> str:
         sim = self.sim
-        method = request.method.decode("ascii", "replace")
-        target = request.target.decode("latin-1")
-        path = target.partition("?")[0]
+        scope = self.req.scope
+        method: str = scope["method"]
+        path = scope["raw_path"].decode("latin-1")
+        query: bytes = scope["query_string"]
+        target = f"{path}?{query.decode('latin-1')}" if query else path
         headers: dict[str, str] = {}
-        for raw_name, raw_value in request.headers:
+        for raw_name, raw_value in scope["headers"]:
             name = raw_name.decode("latin-1")
             value = raw_value.decode("latin-1")
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
@@ -794,13 +718,15 @@ class _Connection:
                 {"id": m, "object": "model", "created": created, "owned_by": "sim"}
                 for m in sim.models
             ]
-            await self._send_simple(200, _encode({"object": "list", "data": data}))
+            await self.resp.whole(200, _encode({"object": "list", "data": data}))
         elif path in (_MODELS_PATH, _CHAT_PATH):
             message = f"Method {method} not allowed for {path}"
-            await self._send_simple(405, _error(message, "invalid_request_error", None))
+            await self.resp.whole(405, error_envelope(message, "invalid_request_error", None))
         else:
             message = f"Invalid URL ({method} {path})"
-            await self._send_simple(404, _error(message, "invalid_request_error", "not_found"))
+            await self.resp.whole(
+                404, error_envelope(message, "invalid_request_error", "not_found")
+            )
         return _COMPLETED
 
     def _authorized(self, headers: Mapping[str, str]) -> bool:
@@ -808,11 +734,13 @@ class _Connection:
         return key is None or headers.get("authorization") == f"Bearer {key}"
 
     async def _send_unauthorized(self, rec: StreamRecord | None = None) -> None:
-        body = _error("Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+        body = error_envelope(
+            "Incorrect API key provided.", "invalid_request_error", "invalid_api_key"
+        )
         await self._send_error(401, body, rec)
 
     async def _send_error(self, status: int, body: bytes, rec: StreamRecord | None) -> None:
-        await self._send_simple(status, body)
+        await self.resp.whole(status, body)
         if rec is not None:
             rec.status = status
             rec.payloads.append(body)
@@ -827,22 +755,22 @@ class _Connection:
             data = _decode(body)
         except msgspec.DecodeError as exc:
             message = f"We could not parse the JSON body of your request: {exc}"
-            await self._send_error(400, _error(message, "invalid_request_error", None), rec)
+            await self._send_error(400, error_envelope(message, "invalid_request_error", None), rec)
             return _COMPLETED
         if not isinstance(data, dict):
             message = "The request body must be a JSON object."
-            await self._send_error(400, _error(message, "invalid_request_error", None), rec)
+            await self._send_error(400, error_envelope(message, "invalid_request_error", None), rec)
             return _COMPLETED
         model = data.get("model")
         if not isinstance(model, str):
             message = "you must provide a model parameter"
-            error = _error(message, "invalid_request_error", None, "model")
+            error = error_envelope(message, "invalid_request_error", None, "model")
             await self._send_error(400, error, rec)
             return _COMPLETED
         rec.model = model
         if model not in sim.models:
             message = f"The model `{model}` does not exist or you do not have access to it."
-            error = _error(message, "invalid_request_error", "model_not_found", "model")
+            error = error_envelope(message, "invalid_request_error", "model_not_found", "model")
             await self._send_error(404, error, rec)
             return _COMPLETED
         overrides = data.get("sim")
@@ -854,23 +782,24 @@ class _Connection:
             else:
                 raise ValueError("'sim' must be an object")
         except (ValueError, TypeError) as exc:
-            await self._send_error(400, _error(str(exc), "invalid_request_error", None, "sim"), rec)
+            await self._send_error(
+                400, error_envelope(str(exc), "invalid_request_error", None, "sim"), rec
+            )
             return _COMPLETED
         rec.options = opts
         rec.stream = data.get("stream") is True
         if opts.fault == "500":
-            error = _error("The simulator failed on purpose.", "server_error", None)
+            error = error_envelope("The simulator failed on purpose.", "server_error", None)
             await self._send_error(500, error, rec)
             return _COMPLETED
         reply = _Reply(sim, model, opts, data)
         rec.id = reply.id
         if rec.stream:
             rec.status = 200
-            head = self.conn.send(h11.Response(status_code=200, headers=_SSE_HEADERS, reason=b"OK"))
-            assert head is not None
             try:
-                await self._write(head)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                if not self.resp.start_nowait(200, _SSE_HEADERS):
+                    await self.resp.flush()
+            except ClientGone:
                 rec.client_closed = True
                 return _GONE
             outcome = await self._guarded(partial(self._emit, rec, reply))
@@ -890,31 +819,25 @@ class _Connection:
                 nursery.start_soon(self._watch, scope)
                 try:
                     outcome = await respond()
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                except ClientGone:
                     outcome = _GONE
                 nursery.cancel_scope.cancel()
         return outcome  # stays _GONE when the watcher cancelled ``respond``
 
     async def _watch(self, scope: trio.CancelScope) -> None:
-        """Read while a response is being written, so a closed connection is noticed at once."""
-        while True:
-            try:
-                data = await self.stream.receive_some(_RECV_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
-                self.gone = True
-                scope.cancel()
-                return
-            self.conn.receive_data(data)  # a pipelined next request: h11 keeps it
+        """Read while a response is being written, so a closed connection is noticed at once
+        (a pipelined next request is kept for its turn)."""
+        await self.req.receive()
+        scope.cancel()
 
     async def _emit(self, rec: StreamRecord, reply: _Reply) -> str:
         opts = reply.opts
-        write = self._write
+        resp = self.resp
+        write = resp.write_nowait
+        flush = resp.flush
         record_payload = rec.payloads.append
         record_time = rec.sent_at.append
         checkpoint = trio.lowlevel.checkpoint
-        chunked = (self.conn.their_http_version or b"1.0") >= b"1.1"
         interval = opts.interval
         fault = opts.fault
         fault_after = opts.fault_after
@@ -922,18 +845,17 @@ class _Connection:
         delay = opts.ttft
         sent = 0
 
-        async def event(data: bytes, tail: bytes = b"") -> None:
-            """Pace, write one ``data:`` event (and ``tail``), record it, wake its waiters."""
+        async def event(data: bytes, end: bool = False) -> None:
+            """Pace, write one ``data:`` event (with ``end``: the end of the body too, in the
+            same write), record it, wake its waiters."""
             nonlocal delay
             if delay > 0:
                 await trio.sleep(delay)
             else:
                 await checkpoint()
             delay = interval
-            if chunked:
-                await write(b"%x\r\ndata: %b\n\n\r\n%b" % (len(data) + 8, data, tail))
-            else:
-                await write(b"data: %b\n\n%b" % (data, tail))
+            if not write(b"data: %b\n\n" % data, end=end):
+                await flush()
             record_payload(data)
             record_time(_perf_counter())
             if rec._waiters:
@@ -951,7 +873,7 @@ class _Connection:
                 await event(_MALFORMED)  # "malformed": one broken event, then carry on normally
                 sent += 1
             if payload is None:
-                await event(_DONE, self.conn.send(h11.EndOfMessage()) or b"")
+                await event(_DONE, end=True)
                 rec.completed = True
                 rec._finish()
                 return _COMPLETED
@@ -973,7 +895,7 @@ class _Connection:
         else:
             body = reply.completion()
         rec.status = 200
-        await self._send_simple(200, body)
+        await self.resp.whole(200, body)
         rec.payloads.append(body)
         rec.sent_at.append(_perf_counter())
         rec.completed = True
@@ -1011,7 +933,7 @@ async def serve_sim(
         record=record,
     )
     task_status.started(sim)
-    await trio.serve_listeners(sim._handle, listeners)
+    await Server(sim, limits=_LIMITS).serve_listeners(listeners)
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,9 @@ type and shape every HTTP API of this project answers with (OpenAI's error envel
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
+import struct
 from collections.abc import MutableMapping
 from typing import Any, Protocol
 
@@ -66,9 +68,10 @@ class HTTPError(Exception):
         return error_envelope(self.message, self.type, self.code)
 
 
-def error_envelope(message: str, type_: str, code: str | None) -> bytes:
-    """``{"error": {"message", "type", "param": null, "code"}}`` as JSON bytes."""
-    error = {"message": message, "type": type_, "param": None, "code": code}
+def error_envelope(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as JSON bytes (``param``: the request
+    field at fault, null by default)."""
+    error = {"message": message, "type": type_, "param": param, "code": code}
     return _encoder.encode({"error": error})
 
 
@@ -103,6 +106,7 @@ class Connection(Protocol):
 
 
 _NET_ERRORS = (OSError, ssl.SSLError, trio.ClosedResourceError, trio.BrokenResourceError)
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 
 
 class Response:
@@ -205,6 +209,20 @@ class Response:
             self.gone = True
             raise ClientGone() from exc
 
+    def reset(self) -> None:
+        """Abort the connection at once with a TCP reset (``SO_LINGER`` 0), whatever is unsent:
+        a server that looks as if it crashed mid-response. The response is ``gone`` after."""
+        self.gone = True
+        transport = self._transport
+        if transport.closed:
+            return
+        transport.unsent.clear()
+        try:
+            transport.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError:
+            pass
+        transport.close()
+
     async def start(self, status: int, headers: Headers) -> None:
         self.start_nowait(status, headers)
         await self.flush()
@@ -247,6 +265,11 @@ class Request:
         self.scope = scope
         self.resp = resp
         self.params: dict[str, str] = {}
+
+    @property
+    def connection(self) -> Connection:
+        """The connection the request came on: the same object for every request on it."""
+        return self._conn
 
     async def body(self, limit: int) -> bytes:
         """The whole body: HTTPError 413 past ``limit`` bytes (408 when too slow, 400 when its

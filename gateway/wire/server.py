@@ -102,10 +102,14 @@ class ServerCounters:
     connections_refused: int = 0
 
 
-class Handler(Protocol):
-    """What the server serves: HTTP requests and WebSocket handshakes."""
+class HTTPHandler(Protocol):
+    """What a plain HTTP server serves: HTTP requests (a WebSocket handshake is answered 404)."""
 
     async def http(self, req: Request) -> None: ...
+
+
+class Handler(HTTPHandler, Protocol):
+    """What the server serves: HTTP requests and WebSocket handshakes."""
 
     async def websocket(self, req: WebSocketRequest) -> None: ...
 
@@ -357,8 +361,12 @@ class _Conn:
                 400, "bad WebSocket handshake (GET, Sec-WebSocket-Key, version 13)", "bad_handshake"
             )
             return
+        websocket = getattr(self.server.handler, "websocket", None)
+        if websocket is None:  # a plain HTTP handler
+            await self.refuse(404, "not found", "unknown_url")
+            return
         req = WebSocketRequest(self, self._scope("websocket", event, headers), key)
-        await self.server.handler.websocket(req)
+        await websocket(req)
         if not req.answered:
             await self.refuse(404, "not found", "unknown_url")
 
@@ -624,7 +632,7 @@ class Server:
 
     def __init__(
         self,
-        handler: Handler,
+        handler: HTTPHandler,
         *,
         keepalive: Keepalive | None = None,
         counters: Counters | None = None,
@@ -645,13 +653,26 @@ class Server:
     ) -> None:
         """Listen on ``host:port`` (0: a free port) until cancelled; ``started`` gets the URL."""
         listeners = await trio.open_tcp_listeners(port, host=host)
+        await self.serve_listeners(listeners, task_status)
+
+    async def serve_listeners(
+        self,
+        listeners: list[trio.SocketListener],
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve on ``listeners``, already bound (so that a busy port failed earlier), until
+        cancelled; they are closed then. ``started`` gets the URL of the first."""
         bound = listeners[0].socket.getsockname()
         scheme = "https" if self.ssl_context is not None else "http"
         shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
+                for listener in listeners:
+                    nursery.start_soon(self._accept, listener, nursery)
+                task_status.started(f"{scheme}://{shown_host}:{bound[1]}")
+        finally:
             for listener in listeners:
-                nursery.start_soon(self._accept, listener, nursery)
-            task_status.started(f"{scheme}://{shown_host}:{bound[1]}")
+                listener.socket.close()
 
     def _warn(self, message: str, *args: Any) -> None:
         now = trio.current_time()
@@ -778,6 +799,7 @@ def _address(sock: socket.socket) -> tuple[str, int] | None:
 __all__ = [
     "CLOSE_ABNORMAL",
     "CLOSE_NO_PONG",
+    "HTTPHandler",
     "Handler",
     "Keepalive",
     "Counters",
