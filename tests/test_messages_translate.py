@@ -624,6 +624,20 @@ def test_tools_and_server_tools() -> None:
     ]
 
 
+def test_deferred_tools_are_left_out() -> None:
+    """Claude Code 2.1.x sends a ``DeferredToolPlaceholder`` with ``defer_loading: true``."""
+    placeholder = {
+        "name": "DeferredToolPlaceholder",
+        "description": "Reserved placeholder that keeps deferred tool loading active",
+        "input_schema": {"type": "object", "properties": {}},
+        "defer_loading": True,
+    }
+    out = chat(base(tools=[TOOL, placeholder, {**TOOL, "name": "g", "defer_loading": False}]))
+    assert [t["function"]["name"] for t in out["tools"]] == ["f", "g"]
+    only = chat(base(tools=[placeholder], tool_choice={"type": "auto"}))
+    assert "tools" not in only and "tool_choice" not in only
+
+
 def test_only_server_tools_send_no_tools_nor_choice() -> None:
     out = chat(
         base(

@@ -9,7 +9,9 @@ What is dropped on the way (never an error): ``thinking``, ``metadata``, ``cache
 ``service_tier``, ``container``, ``mcp_servers`` and any unknown top-level field; tools that are
 not plain custom tools (Anthropic's server and client tools such as ``web_search_20250305``,
 ``bash_20250124``, ``text_editor_20250728``, ``computer_…``, which Claude Code may send: a
-local model cannot run them); content blocks a chat backend has no place for (``thinking``,
+local model cannot run them) and tools marked ``defer_loading`` (Anthropic shows them to the
+model only once its tool search found them; Claude Code sends a ``DeferredToolPlaceholder`` so
+marked, "never call this tool"); content blocks a chat backend has no place for (``thinking``,
 ``redacted_thinking``, ``server_tool_use``, ``web_search_tool_result``, ``search_result``,
 ``document`` but for its plain-text source, images in assistant turns...). Consecutive
 messages of one role are merged (Anthropic combines them into one turn).
@@ -303,7 +305,8 @@ def _system_text(system: Any, where: str = "system") -> str:
 
 
 def _function_tools(tools: Any) -> list[dict[str, Any]]:
-    """The custom tools as chat ``tools``; server tools (any ``type`` but ``custom``) dropped."""
+    """The custom tools as chat ``tools``; server tools (any ``type`` but ``custom``) and
+    deferred ones (``defer_loading: true``) dropped."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -314,6 +317,8 @@ def _function_tools(tools: Any) -> list[dict[str, Any]]:
             raise _invalid(f"tools.{i}: Input should be an object, not {_kind(tool)}")
         if tool.get("type") not in (None, "custom"):
             continue  # a server or Anthropic-defined tool: no local model runs it
+        if tool.get("defer_loading") is True:
+            continue  # not in the model's context until a tool search loads it
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise _invalid(f"tools.{i}.name: Field required (a string)")
