@@ -241,7 +241,12 @@ def test_refuses_deep_nesting_inside_an_object() -> None:
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"messages": "hi"}, "messages: Input should be an array"),
         ({"messages": ["hi"]}, "messages.0"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        (
+            {"messages": [{"role": "system", "content": [{"type": "image"}]}]},
+            "messages.0.content.0: Input should be a text block",
+        ),
+        ({"messages": [{"role": "system", "content": 5}]}, "messages.0.content: Input should"),
         ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"messages": [{"role": "user", "content": [5]}]}, "messages.0.content.0"),
@@ -519,6 +524,31 @@ def test_tool_result_images_follow_in_a_user_message() -> None:
     }
 
 
+def test_system_messages_in_the_conversation_stay_in_place() -> None:
+    """Claude Code (2.1.x) sends its environment context as a ``system`` message after the
+    first user turn, text blocks with ``cache_control``: a chat system message in its place."""
+    context = [{"type": "text", "text": "# Environment", "cache_control": {"type": "ephemeral"}}]
+    messages = [
+        {"role": "system", "content": "first"},
+        {"role": "user", "content": "say hi"},
+        {"role": "system", "content": context},
+        {"role": "system", "content": "more"},
+        {"role": "system", "content": []},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "again"},
+    ]
+    out = chat(base(system="top", messages=messages))["messages"]
+    assert out == [
+        {"role": "system", "content": "top\nfirst"},
+        {"role": "user", "content": "say hi"},
+        {"role": "system", "content": "# Environment\nmore"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "again"},
+    ]
+    body = base(messages=[{"role": "user", "content": "a"}, {"role": "system", "content": "b" * 8}])
+    assert count_tokens(json.dumps(body).encode()) == 3  # ceil(9 / 4): system text counts
+
+
 def test_consecutive_turns_of_a_role_are_merged() -> None:
     image = {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}}
     messages = [
@@ -592,6 +622,20 @@ def test_tools_and_server_tools() -> None:
         },
         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}},
     ]
+
+
+def test_deferred_tools_are_left_out() -> None:
+    """Claude Code 2.1.x sends a ``DeferredToolPlaceholder`` with ``defer_loading: true``."""
+    placeholder = {
+        "name": "DeferredToolPlaceholder",
+        "description": "Reserved placeholder that keeps deferred tool loading active",
+        "input_schema": {"type": "object", "properties": {}},
+        "defer_loading": True,
+    }
+    out = chat(base(tools=[TOOL, placeholder, {**TOOL, "name": "g", "defer_loading": False}]))
+    assert [t["function"]["name"] for t in out["tools"]] == ["f", "g"]
+    only = chat(base(tools=[placeholder], tool_choice={"type": "auto"}))
+    assert "tools" not in only and "tool_choice" not in only
 
 
 def test_only_server_tools_send_no_tools_nor_choice() -> None:

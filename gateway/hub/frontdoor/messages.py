@@ -9,10 +9,16 @@ What is dropped on the way (never an error): ``thinking``, ``metadata``, ``cache
 ``service_tier``, ``container``, ``mcp_servers`` and any unknown top-level field; tools that are
 not plain custom tools (Anthropic's server and client tools such as ``web_search_20250305``,
 ``bash_20250124``, ``text_editor_20250728``, ``computer_…``, which Claude Code may send: a
-local model cannot run them); content blocks a chat backend has no place for (``thinking``,
+local model cannot run them) and tools marked ``defer_loading`` (Anthropic shows them to the
+model only once its tool search found them; Claude Code sends a ``DeferredToolPlaceholder`` so
+marked, "never call this tool"); content blocks a chat backend has no place for (``thinking``,
 ``redacted_thinking``, ``server_tool_use``, ``web_search_tool_result``, ``search_result``,
 ``document`` but for its plain-text source, images in assistant turns...). Consecutive
 messages of one role are merged (Anthropic combines them into one turn).
+A ``system`` message inside ``messages`` (text blocks only: Claude Code sends one mid-conversation,
+and resends the turn without it when refused) becomes a chat ``system`` message in its place, as
+the Responses API's ``system``/``developer`` input messages do (``responses``); consecutive ones
+are merged, a leading one with the ``system`` field.
 On the way back, ``reasoning_content``/``reasoning`` deltas are not turned into thinking blocks
 (a thinking block needs a signature the client would send back; it was not asked for).
 """
@@ -195,12 +201,14 @@ def _check_common(obj: dict[str, Any]) -> None:
         if not isinstance(message, dict):
             raise _invalid(f"{where}: Input should be an object, not {_kind(message)}")
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise _invalid(f"{where}.role: Input should be 'user' or 'assistant'")
+        if role not in ("user", "assistant", "system"):
+            raise _invalid(f"{where}.role: Input should be 'user', 'assistant' or 'system'")
         if "content" not in message:
             raise _invalid(f"{where}.content: Field required")
         content = message["content"]
-        if isinstance(content, list):
+        if role == "system":
+            _system_text(content, f"{where}.content")
+        elif isinstance(content, list):
             for j, block in enumerate(content):
                 _check_block(block, f"{where}.content.{j}", role)
         elif not isinstance(content, str):
@@ -277,7 +285,9 @@ def _image_url(block: dict[str, Any], where: str) -> str:
     )
 
 
-def _system_text(system: Any) -> str:
+def _system_text(system: Any, where: str = "system") -> str:
+    """The text of ``system`` (or of a system message's content, at ``where``): a string, or
+    text blocks joined by newlines (``cache_control`` dropped)."""
     if system is None:
         return ""
     if isinstance(system, str):
@@ -286,16 +296,17 @@ def _system_text(system: Any) -> str:
         texts = []
         for i, block in enumerate(system):
             if not isinstance(block, dict) or not isinstance(block.get("text"), str):
-                raise _invalid(f"system.{i}: Input should be a text block with a string 'text'")
+                raise _invalid(f"{where}.{i}: Input should be a text block with a string 'text'")
             texts.append(block["text"])
         return "\n".join(texts)
     raise _invalid(
-        f"system: Input should be a string or an array of text blocks, not {_kind(system)}"
+        f"{where}: Input should be a string or an array of text blocks, not {_kind(system)}"
     )
 
 
 def _function_tools(tools: Any) -> list[dict[str, Any]]:
-    """The custom tools as chat ``tools``; server tools (any ``type`` but ``custom``) dropped."""
+    """The custom tools as chat ``tools``; server tools (any ``type`` but ``custom``) and
+    deferred ones (``defer_loading: true``) dropped."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -306,6 +317,8 @@ def _function_tools(tools: Any) -> list[dict[str, Any]]:
             raise _invalid(f"tools.{i}: Input should be an object, not {_kind(tool)}")
         if tool.get("type") not in (None, "custom"):
             continue  # a server or Anthropic-defined tool: no local model runs it
+        if tool.get("defer_loading") is True:
+            continue  # not in the model's context until a tool search loads it
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise _invalid(f"tools.{i}.name: Field required (a string)")
@@ -377,6 +390,11 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role, content = message["role"], message["content"]
+        if role == "system":
+            text = _system_text(content)
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -432,13 +450,16 @@ def _as_parts(content: Any) -> list[dict[str, Any]]:
 
 
 def _merge_adjacent(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive user (or assistant) messages made one, as Anthropic combines consecutive
-    turns of a role (and chat templates that insist on alternating roles refuse them)."""
+    """Consecutive user (or assistant, or system) messages made one, as Anthropic combines
+    consecutive turns of a role (and chat templates that insist on alternating roles refuse
+    them, many allow one system message only)."""
     out: list[dict[str, Any]] = []
     for message in messages:
         prev = out[-1] if out else None
         if prev is None or prev["role"] != message["role"] or message["role"] == "tool":
             out.append(message)
+        elif message["role"] == "system":
+            prev["content"] = "\n".join(t for t in (prev["content"], message["content"]) if t)
         elif message["role"] == "user":
             a, b = prev["content"], message["content"]
             if isinstance(a, str) and isinstance(b, str):
@@ -470,8 +491,8 @@ def _translate(obj: dict[str, Any]) -> ChatRequest:
     if model is not None:
         chat["model"] = model
     system = _system_text(obj.get("system"))
-    messages = _chat_messages(obj["messages"])
-    chat["messages"] = ([{"role": "system", "content": system}] if system else []) + messages
+    leading = [{"role": "system", "content": system}] if system else []
+    chat["messages"] = _merge_adjacent(leading + _chat_messages(obj["messages"]))
     chat["max_tokens"] = max_tokens
     stops = obj.get("stop_sequences")
     if stops is not None:
