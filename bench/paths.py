@@ -9,6 +9,7 @@ sessions), waits for all of them and returns an ``Outcome``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -34,6 +35,21 @@ def chat_body(tag: str) -> dict[str, object]:
         "messages": [{"role": "user", "content": f"bench-tag-{tag}"}],
         "stream": True,
     }
+
+
+def messages_body(tag: str) -> dict[str, object]:
+    """The same turn as ``chat_body``, as an Anthropic Messages request (``POST /v1/messages``)."""
+    return {
+        "model": "sim-model",
+        "max_tokens": 4096,
+        "messages": [{"role": "user", "content": f"bench-tag-{tag}"}],
+        "stream": True,
+    }
+
+
+def responses_body(tag: str) -> dict[str, object]:
+    """The same turn as ``chat_body``, as a Responses API request (``POST /v1/responses``)."""
+    return {"model": "sim-model", "input": f"bench-tag-{tag}", "stream": True}
 
 
 def _collect(streams: list[Stream], start: float) -> Outcome:
@@ -90,15 +106,22 @@ class ChannelPath(Path):
 
 
 class HttpPath(Path):
-    """An SSE client reading one HTTP endpoint: the simulator, the hub's front door, LiteLLM."""
+    """An SSE client reading one HTTP endpoint: the simulator, the hub's front door (chat
+    completions, Messages, Responses: ``body`` makes the request of a tag), LiteLLM."""
 
     def __init__(
-        self, name: str, client: SSEClient, procs: dict[str, tuple[Child, bool]], sessions: bool
+        self,
+        name: str,
+        client: SSEClient,
+        procs: dict[str, tuple[Child, bool]],
+        sessions: bool,
+        body: Callable[[str], dict[str, object]] = chat_body,
     ) -> None:
         self.name = name
         self.client = client
         self.procs = procs
         self.sessions = sessions
+        self.body = body
 
     async def run(
         self, n: int, sessions: int, latency: bool, tag: str, stagger: float = 0.0
@@ -107,7 +130,7 @@ class HttpPath(Path):
         start = clock()
         async with trio.open_nursery() as nursery:
             for i, s in enumerate(streams):
-                body = json.dumps(chat_body(s.tag)).encode()
+                body = json.dumps(self.body(s.tag)).encode()
                 session = f"bench-{i % sessions}" if self.sessions else None
                 nursery.start_soon(_later, i * stagger, self.client.stream, body, s, session)
         return _collect(streams, start)

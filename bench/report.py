@@ -13,6 +13,8 @@ LABELS = {
     "peer": "plain asyncio peer",
     "runner": "runner",
     "e2e": "e2e front door → runner",
+    "e2e-messages": "e2e /v1/messages → runner",
+    "e2e-responses": "e2e /v1/responses → runner",
     "plain-e2e": "plain aiohttp Server → plain peer",
     "litellm": "LiteLLM proxy",
     "peer-wss": "plain asyncio peer, wss",
@@ -28,6 +30,8 @@ RELAYS = {
     "peer": ["peer"],
     "runner": ["runner"],
     "e2e": ["runner", "hub"],
+    "e2e-messages": ["runner", "hub"],
+    "e2e-responses": ["runner", "hub"],
     "plain-e2e": ["peer", "plainhub"],
     "litellm": ["litellm"],
     "peer-wss": ["peer"],
@@ -44,6 +48,8 @@ LOOP = {
     "runner": "trio",
     "runner-wss": "trio",
     "e2e": "trio",
+    "e2e-messages": "trio",
+    "e2e-responses": "trio",
     "plain-e2e": "asyncio",
     "litellm": "asyncio",
 }
@@ -365,6 +371,106 @@ def targets_18(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+# -- the translated front door (issue 19): /v1/messages and /v1/responses against chat ------
+
+TRANSLATED = ("e2e-messages", "e2e-responses")
+FRONT = ("e2e", *TRANSLATED)  # the front door's three APIs, chat completions first
+FRONT_LABELS = {
+    "e2e": "chat completions (e2e)",
+    "e2e-messages": "Anthropic Messages (e2e-messages)",
+    "e2e-responses": "Responses (e2e-responses)",
+}
+TRANSLATED_LIMIT = 1.5  # issue 19 point 6: hub CPU per chunk ≤ 1.5× chat completions'
+
+
+def translated_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The front door's three APIs per scenario (lockstep, then full speed): the hub's and the
+    runner's CPU per chunk, the latency per chunk, each translated API's hub CPU over chat
+    completions' (``hub_x_e2e``). Stored in the JSON as ``translated``."""
+    paths = results.get("paths", {})
+    out: dict[str, Any] = {}
+    for key in ("lockstep", "c64s8", "c64", "single"):
+        rows: dict[str, dict[str, Any]] = {}
+        for name in FRONT:
+            res = _get(paths, name, key)
+            if not res or not res.get("chunks"):
+                continue
+            rows[name] = {
+                "chunks": res.get("chunks"),
+                "chunks_per_s": res.get("chunks_per_s"),
+                "hub_cpu_us_per_chunk": _get(res, "cpu_us_per_chunk", "hub"),
+                "runner_cpu_us_per_chunk": _get(res, "cpu_us_per_chunk", "runner"),
+                "latency_ms_p50": _get(res, "latency_ms", "p50"),
+                "latency_ms_p99": _get(res, "latency_ms", "p99"),
+            }
+        if not any(n in rows for n in TRANSLATED):
+            continue
+        chat = rows.get("e2e", {}).get("hub_cpu_us_per_chunk")
+        for row in rows.values():
+            r = _ratio(row["hub_cpu_us_per_chunk"], chat)
+            row["hub_x_e2e"] = None if r is None else round(r, 3)
+        out[key] = rows
+    return out
+
+
+def translated_tables(results: dict[str, Any]) -> list[str]:
+    summary = results.get("translated") or translated_summary(results)
+    out: list[str] = []
+    for key, rows in summary.items():
+        paced = any(r.get("latency_ms_p50") is not None for r in rows.values())
+        head = ["API", "chunks/s", "hub µs/chunk", "× e2e", "runner µs/chunk"]
+        if paced:
+            head += ["lat p50 ms", "lat p99 ms"]
+        table = []
+        for name, row in rows.items():
+            line = [
+                FRONT_LABELS.get(name, name),
+                _num(row["chunks_per_s"]),
+                _num(row["hub_cpu_us_per_chunk"], 1),
+                _x(row["hub_x_e2e"]) if name != "e2e" else "—",
+                _num(row["runner_cpu_us_per_chunk"], 1),
+            ]
+            if paced:
+                line += [_num(row["latency_ms_p50"], 2), _num(row["latency_ms_p99"], 2)]
+            table.append(line)
+        title = dict(SCENARIOS).get(key, key)
+        out += [
+            "",
+            "Translated front door (client → hub /v1/messages, /v1/responses → runner → "
+            "backend; each chunk's events written at once), against chat completions: "
+            + _scenario_title(results, key, title),
+            "",
+            _table(head, table),
+        ]
+    return out
+
+
+def targets_19(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Issue 19 point 6, each translated API checked: (target, measured, "yes" / "NO" / "—")."""
+    summary = results.get("translated") or translated_summary(results)
+    lock = summary.get("lockstep", {})
+    chat = _get(lock, "e2e", "hub_cpu_us_per_chunk")
+    rows: list[tuple[str, str, str]] = []
+    for name in TRANSLATED:
+        label = (
+            f"lockstep: {name} hub CPU/chunk ≤ {TRANSLATED_LIMIT}× e2e's (chat completions, "
+            "same run)"
+        )
+        own = _get(lock, name, "hub_cpu_us_per_chunk")
+        r = _ratio(own, chat)
+        if r is None:
+            rows.append((label, "not measured", "—"))
+        else:
+            rows.append(
+                (
+                    label,
+                    f"{r:.2f}× ({own:.2f} vs e2e µs {chat:.2f})",
+                    "yes" if r <= TRANSLATED_LIMIT else "NO",
+                )
+            )
+    return rows
+
+
 def render(results: dict[str, Any]) -> str:
     paths = results.get("paths", {})
     m = results.get("machine", {})
@@ -408,6 +514,8 @@ def render(results: dict[str, Any]) -> str:
         out.append(_table(["path", "TTFT p50", "TTFT p99", "added TTFT p50"], rows))
     if any(n in paths for n in PAIRS):
         out += e2e_tables(results)
+    if any(n in paths for n in TRANSLATED):
+        out += translated_tables(results)
     sink = results.get("sink_check")
     if sink:
         out += [
@@ -434,6 +542,9 @@ def render(results: dict[str, Any]) -> str:
     if any(n in paths for n in PAIRS):
         out += ["", "Targets (issue 18, point 6: end to end, against the plain pair)", ""]
         out.append(_table(["target", "measured", "met"], [list(t) for t in targets_18(results)]))
+    if any(n in paths for n in TRANSLATED):
+        out += ["", "Targets (issue 19, point 6: the translated front door, against chat)", ""]
+        out.append(_table(["target", "measured", "met"], [list(t) for t in targets_19(results)]))
     out += ["", "Targets (issue #10, point 4, and the scale targets)", ""]
     out.append(_table(["target", "measured", "met"], [[a, b, c] for a, b, c in targets(results)]))
     for note in results.get("notes", []):

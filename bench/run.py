@@ -28,8 +28,17 @@ import trio
 
 from bench import report
 from bench.common import Child, machine, percentile
-from bench.paths import ChannelPath, FloorPath, HttpPath, Outcome, Path, chat_body
-from bench.sinks import FloorSink, SSEClient, Stream, WsSink, clock
+from bench.paths import (
+    ChannelPath,
+    FloorPath,
+    HttpPath,
+    Outcome,
+    Path,
+    chat_body,
+    messages_body,
+    responses_body,
+)
+from bench.sinks import MESSAGES, RESPONSES, FloorSink, SSEClient, Stream, WsSink, clock
 
 SIZES: dict[str, dict[str, int]] = {
     # chunks per stream at full speed (1 stream, 64 streams), spread chunks, TTFT turns, scale sessions
@@ -64,6 +73,8 @@ PATHS = (
     "peer",
     "runner",
     "e2e",
+    "e2e-messages",
+    "e2e-responses",
     "plain-e2e",
     "litellm",
     "peer-wss",
@@ -274,21 +285,40 @@ class Bench:
             ids = (await self.hub.rpc("enqueue", n=sessions, channel_url=sink.url))["ids"]
             channels = await sink.wait_channels(ids, 60)
             self.paths[name] = ChannelPath(name, "runner", self.runner, channels)
+        front = {"runner": (self.runner, False), "hub": (self.hub, False)}
+        bearer = {"authorization": f"Bearer {self.api_key}"}
         self.paths["e2e"] = HttpPath(
-            "e2e",
-            SSEClient(
-                "127.0.0.1", self.hub_port, headers={"authorization": f"Bearer {self.api_key}"}
-            ),
-            {"runner": (self.runner, False), "hub": (self.hub, False)},
-            sessions=True,
+            "e2e", SSEClient("127.0.0.1", self.hub_port, headers=bearer), front, sessions=True
         )
-        if self.wanted("e2e"):
+        # the same front door, sessions and streams over the two translated APIs (Anthropic's
+        # clients send their key as x-api-key)
+        self.paths["e2e-messages"] = HttpPath(
+            "e2e-messages",
+            SSEClient(
+                "127.0.0.1", self.hub_port, headers={"x-api-key": self.api_key}, dialect=MESSAGES
+            ),
+            front,
+            sessions=True,
+            body=messages_body,
+        )
+        self.paths["e2e-responses"] = HttpPath(
+            "e2e-responses",
+            SSEClient("127.0.0.1", self.hub_port, headers=bearer, dialect=RESPONSES),
+            front,
+            sessions=True,
+            body=responses_body,
+        )
+        front_paths = [n for n in ("e2e", "e2e-messages", "e2e-responses") if self.wanted(n)]
+        if front_paths:
             await _until_healthy("127.0.0.1", self.hub_port, 60)  # the runner has polled
-            # open the front door's sessions (one Chat Job each) before anything is measured
+            # open the front door's sessions (one Chat Job each) before anything is measured;
+            # every API then serves one turn on each of them (the same X-Chat-Session names:
+            # the same sessions, whatever the API)
             await self.sim.rpc("opts", opts={"chunks": 1})
-            out = await self.paths["e2e"].run(sessions, sessions, False, "warm")
-            if out.errors:
-                raise RuntimeError(f"front door warm-up failed: {out.errors[:3]}")
+            for name in dict.fromkeys(["e2e", *front_paths]):
+                out = await self.paths[name].run(sessions, sessions, False, f"warm-{name}")
+                if out.errors:
+                    raise RuntimeError(f"front door warm-up ({name}) failed: {out.errors[:3]}")
 
     async def _plain_e2e(self, sessions: int) -> None:
         """The plain pair: client → ``bench/plainhub.py`` (aiohttp Server) → the plain peer →
@@ -495,7 +525,7 @@ class Bench:
         wake-up puts the woken process on the waker's CPU), so any work the bench did between
         the send and the first chunk (a nursery, tasks, a lock hand-off) would be counted in
         that path's TTFT: ``Path.run`` does such work for some paths and not others."""
-        body = chat_body(tag)
+        body = path.body(tag) if isinstance(path, HttpPath) else chat_body(tag)
         with trio.move_on_after(60):
             if isinstance(path, FloorPath):
                 session = path.socks[0]
@@ -837,10 +867,15 @@ def main(argv: list[str] | None = None) -> int:
     results = trio.run(bench.main)
     results["id"] = uuid.uuid4().hex[:8]
     results["e2e"] = report.e2e_summary(results)
+    results["translated"] = report.translated_summary(results)
     results["targets"] = {
         "issue18": [
             dict(zip(("target", "measured", "met"), t, strict=True))
             for t in report.targets_18(results)
+        ],
+        "issue19": [
+            dict(zip(("target", "measured", "met"), t, strict=True))
+            for t in report.targets_19(results)
         ],
         "issue10": [
             dict(zip(("target", "measured", "met"), t, strict=True))

@@ -382,19 +382,80 @@ class FloorSink:
 # -- the SSE client --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """How an SSE client reads one API's stream: what counts as a chunk, where a token's index
+    is, what ends the stream and what is an error.
+
+    ``counted``: the markers whose occurrences count as chunks (``data: `` for chat completions,
+    ``[DONE]`` excepted). ``token``: finds each content token's index (the simulator's
+    ``tok<i>``) in a token's event. ``ends``: a marker that ends the answer; ``errors``: one
+    that ends it with an error (its event is kept as ``Stream.error``)."""
+
+    name: str
+    path: str
+    counted: tuple[bytes, ...]
+    token: re.Pattern[bytes]
+    ends: tuple[bytes, ...]
+    errors: tuple[bytes, ...] = ()
+
+
+# Chat completions: every ``data:`` event is a chunk, the runner's bytes verbatim.
+CHAT = Dialect("chat", "/v1/chat/completions", (b"data: ",), _TOK, (b"data: [DONE]",))
+# Anthropic Messages, as gateway/hub/frontdoor/messages.py writes it: each token one
+# ``content_block_delta`` whose delta is ``{"type":"text_delta","text":"tok0 "}``. Counted as
+# chunks: each token's event, and ``message_start`` (the role chunk's) and ``message_stop``
+# (the finish chunk's, and the end's), so a stream of N tokens counts N + 2, as the same
+# stream does over chat completions (role chunk, N tokens, finish chunk). The hub also gets a
+# usage chunk on this path (it asks for ``include_usage``): its cost is the translation's.
+MESSAGES = Dialect(
+    "messages",
+    "/v1/messages",
+    (b'"delta":{"type":"text_delta"', b"event: message_start\n", b"event: message_stop\n"),
+    re.compile(rb'"delta":\{"type":"text_delta","text":"tok(\d+)'),
+    (b"event: message_stop\n", b"event: error\n"),
+    (b"event: error\n",),
+)
+# The Responses API, as gateway/hub/frontdoor/responses.py writes it: each token one
+# ``response.output_text.delta`` event with ``"delta":"tok0 "``. Counted as chunks: each token's
+# event, ``response.created`` (the role chunk's) and the final event (``response.completed``,
+# or ``.incomplete`` / ``.failed``): N + 2, as for ``MESSAGES``.
+RESPONSES = Dialect(
+    "responses",
+    "/v1/responses",
+    (
+        b"event: response.output_text.delta\n",
+        b"event: response.created\n",
+        b"event: response.completed\n",
+        b"event: response.incomplete\n",
+        b"event: response.failed\n",
+    ),
+    re.compile(rb'"type":"response\.output_text\.delta"[^\n]*?"delta":"tok(\d+)'),
+    (
+        b"event: response.completed\n",
+        b"event: response.incomplete\n",
+        b"event: response.failed\n",
+    ),
+    (b"event: response.failed\n", b"event: response.incomplete\n"),
+)
+
+
 class SSEClient:
-    """POSTs chat-completions bodies to ``host:port`` and reads the SSE answers (kept-alive)."""
+    """POSTs request bodies to ``host:port`` and reads the SSE answers (kept-alive), in one
+    API's ``Dialect`` (chat completions unless told)."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        path: str = "/v1/chat/completions",
+        path: str | None = None,
         headers: dict[str, str] | None = None,
+        dialect: Dialect = CHAT,
     ) -> None:
         self.host = host
         self.port = port
-        self.path = path
+        self.dialect = dialect
+        self.path = path or dialect.path
         self.headers = headers or {}
         self.idle: list[trio.socket.SocketType] = []
 
@@ -461,6 +522,8 @@ class SSEClient:
         if status != 200:
             stream.error = f"HTTP {status}: {region[:300]!r}"
             return False
+        dialect = self.dialect
+        chat = dialect is CHAT
         carry = b""
         tail = b""
         finished = False
@@ -475,15 +538,25 @@ class SSEClient:
                         carry = region
                     else:
                         complete, carry = region[: cut + 2], region[cut + 2 :]
-                        finished = b"data: [DONE]" in complete
-                        events = complete.count(b"data: ") - finished
+                        if chat:
+                            finished = b"data: [DONE]" in complete
+                            events = complete.count(b"data: ") - finished
+                        else:
+                            finished = any(m in complete for m in dialect.ends)
+                            events = sum(complete.count(m) for m in dialect.counted)
+                            for marker in dialect.errors:
+                                at_error = complete.find(marker)
+                                if at_error >= 0:
+                                    stream.error = repr(complete[at_error : at_error + 300])
                         if events:
                             stream.events += events
                             stream.last_at = at
                             if stream.first_at is None:
                                 stream.first_at = at
                             if stream.latency:
-                                stream.tokens.extend((int(t), at) for t in _TOK.findall(complete))
+                                stream.tokens.extend(
+                                    (int(t), at) for t in dialect.token.findall(complete)
+                                )
                 if finished and (not chunked or tail == b"\r\n0\r\n\r\n"):
                     return chunked and not close
             region = await sock.recv(_RECV)
