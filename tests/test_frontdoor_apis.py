@@ -135,7 +135,6 @@ async def test_a_fixed_model_name_is_served_by_the_default_model(tmp_path: Path)
     """Claude Code asks for claude-* names: the hub's default_model serves them."""
     async with whole_path(tmp_path, default_model="sim-model") as (_, url, key):
         client = claude(url, key)
-        await in_thread(lambda: oai(url, key).models.list())  # the hub learns the models
         message = await in_thread(
             lambda: client.messages.create(
                 model="claude-sonnet-4-5",

@@ -37,7 +37,7 @@ _TYPE_BY_STATUS = {
 
 class HTTPError(Exception):
     """A request refused or failed, answered as ``{"error": {"message", "type", "param", "code"}}``
-    (OpenAI's error envelope, on every route of the hub)."""
+    (OpenAI's error envelope: the hub's routes, the simulator's)."""
 
     def __init__(
         self,
@@ -239,10 +239,10 @@ class Response:
             head = self.head(status, list(headers or []))
             data = b""
         else:
-            head = self.head(
-                status,
-                [JSON_HEADER, (b"content-length", str(len(data)).encode())] + list(headers or []),
-            )
+            given = list(headers or [])
+            typed = any(k.lower() == b"content-type" for k, _ in given)
+            length = (b"content-length", str(len(data)).encode())
+            head = self.head(status, ([] if typed else [JSON_HEADER]) + [length] + given)
         self.write_nowait(data, head, end=True)  # one write
         await self.flush()
 

@@ -337,7 +337,7 @@ class _Conn:
             return False
         try:
             if not resp.started:
-                await resp.error(HTTPError(500, "the hub sent no response", "internal_error"))
+                await resp.error(HTTPError(500, "the server sent no response", "internal_error"))
             elif not resp.finished:
                 resp.end_nowait()
             await resp.flush()
@@ -782,7 +782,7 @@ async def _linger(transport: Transport) -> None:
 _BUSY = _raw_response(
     503,
     _error_body(
-        503, "the hub has too many open connections; retry shortly", "too_many_connections"
+        503, "the server has too many open connections; retry shortly", "too_many_connections"
     ),
     [(b"retry-after", b"1")],
 )

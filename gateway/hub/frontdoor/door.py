@@ -200,6 +200,10 @@ class FrontDoor:
         if model is None:
             return self.settings.default_model
         available = await self.models.unknown(key.owner, key.project, model)
+        if available is None and self.settings.default_model:
+            if self.models.known(key.owner, key.project) is None:
+                await self.models.listing(key.owner, key.project)  # learn them first
+            available = await self.models.unknown(key.owner, key.project, model)
         if available is None:
             return None  # as the client asked
         if self.settings.default_model:
