@@ -31,6 +31,9 @@ class HubSettings:
     # a model no runner lists is served by this one instead of a 404 (None: the 404); for
     # clients with fixed model names (Claude Code's claude-*)
     default_model: str | None = None
+    # a streamed chat turn that does not ask for usage asks for it anyway (stream_options.
+    # include_usage), the usage chunk kept from the client: the hub counts every turn's tokens
+    count_usage: bool = True
     client_backlog: int = 1024 * 1024  # bytes of a turn's stream its client may fall behind by
     # s: when every runner of the project that could serve is busy (stopped advertising
     # chat-llm:v1 while it holds sessions), a new session waits this long for a free slot, then

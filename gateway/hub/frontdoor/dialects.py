@@ -115,10 +115,27 @@ class Turn:
     new_stream: Callable[[], Translation]  # one per turn
     fold: Callable[[list[bytes]], bytes]  # a non-streamed turn's chunks → the answer
     error_body: Callable[[HTTPError], bytes]  # an error before anything was sent
+    api: str = "chat"  # "chat", "messages" or "responses"
+    model: str | None = None  # the model asked of the runner (None: the runner's default)
+    strip_usage: bool = False  # the hub asked for usage the client did not: keep it from it
 
 
-def chat_turn(body: str, stream: bool) -> Turn:
-    return Turn(body, stream, ChatStream, whole_completion, HTTPError.body)
+def chat_turn(body: str, stream: bool, model: str | None, count_usage: bool = True) -> Turn:
+    """A chat-completions turn; when it streams without asking for usage and ``count_usage``,
+    the body asks for it (``stream_options.include_usage``) and the usage chunk is kept from
+    the client (the hub counts the tokens)."""
+    strip = False
+    if stream and count_usage:
+        obj = msgspec.json.decode(body)
+        options = obj.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            obj["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+            body = msgspec.json.encode(obj).decode()
+            strip = True
+    return Turn(body, stream, ChatStream, whole_completion, HTTPError.body, "chat", model, strip)
 
 
 def anthropic_error_body(err: HTTPError) -> bytes:
@@ -159,6 +176,8 @@ def messages_turn(request: messages.ChatRequest, model: str | None, shown: str) 
         lambda: MessagesStream(shown, estimate),
         lambda chunks: messages.fold(chunks, shown, messages.new_message_id(), estimate),
         anthropic_error_body,
+        "messages",
+        model or request.model,
     )
 
 
@@ -181,6 +200,8 @@ def responses_turn(request: responses.ChatRequest, model: str | None, shown: str
             chunks, shown, _response_id(), int(time.time()), request.request
         ),
         HTTPError.body,
+        "responses",
+        model or request.model,
     )
 
 

@@ -9,12 +9,17 @@ import uuid
 
 import trio
 
+from gateway.hub import turns
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor import dialects, messages
 from gateway.hub.frontdoor.models import Models
 from gateway.hub.frontdoor.relay import (
+    DONE,
+    ERROR,
+    LOST,
+    OVERRUN,
     StreamSink,
     Turn,
     TurnLost,
@@ -37,6 +42,8 @@ from gateway.hub.frontdoor.shapes import (
 from gateway.hub.http import ClientGone, HTTPError, Request, Response, bearer, header
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, Store
+from gateway.hub.turns import TurnRecord
+from gateway.hub.usage import UsageBook
 from gateway.tracing import valid_traceparent
 
 log = logging.getLogger("gateway.hub.frontdoor")
@@ -53,6 +60,12 @@ SERVED = (
 DEFAULT_SESSION = "default"
 MAX_ATTEMPTS = 3  # channels a turn may lose before it answers with an error
 KEY_CACHE = 10_000  # API key answers kept at most
+_OUTCOME_OF_STATE = {
+    DONE: turns.OK,
+    ERROR: turns.ERROR,
+    LOST: turns.LOST,
+    OVERRUN: turns.CLIENT_GONE,
+}
 
 
 class FrontDoor:
@@ -71,14 +84,16 @@ class FrontDoor:
         self.settings = settings
         self.counters = counters
         self._keys: dict[str, tuple[ApiKey | None, float]] = {}  # token -> (key, valid until)
+        self.usage = UsageBook()
         self.sessions = Sessions(store, settings, board, channels, counters)
+        self.sessions.on_key_check = self._keep_active
         self.models = Models(store, settings, board, channels, self.sessions)
 
     def check_key(self, token: str) -> ApiKey | None:
         """The active API key ``token`` is, or None: from the store, the answer kept for
         ``key_check_interval`` s (a key revoked by another process is refused within that, as
         its sessions end; one revoked here is refused at once: ``forget_keys``)."""
-        now = time.monotonic()
+        now = trio.current_time()
         kept = self._keys.get(token)
         if kept is not None and kept[1] > now:
             return kept[0]
@@ -91,6 +106,12 @@ class FrontDoor:
     def forget_keys(self) -> None:
         """Drop the kept answers (a key was revoked or created in this process)."""
         self._keys.clear()
+
+    def _keep_active(self, active: set[str]) -> None:
+        """The sessions' key check found these keys active: drop what was kept of any other."""
+        for token, (key, _until) in list(self._keys.items()):
+            if key is not None and key.id not in active:
+                del self._keys[token]
 
     def restore(self) -> None:
         """Reload the stored sessions (before serving)."""
@@ -132,7 +153,8 @@ class FrontDoor:
         mapped = await self._model_for(key, model)
         if mapped is not None and mapped != model:  # the hub's default_model for an unknown one
             text = dialects.with_model(text.encode(), mapped).decode()
-        await self._serve(req, key, dialects.chat_turn(text, stream), _session_id(req))
+        turn = dialects.chat_turn(text, stream, mapped or model, self.settings.count_usage)
+        await self._serve(req, key, turn, _session_id(req))
 
     async def messages(self, req: Request) -> None:
         """``POST /v1/messages`` (Anthropic Messages): translated to one chat turn, the answer
@@ -212,21 +234,46 @@ class FrontDoor:
 
     async def _serve(self, req: Request, key: ApiKey, turn: dialects.Turn, sid: str) -> None:
         """Serve one turn of the key's session ``sid``: cancelled (``chat.completion.cancel``
-        to the runner) if the client leaves."""
-        session = await self.sessions.enter(key, sid or DEFAULT_SESSION)
-        traceparent = _traceparent(req)
+        to the runner) if the client leaves; accounted for in the usage book."""
+        record = TurnRecord(
+            key.id,
+            key.name,
+            sid or DEFAULT_SESSION,
+            turn.api,
+            turn.model,
+            turn.stream,
+            trio.current_time(),
+        )
         try:
-            with trio.CancelScope() as turn_scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_watch_disconnect, req, turn_scope)
-                    try:
-                        await self._turn(session, turn, req.resp, traceparent)
-                    finally:
-                        nursery.cancel_scope.cancel()
-            if turn_scope.cancelled_caught:
-                log.info("client of session %s disconnected", session.name)
+            self.usage.admit(record)  # a limit of the key: 429 in the caller's shape
+        except HTTPError as err:
+            await req.resp.whole(err.status, turn.error_body(err), err.headers)
+            return
+        self.usage.started(record)
+        gone = False
+        try:
+            session = await self.sessions.enter(key, sid or DEFAULT_SESSION)
+            traceparent = _traceparent(req)
+            try:
+                with trio.CancelScope() as turn_scope:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_watch_disconnect, req, turn_scope)
+                        try:
+                            await self._turn(session, turn, req.resp, traceparent, record)
+                        finally:
+                            nursery.cancel_scope.cancel()
+                gone = turn_scope.cancelled_caught
+                if gone:
+                    log.info("client of session %s disconnected", session.name)
+            finally:
+                self.sessions.leave(session)
         finally:
-            self.sessions.leave(session)
+            record.ended = trio.current_time()
+            if gone or req.resp.gone:
+                record.outcome = turns.CLIENT_GONE
+            elif record.outcome is None:
+                record.outcome = turns.REFUSED if record.runner_id is None else turns.LOST
+            self.usage.ended(record)
 
     async def _turn(
         self,
@@ -234,6 +281,7 @@ class FrontDoor:
         turn: dialects.Turn,
         resp: Response,
         traceparent: str | None = None,
+        record: TurnRecord | None = None,
     ) -> None:
         """Serve one turn; a channel lost before the client got anything moves the turn (the
         same job redialled, else a new one: ``Sessions.channel_of``), up to ``MAX_ATTEMPTS``.
@@ -254,7 +302,7 @@ class FrontDoor:
                         raise
                 in_frame = traceparent if job_id == job_before else None
                 try:
-                    await self._attempt(job_id, ch, turn, translation, resp, in_frame)
+                    await self._attempt(job_id, ch, turn, translation, resp, in_frame, record)
                     return
                 except TurnLost:
                     log.warning(
@@ -265,6 +313,8 @@ class FrontDoor:
                     )
             raise channel_lost(f"the chat channel was lost {MAX_ATTEMPTS} times before an answer")
         except HTTPError as err:
+            if record is not None:
+                record.outcome = turns.REFUSED if record.runner_id is None else turns.ERROR
             try:
                 if not resp.started:
                     await resp.whole(err.status, turn.error_body(err), err.headers)
@@ -284,10 +334,13 @@ class FrontDoor:
         translation: dialects.Translation | None,
         resp: Response,
         traceparent: str | None = None,
+        record: TurnRecord | None = None,
     ) -> None:
         """The turn on one channel: the request frame, the replies relayed; TurnLost when the
         channel ends before the client got anything."""
         turn = Turn(job_id, uuid.uuid4().hex, ch)
+        if record is not None:
+            record.runner_id, record.job_id = ch.runner_id, job_id
         first_within = (
             math.inf if self.settings.ping_interval > 0 else self.settings.first_frame_timeout
         )
@@ -295,7 +348,12 @@ class FrontDoor:
         rx = None
         if translation is not None:
             sink = StreamSink(
-                resp, stream_headers(turn.rid), self.settings.client_backlog, translation
+                resp,
+                stream_headers(turn.rid),
+                self.settings.client_backlog,
+                translation,
+                record,
+                spec.strip_usage,
             )
             ch.open_turn(turn.rid, sink)
         else:
@@ -316,9 +374,13 @@ class FrontDoor:
                     first_within,
                     self.counters,
                 )
+                if record is not None:
+                    record.outcome = _OUTCOME_OF_STATE.get(sink.state)
             else:
                 assert rx is not None
-                await relay_whole(turn, rx, resp, first_within, spec.fold)
+                await relay_whole(turn, rx, resp, first_within, spec.fold, record)
+                if record is not None:
+                    record.outcome = turns.OK
         finally:
             if not turn.finished and not turn.lost and not ch.closed.is_set():
                 await send_cancel(turn)

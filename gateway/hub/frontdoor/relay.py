@@ -25,6 +25,7 @@ from gateway.hub.frontdoor.shapes import (
     whole_completion,
 )
 from gateway.hub.http import ClientGone, Headers, Response
+from gateway.hub.turns import TurnRecord, has_usage, is_usage_only
 
 log = logging.getLogger("gateway.hub.frontdoor")
 
@@ -130,12 +131,24 @@ class StreamSink:
         "wake",
         "error",
         "sent_chunk",
+        "record",
+        "strip_usage",
+        "last",
     )
 
     def __init__(
-        self, resp: Response, headers: Headers, bound: int, translation: Translation | None = None
+        self,
+        resp: Response,
+        headers: Headers,
+        bound: int,
+        translation: Translation | None = None,
+        record: TurnRecord | None = None,
+        strip_usage: bool = False,
     ) -> None:
         self.resp = resp
+        self.record = record  # the turn's accounting: its first token, its usage at the end
+        self.strip_usage = strip_usage  # the hub asked for usage, the client did not
+        self.last: Any = None  # the last chunk: where the usage is, read at the end
         self.translation: Translation = translation if translation is not None else ChatStream()
         self._encode = self.translation.chunk  # chat completions: one SSE event, bytes verbatim
         self.headers = headers
@@ -148,6 +161,9 @@ class StreamSink:
 
     def chunk(self, chunk: msgspec.Raw) -> None:
         if self.state == STREAMING and len(chunk):
+            self.last = chunk
+            if self.strip_usage and is_usage_only(chunk):
+                return  # the usage chunk the hub added: counted at the end, not this client's
             events = self._encode(chunk)
             if events:
                 self.pending.append(events)
@@ -166,7 +182,10 @@ class StreamSink:
         except ClientGone:
             self._to(GONE)
             return
-        self.sent_chunk = True
+        if not self.sent_chunk:
+            self.sent_chunk = True
+            if self.record is not None:
+                self.record.first_token = trio.current_time()
         if not done:
             if resp.backlog > self.bound:
                 self._to(OVERRUN)
@@ -181,6 +200,8 @@ class StreamSink:
         if self.state != STREAMING:
             return
         if frame.type == protocol.COMPLETION_DONE:
+            if self.record is not None and self.last is not None and has_usage(self.last):
+                self.record.take_usage(self.last)
             self.pending.append(self.translation.done())
             data = b"".join(self.pending)
             self.pending = []
@@ -302,6 +323,7 @@ async def relay_whole(
     resp: Response,
     first_within: float = math.inf,
     fold: Callable[[list[bytes]], bytes] = whole_completion,
+    record: TurnRecord | None = None,
 ) -> None:
     """Relay a non-streamed turn: every chunk gathered, then one ``chat.completion`` answer
     (the wait for the first frame bounded by ``first_within`` s, as in ``relay_stream``)."""
@@ -333,4 +355,9 @@ async def relay_whole(
         raise upstream_error(
             "the runner finished the turn without a completion", "empty_completion"
         )
+    if record is not None:
+        for chunk in chunks[-1:]:
+            if has_usage(chunk):
+                record.take_usage(chunk)
+        record.first_token = trio.current_time()
     await resp.whole(200, fold(chunks), [(b"x-request-id", turn.rid.encode())])

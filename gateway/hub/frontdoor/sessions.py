@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -85,6 +86,8 @@ class Sessions:
         # turn is a failover, counted as one: key -> (job id, when)
         self._ended: dict[SessionKey, tuple[str, float]] = {}
         self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
+        # told the active key ids at each check (the front door drops what it kept of others)
+        self.on_key_check: Callable[[set[str]], None] | None = None
         self._uses = 0  # sessions left so far (their ``used`` order)
 
     def listing(self) -> dict[tuple[str, str], str | None]:
@@ -413,6 +416,8 @@ class Sessions:
         """End every live session whose API key is no longer active (revoked here, or by another
         process on the same store): chat.end "api key revoked", the job withdrawn."""
         active = self.store.active_key_ids()
+        if self.on_key_check is not None:
+            self.on_key_check(active)
         for key, session in list(self.live.items()):
             if self.live.get(key) is not session or not session.key_checked or key[0] in active:
                 continue
