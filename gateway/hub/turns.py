@@ -35,6 +35,7 @@ class TurnRecord:
     outcome: str | None = None
     prompt_tokens: int | None = None  # from the backend's usage, when it sent one
     completion_tokens: int | None = None
+    chunks: int = 0  # chunks sent to the client so far (a streamed turn's pace, live)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

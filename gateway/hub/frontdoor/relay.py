@@ -162,6 +162,8 @@ class StreamSink:
     def chunk(self, chunk: msgspec.Raw) -> None:
         if self.state == STREAMING and len(chunk):
             self.last = chunk
+            if self.record is not None:
+                self.record.chunks += 1
             if self.strip_usage and is_usage_only(chunk):
                 return  # the usage chunk the hub added: counted at the end, not this client's
             events = self._encode(chunk)
