@@ -1,14 +1,18 @@
-"""The ``hub`` command line: serve the hub, and create, list or revoke its front-door API keys."""
+"""The ``hub`` command line: serve the hub; create, list, update or revoke its front-door API keys;
+print the keys' usage."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import pathlib
+import re
 import sqlite3
 import ssl
 import sys
+import time
 from functools import partial
 from typing import NoReturn
 
@@ -21,6 +25,7 @@ from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
+from gateway.hub.usage import LIMIT_NAMES, KeyLimits, limits_of
 from gateway.signals import watch_signals
 
 PROG = "alp-gateway hub"
@@ -49,6 +54,43 @@ def parse_listen(value: str) -> tuple[str, int]:
         raise _UsageError(f"--listen {value!r}: {exc}") from None
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str) -> float:
+    """``30m``, ``24h``, ``7d`` (or ``90s``) as seconds; _UsageError when malformed."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", value)
+    if found is None or not float(found[1]) > 0:
+        raise _UsageError(f"{value!r} is not a duration such as 30m, 24h or 7d")
+    return float(found[1]) * _UNITS[found[2]]
+
+
+def _limit(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number (0: no limit)")
+    return number
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rpm", type=_limit, metavar="N", help="requests a minute (a sliding 60 s window)"
+    )
+    parser.add_argument(
+        "--tpm",
+        type=_limit,
+        metavar="N",
+        help="tokens a minute (prompt and completion of turns ended in the last 60 s)",
+    )
+    parser.add_argument(
+        "--tokens-per-day", type=_limit, metavar="N", help="tokens a day (the UTC day)"
+    )
+    parser.add_argument("--max-streams", type=_limit, metavar="N", help="turns in flight at once")
+
+
 def _build_parser() -> _Parser:
     data = _Parser(add_help=False)
     data.add_argument(
@@ -63,7 +105,8 @@ def _build_parser() -> _Parser:
         epilog="Runners, API keys, Chat Jobs (with every report) and the front door's chat "
         "sessions live in DATA/hub.sqlite3: a restarted hub goes on with them. With the admin "
         "credential, GET /api/hub/jobs and GET /api/hub/sessions list them; GET /api/hub/counters "
-        "gives pings sent, pong timeouts, channels declared dead and failovers.",
+        "gives pings sent, pong timeouts, channels declared dead and failovers. Each front-door "
+        "turn's usage is kept (`hub usage` prints it).",
         parents=[data],
     )
     parser.add_argument(
@@ -151,21 +194,51 @@ def _build_parser() -> _Parser:
         help="open connections at most; one more gets 503 and is closed "
         f"(default {HubSettings.max_connections})",
     )
+    parser.add_argument(
+        "--usage-retention",
+        metavar="DURATION",
+        default=None,
+        help="keep each front-door turn's usage row this long (30m, 24h, 7d); the hourly totals "
+        f"per key and model are kept for good (default {HubSettings.usage_retention / 86400:g}d)",
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
     keys_sub = keys.add_subparsers(
-        dest="keys_command", metavar="{create,list,revoke}", parser_class=_Parser, required=True
+        dest="keys_command",
+        metavar="{create,list,update,revoke}",
+        parser_class=_Parser,
+        required=True,
     )
-    create = keys_sub.add_parser("create", help="create an API key (printed once)", parents=[data])
+    create = keys_sub.add_parser(
+        "create", help="create an API key (printed once), with its limits", parents=[data]
+    )
     create.add_argument("name")
     create.add_argument(
         "--project",
         default=DEFAULT_KEY_PROJECT,
         help=f"OWNER/PROJECT the key chats in (default {DEFAULT_KEY_PROJECT})",
     )
-    keys_sub.add_parser("list", help="list API keys", parents=[data])
+    _add_limit_flags(create)
+    keys_sub.add_parser("list", help="list API keys and their limits", parents=[data])
+    update = keys_sub.add_parser(
+        "update",
+        help="change an API key's limits (the flags given; 0 = no limit); a running hub "
+        "applies them within its key check interval",
+        parents=[data],
+    )
+    update.add_argument("name")
+    _add_limit_flags(update)
     revoke = keys_sub.add_parser("revoke", help="revoke an API key", parents=[data])
     revoke.add_argument("name")
+    usage = sub.add_parser(
+        "usage",
+        help="print the front-door usage per API key and model (turns, tokens, errors)",
+        parents=[data],
+    )
+    usage.add_argument("--key", metavar="NAME", help="only this API key")
+    usage.add_argument(
+        "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
+    )
     return parser
 
 
@@ -177,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         data_dir: pathlib.Path = getattr(args, "data", None) or default_data_dir()
         if args.command == "keys":
             return _keys(args, data_dir)
+        if args.command == "usage":
+            return _usage(args, data_dir)
         host, port = parse_listen(args.listen)
         if (args.tls_cert is None) != (args.tls_key is None):
             raise _UsageError("--tls-cert and --tls-key go together")
@@ -198,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.max_connections < 1:
             raise _UsageError("--max-connections must be a positive number")
+        retention = HubSettings.usage_retention
+        if args.usage_retention is not None:
+            retention = parse_duration(args.usage_retention)
         settings = HubSettings(
             models_wait=args.models_wait,
             ping_interval=args.ping_interval,
@@ -208,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             head_timeout=args.head_timeout,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            usage_retention=retention,
         )
         return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
     except SystemExit as exc:  # --help
@@ -237,9 +316,11 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
     store = Store(data_dir)
     try:
         if args.keys_command == "create":
-            key = store.create_api_key(args.name, args.project)
+            limits = limits_of(*(getattr(args, name) for name in LIMIT_NAMES))
+            key = store.create_api_key(args.name, args.project, limits)
             print(
-                f"created API key {args.name!r} for {args.project}; it is shown only now:",
+                f"created API key {args.name!r} for {args.project} (limits: "
+                f"{limits.describe()}); it is shown only now:",
                 file=sys.stderr,
             )
             print(key)
@@ -250,11 +331,36 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
                 print("no API keys", file=sys.stderr)
                 return 0
             width = max(len("NAME"), *(len(str(k["name"])) for k in keys))
-            print(f"{'NAME':<{width}}  {'PROJECT':<24}  {'CREATED':<20}  STATUS")
+            print(f"{'NAME':<{width}}  {'PROJECT':<24}  {'CREATED':<20}  {'STATUS':<7}  LIMITS")
             for k in keys:
                 project = f"{k['owner']}/{k['project']}"
                 status = "revoked" if k["revoked"] else "active"
-                print(f"{k['name']!s:<{width}}  {project:<24}  {k['createdAt']!s:<20}  {status}")
+                key_limits = k["limits"]
+                assert isinstance(key_limits, KeyLimits)
+                print(
+                    f"{k['name']!s:<{width}}  {project:<24}  {k['createdAt']!s:<20}  "
+                    f"{status:<7}  {key_limits.describe()}"
+                )
+            return 0
+        if args.keys_command == "update":
+            given = {name: getattr(args, name) for name in LIMIT_NAMES}
+            if all(value is None for value in given.values()):
+                raise _UsageError(
+                    "keys update needs at least one of --rpm, --tpm, "
+                    "--tokens-per-day, --max-streams"
+                )
+            found = store.key_limits(args.name)
+            if found is None:
+                return _fail(f"no active API key named {args.name!r}")
+            old = found[1]
+            merged = {
+                name: getattr(old, name) if value is None else value
+                for name, value in given.items()
+            }
+            limits = limits_of(**merged)
+            if not store.set_key_limits(args.name, limits):
+                return _fail(f"no active API key named {args.name!r}")
+            print(f"API key {args.name!r} limits: {limits.describe()}")
             return 0
         if store.revoke_api_key(args.name):
             print(f"revoked API key {args.name!r}")
@@ -262,6 +368,52 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
         return _fail(f"no active API key named {args.name!r}")
     finally:
         store.close()
+
+
+def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
+    """``hub usage``: per key and model since ``--since``, from the store (the hub may run)."""
+    span = parse_duration(args.since)
+    if not (data_dir / "hub.sqlite3").exists():
+        return _fail(f"no hub store in {data_dir}")
+    store = Store(data_dir)
+    try:
+        since = time.time() - span
+        totals, exact = store.usage_totals(since, args.key)
+    finally:
+        store.close()
+    start = datetime.datetime.fromtimestamp(since, datetime.UTC)
+    if not exact:
+        start = start.replace(minute=0, second=0, microsecond=0)
+    when = start.strftime("%Y-%m-%d %H:%M:%S UTC")
+    note = "" if exact else " (from the hourly totals: the first hour counted whole)"
+    whose = f" of API key {args.key!r}" if args.key else ""
+    if not totals:
+        print(f"no usage{whose} since {when}{note}")
+        return 0
+    print(f"usage{whose} since {when}{note}")
+    header = ("KEY", "MODEL", "TURNS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS")
+    rows = [
+        (
+            t.key_name,
+            t.model or "-",
+            str(t.turns),
+            str(t.prompt_tokens),
+            str(t.completion_tokens),
+            str(t.errors),
+        )
+        for t in totals
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        left = [f"{c:<{w}}" for c, w in zip(cells[:2], widths[:2], strict=True)]
+        right = [f"{c:>{w}}" for c, w in zip(cells[2:], widths[2:], strict=True)]
+        return "  ".join(left + right).rstrip()
+
+    print(line(header))
+    for row in rows:
+        print(line(row))
+    return 0
 
 
 def configure_logging() -> None:

@@ -25,6 +25,7 @@ from gateway.hub.store import (
     new_token,
     token_hash,
 )
+from gateway.hub.usage import KeyLimits, limits_of
 
 log = logging.getLogger("gateway.hub")
 
@@ -165,10 +166,36 @@ class Hub:
     def is_admin_token(self, token: str) -> bool:
         return hmac.compare_digest(token_hash(token), self._admin_hash)
 
-    def create_api_key(self, name: str, project: str = DEFAULT_KEY_PROJECT) -> str:
-        key = self.store.create_api_key(name, project)
+    def create_api_key(
+        self,
+        name: str,
+        project: str = DEFAULT_KEY_PROJECT,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        tokens_per_day: int | None = None,
+        max_streams: int | None = None,
+    ) -> str:
+        """Create an API key (returned, shown once) with its limits (None or 0: no limit);
+        ValueError on a bad name, project or limit."""
+        limits = limits_of(rpm, tpm, tokens_per_day, max_streams)
+        key = self.store.create_api_key(name, project, limits)
         self.frontdoor.forget_keys()
+        self.frontdoor.usage.forget_limits()
         return key
+
+    def update_api_key_limits(self, name: str, limits: KeyLimits) -> bool:
+        """Replace the active key ``name``'s limits (None or 0: no limit), applied at once;
+        False when there is no such key, ValueError on a bad limit."""
+        limits = limits_of(limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams)
+        updated = self.store.set_key_limits(name, limits)
+        self.frontdoor.usage.forget_limits()
+        return updated
+
+    def api_key_limits(self, name: str) -> KeyLimits | None:
+        """The active key ``name``'s limits, or None when there is no such key."""
+        found = self.store.key_limits(name)
+        return None if found is None else found[1]
 
     def list_api_keys(self) -> list[dict[str, Any]]:
         return self.store.list_api_keys()

@@ -45,6 +45,10 @@ class HubSettings:
     # s: how often the hub checks that its live sessions' API keys are still active (a key
     # revoked by another process on the same store); a revoked key's sessions end
     key_check_interval: float = 5.0
+    # s: a front-door turn's usage row is kept this long (the hourly totals per key and model
+    # are kept for good); API keys' limits changed by another process apply within
+    # key_check_interval
+    usage_retention: float = 7 * 86400.0
 
     @property
     def pong_timeout(self) -> float:

@@ -1,4 +1,5 @@
-"""The hub's SQLite store: registrations, API keys, jobs and reports, sessions, model lists."""
+"""The hub's SQLite store: registrations, API keys (and their limits), jobs and reports, sessions,
+model lists, usage (a row per front-door turn, kept a while; hourly totals per key and model)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import sqlite3
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from gateway.hub.turns import TurnRecord
+from gateway.hub.usage import ERROR_OUTCOMES, HOUR, LIMIT_NAMES, HourlyUsage, KeyLimits
 
 RUNNER_TOKEN_PREFIX = "alpr_"
 API_KEY_PREFIX = "alpk_"
@@ -36,7 +40,11 @@ CREATE TABLE IF NOT EXISTS api_keys (
     project TEXT NOT NULL,
     key_hash TEXT NOT NULL,
     created_at TEXT NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0
+    revoked INTEGER NOT NULL DEFAULT 0,
+    rpm INTEGER,
+    tpm INTEGER,
+    tokens_per_day INTEGER,
+    max_streams INTEGER
 );
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -79,7 +87,41 @@ CREATE TABLE IF NOT EXISTS sessions (
     key_id TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (key_name, session_id)
 );
+CREATE TABLE IF NOT EXISTS usage_turns (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    key_id TEXT NOT NULL,
+    key_name TEXT NOT NULL,
+    session TEXT NOT NULL,
+    runner_id TEXT,
+    job_id TEXT,
+    model TEXT NOT NULL,
+    api TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    prompt_tokens INTEGER,
+    completion_tokens INTEGER,
+    ttft REAL,
+    duration REAL,
+    outcome TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_turns_at ON usage_turns (at);
+CREATE TABLE IF NOT EXISTS usage_hourly (
+    hour INTEGER NOT NULL,
+    key_id TEXT NOT NULL,
+    key_name TEXT NOT NULL,
+    model TEXT NOT NULL,
+    turns INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    errors INTEGER NOT NULL,
+    PRIMARY KEY (hour, key_id, model)
+);
+CREATE TABLE IF NOT EXISTS usage_meta (
+    name TEXT PRIMARY KEY,
+    value REAL NOT NULL
+);
 """
+_KEY_LIMIT_COLUMNS = ", ".join(LIMIT_NAMES)
 
 
 def new_token(prefix: str) -> str:
@@ -133,6 +175,19 @@ class ApiKey:
     owner: str
     project: str
     id: str = ""  # ``key_id_of`` its hash: what its chat sessions are keyed by
+
+
+@dataclass(frozen=True, slots=True)
+class UsageTotal:
+    """One key's use of one model over a span: turns, tokens, errors (``model`` "" when the
+    runner's default served)."""
+
+    key_name: str
+    model: str
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int
 
 
 @dataclass(slots=True)
@@ -198,6 +253,10 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
         if "key_id" not in columns:  # a store from before sessions were keyed by the key's id
             self._db.execute("ALTER TABLE sessions ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(api_keys)")}
+        for name in LIMIT_NAMES:  # a store from before keys had limits
+            if name not in columns:
+                self._db.execute(f"ALTER TABLE api_keys ADD COLUMN {name} INTEGER")
         self._db.commit()
 
     def close(self) -> None:
@@ -443,8 +502,11 @@ class Store:
 
     # -- API keys --------------------------------------------------------
 
-    def create_api_key(self, name: str, project: str = DEFAULT_KEY_PROJECT) -> str:
-        """Create an API key for ``project`` ("owner/project"); returns the key (shown once).
+    def create_api_key(
+        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
+    ) -> str:
+        """Create an API key for ``project`` ("owner/project") with ``limits`` (none by
+        default); returns the key (shown once).
 
         ValueError when the name is empty, the project malformed, or an active key
         already has this name (a revoked name may be reused).
@@ -460,15 +522,17 @@ class Store:
             if row is not None and not row[0]:
                 raise ValueError(f"an API key named {name!r} already exists")
             self._db.execute(
-                "INSERT OR REPLACE INTO api_keys (name, owner, project, key_hash, created_at, revoked)"
-                " VALUES (?, ?, ?, ?, ?, 0)",
-                (name, owner, proj, token_hash(key), utc_now()),
+                "INSERT OR REPLACE INTO api_keys (name, owner, project, key_hash, created_at,"
+                f" revoked, {_KEY_LIMIT_COLUMNS}) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+                (name, owner, proj, token_hash(key), utc_now(), *_limit_values(limits)),
             )
         return key
 
     def list_api_keys(self) -> list[dict[str, object]]:
+        """Every key (revoked ones too), oldest first, with its limits (a KeyLimits)."""
         rows = self._db.execute(
-            "SELECT name, owner, project, created_at, revoked FROM api_keys ORDER BY created_at, name"
+            f"SELECT name, owner, project, created_at, revoked, {_KEY_LIMIT_COLUMNS}"
+            " FROM api_keys ORDER BY created_at, name"
         ).fetchall()
         return [
             {
@@ -477,9 +541,28 @@ class Store:
                 "project": r[2],
                 "createdAt": r[3],
                 "revoked": bool(r[4]),
+                "limits": KeyLimits(*r[5:9]),
             }
             for r in rows
         ]
+
+    def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
+        """The id and limits of the active key named ``name``, or None."""
+        row = self._db.execute(
+            f"SELECT key_hash, {_KEY_LIMIT_COLUMNS} FROM api_keys WHERE name = ? AND revoked = 0",
+            (name,),
+        ).fetchone()
+        return None if row is None else (key_id_of(row[0]), KeyLimits(*row[1:5]))
+
+    def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
+        """Replace the limits of the active key named ``name``; False when there is none."""
+        with self._db:
+            cur = self._db.execute(
+                "UPDATE api_keys SET rpm = ?, tpm = ?, tokens_per_day = ?, max_streams = ?"
+                " WHERE name = ? AND revoked = 0",
+                (*_limit_values(limits), name),
+            )
+        return cur.rowcount > 0
 
     def revoke_api_key(self, name: str) -> bool:
         """Revoke the active key named ``name``; False when there is none."""
@@ -512,6 +595,157 @@ class Store:
             "SELECT key_hash FROM api_keys WHERE name = ? AND revoked = 0", (name,)
         ).fetchone()
         return key_id_of(row[0]) if row is not None else None
+
+    # -- usage -------------------------------------------------------------------------
+
+    def add_usage(self, record: TurnRecord, at: float) -> None:
+        """An ended turn (``at``: when, Unix time): its row, and its key's hourly totals."""
+        model = record.model or ""
+        prompt, completion = record.prompt_tokens or 0, record.completion_tokens or 0
+        error = int(record.outcome in ERROR_OUTCOMES)
+        with self._db:
+            self._db.execute(
+                "INSERT INTO usage_turns (at, key_id, key_name, session, runner_id, job_id, model,"
+                " api, stream, prompt_tokens, completion_tokens, ttft, duration, outcome)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    at,
+                    record.key_id,
+                    record.key_name,
+                    record.session,
+                    record.runner_id,
+                    record.job_id,
+                    model,
+                    record.api,
+                    int(record.stream),
+                    record.prompt_tokens,
+                    record.completion_tokens,
+                    record.ttft,
+                    record.duration,
+                    record.outcome or "",
+                ),
+            )
+            self._db.execute(
+                "INSERT INTO usage_hourly (hour, key_id, key_name, model, turns, prompt_tokens,"
+                " completion_tokens, errors) VALUES (?, ?, ?, ?, 1, ?, ?, ?)"
+                " ON CONFLICT(hour, key_id, model) DO UPDATE SET turns = turns + 1,"
+                " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = completion_tokens + excluded.completion_tokens,"
+                " errors = errors + excluded.errors, key_name = excluded.key_name",
+                (
+                    int(at) // HOUR * HOUR,
+                    record.key_id,
+                    record.key_name,
+                    model,
+                    prompt,
+                    completion,
+                    error,
+                ),
+            )
+
+    def prune_usage(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` turn rows older than ``before`` (the oldest first; the hourly
+        totals stay); returns how many. Rows are complete from ``usage_turns_from`` on."""
+        with self._db:
+            rows = self._db.execute(
+                "SELECT id, at FROM usage_turns WHERE at < ? ORDER BY at LIMIT ?", (before, limit)
+            ).fetchall()
+            if rows:
+                self._db.executemany(
+                    "DELETE FROM usage_turns WHERE id = ?", [(r[0],) for r in rows]
+                )
+            kept_from = before if len(rows) < limit else rows[-1][1]
+            self._db.execute(
+                "INSERT INTO usage_meta (name, value) VALUES ('turns_from', ?)"
+                " ON CONFLICT(name) DO UPDATE SET value = MAX(value, excluded.value)",
+                (kept_from,),
+            )
+        return len(rows)
+
+    def usage_turns_from(self) -> float:
+        """The Unix time from which every turn's row is kept (-inf: none was ever pruned)."""
+        row = self._db.execute("SELECT value FROM usage_meta WHERE name = 'turns_from'").fetchone()
+        return float(row[0]) if row is not None else -float("inf")
+
+    def usage_rows(self, since: float = 0.0, key_name: str | None = None) -> list[dict[str, Any]]:
+        """The kept turn rows ended at or after ``since``, oldest first."""
+        query = (
+            "SELECT at, key_id, key_name, session, runner_id, job_id, model, api, stream,"
+            " prompt_tokens, completion_tokens, ttft, duration, outcome FROM usage_turns"
+            " WHERE at >= ?"
+        )
+        args: tuple[Any, ...] = (since,)
+        if key_name is not None:
+            query += " AND key_name = ?"
+            args = (*args, key_name)
+        names = (
+            "at key_id key_name session runner_id job_id model api stream prompt_tokens"
+            " completion_tokens ttft duration outcome"
+        ).split()
+        rows = self._db.execute(query + " ORDER BY at, id", args).fetchall()
+        found = [dict(zip(names, row, strict=True)) for row in rows]
+        for row in found:
+            row["stream"] = bool(row["stream"])
+        return found
+
+    def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
+        """Hourly totals per key name and model from the hour ``since`` falls in on, oldest
+        first."""
+        query = (
+            "SELECT hour, key_name, model, SUM(turns), SUM(prompt_tokens), SUM(completion_tokens),"
+            " SUM(errors) FROM usage_hourly WHERE hour >= ?"
+        )
+        args: tuple[Any, ...] = (int(since) // HOUR * HOUR if since > 0 else 0,)
+        if key_name is not None:
+            query += " AND key_name = ?"
+            args = (*args, key_name)
+        query += " GROUP BY hour, key_name, model ORDER BY hour, key_name, model"
+        return [
+            HourlyUsage(r[0], r[1], r[2] or None, r[3], r[4], r[5], r[6])
+            for r in self._db.execute(query, args)
+        ]
+
+    def usage_totals(
+        self, since: float, key_name: str | None = None
+    ) -> tuple[list[UsageTotal], bool]:
+        """Per key name and model, the use since ``since`` (Unix time); and whether that is
+        exact (from the turn rows, all kept since then) or from the hourly totals (the hour
+        ``since`` falls in counted whole)."""
+        exact = since >= self.usage_turns_from()
+        if exact:
+            query = (
+                "SELECT key_name, model, COUNT(*), SUM(COALESCE(prompt_tokens, 0)),"
+                " SUM(COALESCE(completion_tokens, 0)),"
+                f" SUM(outcome IN ({', '.join('?' * len(ERROR_OUTCOMES))}))"
+                " FROM usage_turns WHERE at >= ?"
+            )
+            args: tuple[Any, ...] = (*ERROR_OUTCOMES, since)
+        else:
+            query = (
+                "SELECT key_name, model, SUM(turns), SUM(prompt_tokens), SUM(completion_tokens),"
+                " SUM(errors) FROM usage_hourly WHERE hour >= ?"
+            )
+            args = (int(since) // HOUR * HOUR if since > 0 else 0,)
+        if key_name is not None:
+            query += " AND key_name = ?"
+            args = (*args, key_name)
+        query += " GROUP BY key_name, model ORDER BY key_name, model"
+        return [UsageTotal(*row) for row in self._db.execute(query, args)], exact
+
+    def tokens_since(self, key_id: str, hour: int) -> int:
+        """The key's prompt and completion tokens from ``hour`` (an hour's start) on."""
+        row = self._db.execute(
+            "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) FROM usage_hourly"
+            " WHERE key_id = ? AND hour >= ?",
+            (key_id, hour),
+        ).fetchone()
+        return int(row[0])
+
+
+def _limit_values(limits: KeyLimits | None) -> tuple[int | None, ...]:
+    """A key's limits as its columns (0 or None: no limit, NULL)."""
+    limits = limits or KeyLimits()
+    return tuple(getattr(limits, name) or None for name in LIMIT_NAMES)
 
 
 def ensure_private_dir(path: pathlib.Path) -> None:

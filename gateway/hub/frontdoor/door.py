@@ -84,7 +84,7 @@ class FrontDoor:
         self.settings = settings
         self.counters = counters
         self._keys: dict[str, tuple[ApiKey | None, float]] = {}  # token -> (key, valid until)
-        self.usage = UsageBook()
+        self.usage = UsageBook(store, settings)
         self.sessions = Sessions(store, settings, board, channels, counters)
         self.sessions.on_key_check = self._keep_active
         self.models = Models(store, settings, board, channels, self.sessions)
