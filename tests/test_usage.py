@@ -12,6 +12,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -315,3 +316,19 @@ def test_an_old_store_gains_the_usage_tables_and_key_limits(tmp_path: Path) -> N
     store.add_usage(_record(), time.time())
     assert len(store.usage_rows()) == 1
     store.close()
+
+
+def test_usage_retention_flag(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gateway.hub.cli as cli
+
+    seen: list[Any] = []
+    monkeypatch.setattr(cli, "_serve", lambda *args: seen.append(args[-1]) or 0)
+    data = ["--data", str(tmp_path)]
+    assert cli.main([*data, "--usage-retention", "36h"]) == 0
+    assert cli.main(data) == 0
+    assert [s.usage_retention for s in seen] == [36 * 3600.0, 7 * DAY]
+    assert cli.main([*data, "--usage-retention", "-3d"]) == 2
+    assert cli.main([*data, "--usage-retention", "0d"]) == 2
+    assert "is not a duration" in capsys.readouterr().err
