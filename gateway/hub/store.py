@@ -249,6 +249,12 @@ class Store:
             self._db = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False)
             with contextlib.suppress(OSError):
                 os.chmod(self.path, 0o600)
+            # the hub writes on its event loop (a usage row per turn, jobs, sessions): in WAL
+            # mode with synchronous=NORMAL a commit does not wait for the disk (only the
+            # occasional checkpoint does), so no write holds up the streams being relayed;
+            # the -wal and -shm files sit in the owner-only data directory
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
         if "key_id" not in columns:  # a store from before sessions were keyed by the key's id
