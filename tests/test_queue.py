@@ -311,3 +311,35 @@ async def test_a_client_that_leaves_the_queue_is_removed_at_once_and_the_next_is
     assert "A1" not in replies and replies["B1"].status_code == 200
     assert runner.served[job_id] == ["B1"]
     assert hub.frontdoor.sessions.queue_stats().waits == 2
+
+
+async def test_a_job_no_runner_claims_costs_its_waiter_no_place(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
+        key_a = hub.create_api_key("a", DEPTH)
+        key_b = hub.create_api_key("b", DEPTH)
+        replies: dict[str, httpx.Response] = {}
+        with trio.fail_after(GUARD):
+            async with trio.open_nursery() as clients:
+
+                async def turn(key: str, text: str) -> None:
+                    replies[text] = await post(url, key, text)
+
+                assert await runner.poll("chat-llm:v1") == []  # it says it has a free slot
+                for n, (key, text) in enumerate([(key_a, "A1"), (key_b, "B1")], 1):
+                    clients.start_soon(turn, key, text)
+                    await until(hub, lambda n=n: len(frontdoor_jobs(hub)) == n)
+                first, second = frontdoor_jobs(hub)  # both opened at once: a runner was free
+                assert hub.counters.queued == 0
+                assert await runner.poll() == []  # at capacity after all: neither was claimed
+                await until(hub, lambda: frontdoor_jobs(hub) == [first])
+                assert second.cancelled and depth(hub) == 2  # B1 gave its job back, waits on
+                served = []
+                for _ in range(2):
+                    job_id = await runner.take()
+                    await until(hub, lambda job_id=job_id: bool(runner.served[job_id]))
+                    served += runner.served[job_id]
+    assert served == ["A1", "B1"] and runner.served[first.id] == ["A1"]
+    assert [replies[t].status_code for t in served] == [200, 200]
+    assert hub.counters.queued == 2  # both waited once every runner was busy
