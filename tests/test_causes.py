@@ -186,10 +186,10 @@ async def _busy_runner(hub: Hub, url: str) -> HandRunner:
     return runner
 
 
-async def test_every_runner_busy_waits_capacity_wait_then_503_with_retry_after(
+async def test_every_runner_busy_waits_queue_wait_then_503_with_retry_after(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with open_hub(hub_of(capacity_wait=7.0)) as (hub, url):
+    async with open_hub(hub_of(queue_wait=7.0)) as (hub, url):
         key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         with trio.fail_after(GUARD):
@@ -199,19 +199,20 @@ async def test_every_runner_busy_waits_capacity_wait_then_503_with_retry_after(
     assert 7.0 <= elapsed < NEVER  # the bounded wait, not runner_wait_timeout
     assert reply.status_code == 503 and reply.headers["retry-after"] == "7"
     assert error_of(reply) == {
-        "message": "every runner is busy (1 at capacity, none freed a session within 7 s): "
-        "retry in 7 s, or start another runner",
+        "message": "every runner is busy (1 at capacity, none took this request within 7 s in "
+        "the queue): position 1 of 1: retry in 7 s, or start another runner",
         "type": "service_unavailable",
         "param": None,
-        "code": "runners_busy",
+        "code": "queue_timeout",
     }
     assert frontdoor_jobs(hub) == []  # the waiting job was withdrawn
+    assert (hub.counters.queued, hub.counters.queue_timeouts) == (1, 1)
 
 
 async def test_every_runner_busy_the_turn_is_served_when_one_frees_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with open_hub(hub_of(capacity_wait=60.0)) as (hub, url):
+    async with open_hub(hub_of(queue_wait=60.0)) as (hub, url):
         key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         replies: list[httpx.Response] = []
@@ -519,9 +520,13 @@ def test_hub_cli_flags_for_the_new_settings(
     data = ["--data", str(tmp_path)]
     assert cli.main([*data, "--capacity-wait", "2.5", "--max-sessions-per-key", "3"]) == 0
     assert cli.main(data) == 0
-    assert (seen[0].capacity_wait, seen[0].max_sessions_per_key) == (2.5, 3)
-    assert (seen[1].capacity_wait, seen[1].max_sessions_per_key) == (10.0, 16)
+    assert cli.main([*data, "--queue-wait", "4", "--queue-length", "5"]) == 0
+    assert (seen[0].queue_wait, seen[0].max_sessions_per_key) == (2.5, 3)
+    assert (seen[1].queue_wait, seen[1].max_sessions_per_key) == (10.0, 16)
+    assert (seen[1].queue_length, seen[2].queue_length, seen[2].queue_wait) == (64, 5, 4.0)
     assert cli.main([*data, "--capacity-wait", "-1"]) == 2
     assert cli.main([*data, "--max-sessions-per-key", "-2"]) == 2
+    assert cli.main([*data, "--queue-length", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--capacity-wait" in err and "--max-sessions-per-key" in err
+    assert "--queue-length" in err

@@ -146,13 +146,23 @@ def _build_parser() -> _Parser:
         "(default: the ping interval)",
     )
     parser.add_argument(
+        "--queue-length",
+        type=int,
+        metavar="N",
+        default=HubSettings.queue_length,
+        help="when every runner that could serve a new chat session is at capacity, at most this "
+        "many requests wait in the project's queue (round-robin across API keys); one more is "
+        f"answered 503 queue_full with Retry-After; 0 = none wait (default {HubSettings.queue_length})",
+    )
+    parser.add_argument(
+        "--queue-wait",
         "--capacity-wait",
+        dest="queue_wait",
         type=float,
         metavar="SECONDS",
-        default=HubSettings.capacity_wait,
-        help="when every runner that could serve a new chat session is at capacity, wait this "
-        "long for one to free up, then answer 503 with Retry-After "
-        f"(default {HubSettings.capacity_wait:g})",
+        default=HubSettings.queue_wait,
+        help="a request waits this long in the queue for a runner to free up, then 503 "
+        f"queue_timeout with Retry-After (--capacity-wait: the old name) (default {HubSettings.queue_wait:g})",
     )
     parser.add_argument(
         "--max-sessions-per-key",
@@ -263,8 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError("--ping-interval must be 0 (off) or a positive number of seconds")
         if args.ping_timeout is not None and not args.ping_timeout > 0:
             raise _UsageError("--ping-timeout must be a positive number of seconds")
-        if not args.capacity_wait >= 0:
-            raise _UsageError("--capacity-wait must be 0 or a positive number of seconds")
+        if not args.queue_wait >= 0:
+            raise _UsageError(
+                "--queue-wait (--capacity-wait) must be 0 or a positive number of seconds"
+            )
+        if args.queue_length < 0:
+            raise _UsageError("--queue-length must be 0 (no queue) or a positive number")
         if args.max_sessions_per_key < 0:
             raise _UsageError("--max-sessions-per-key must be 0 (no bound) or a positive number")
         if not args.head_timeout > 0 or not args.body_timeout > 0:
@@ -280,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             models_wait=args.models_wait,
             ping_interval=args.ping_interval,
             ping_timeout=args.ping_timeout,
-            capacity_wait=args.capacity_wait,
+            queue_length=args.queue_length,
+            queue_wait=args.queue_wait,
             max_sessions_per_key=args.max_sessions_per_key,
             default_model=args.default_model,
             head_timeout=args.head_timeout,

@@ -22,6 +22,9 @@ class HubCounters:
     ws_protocol_errors: int = 0  # WebSockets failed for a protocol violation (1002/1007/1009)
     connections_refused: int = 0  # connections refused past max_connections (or on EMFILE)
     turns_overrun: int = 0  # turns ended because their client read too slowly (backlog bound)
+    queued: int = 0  # requests for a new session that waited in the queue (runners at capacity)
+    queue_timeouts: int = 0  # of those: 503 queue_timeout (no runner took them within queue_wait)
+    queue_full: int = 0  # requests refused at once with 503 queue_full (queue_length waiting)
 
     def as_json(self) -> dict[str, int]:
         """The counters by name, camelCase as the admin routes answer."""

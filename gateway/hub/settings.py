@@ -35,10 +35,13 @@ class HubSettings:
     # include_usage), the usage chunk kept from the client: the hub counts every turn's tokens
     count_usage: bool = True
     client_backlog: int = 1024 * 1024  # bytes of a turn's stream its client may fall behind by
-    # s: when every runner of the project that could serve is busy (stopped advertising
-    # chat-llm:v1 while it holds sessions), a new session waits this long for a free slot, then
-    # 503 runners_busy with Retry-After
-    capacity_wait: float = 10.0
+    # when every runner of the project that could serve is at capacity (stopped advertising
+    # chat-llm:v1 while it holds sessions), requests for a new session wait in the project's
+    # queue (round-robin across API keys, FIFO within one): at most queue_length of them (one
+    # more: 503 queue_full at once; 0: none wait), each at most queue_wait s (then 503
+    # queue_timeout); both with Retry-After (was capacity_wait)
+    queue_length: int = 64
+    queue_wait: float = 10.0
     # live chat sessions one API key may hold (its least recently used idle one is ended to make
     # room for a new one; none idle: 429 too_many_sessions); 0 = no bound
     max_sessions_per_key: int = 16

@@ -29,8 +29,9 @@ from gateway.hub.frontdoor.relay import (
     send_cancel,
     stream_headers,
 )
-from gateway.hub.frontdoor.sessions import Session, Sessions
+from gateway.hub.frontdoor.sessions import Keepalive, Session, Sessions
 from gateway.hub.frontdoor.shapes import (
+    SSE_HEADERS,
     channel_lost,
     invalid_key,
     model_list,
@@ -288,6 +289,7 @@ class FrontDoor:
         A ``traceparent`` goes into the definition of a job this turn opens, else into the
         turn's frame (docs/protocol.md §6)."""
         translation = turn.new_stream() if turn.stream else None
+        patience = _keepalive(resp, translation) if translation is not None else None
         try:
             arrived = trio.current_time()
             for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -296,7 +298,7 @@ class FrontDoor:
                         raise session.failure[1].copy()
                     job_before = session.job_id
                     try:
-                        job_id, ch = await self.sessions.channel_of(session, traceparent)
+                        job_id, ch = await self.sessions.channel_of(session, traceparent, patience)
                     except HTTPError as err:
                         session.failure = (trio.current_time(), err)
                         raise
@@ -402,6 +404,18 @@ def _traceparent(req: Request) -> str | None:
     runner in the Chat Job's definition or the turn's frame), else None."""
     raw = header(req.scope, b"traceparent")
     return valid_traceparent(raw.decode("latin-1")) if raw else None
+
+
+def _keepalive(resp: Response, translation: dialects.Translation) -> Keepalive:
+    """Keeps a streamed turn's client patient while it waits in the queue: the stream's head
+    (without x-request-id: no request exists yet), then a keepalive in the client's API."""
+
+    async def keepalive() -> None:
+        if not resp.started:
+            resp.start_nowait(200, SSE_HEADERS)
+        await resp.body(translation.keepalive())
+
+    return keepalive
 
 
 async def _watch_disconnect(req: Request, scope: trio.CancelScope) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -14,12 +14,14 @@ from gateway import protocol
 from gateway.hub.board import Job, JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
+from gateway.hub.frontdoor.queue import Entry, FairQueue, QueueStats, WaitStats
 from gateway.hub.frontdoor.relay import reply_decoder
 from gateway.hub.frontdoor.shapes import (
     no_capable_runner,
     no_runner,
     no_runner_connected,
-    runners_busy,
+    queue_full,
+    queue_timeout,
     too_many_sessions,
 )
 from gateway.hub.http import HTTPError
@@ -31,6 +33,7 @@ log = logging.getLogger("gateway.hub.frontdoor")
 SessionKey = tuple[str, str]  # (API key id, session id)
 CHAT_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
 LEGACY_KEY = "name:"  # the key part of a restored session whose key is known by name only
+Keepalive = Callable[[], Awaitable[None]]  # keeps a waiting client patient (a streamed turn)
 
 
 @dataclass(eq=False)
@@ -89,6 +92,9 @@ class Sessions:
         # told the active key ids at each check (the front door drops what it kept of others)
         self.on_key_check: Callable[[set[str]], None] | None = None
         self._uses = 0  # sessions left so far (their ``used`` order)
+        # requests waiting for a runner to take their new job, per project (owner, project)
+        self._queues: dict[tuple[str, str], FairQueue] = {}
+        self._waits = WaitStats()  # how long the queued ones waited
 
     def listing(self) -> dict[tuple[str, str], str | None]:
         """The live sessions: (API key name, session id) -> job id."""
@@ -158,10 +164,11 @@ class Sessions:
         return job_id in self.channels.runner_ended
 
     async def channel_of(
-        self, session: Session, traceparent: str | None = None
+        self, session: Session, traceparent: str | None = None, keepalive: Keepalive | None = None
     ) -> tuple[str, ServerChannel]:
         """The session's (job id, open channel). Lock held. A job opened here carries
-        ``traceparent`` in its definition, when given.
+        ``traceparent`` in its definition, when given; ``keepalive`` is awaited now and then
+        while the turn waits in the queue (``open_job``).
 
         A channel that is gone moves the session at once to a new Chat Job when another runner
         of the project is free (its last poll advertised chat-llm:v1): the old job is withdrawn,
@@ -213,6 +220,8 @@ class Sessions:
             session.project,
             self.settings.runner_wait_timeout,
             traceparent=traceparent,
+            lane=session.key[0],
+            keepalive=keepalive,
         )
         self._bind(session, job_id)
         self._adopt(ch)
@@ -246,63 +255,192 @@ class Sessions:
         within: float,
         purpose: str = "",
         traceparent: str | None = None,
+        lane: str = "",
+        keepalive: Keepalive | None = None,
     ) -> tuple[str, ServerChannel]:
         """A new front-door Chat Job and its channel, once a runner claimed it and dialled in.
 
         Answered at once (HTTPError 503, before any job) when no runner of the project is
-        connected or none advertises chat-llm:v1 (``refuse_now``); while every runner that could
-        serve is at capacity, the job waits ``capacity_wait`` s for one to free up, then 503
-        ``runners_busy`` with Retry-After; otherwise ``no_runner`` when none took it within
-        ``within`` s. The job is withdrawn whenever no channel came."""
+        connected or none advertises chat-llm:v1 (``refuse_now``). When a runner may take it
+        now and nobody waits, the job is opened at once; otherwise the request waits in the
+        project's fair queue (``lane``: its API key; ``FairQueue``) for a runner to free up, at
+        most ``queue_wait`` s (then 503 ``queue_timeout``), and only when fewer than
+        ``queue_length`` wait (else 503 ``queue_full`` at once), both with Retry-After and its
+        position; ``keepalive`` is awaited every ``keepalive_interval`` s while it waits there.
+        ``no_runner`` when no runner took it within ``within`` s although one could. The job
+        is withdrawn whenever no channel came."""
         self.refuse_now(owner, project, purpose)
+        queue = self._queues.setdefault((owner, project), FairQueue())
+        entry = Entry(lane, trio.current_time())
+        ch = None
+        try:
+            job = await self._queued(
+                owner, project, queue, entry, within, purpose, traceparent, keepalive
+            )
+            # a request that waited in the queue gets ``within`` for the dial from its claim
+            give_up = (trio.current_time() if entry.waited else entry.arrived) + within
+            ch = await self._wait_channel(job, give_up, within, purpose)
+        finally:
+            if entry in queue:  # cancelled (the client left) or refused: out at once
+                self._leave(owner, project, entry)
+            elif not len(queue) and self._queues.get((owner, project)) is queue:
+                del self._queues[(owner, project)]
+            held = entry.job
+            if ch is None and held is not None:
+                with trio.CancelScope(shield=True):
+                    await self.channels.cancel_job(held.id, "no runner")
+        return job.id, ch
+
+    def queue_stats(self) -> QueueStats:
+        """The queues now (for the metrics): depth per project, and the waits so far."""
+        waits = self._waits
+        return QueueStats(
+            depth={f"{o}/{p}": len(q) for (o, p), q in self._queues.items() if len(q)},
+            waits=waits.count,
+            wait_seconds=waits.total,
+            longest_wait=waits.longest,
+            recent_waits=tuple(waits.recent),
+        )
+
+    def _leave(self, owner: str, project: str, entry: Entry, served: bool = False) -> None:
+        """``entry`` out of its queue (its wait recorded when it waited); the others re-check."""
+        queue = self._queues.get((owner, project))
+        if queue is None:
+            return
+        queue.leave(entry, served)
+        if entry.waited:
+            self._waits.add(trio.current_time() - entry.arrived)
+        if not len(queue):
+            del self._queues[(owner, project)]
+        self.board.changes.notify()
+
+    def _open(self, entry: Entry, owner: str, project: str, traceparent: str | None) -> None:
         definition = dict(CHAT_DEFINITION)
         if traceparent is not None:
             definition["traceparent"] = traceparent
-        job = self.board.enqueue(
+        entry.job = self.board.enqueue(
             owner,
             project,
             needs=[protocol.CAPABILITY],
             agent_definition=definition,
             origin="frontdoor",
         )
-        ch = None
-        try:
-            ch = await self._wait_taken(job, within, purpose)
-        finally:
-            if ch is None:
-                with trio.CancelScope(shield=True):
-                    await self.channels.cancel_job(job.id, "no runner")
-        return job.id, ch
 
-    async def _wait_taken(self, job: Job, within: float, purpose: str) -> ServerChannel:
-        """The channel of ``job`` once a runner claimed it and dialled in; HTTPError when the
-        project's runners go away, stay busy past ``capacity_wait``, or none came in ``within``."""
-        started = trio.current_time()
-        give_up = started + within
+    async def _queued(
+        self,
+        owner: str,
+        project: str,
+        queue: FairQueue,
+        entry: Entry,
+        within: float,
+        purpose: str,
+        traceparent: str | None,
+        keepalive: Keepalive | None,
+    ) -> Job:
+        """The request's job once a runner claimed it, the request in ``queue`` until then.
+
+        While a runner of the project is free (or has not polled yet), the first requests of
+        the order (as many as such runners) hold a job on the board; while none is, only the
+        first one does: the one job a runner freeing a slot is offered, so two waiters never
+        race for one slot. A request opens its job only once every request before it holds
+        one (the board offers jobs in the order they were opened). A request behind the first
+        that holds a job when every runner turns busy withdraws it and waits on, its place
+        unchanged (places are by arrival and lane, never by job): a job no runner claims costs
+        no request its place. A request that leaves (timeout, client gone) is out at once."""
+        available = self.board.availability(owner, project, protocol.CAPABILITY)
+        now_free = available.free + available.unknown
+        if now_free and all(e.job is not None for e in queue.order()):
+            queue.join(entry)  # a runner may take it now and nobody waits: no wait
+            self._open(entry, owner, project, traceparent)
+        else:
+            length = self.settings.queue_length
+            if len(queue) >= length:
+                position, of = queue.position(entry)
+                self.counters.queue_full += 1
+                log.warning(
+                    "%s/%s: every runner busy and %d request(s) queued: refused%s "
+                    "(position %d of %d)",
+                    owner,
+                    project,
+                    len(queue),
+                    purpose,
+                    position,
+                    of,
+                )
+                raise queue_full(
+                    available.busy, len(queue), position, of, self.settings.queue_wait, purpose
+                )
+            queue.join(entry)
+            self.board.changes.notify()  # whoever watches the queue (its depth) sees it
+        next_keepalive = entry.arrived + self.settings.keepalive_interval
+        while True:
+            job = entry.job
+            if job is not None and job.claimed_by is not None:
+                self._leave(owner, project, entry, served=True)
+                return job
+            if job is not None and job.over:
+                raise no_runner(within, purpose)  # withdrawn under it (the hub's own reason)
+            available = self.board.availability(owner, project, protocol.CAPABILITY)
+            free = available.free + available.unknown
+            if not free and not available.busy:
+                self.refuse_now(owner, project, purpose)
+            order = queue.order()
+            index = order.index(entry)
+            allowed = max(1, free)
+            if job is None and index < allowed and all(e.job is not None for e in order[:index]):
+                self._open(entry, owner, project, traceparent)
+                continue
+            if job is not None and not free and index > 0:
+                self.board.withdraw(job.id, "queued behind another request")
+                entry.job = None
+                continue
+            if not entry.waited and (job is None or not free):
+                entry.waited = True  # queued: without a job, or with every runner busy
+                self.counters.queued += 1
+            now = trio.current_time()
+            limit = self.settings.queue_wait if entry.waited else within
+            if now >= entry.arrived + limit:
+                position, of = index + 1, len(order)
+                if not entry.waited:
+                    log.warning(
+                        "no runner with %s connected within %g s (job %s%s)",
+                        protocol.CAPABILITY,
+                        within,
+                        job.id if job is not None else "-",
+                        purpose,
+                    )
+                    raise no_runner(within, purpose)
+                self.counters.queue_timeouts += 1
+                log.warning(
+                    "%s/%s: every runner busy for %g s: request%s gave up at position %d of %d",
+                    owner,
+                    project,
+                    limit,
+                    purpose,
+                    position,
+                    of,
+                )
+                raise queue_timeout(available.busy, limit, position, of, purpose)
+            wake = entry.arrived + limit
+            if keepalive is not None and entry.waited and self.settings.keepalive_interval > 0:
+                if now >= next_keepalive:
+                    await keepalive()
+                    next_keepalive = trio.current_time() + self.settings.keepalive_interval
+                    continue
+                wake = min(wake, next_keepalive)
+            with trio.move_on_at(wake):
+                await self.board.changes.wait()
+
+    async def _wait_channel(
+        self, job: Job, give_up: float, within: float, purpose: str
+    ) -> ServerChannel:
+        """The channel of ``job`` (claimed) once its runner dialled in; HTTPError ``no_runner``
+        when it did not by ``give_up`` (trio clock), or the job ended."""
         while True:
             ch = self.channels.get(job.id)
             if ch is not None:
                 return ch
-            now = trio.current_time()
-            wake = give_up
-            if job.claimed_by is None and not job.over:
-                available = self.board.availability(job.owner, job.project, protocol.CAPABILITY)
-                if not available.free and not available.unknown:
-                    if not available.busy:
-                        self.refuse_now(job.owner, job.project, purpose)
-                    waited = self.settings.capacity_wait
-                    if now >= started + waited:
-                        log.warning(
-                            "every runner of %s/%s busy for %g s (job %s%s)",
-                            job.owner,
-                            job.project,
-                            waited,
-                            job.id,
-                            purpose,
-                        )
-                        raise runners_busy(available.busy, waited, purpose)
-                    wake = min(wake, started + waited)
-            if job.over or now >= give_up:
+            if job.over or trio.current_time() >= give_up:
                 log.warning(
                     "no runner with %s connected within %g s (job %s%s)",
                     protocol.CAPABILITY,
@@ -311,7 +449,7 @@ class Sessions:
                     purpose,
                 )
                 raise no_runner(within, purpose)
-            with trio.move_on_at(wake):
+            with trio.move_on_at(give_up):
                 await self.board.changes.wait()
 
     async def _end_job(self, job_id: str, reason: str) -> None:

@@ -30,7 +30,10 @@ class Code:
 
     NO_RUNNER = "no_runner"  # no runner of the key's project is connected (or none came in time)
     NO_CAPABLE_RUNNER = "no_capable_runner"  # runners connected, none advertises chat-llm:v1
-    RUNNERS_BUSY = "runners_busy"  # every capable runner is at capacity (503 + Retry-After)
+    # every capable runner is at capacity, and the project's queue is full (503 + Retry-After)
+    QUEUE_FULL = "queue_full"
+    # every capable runner stayed at capacity while the request waited queue_wait in the queue
+    QUEUE_TIMEOUT = "queue_timeout"
     MODEL_NOT_FOUND = "model_not_found"  # no runner of the project lists the model (404)
     TOO_MANY_SESSIONS = "too_many_sessions"  # the key holds max_sessions_per_key busy sessions
     SESSION_ENDED = "session_ended"  # the session was ended (its key revoked) under the turn
@@ -61,16 +64,34 @@ def no_capable_runner(connected: int, what: str = "") -> HTTPError:
     return HTTPError(503, message, Code.NO_CAPABLE_RUNNER)
 
 
-def runners_busy(busy: int, waited: float, what: str = "") -> HTTPError:
-    """503 with Retry-After: every capable runner stayed at capacity for ``waited`` s."""
-    retry_after = max(1, math.ceil(waited))
+def _retry_after(seconds: float) -> tuple[int, list[tuple[bytes, bytes]]]:
+    retry_after = max(1, math.ceil(seconds))
+    return retry_after, [(b"retry-after", str(retry_after).encode())]
+
+
+def queue_full(
+    busy: int, length: int, position: int, of: int, retry: float, what: str = ""
+) -> HTTPError:
+    """503 at once with Retry-After: every capable runner is at capacity and ``length``
+    requests wait already (``position`` of ``of``: the place it would have taken)."""
+    retry_after, headers = _retry_after(retry)
     message = (
-        f"every runner is busy ({busy} at capacity, none freed a session within {waited:g} s)"
-        f"{what}: retry in {retry_after} s, or start another runner"
+        f"every runner is busy ({busy} at capacity) and the queue is full ({length} waiting): "
+        f"position {position} of {of}{what}: retry in {retry_after} s, or start another runner"
     )
-    return HTTPError(
-        503, message, Code.RUNNERS_BUSY, headers=[(b"retry-after", str(retry_after).encode())]
+    return HTTPError(503, message, Code.QUEUE_FULL, headers=headers)
+
+
+def queue_timeout(busy: int, waited: float, position: int, of: int, what: str = "") -> HTTPError:
+    """503 with Retry-After: the request waited ``waited`` s in the queue while every capable
+    runner stayed at capacity (``position`` of ``of``: where it was when it gave up)."""
+    retry_after, headers = _retry_after(waited)
+    message = (
+        f"every runner is busy ({busy} at capacity, none took this request within {waited:g} s "
+        f"in the queue): position {position} of {of}{what}: retry in {retry_after} s, or start "
+        "another runner"
     )
+    return HTTPError(503, message, Code.QUEUE_TIMEOUT, headers=headers)
 
 
 def too_many_sessions(limit: int) -> HTTPError:
