@@ -185,6 +185,18 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(openai.RateLimitError):
             await client.chat.completions.create(model="sim-model", messages=MESSAGES)  # type: ignore[arg-type]
         monkeypatch.undo()
+
+        # the queues, where the sessions report them (Sessions.queue_stats, another branch)
+        @dataclass
+        class QueueStats:
+            depth: dict[str, int]
+            waits: int
+            wait_seconds: float
+            longest_wait: float
+            recent_waits: tuple[float, ...]
+
+        stats = QueueStats({"acme/chat": 3}, 5, 2.5, 1.5, (0.5, 1.0))
+        monkeypatch.setattr(env.hub.frontdoor.sessions, "queue_stats", lambda: stats, raising=False)
         async with env.admin() as admin:
             r = await admin.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -208,3 +220,7 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     assert found[("alp_hub_turns_in_flight", ())] == 0
     assert ("alp_hub_failovers_total", ()) in found
     assert found[("alp_hub_pings_sent_total", ())] == env.hub.counters.pings_sent
+    assert found[("alp_hub_queue_depth", (("project", "acme/chat"),))] == 3
+    assert found[("alp_hub_queue_waits_total", ())] == 5
+    assert found[("alp_hub_queue_wait_seconds_total", ())] == 2.5
+    assert found[("alp_hub_queue_longest_wait", ())] == 1.5

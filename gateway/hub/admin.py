@@ -184,6 +184,9 @@ class AdminApi:
             name = str(entry.get("name"))
             kept = totals.get(name)
             entry["used"] = kept.as_json() if kept is not None else None
+            limits = entry.get("limits")
+            if limits is not None and not isinstance(limits, dict):  # a KeyLimits
+                entry["limits"] = {field: getattr(limits, kw, None) for field, kw in LIMITS.items()}
             keys.append(entry)
         await req.resp.json(200, {"keys": keys, "limitsSupported": limits_supported()}, NO_STORE)
 

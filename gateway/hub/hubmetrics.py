@@ -202,7 +202,7 @@ class HubMetrics:
         )
         queue_stats = getattr(door.sessions, "queue_stats", None)
         if callable(queue_stats):
-            yield from _queue_families(queue_stats(), GaugeMetricFamily)
+            yield from _queue_families(queue_stats(), GaugeMetricFamily, CounterMetricFamily)
         for name, value in asdict(hub.counters).items():
             yield CounterMetricFamily(
                 PREFIX + _NOT_A_NAME.sub("_", name),
@@ -226,19 +226,30 @@ class HubMetrics:
         return generate_latest(registry).decode()
 
 
-def _queue_families(stats: Any, gauge: Any) -> Iterator[Any]:
-    """The sessions' queue (``Sessions.queue_stats()``, where it exists): each number it gives
-    as a gauge ``alp_hub_queue_<name>`` (a mapping or a dataclass of numbers)."""
+# QueueStats fields that only grow (counters); the other numbers are gauges
+_QUEUE_COUNTERS = {"waits", "wait_seconds"}
+
+
+def _queue_families(stats: Any, gauge: Any, counter: Any) -> Iterator[Any]:
+    """The sessions' queues (``Sessions.queue_stats()``, where it exists): each number as
+    ``alp_hub_queue_<name>``, a mapping of numbers (``depth`` by project) with a label."""
     if hasattr(stats, "__dataclass_fields__"):
-        stats = asdict(stats)
+        stats = {name: getattr(stats, name) for name in stats.__dataclass_fields__}
     if not isinstance(stats, dict):
-        if isinstance(stats, int | float) and not isinstance(stats, bool):
-            yield gauge(PREFIX + "queue_depth", "Turns waiting in the queue now.", stats)
         return
     for name, value in sorted(stats.items()):
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            yield gauge(
-                PREFIX + "queue_" + _NOT_A_NAME.sub("_", str(name)),
-                f"The sessions' queue: {name}.",
-                value,
-            )
+        metric = PREFIX + "queue_" + _NOT_A_NAME.sub("_", str(name))
+        help_text = f"The front door's queues: {str(name).replace('_', ' ')}."
+        if _is_number(value):
+            kind = counter if name in _QUEUE_COUNTERS else gauge
+            yield kind(metric, help_text, value)
+        elif isinstance(value, dict) and all(_is_number(v) for v in value.values()):
+            label = "project" if name == "depth" else "name"
+            family = gauge(metric, help_text, labels=[label])
+            for key, number in sorted(value.items()):
+                family.add_metric([str(key)], number)
+            yield family
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

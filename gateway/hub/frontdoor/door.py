@@ -247,11 +247,13 @@ class FrontDoor:
         try:
             self.usage.admit(record)  # a limit of the key: 429 in the caller's shape
         except HTTPError as err:
-            # ended at once, never in flight: the observers count it (a 429: a limit refusal)
+            # never in flight nor in the book (no store write per refused request): only the
+            # observers are told (the metrics count a 429 as a limit refusal)
             record.outcome = turns.REFUSED
             record.extra["status"] = err.status
             record.ended = trio.current_time()
-            self.usage.ended(record)
+            for observe in self.usage.observers:
+                observe(record)
             await req.resp.whole(err.status, turn.error_body(err), err.headers)
             return
         self.usage.started(record)

@@ -4,7 +4,8 @@
 "use strict";
 
 const STORAGE = "alp-hub-admin";
-const POLL_MS = 2000;
+// every 2 s; `?poll=MS` (250 to 60000) for a quicker or slower page
+const POLL_MS = Math.min(Math.max(Number(new URLSearchParams(location.search).get("poll")) || 2000, 250), 60000);
 const HOUR = 3600;
 const SVG = "http://www.w3.org/2000/svg";
 const COLORS = ["#2f6fdb", "#e07b24", "#2a9d5c", "#b8427a", "#7a5cc7", "#8a7a12", "#1f9bb0", "#c23b3b"];
@@ -279,6 +280,7 @@ function showUsage(rows, since) {
     most = Math.max(most, sum);
   }
   document.querySelector('.empty[data-for="usage"]').hidden = rows.length > 0;
+  chart.hidden = rows.length === 0;
   keys.sort();
   const width = 760;
   const height = 220;
