@@ -66,7 +66,7 @@ class Histogram:
 class KeyTotals:
     """One API key's ended turns since the hub started (for the status page)."""
 
-    turns: int = 0
+    turns: int = 0  # the turns refused with 429 not among them
     prompt_tokens: int = 0
     completion_tokens: int = 0
     refused: int = 0  # turns refused with 429 (a limit of the key passed)
@@ -106,7 +106,6 @@ class HubMetrics:
         totals = self.keys.get(key)
         if totals is None:
             totals = self.keys[key] = KeyTotals()
-        totals.turns += 1
         totals.last_used = record.ended
         if record.prompt_tokens:
             tk = (key, model, "prompt")
@@ -119,6 +118,8 @@ class HubMetrics:
         if outcome == turns.REFUSED and record.extra.get("status") == LIMIT_STATUS:
             self.refusals[key] = self.refusals.get(key, 0) + 1
             totals.refused += 1
+        else:
+            totals.turns += 1
         ttft = record.ttft
         if ttft is not None and ttft >= 0:
             self._histogram(self.ttft, model, TTFT_BOUNDS).observe(ttft)
