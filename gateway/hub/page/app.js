@@ -290,6 +290,7 @@ function showUsage(rows, since) {
   const barW = (width - left) / 24;
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("preserveAspectRatio", "xMinYMin meet");
   svg.setAttribute("role", "img");
   svg.setAttribute("aria-label", "Tokens per hour and key, last 24 hours");
   const text = (x, y, value, anchor) => {
