@@ -111,8 +111,14 @@ class Browser:
 
 
 @pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    b = Browser(_chromium())
+def chromium() -> str:
+    """The browser's path (a sync fixture: its skip or failure reaches pytest as it is)."""
+    return _chromium()
+
+
+@pytest.fixture
+async def browser(chromium: str) -> AsyncIterator[Browser]:
+    b = Browser(chromium)
     try:
         with trio.fail_after(STEP):
             await b.open()
