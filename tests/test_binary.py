@@ -10,8 +10,10 @@ import re
 import shutil
 import signal
 import subprocess
+from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trustme
@@ -198,3 +200,36 @@ async def test_finds_the_ca_bundle_of_another_distribution(tmp_path: Path) -> No
             )
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.startswith(b"registered runner ")
+
+
+async def test_the_binary_hub_serves_its_status_page(tmp_path: Path) -> None:
+    """The page's files are inside the binary (the spec's datas): / and its script and style."""
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                [str(BINARY), "hub", "--data", str(tmp_path / "hub"), "--listen", "127.0.0.1:0"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=clean_env(),
+                check=False,
+            )
+        )
+        try:
+            assert proc.stdout is not None
+            out = b""
+            with trio.fail_after(60):
+                while (found := re.search(rb"hub listening on (\S+)\n", out)) is None:
+                    data = await proc.stdout.receive_some()
+                    assert data, f"the hub exited: {out!r}"
+                    out += data
+            url = found.group(1).decode()
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                page = await client.get("/")
+                assert page.status_code == 200 and b"ALP hub" in page.content
+                assert "default-src 'self'" in page.headers["content-security-policy"]
+                for asset in ("/page/app.js", "/page/style.css"):
+                    assert (await client.get(asset)).status_code == 200, asset
+                assert (await client.get("/metrics")).status_code == 401
+        finally:
+            proc.terminate()

@@ -18,6 +18,7 @@ from gateway.hub.admin import AdminApi
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
+from gateway.hub.statuspage import StatusPage
 from gateway.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
@@ -48,6 +49,7 @@ class App:
         self.hub = hub
         runners = RunnerApi(hub)
         admin = AdminApi(hub)
+        page = StatusPage()
         door = hub.frontdoor
         settings = hub.settings
         self.runners = runners
@@ -70,6 +72,16 @@ class App:
             _route("GET", "/api/hub/jobs", admin.jobs),
             _route("GET", "/api/hub/sessions", admin.sessions),
             _route("GET", "/api/hub/counters", admin.counters),
+            _route("GET", "/api/hub/runners", admin.runners),
+            _route("GET", "/api/hub/turns", admin.turns),
+            _route("GET", "/api/hub/usage", admin.usage),
+            _route("GET", "/api/hub/keys", admin.keys),
+            _route("POST", "/api/hub/keys", admin.create_key),
+            _route("POST", "/api/hub/keys/revoke", admin.revoke_key),
+            _route("DELETE", "/api/hub/keys/(?P<name>[^/]+)", admin.revoke_key),
+            _route("GET", "/metrics", admin.metrics),
+            _route("GET", "/", page.index),
+            _route("GET", "/page/(?P<name>[a-z.]+)", page.asset),
             _route("POST", "/v1/chat/completions", door.chat),
             _route("POST", "/v1/messages", door.messages),
             _route("POST", "/v1/messages/count_tokens", door.count_tokens),
@@ -80,7 +92,10 @@ class App:
             _route("GET", "/v1/models/(?P<model>.+)", door.retrieve_model),
         ]
         # checked before the route is looked up: without the credential, no 404 or 405 either
-        self._guards: list[tuple[str, Callable[[Request], None]]] = [("/api/hub/", admin.check)]
+        self._guards: list[tuple[str, Callable[[Request], None]]] = [
+            ("/api/hub/", admin.check),
+            ("/metrics", admin.check),
+        ]
 
     async def healthz(self, req: Request) -> None:
         """``GET /healthz`` (no key): 200 with the connected runners and the models they list;

@@ -498,6 +498,8 @@ async def _run(
         await nursery.start(watch_signals, lambda _signum: stop.set())
         serve = partial(serve_hub, hub, host=host, port=port, certfile=certfile, keyfile=keyfile)
         base_url: str = await nursery.start(serve)
+        # "hub listening on" stays the last line of the start (scripts wait for it)
+        print(f"status page: {base_url}/ (sign in with the admin credential)", flush=True)
         print(f"hub listening on {base_url}", flush=True)
         await stop.wait()
         print("hub stopping", flush=True)

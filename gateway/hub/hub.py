@@ -14,6 +14,7 @@ from gateway.hub.board import Changes, Job, JobBoard, JobsView
 from gateway.hub.channel import CLOSE_OFFLINE, Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor import FrontDoor
+from gateway.hub.hubmetrics import HubMetrics
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import (
     ADMIN_TOKEN_PREFIX,
@@ -59,6 +60,9 @@ class Hub:
         self.frontdoor = FrontDoor(
             self.store, self.settings, self.board, self.channels, self.counters
         )
+        # /metrics and the status page's per-key totals: told of every ended turn
+        self.metrics = HubMetrics(self)
+        self.frontdoor.usage.observers.append(self.metrics.observe)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Everything the hub does on its own while it serves, until cancelled: the front door's

@@ -248,12 +248,23 @@ class FrontDoor:
         try:
             self.usage.admit(record)  # a limit of the key: 429 in the caller's shape
         except HTTPError as err:
+            # never in flight nor in the book (no store write per refused request): only the
+            # observers are told (the metrics count a 429 as a limit refusal)
+            record.outcome = turns.REFUSED
+            record.extra["status"] = err.status
+            record.ended = trio.current_time()
+            for observe in self.usage.observers:
+                observe(record)
             await req.resp.whole(err.status, turn.error_body(err), err.headers)
             return
         self.usage.started(record)
         gone = False
         try:
-            session = await self.sessions.enter(key, sid or DEFAULT_SESSION)
+            try:
+                session = await self.sessions.enter(key, sid or DEFAULT_SESSION)
+            except HTTPError as err:  # too many sessions for the key (429)
+                record.extra["status"] = err.status
+                raise
             traceparent = _traceparent(req)
             try:
                 with trio.CancelScope() as turn_scope:
@@ -317,6 +328,7 @@ class FrontDoor:
         except HTTPError as err:
             if record is not None:
                 record.outcome = turns.REFUSED if record.runner_id is None else turns.ERROR
+                record.extra["status"] = err.status
             try:
                 if not resp.started:
                     await resp.whole(err.status, turn.error_body(err), err.headers)

@@ -65,6 +65,11 @@ class Models:
             return None
         return list(dict.fromkeys(m for runner_id in runners for m in lists[runner_id]))
 
+    def of_runner(self, owner: str, project: str, runner_id: str) -> list[str] | None:
+        """The models the runner listed last (None: it has not answered a models request)."""
+        found = self._lists_of(owner, project).get(runner_id)
+        return None if found is None else list(found)
+
     async def unknown(self, owner: str, project: str, model: str) -> list[str] | None:
         """The models there are when no live runner of the project lists ``model``, else None
         (also when that is not known). A kept list may be stale (a runner restarted with other

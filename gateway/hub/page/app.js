@@ -1,0 +1,397 @@
+// The hub's status page: polls the admin JSON API (docs/hub-api.md) every 2 s with the admin
+// credential kept in this tab's sessionStorage. Every value from the API goes into the page as
+// text (textContent, attribute values), never as HTML.
+"use strict";
+
+const STORAGE = "alp-hub-admin";
+// every 2 s; `?poll=MS` (250 to 60000) for a quicker or slower page
+const POLL_MS = Math.min(Math.max(Number(new URLSearchParams(location.search).get("poll")) || 2000, 250), 60000);
+const HOUR = 3600;
+const SVG = "http://www.w3.org/2000/svg";
+const COLORS = ["#2f6fdb", "#e07b24", "#2a9d5c", "#b8427a", "#7a5cc7", "#8a7a12", "#1f9bb0", "#c23b3b"];
+
+let timer = null;
+let generation = 0; // bumped at sign-out: answers of an older sign-in are dropped
+
+const $ = (id) => document.getElementById(id);
+
+class Refused extends Error {}
+
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+function row(cells) {
+  const tr = document.createElement("tr");
+  for (const cell of cells) {
+    tr.append(cell instanceof Node ? cell : el("td", cell === null || cell === undefined ? "–" : cell));
+  }
+  return tr;
+}
+
+function td(child) {
+  const cell = document.createElement("td");
+  cell.append(child);
+  return cell;
+}
+
+function fill(tableId, rows, emptyFor) {
+  $(tableId).querySelector("tbody").replaceChildren(...rows);
+  const empty = document.querySelector(`.empty[data-for="${emptyFor || tableId}"]`);
+  if (empty) empty.hidden = rows.length > 0;
+}
+
+function seconds(value) {
+  if (value === null || value === undefined) return "–";
+  if (value < 60) return `${value.toFixed(1)} s`;
+  if (value < 3600) return `${Math.floor(value / 60)} min ${Math.floor(value % 60)} s`;
+  return `${(value / 3600).toFixed(1)} h`;
+}
+
+function token() {
+  return sessionStorage.getItem(STORAGE);
+}
+
+async function api(method, path, body) {
+  const headers = { authorization: `Bearer ${token()}` };
+  const init = { method, headers, cache: "no-store" };
+  if (body !== undefined) {
+    headers["content-type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const resp = await fetch(path, init);
+  let data = null;
+  try {
+    data = await resp.json();
+  } catch (_) {
+    data = null;
+  }
+  if (resp.status === 401 || resp.status === 403) throw new Refused("refused");
+  if (!resp.ok) {
+    const message = data && data.error && data.error.message ? data.error.message : `HTTP ${resp.status}`;
+    throw new Error(message);
+  }
+  return data;
+}
+
+// -- sign in and out -----------------------------------------------------------------
+
+async function signIn(event) {
+  event.preventDefault();
+  const value = $("token").value.trim();
+  $("signin-error").textContent = "";
+  if (!value) return;
+  sessionStorage.setItem(STORAGE, value);
+  try {
+    await api("GET", "/api/hub/runners");
+  } catch (err) {
+    sessionStorage.removeItem(STORAGE);
+    $("signin-error").textContent =
+      err instanceof Refused ? "That is not the admin credential of this hub." : `Cannot reach the hub: ${err.message}`;
+    return;
+  }
+  $("token").value = "";
+  start();
+}
+
+function signOut(message) {
+  generation += 1;
+  if (timer !== null) clearTimeout(timer);
+  timer = null;
+  sessionStorage.removeItem(STORAGE);
+  $("dashboard").hidden = true;
+  $("signout").hidden = true;
+  $("signin-section").hidden = false;
+  $("status").textContent = "";
+  $("signin-error").textContent = message || "";
+}
+
+function start() {
+  $("signin-section").hidden = true;
+  $("dashboard").hidden = false;
+  $("signout").hidden = false;
+  poll(generation);
+}
+
+async function poll(gen) {
+  if (gen !== generation) return;
+  try {
+    await refresh(gen);
+    if (gen === generation) $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (err) {
+    if (gen !== generation) return;
+    if (err instanceof Refused) {
+      signOut("The admin credential was refused: sign in again.");
+      return;
+    }
+    $("status").textContent = `the hub did not answer: ${err.message}`;
+  }
+  if (gen === generation) timer = setTimeout(() => poll(gen), POLL_MS);
+}
+
+// -- the sections --------------------------------------------------------------------
+
+async function refresh(gen) {
+  const since = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
+  const [runners, turns, sessions, usage, keys] = await Promise.all([
+    api("GET", "/api/hub/runners"),
+    api("GET", "/api/hub/turns"),
+    api("GET", "/api/hub/sessions"),
+    api("GET", `/api/hub/usage?since=${since}`),
+    api("GET", "/api/hub/keys"),
+  ]);
+  if (gen !== generation) return;
+  const names = {};
+  for (const r of runners.runners) names[r.id] = r.name || r.id;
+  showRunners(runners.runners);
+  showTurns(turns.turns, names);
+  showSessions(sessions.sessions, names);
+  showUsage(usage.usage, since);
+  showKeys(keys.keys, keys.limitsSupported);
+}
+
+function showRunners(runners) {
+  fill(
+    "runners",
+    runners.map((r) => {
+      const up = el("td", r.up ? "up" : "down", r.up ? "up" : "down");
+      const tr = row([
+        r.name || r.id,
+        up,
+        r.labels.join(", "),
+        r.models === null ? "(not listed yet)" : r.models.join(", "),
+        `${r.owner}/${r.project}`,
+        r.sessions,
+        r.turnsInFlight,
+        `${seconds(r.lastSeenSeconds)} ago`,
+      ]);
+      tr.dataset.id = r.id;
+      tr.dataset.name = r.name || "";
+      return tr;
+    }),
+  );
+}
+
+function showTurns(turns, names) {
+  fill(
+    "turns",
+    turns.map((t) => {
+      const tr = row([
+        t.key,
+        t.session,
+        t.api,
+        t.model,
+        t.runnerId ? names[t.runnerId] || t.runnerId : null,
+        seconds(t.ageSeconds),
+        t.ttftSeconds === null ? null : seconds(t.ttftSeconds),
+        t.chunks,
+        t.tokensPerSecond,
+      ]);
+      tr.dataset.key = t.key;
+      return tr;
+    }),
+  );
+}
+
+function showSessions(sessions, names) {
+  fill(
+    "sessions",
+    sessions.map((s) => {
+      const tr = row([
+        s.key,
+        s.session,
+        s.runnerId ? names[s.runnerId] || s.runnerId : null,
+        s.jobId ? s.jobId.slice(0, 8) : null,
+        s.turns,
+        seconds(s.idleSeconds),
+      ]);
+      tr.dataset.key = s.key;
+      return tr;
+    }),
+  );
+}
+
+function limitsText(k) {
+  const src = k.limits && typeof k.limits === "object" ? k.limits : k;
+  const parts = [];
+  const labels = [
+    ["rpm", "req/min"],
+    ["tpm", "tok/min"],
+    ["tokensPerDay", "tok/day"],
+    ["maxStreams", "streams"],
+  ];
+  for (const [field, label] of labels) {
+    const value = src[field] ?? src[field.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)];
+    if (value !== null && value !== undefined) parts.push(`${value} ${label}`);
+  }
+  return parts.length ? parts.join(", ") : "none";
+}
+
+function showKeys(keys, limitsSupported) {
+  fill(
+    "keys",
+    keys.map((k) => {
+      const used = k.used || { turns: 0, promptTokens: 0, completionTokens: 0, refused: 0 };
+      let action = el("td", "");
+      if (!k.revoked) {
+        const button = el("button", "Revoke");
+        button.type = "button";
+        button.addEventListener("click", () => revoke(k.name, button));
+        action = td(button);
+      }
+      const tr = row([
+        k.name,
+        `${k.owner}/${k.project}`,
+        k.createdAt,
+        limitsText(k),
+        used.turns,
+        used.promptTokens + used.completionTokens,
+        used.refused,
+        el("td", k.revoked ? "revoked" : "active", k.revoked ? "down" : "up"),
+        action,
+      ]);
+      tr.dataset.name = k.name;
+      return tr;
+    }),
+  );
+  for (const input of $("limits").querySelectorAll("input")) input.disabled = !limitsSupported;
+  $("limits-note").hidden = limitsSupported;
+}
+
+function showUsage(rows, since) {
+  const chart = $("usage-chart");
+  const byHour = new Map(); // hour index -> Map(key -> tokens)
+  const keys = [];
+  let most = 0;
+  for (const r of rows) {
+    const slot = Math.floor((r.hour - since) / HOUR);
+    if (slot < 0 || slot > 23) continue;
+    if (!keys.includes(r.key)) keys.push(r.key);
+    const hour = byHour.get(slot) || new Map();
+    hour.set(r.key, (hour.get(r.key) || 0) + r.promptTokens + r.completionTokens);
+    byHour.set(slot, hour);
+  }
+  for (const hour of byHour.values()) {
+    let sum = 0;
+    for (const v of hour.values()) sum += v;
+    most = Math.max(most, sum);
+  }
+  document.querySelector('.empty[data-for="usage"]').hidden = rows.length > 0;
+  chart.hidden = rows.length === 0;
+  keys.sort();
+  const width = 760;
+  const height = 220;
+  const left = 56;
+  const bottom = 24;
+  const plotH = height - bottom - 10;
+  const barW = (width - left) / 24;
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("preserveAspectRatio", "xMinYMin meet");
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", "Tokens per hour and key, last 24 hours");
+  const text = (x, y, value, anchor) => {
+    const t = document.createElementNS(SVG, "text");
+    t.setAttribute("x", x);
+    t.setAttribute("y", y);
+    t.setAttribute("text-anchor", anchor || "middle");
+    t.setAttribute("class", "axis");
+    t.textContent = value;
+    svg.append(t);
+  };
+  const axis = document.createElementNS(SVG, "line");
+  axis.setAttribute("x1", left);
+  axis.setAttribute("x2", width);
+  axis.setAttribute("y1", height - bottom);
+  axis.setAttribute("y2", height - bottom);
+  axis.setAttribute("class", "axisline");
+  svg.append(axis);
+  text(left - 6, 16, most ? most.toLocaleString() : "0", "end");
+  text(left - 6, height - bottom, "0", "end");
+  for (let slot = 0; slot < 24; slot++) {
+    const start = new Date((since + slot * HOUR) * 1000);
+    if (slot % 3 === 0) text(left + slot * barW + barW / 2, height - 6, `${String(start.getHours()).padStart(2, "0")}:00`);
+    const hour = byHour.get(slot);
+    if (!hour || !most) continue;
+    let y = height - bottom;
+    for (const key of keys) {
+      const tokens = hour.get(key) || 0;
+      if (!tokens) continue;
+      const h = (tokens / most) * plotH;
+      y -= h;
+      const bar = document.createElementNS(SVG, "rect");
+      bar.setAttribute("x", left + slot * barW + 2);
+      bar.setAttribute("y", y);
+      bar.setAttribute("width", barW - 4);
+      bar.setAttribute("height", Math.max(h, 1));
+      bar.setAttribute("fill", COLORS[keys.indexOf(key) % COLORS.length]);
+      bar.setAttribute("data-key", key);
+      const title = document.createElementNS(SVG, "title");
+      title.textContent = `${key}, ${start.toLocaleString()}: ${tokens.toLocaleString()} tokens`;
+      bar.append(title);
+      svg.append(bar);
+    }
+  }
+  const legend = el("p", null, "legend");
+  keys.forEach((key, i) => {
+    const swatch = el("span", "■ ", "swatch");
+    swatch.dataset.color = String(i % COLORS.length);
+    const item = el("span", null, "legend-item");
+    item.append(swatch, document.createTextNode(key));
+    legend.append(item);
+  });
+  chart.replaceChildren(svg, legend);
+}
+
+// -- keys ----------------------------------------------------------------------------
+
+async function createKey(event) {
+  event.preventDefault();
+  const form = event.target;
+  $("key-error").textContent = "";
+  const body = { name: form.elements.name.value.trim() };
+  const project = form.elements.project.value.trim();
+  if (project) body.project = project;
+  for (const field of ["rpm", "tpm", "tokensPerDay", "maxStreams"]) {
+    const input = form.elements[field];
+    if (!input.disabled && input.value !== "") body[field] = Number(input.value);
+  }
+  try {
+    const made = await api("POST", "/api/hub/keys", body);
+    $("new-key-name").textContent = made.name;
+    $("new-key-value").textContent = made.key;
+    $("new-key").hidden = false;
+    form.reset();
+    await refresh(generation);
+  } catch (err) {
+    if (err instanceof Refused) return signOut("The admin credential was refused: sign in again.");
+    $("key-error").textContent = err.message;
+  }
+}
+
+async function revoke(name, button) {
+  button.disabled = true;
+  $("key-error").textContent = "";
+  try {
+    await api("POST", "/api/hub/keys/revoke", { name });
+    await refresh(generation);
+  } catch (err) {
+    if (err instanceof Refused) return signOut("The admin credential was refused: sign in again.");
+    $("key-error").textContent = err.message;
+    button.disabled = false;
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("signin").addEventListener("submit", signIn);
+  $("signout").addEventListener("click", () => signOut());
+  $("create-key").addEventListener("submit", createKey);
+  $("new-key-done").addEventListener("click", () => {
+    $("new-key").hidden = true;
+    $("new-key-value").textContent = "";
+  });
+  if (token()) start();
+});
