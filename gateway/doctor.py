@@ -130,6 +130,8 @@ class Doctor:
                 )
             return None
         try:
+            # before load, which makes a directory of ours 0700 (gateway.state.private_dir)
+            dir_mode = stat.S_IMODE(path.parent.stat().st_mode)
             registration = store.load(config.project)
         except StateError as exc:
             mode = stat.S_IMODE(path.stat().st_mode)
@@ -160,13 +162,12 @@ class Doctor:
                     register,
                 )
             return None
-        dir_mode = stat.S_IMODE(store.dir.stat().st_mode)
         if dir_mode & 0o077:
             self.add(
                 WARN,
                 "state file",
-                f"{path} is private, but its directory is mode {dir_mode:o}",
-                f"chmod 700 {store.dir}",
+                f"{path} is private, but its directory was mode {dir_mode:o} "
+                "(made 0700 now; `run` does the same at every start)",
             )
         else:
             self.add(
