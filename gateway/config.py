@@ -173,8 +173,15 @@ def _ca_file(value: Any) -> Path:
     return path
 
 
-def _upper(value: Any) -> str:
-    return str(value).upper()
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: Any) -> str:
+    """One of ``LOG_LEVELS`` (any case); anything else is refused, not quietly INFO."""
+    level = str(value).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"not a log level: use {', '.join(LOG_LEVELS)}")
+    return level
 
 
 def _model_list(value: Any) -> tuple[str, ...]:
@@ -454,7 +461,7 @@ class Config:
     log_level: str = setting(
         "INFO",
         env="ALP_GATEWAY_LOG_LEVEL",
-        parse=_upper,
+        parse=_log_level,
         help="DEBUG, INFO, WARNING or ERROR",
         group="logs",
         metavar="LEVEL",

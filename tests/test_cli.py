@@ -307,3 +307,18 @@ async def test_a_ca_file_that_is_missing_or_not_pem_is_one_line(tmp_path: Path) 
         out = result.stdout.decode()
         assert result.returncode == 1 and "Traceback" not in result.stderr.decode()
         assert f"--ca-file: invalid value '{ca}': {ca}" in out and says in out, out
+
+
+async def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
+    args = ["--project", "o/p", "--state-dir", str(tmp_path), "--backend", "http://127.0.0.1:9/v1"]
+    result = await cli("run", *args, "--log-level", "verbose")
+    err = result.stderr.decode().strip()
+    assert result.returncode == 2 and "\n" not in err, err
+    assert err == (
+        "alp-gateway: --log-level: invalid value 'verbose': "
+        "not a log level: use DEBUG, INFO, WARNING, ERROR"
+    )
+    result = await cli("run", *args, ALP_GATEWAY_LOG_LEVEL="loud")
+    assert (
+        result.returncode == 2 and b"ALP_GATEWAY_LOG_LEVEL: invalid value 'loud'" in result.stderr
+    )
