@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ def _register(config: Config) -> int:
         return _fail("registering needs a user credential: --user-token or AGENTICS_USER_TOKEN")
     runner = Runner(config)
     try:
-        reg = trio.run(runner.register)
+        reg = trio.run(partial(runner.register, wait_for_server=False))
     except RunnerExit as exc:
         return _fail(str(exc), exc.code)
     print(f"registered runner {reg.name} ({reg.id}) for {reg.key}; saved in {runner.store.path}")

@@ -214,8 +214,16 @@ class Runner:
             )
         return await self.register()
 
-    async def register(self) -> Registration:
-        """Register with the user credential (retried while the Server is unavailable) and save it."""
+    async def register(self, *, wait_for_server: bool = True) -> Registration:
+        """Register with the user credential and save it.
+
+        A Server that cannot be reached (a refused connection, a host name that does not
+        resolve, a timeout, a 5xx) is waited for when ``wait_for_server`` (``run``: in compose
+        or Kubernetes the Server, or the cluster's DNS, may come up after the runner; the pod's
+        startup probe allows it minutes), with backoff up to 30 s and the reason logged when it
+        changes and every 10th attempt. Without it (``alp-gateway register``, run by a person)
+        the first such failure ends the command with that one reason. TLS that cannot work
+        (a refused certificate, https:// to a plain-HTTP Server) and a refusal end both."""
         config = self.config
         assert config.project and config.user_token
         client = AlpClient(
@@ -227,6 +235,7 @@ class Runner:
         )
         try:
             failures = 0
+            said = ""
             while True:
                 try:
                     reg = await client.register(config.user_token, config.name, list(config.labels))
@@ -234,10 +243,20 @@ class Runner:
                 except ServerUnavailable as exc:
                     if isinstance(exc, CertificateRefused):
                         raise RunnerExit(str(exc), 2) from None
+                    if not wait_for_server:
+                        raise RunnerExit(f"registration: {exc}", 1) from None
                     failures += 1
                     self.counters.inc("registration_errors")
                     delay = backoff_delay(failures, 1.0, 30.0)
-                    log.warning("registration: %s; retrying in %.1f s", exc, delay)
+                    loud = str(exc) != said or failures % 10 == 0
+                    log.log(
+                        logging.WARNING if loud else logging.DEBUG,
+                        "registration: %s; attempt %d, retrying in %.1f s",
+                        exc,
+                        failures,
+                        delay,
+                    )
+                    said = str(exc)
                     with trio.move_on_after(delay):
                         await self.shutdown.wait()
                     if self.shutdown.is_set():
@@ -553,7 +572,7 @@ class Runner:
                     return "failure", f"the Server refused the chat channel ({status})"
                 last_problem = f"channel handshake failed: {exc}"
             except OSError as exc:
-                last_problem = f"channel unreachable: {describe_error(exc)}"
+                last_problem = f"channel unreachable: {describe_error(exc, url)}"
             if dial.cancelled_caught and end is None:
                 last_problem = f"channel handshake took over {self.config.connect_timeout:.0f} s"
             if end is not None:

@@ -16,6 +16,7 @@ from helpers import (
     EXE,
     OWNER,
     PROJECT,
+    LogCapture,
     Turns,
     clean_env,
     open_chat,
@@ -322,3 +323,84 @@ async def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
     assert (
         result.returncode == 2 and b"ALP_GATEWAY_LOG_LEVEL: invalid value 'loud'" in result.stderr
     )
+
+
+async def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with trio.socket.socket() as s:
+        await s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _register_to(server: str, tmp_path: Path, token: str = ADMIN) -> tuple[int, str]:
+    result = await cli(
+        "register",
+        *("--server", server, "--project", "o/p", "--state-dir", str(tmp_path)),
+        AGENTICS_USER_TOKEN=token,
+    )
+    err = result.stderr.decode().strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return result.returncode, err
+
+
+async def test_registration_errors_point_the_right_way(
+    hub: tuple[Hub, str], tmp_path: Path
+) -> None:
+    url = hub[1]
+    code, err = await _register_to(f"{url}/v1", tmp_path)
+    assert code == 2 and "answered 404" in err, err
+    assert f"POST {url}/v1/api/owners/o/projects/p/runners and POST " in err, err
+    assert f"has a path (/v1): give the Server's root, --server {url} (without /v1" in err, err
+
+    port = await _free_port()
+    code, err = await _register_to(f"http://127.0.0.1:{port}", tmp_path)
+    assert code == 1, err
+    assert err.endswith(f"connection refused by 127.0.0.1:{port}: nothing listens there"), err
+    assert "sub-exception" not in err and err.count("attempts") == 0, err
+
+    code, err = await _register_to("http://no-such-host.invalid", tmp_path)
+    assert code == 1 and "cannot resolve the host name 'no-such-host.invalid' (" in err, err
+    assert "[Errno" not in err, err
+
+    tls = "https://" + url.removeprefix("http://")
+    code, err = await _register_to(tls, tmp_path)
+    assert code == 2, err
+    assert (
+        err
+        == f"alp-gateway: {tls}: the Server does not speak TLS: use {url} (http://, not https://)"
+    )
+
+    code, err = await _register_to(url, tmp_path, token="not-the-admin-token")
+    assert code == 2 and "does not accept the user credential" in err, err
+    assert "runner token" not in err, err
+    code, err = await _register_to(url, tmp_path, token="alpr_a-runner-token")
+    assert code == 2 and "the credential given is a runner token (alpr_…)" in err, err
+
+
+async def test_run_waits_for_a_server_that_refuses_connections(
+    tmp_path: Path, logs: LogCapture
+) -> None:
+    """``run`` registers against a Server that is not up yet (compose, Kubernetes): it retries,
+    one clean line when the reason changes, until the Server answers or it is stopped."""
+    port = await _free_port()
+    runner = Runner(runner_config(f"http://127.0.0.1:{port}", None, tmp_path))
+    stopped: list[RunnerExit] = []
+
+    async def register() -> None:
+        try:
+            await runner.register()
+        except RunnerExit as exc:
+            stopped.append(exc)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(register)
+            await runner.counters.wait("registration_errors", 2)
+            runner.begin_shutdown()
+    assert [(str(e), e.code) for e in stopped] == [("stopped before the runner could register", 0)]
+    warned = [line for line in logs.lines if line.startswith("registration:")]
+    assert warned[0] == (
+        f"registration: POST http://127.0.0.1:{port}/api/owners/{OWNER}/projects/{PROJECT}/"
+        f"runners: connection refused by 127.0.0.1:{port}: nothing listens there; "
+        f"attempt 1, retrying in {warned[0].rsplit(' ', 2)[1]} s"
+    ), warned
