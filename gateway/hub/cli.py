@@ -27,6 +27,7 @@ from gateway.hub.hub import Hub
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
 from gateway.hub.usage import LIMIT_NAMES, KeyLimits, limits_of
+from gateway.observe import setup_logging
 from gateway.signals import watch_signals
 
 PROG = "alp-gateway hub"
@@ -461,13 +462,13 @@ def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
 
 
 def configure_logging() -> None:
-    """The hub's log output: INFO lines on stderr (unless logging is set up already), every
-    handler's lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
+    """The hub's log output: INFO lines on stderr in the runner's format (``gateway.observe``;
+    JSON when ALP_GATEWAY_LOG_FORMAT=json), unless logging is set up already; every handler's
+    lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        fmt = "json" if os.environ.get("ALP_GATEWAY_LOG_FORMAT", "").lower() == "json" else "text"
+        setup_logging("INFO", fmt)
     for handler in root.handlers:
         logsafe.install(handler)
     logging.getLogger("gateway.wire.server").setLevel(logging.WARNING)
