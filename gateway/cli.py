@@ -142,8 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config_from(args)
         setup_logging(config.log_level, config.log_format)
         if config.project is None:
+            names = " or ".join(next(s for s in SETTINGS if s.key == "project").env)
             return _fail(
-                "no project: give --project OWNER/PROJECT (or project = in the config file)"
+                f"no project: give --project OWNER/PROJECT, or set {names} in the environment "
+                "(or project = in the config file)"
             )
         if args.command == "register":
             return _register(config)

@@ -404,3 +404,13 @@ async def test_run_waits_for_a_server_that_refuses_connections(
         f"runners: connection refused by 127.0.0.1:{port}: nothing listens there; "
         f"attempt 1, retrying in {warned[0].rsplit(' ', 2)[1]} s"
     ), warned
+
+
+async def test_no_project_names_the_environment_variable(tmp_path: Path) -> None:
+    for command in ("run", "register"):
+        result = await cli(command, "--state-dir", str(tmp_path))
+        err = result.stderr.decode().strip()
+        assert result.returncode == 2 and err == (
+            "alp-gateway: no project: give --project OWNER/PROJECT, or set ALP_PROJECT or "
+            "AGENTICS_PROJECT in the environment (or project = in the config file)"
+        ), err
