@@ -159,6 +159,8 @@ class Runner:
         self.alp: AlpClient | None = None
         self.sessions: dict[str, ChatJob] = {}
         self._reporting: set[str] = set()  # ended sessions whose final report is on its way
+        self._report_scopes: set[trio.CancelScope] = set()  # final reports under way
+        self._stopping_now = False  # a second signal came
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
@@ -354,6 +356,7 @@ class Runner:
 
         def again(signum: int) -> None:
             log.warning("second signal: stopping now")
+            self.stop_now()
             done.cancel()
 
         await watch_signals(first, again, task_status=task_status)
@@ -366,6 +369,13 @@ class Runner:
         return Redactor(
             [*keys, self.config.backend_key, self.config.user_token, reg.token if reg else None]
         )
+
+    def stop_now(self) -> None:
+        """The second signal: final reports still being retried are given up at once (and a
+        session ending from now on has at most 2 s for its report)."""
+        self._stopping_now = True
+        for scope in self._report_scopes:
+            scope.cancel()
 
     def begin_shutdown(self) -> None:
         self.shutdown.set()
@@ -507,10 +517,19 @@ class Runner:
             del self.sessions[job.id]
             self._reporting.add(job.id)
             self._wake.set()  # a slot is free: poll now
+            # shielded from the session's own cancellation, but not from a second signal:
+            # stop_now() cancels the scope (a Server that is gone would hold the exit ~15 s)
+            report = trio.CancelScope(shield=True)
+            if self._stopping_now:
+                budget = min(budget or 2.0, 2.0)
+            self._report_scopes.add(report)
             try:
-                with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
+                with report, trio.move_on_after(budget or float("inf")):
                     await self._report(job, conclusion, reason)
+                if report.cancelled_caught and job.id not in self.reports:
+                    log.warning("job %s: final report abandoned (stopped at once)", job.id)
             finally:
+                self._report_scopes.discard(report)
                 self._reporting.discard(job.id)
             if job.trace is not None:
                 job.trace.end(conclusion, reason)

@@ -414,3 +414,38 @@ async def test_no_project_names_the_environment_variable(tmp_path: Path) -> None
             "alp-gateway: no project: give --project OWNER/PROJECT, or set ALP_PROJECT or "
             "AGENTICS_PROJECT in the environment (or project = in the config file)"
         ), err
+
+
+async def test_second_signal_gives_up_final_reports_at_once(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """The Server is gone (every job status answers 503) when the first SIGTERM ends a session:
+    its final report is retried for ~15 s, but a second signal ends the process at once."""
+    async with fault_proxy(hub[1]) as proxy:
+        proxy.faults["status"] = [503] * 100
+        log_path = tmp_path / "runner.log"
+        with log_path.open("wb") as log:
+            proc = await trio.lowlevel.open_process(
+                [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path)],
+                env=runner_env(proxy.url, sim.url),
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            with trio.fail_after(20):
+                await open_chat(hub[0], within=20)
+                await proxy.wait_hits("status", 1)  # in_progress, refused
+            proc.send_signal(signal.SIGTERM)  # the idle session ends; its report is retried
+            with trio.fail_after(20):
+                # three report attempts refused: the third comes over 0.75 s after the first
+                # signal, so the next SIGTERM is not taken for its echo (gateway.signals)
+                await proxy.wait_hits("status", 4)
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(3):  # the remaining attempts' backoff alone is over 10 s
+                code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert code == 130, text
+    assert "final report abandoned (stopped at once)" in text, text
