@@ -110,6 +110,7 @@ class Backend:
         self.max_concurrency = max_concurrency
         self.queue_limit = queue
         self.idle_timeout = idle_timeout
+        self.key = key or None  # masked in what the runner relays of this backend's errors
         self._headers = {"accept": "text/event-stream", "content-type": "application/json"}
         if key:
             self._headers["authorization"] = f"Bearer {key}"
