@@ -663,6 +663,7 @@ LOCAL_SERVERS: tuple[tuple[str, str], ...] = (
     ("LM Studio", "http://127.0.0.1:1234/v1"),
     ("llama.cpp", "http://127.0.0.1:8080/v1"),
     ("LiteLLM", "http://127.0.0.1:4000/v1"),
+    ("alp-gateway sim", "http://127.0.0.1:8789/v1"),  # gateway.sim.cli.DEFAULT_LISTEN
 )
 
 
