@@ -16,7 +16,14 @@ import httpx
 import msgspec
 import trio
 
-from gateway.alp import AlpClient, Refused, ServerUnavailable, TokenRefused, make_ssl_context
+from gateway.alp import (
+    AlpClient,
+    Refused,
+    ServerUnavailable,
+    TokenRefused,
+    describe_error,
+    make_ssl_context,
+)
 from gateway.backends import Backend, BackendPool, discover_local
 from gateway.config import Config, ConfigError, load_config
 from gateway.observe import Redactor
@@ -198,7 +205,9 @@ class Doctor:
                 ) as client:
                     await client.get(server)
             except httpx.HTTPError as exc:
-                self.add(FAIL, "Server", f"{server} unreachable: {_kind(exc)}", fix_server)
+                why = _kind(exc) if isinstance(exc, httpx.TimeoutException) else None
+                why = why or describe_error(exc, server)
+                self.add(FAIL, "Server", f"{server} unreachable: {why}", fix_server)
                 return
             self.add(
                 OK, "Server", f"{server} reachable (runner token not checked: not registered yet)"

@@ -217,3 +217,13 @@ async def test_a_backend_url_without_v1_fails_and_says_did_you_mean(
     # the right URL still passes
     checks = await diagnose(runner_config(hub[1], sim.url, tmp_path / "state"))
     assert by_name(checks)["backend default"].mark == OK, table(checks)
+
+
+async def test_an_unreachable_server_is_one_clean_reason(sim: Simulator, tmp_path: Path) -> None:
+    port = await dead_port()
+    server = f"http://127.0.0.1:{port}"
+    checks = by_name(await diagnose(runner_config(server, sim.url, tmp_path / "fresh")))
+    assert checks["Server"].mark == FAIL
+    assert checks["Server"].detail == (
+        f"{server} unreachable: connection refused by 127.0.0.1:{port}: nothing listens there"
+    )
