@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -73,25 +75,47 @@ _jobs_decoder = msgspec.json.Decoder()
 
 def _root_cause(exc: BaseException) -> BaseException:
     seen = 0
-    while (exc.__cause__ or exc.__context__) is not None and seen < 8:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    while seen < 8:
+        if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]  # trio's "all attempts to connect … failed" holds the reason
+        elif (exc.__cause__ or exc.__context__) is not None:
+            exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        else:
+            break
         seen += 1
     return exc
 
 
-def describe_error(exc: BaseException) -> str:
-    """``ConnectError: …`` with the real reason: under trio httpx's own message is often empty
-    and the cause (a refused connection, a certificate failure) is a few levels down."""
-    text = str(exc)
+def _host_port(url: str) -> str:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+    return f"{parts.hostname}:{port}"
+
+
+def describe_error(exc: BaseException, url: str | None = None) -> str:
+    """One clean reason for a failed request to ``url``: under trio httpx's own message is
+    often empty or doubled, and the cause (a refused connection, a name that does not resolve,
+    TLS spoken to a plain-HTTP port) is a few levels down."""
     root = _root_cause(exc)
-    if root is not exc and str(root):
+    if url is not None:
+        where = _host_port(url)
+        if isinstance(root, ConnectionRefusedError):
+            return f"connection refused by {where}: nothing listens there"
+        if isinstance(root, socket.gaierror):
+            host = urlsplit(url).hostname
+            return f"cannot resolve the host name {host!r} ({root.strerror})"
+        if isinstance(root, ssl.SSLError) and root.reason == "WRONG_VERSION_NUMBER":
+            return f"{where} does not speak TLS: use http:// instead of https://"
+    text = str(exc)
+    if root is not exc and str(root) and str(root) not in text:
         text = f"{text}: {root}" if text else str(root)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class CertificateRefused(ServerUnavailable):
-    """The Server's TLS certificate failed verification (retried like any outage once running,
-    but registration stops at once: retrying will not help)."""
+    """TLS with the Server cannot work: its certificate failed verification, or it does not
+    speak TLS at all (an https:// URL for a plain-HTTP Server). Retried like any outage once
+    running, but registration stops at once: retrying will not help."""
 
 
 def _check_certificate(exc: BaseException, url: str) -> None:
@@ -100,6 +124,11 @@ def _check_certificate(exc: BaseException, url: str) -> None:
         raise CertificateRefused(
             f"{url}: the Server's certificate was refused ({root.verify_message}); "
             "if it is signed by a private CA, give it with --ca-file"
+        ) from None
+    if isinstance(root, ssl.SSLError) and root.reason == "WRONG_VERSION_NUMBER":
+        plain = "http://" + url.split("://", 1)[-1]
+        raise CertificateRefused(
+            f"{url}: the Server does not speak TLS: use {plain} (http://, not https://)"
         ) from None
 
 
@@ -142,7 +171,7 @@ class AlpClient:
             resp = await self._client.request(method, url, json=json, headers=self._auth(token))
         except httpx.HTTPError as exc:
             _check_certificate(exc, self.server)
-            raise ServerUnavailable(f"{method} {url}: {describe_error(exc)}") from None
+            raise ServerUnavailable(f"{method} {url}: {describe_error(exc, url)}") from None
         if resp.status_code >= 500:
             raise ServerUnavailable(f"{method} {url}: Server answered {resp.status_code}")
         return resp
@@ -151,16 +180,18 @@ class AlpClient:
         """``POST {base}/runners``, falling back to ``{base}/runners/register`` on 404/405."""
         body = {"name": name, "labels": labels}
         resp = await self._request("POST", "runners", token=user_token, json=body)
+        tried = [f"{self.base}/runners"]
         if resp.status_code in (404, 405):
             resp = await self._request("POST", "runners/register", token=user_token, json=body)
+            tried.append(f"{self.base}/runners/register")
         if resp.status_code in (401, 403):
-            raise RegistrationRefused(
-                f"the Server refused registration ({resp.status_code}): a user credential "
-                "(--user-token or AGENTICS_USER_TOKEN) is needed, not a runner token"
-            )
+            raise RegistrationRefused(self._refused_because(resp.status_code, user_token))
+        if resp.status_code in (404, 405):
+            raise Refused(self._not_found(resp.status_code, tried), resp.status_code)
         if not resp.is_success:
             raise Refused(
-                f"registration failed: Server answered {resp.status_code}", resp.status_code
+                f"registration failed: POST {tried[-1]} answered {resp.status_code}",
+                resp.status_code,
             )
         try:
             data = resp.json()
@@ -175,6 +206,41 @@ class AlpClient:
             )
         except (ValueError, KeyError, TypeError):
             raise Refused("registration reply lacks id/token", resp.status_code) from None
+
+    def _refused_because(self, status: int, user_token: str) -> str:
+        """Why a user credential was refused, in words that point the right way."""
+        owner_project = f"{self.owner}/{self.project}"
+        if user_token.startswith("alpr_"):  # the runner tokens this Server family hands out
+            return (
+                f"the Server refused registration ({status}): the credential given is a runner "
+                "token (alpr_…); registering needs a user credential (--user-token or "
+                "AGENTICS_USER_TOKEN)"
+            )
+        if status == 403:
+            return (
+                f"the Server refused registration (403): the user credential is known but may "
+                f"not register runners in {owner_project}; check --project and the user's rights"
+            )
+        return (
+            f"the Server refused registration (401): it does not accept the user credential "
+            f"(--user-token or AGENTICS_USER_TOKEN) for {self.server}; check that it is this "
+            "Server's and that it is not expired or revoked"
+        )
+
+    def _not_found(self, status: int, tried: list[str]) -> str:
+        parts = urlsplit(self.server)
+        root = f"{parts.scheme}://{parts.netloc}"
+        if parts.path.strip("/"):
+            hint = (
+                f"--server {self.server} has a path ({parts.path}): give the Server's root, "
+                f"--server {root} (without /v1 or /api)"
+            )
+        else:
+            hint = (
+                f"is {self.server} an ALP Server (not a model server or a proxy), and does the "
+                f"project {self.owner}/{self.project} exist there?"
+            )
+        return f"registration failed: {' and '.join(f'POST {u}' for u in tried)} answered {status}: {hint}"
 
     async def poll(self, capabilities: list[str]) -> list[dict[str, Any]]:
         """``POST {base}/runners/jobs``: the offered jobs (never claims)."""
@@ -254,7 +320,7 @@ class AlpClient:
                     raise ServerUnavailable(f"GET {url}: Server answered {resp.status_code}")
                 yield _job_ids(resp, url)
         except httpx.HTTPError as exc:
-            raise ServerUnavailable(f"GET {url}: {describe_error(exc)}") from None
+            raise ServerUnavailable(f"GET {url}: {describe_error(exc, url)}") from None
 
 
 async def _job_ids(resp: httpx.Response, url: str) -> AsyncIterator[str]:
@@ -269,4 +335,4 @@ async def _job_ids(resp: httpx.Response, url: str) -> AsyncIterator[str]:
                     job_id = None
                 yield job_id if isinstance(job_id, str) else ""
     except httpx.HTTPError as exc:
-        raise ServerUnavailable(f"GET {url}: {describe_error(exc)}") from None
+        raise ServerUnavailable(f"GET {url}: {describe_error(exc, url)}") from None

@@ -110,6 +110,7 @@ class Backend:
         self.max_concurrency = max_concurrency
         self.queue_limit = queue
         self.idle_timeout = idle_timeout
+        self.key = key or None  # masked in what the runner relays of this backend's errors
         self._headers = {"accept": "text/event-stream", "content-type": "application/json"}
         if key:
             self._headers["authorization"] = f"Bearer {key}"
@@ -662,6 +663,7 @@ LOCAL_SERVERS: tuple[tuple[str, str], ...] = (
     ("LM Studio", "http://127.0.0.1:1234/v1"),
     ("llama.cpp", "http://127.0.0.1:8080/v1"),
     ("LiteLLM", "http://127.0.0.1:4000/v1"),
+    ("alp-gateway sim", "http://127.0.0.1:8789/v1"),  # gateway.sim.cli.DEFAULT_LISTEN
 )
 
 

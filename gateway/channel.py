@@ -387,7 +387,7 @@ class Channel:
                     if span is not None:
                         span.backend(backend.url)
                     async with backend.stream(route.body, traceparent) as response:
-                        await self._relay(request_id, backend.url, response, span)
+                        await self._relay(request_id, backend.url, response, span, backend.key)
                         return
             except BackendUnreachable as exc:
                 assert backend is not None
@@ -413,13 +413,20 @@ class Channel:
         url: str,
         response: http1.Response,
         span: TurnTrace | None = None,
+        key: str | None = None,
     ) -> None:
         """Relay one backend answer: every SSE event becomes a chunk frame written the moment
         its read is split (``SSERelay``, in the poller's task while it streams), then the done
-        frame."""
+        frame. An error answer's body goes to the Server in the error frame, with the backend's
+        key (``key``), bearer tokens and credential fields masked: a backend that echoes the
+        request's headers must not hand the key on."""
         send = self._send
         if not 200 <= response.status < 300:
-            text = _truncated(await response.read_body(_ERROR_BODY_LIMIT), _ERROR_BODY_LIMIT)
+            # read a key's length more, so a key cut at the limit is still masked whole
+            extra = len(key) if key else 0
+            body = await response.read_body(_ERROR_BODY_LIMIT + extra)
+            text = Redactor([key], limit=None)(body)
+            text = _truncated(text.encode(), _ERROR_BODY_LIMIT)
             raise TurnFailed(f"backend returned {response.status}: {text}")
         prefix = protocol.chunk_prefix(self.job_id, request_id)
         done_frame = protocol.done_frame(self.job_id, request_id)

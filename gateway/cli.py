@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config_from(args)
         setup_logging(config.log_level, config.log_format)
         if config.project is None:
+            names = " or ".join(next(s for s in SETTINGS if s.key == "project").env)
             return _fail(
-                "no project: give --project OWNER/PROJECT (or project = in the config file)"
+                f"no project: give --project OWNER/PROJECT, or set {names} in the environment "
+                "(or project = in the config file)"
             )
         if args.command == "register":
             return _register(config)
@@ -160,7 +163,7 @@ def _register(config: Config) -> int:
         return _fail("registering needs a user credential: --user-token or AGENTICS_USER_TOKEN")
     runner = Runner(config)
     try:
-        reg = trio.run(runner.register)
+        reg = trio.run(partial(runner.register, wait_for_server=False))
     except RunnerExit as exc:
         return _fail(str(exc), exc.code)
     print(f"registered runner {reg.name} ({reg.id}) for {reg.key}; saved in {runner.store.path}")

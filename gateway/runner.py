@@ -159,6 +159,8 @@ class Runner:
         self.alp: AlpClient | None = None
         self.sessions: dict[str, ChatJob] = {}
         self._reporting: set[str] = set()  # ended sessions whose final report is on its way
+        self._report_scopes: set[trio.CancelScope] = set()  # final reports under way
+        self._stopping_now = False  # a second signal came
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
@@ -214,8 +216,16 @@ class Runner:
             )
         return await self.register()
 
-    async def register(self) -> Registration:
-        """Register with the user credential (retried while the Server is unavailable) and save it."""
+    async def register(self, *, wait_for_server: bool = True) -> Registration:
+        """Register with the user credential and save it.
+
+        A Server that cannot be reached (a refused connection, a host name that does not
+        resolve, a timeout, a 5xx) is waited for when ``wait_for_server`` (``run``: in compose
+        or Kubernetes the Server, or the cluster's DNS, may come up after the runner; the pod's
+        startup probe allows it minutes), with backoff up to 30 s and the reason logged when it
+        changes and every 10th attempt. Without it (``alp-gateway register``, run by a person)
+        the first such failure ends the command with that one reason. TLS that cannot work
+        (a refused certificate, https:// to a plain-HTTP Server) and a refusal end both."""
         config = self.config
         assert config.project and config.user_token
         client = AlpClient(
@@ -227,6 +237,7 @@ class Runner:
         )
         try:
             failures = 0
+            said = ""
             while True:
                 try:
                     reg = await client.register(config.user_token, config.name, list(config.labels))
@@ -234,10 +245,20 @@ class Runner:
                 except ServerUnavailable as exc:
                     if isinstance(exc, CertificateRefused):
                         raise RunnerExit(str(exc), 2) from None
+                    if not wait_for_server:
+                        raise RunnerExit(f"registration: {exc}", 1) from None
                     failures += 1
                     self.counters.inc("registration_errors")
                     delay = backoff_delay(failures, 1.0, 30.0)
-                    log.warning("registration: %s; retrying in %.1f s", exc, delay)
+                    loud = str(exc) != said or failures % 10 == 0
+                    log.log(
+                        logging.WARNING if loud else logging.DEBUG,
+                        "registration: %s; attempt %d, retrying in %.1f s",
+                        exc,
+                        failures,
+                        delay,
+                    )
+                    said = str(exc)
                     with trio.move_on_after(delay):
                         await self.shutdown.wait()
                     if self.shutdown.is_set():
@@ -335,6 +356,7 @@ class Runner:
 
         def again(signum: int) -> None:
             log.warning("second signal: stopping now")
+            self.stop_now()
             done.cancel()
 
         await watch_signals(first, again, task_status=task_status)
@@ -347,6 +369,13 @@ class Runner:
         return Redactor(
             [*keys, self.config.backend_key, self.config.user_token, reg.token if reg else None]
         )
+
+    def stop_now(self) -> None:
+        """The second signal: final reports still being retried are given up at once (and a
+        session ending from now on has at most 2 s for its report)."""
+        self._stopping_now = True
+        for scope in self._report_scopes:
+            scope.cancel()
 
     def begin_shutdown(self) -> None:
         self.shutdown.set()
@@ -488,10 +517,19 @@ class Runner:
             del self.sessions[job.id]
             self._reporting.add(job.id)
             self._wake.set()  # a slot is free: poll now
+            # shielded from the session's own cancellation, but not from a second signal:
+            # stop_now() cancels the scope (a Server that is gone would hold the exit ~15 s)
+            report = trio.CancelScope(shield=True)
+            if self._stopping_now:
+                budget = min(budget or 2.0, 2.0)
+            self._report_scopes.add(report)
             try:
-                with trio.CancelScope(shield=True), trio.move_on_after(budget or float("inf")):
+                with report, trio.move_on_after(budget or float("inf")):
                     await self._report(job, conclusion, reason)
+                if report.cancelled_caught and job.id not in self.reports:
+                    log.warning("job %s: final report abandoned (stopped at once)", job.id)
             finally:
+                self._report_scopes.discard(report)
                 self._reporting.discard(job.id)
             if job.trace is not None:
                 job.trace.end(conclusion, reason)
@@ -553,7 +591,7 @@ class Runner:
                     return "failure", f"the Server refused the chat channel ({status})"
                 last_problem = f"channel handshake failed: {exc}"
             except OSError as exc:
-                last_problem = f"channel unreachable: {describe_error(exc)}"
+                last_problem = f"channel unreachable: {describe_error(exc, url)}"
             if dial.cancelled_caught and end is None:
                 last_problem = f"channel handshake took over {self.config.connect_timeout:.0f} s"
             if end is not None:

@@ -210,10 +210,21 @@ def main(args: argparse.Namespace) -> int:
         if args.rate:
             time.sleep(1.0)  # the sampling interval of the rate, not a synchronisation
             before, now = first, read(url)
-    except httpx.HTTPError as exc:
+    except httpx.HTTPStatusError as exc:
         print(
-            f"alp-gateway status: {url} is not answering ({type(exc).__name__}); is the runner "
-            "started with --metrics-listen?",
+            f"alp-gateway status: {exc.request.url} answered {exc.response.status_code}: "
+            "something listens there, but it is not an alp-gateway runner's metrics port; "
+            "give the address of the runner's --metrics-listen (--metrics-url or "
+            "ALP_GATEWAY_METRICS_URL)",
+            file=sys.stderr,
+        )
+        return 2
+    except httpx.HTTPError as exc:
+        from gateway.alp import describe_error
+
+        print(
+            f"alp-gateway status: {url} is not answering ({describe_error(exc, url)}); is the "
+            "runner started with --metrics-listen?",
             file=sys.stderr,
         )
         return 2

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from pathlib import Path
 
 import trio
-from helpers import Turns, open_chat, request_frame, runner_config, running
+from helpers import BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running
 
 from gateway.hub import Hub
 from gateway.sim import Simulator
@@ -65,3 +67,46 @@ async def test_a_long_silent_generation_is_not_cut_by_an_overall_deadline(
         turns = Turns(ch)
         await turns.until("slow")
         assert turns.last("slow")["type"] == "chat.completion.done"
+
+
+async def _echoing_backend(stream: trio.SocketStream) -> None:
+    """A model server that lists one model and answers every completion 500 with the request's
+    head in the body (as some proxies and debug servers do): the backend key included."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = await stream.receive_some(65536)
+        if not data:
+            return
+        head += data
+    if head.startswith(b"GET "):
+        status, body = b"200 OK", b'{"object": "list", "data": [{"id": "sim-model"}]}'
+    else:
+        request_head = head.split(b"\r\n\r\n", 1)[0].decode()
+        status = b"500 Internal Server Error"
+        body = json.dumps({"error": {"message": "failed", "request": request_head}}).encode()
+    await stream.send_all(
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await stream.aclose()
+
+
+async def test_a_backend_error_body_never_relays_the_backend_key(
+    hub: tuple[Hub, str], tmp_path: Path
+) -> None:
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, _echoing_backend, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        backend = f"http://127.0.0.1:{port}/v1"
+        async with running(runner_config(hub[1], backend, tmp_path)):
+            job, ch = await open_chat(hub[0])
+            await ch.send(request_frame(job.id, "r1"))
+            turns = Turns(ch)
+            await turns.until("r1", errors={"r1"})
+        nursery.cancel_scope.cancel()
+    error = turns.last("r1")["error"]
+    assert error.startswith("backend returned 500: ") and "failed" in error, error
+    assert BACKEND_KEY not in error, error
+    assert "[redacted]" in error and "POST /v1/chat/completions" in error, error

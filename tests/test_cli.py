@@ -16,6 +16,7 @@ from helpers import (
     EXE,
     OWNER,
     PROJECT,
+    LogCapture,
     Turns,
     clean_env,
     open_chat,
@@ -289,3 +290,162 @@ async def test_sigterm_while_the_server_is_unreachable(tmp_path: Path) -> None:
         if proc.returncode is None:
             proc.kill()
     assert code == 0
+
+
+async def test_a_ca_file_that_is_missing_or_not_pem_is_one_line(tmp_path: Path) -> None:
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("this is not a certificate\n")
+    common = ["--project", "o/p", "--state-dir", str(tmp_path / "s"), "--user-token", "u"]
+    backend = ["--backend", "http://127.0.0.1:9/v1"]
+    for ca, says in ((tmp_path / "missing.pem", "does not exist"), (not_pem, "no PEM certificate")):
+        for command in (["run", *backend], ["register"]):
+            result = await cli(*command, *common, "--ca-file", str(ca))
+            err = result.stderr.decode().strip()
+            assert result.returncode == 2, err
+            assert err.startswith("alp-gateway: --ca-file") and says in err, err
+            assert "\n" not in err and "Traceback" not in err
+        result = await cli("doctor", *common, *backend, "--ca-file", str(ca))
+        out = result.stdout.decode()
+        assert result.returncode == 1 and "Traceback" not in result.stderr.decode()
+        assert f"--ca-file: invalid value '{ca}': {ca}" in out and says in out, out
+
+
+async def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
+    args = ["--project", "o/p", "--state-dir", str(tmp_path), "--backend", "http://127.0.0.1:9/v1"]
+    result = await cli("run", *args, "--log-level", "verbose")
+    err = result.stderr.decode().strip()
+    assert result.returncode == 2 and "\n" not in err, err
+    assert err == (
+        "alp-gateway: --log-level: invalid value 'verbose': "
+        "not a log level: use DEBUG, INFO, WARNING, ERROR"
+    )
+    result = await cli("run", *args, ALP_GATEWAY_LOG_LEVEL="loud")
+    assert (
+        result.returncode == 2 and b"ALP_GATEWAY_LOG_LEVEL: invalid value 'loud'" in result.stderr
+    )
+
+
+async def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with trio.socket.socket() as s:
+        await s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _register_to(server: str, tmp_path: Path, token: str = ADMIN) -> tuple[int, str]:
+    result = await cli(
+        "register",
+        *("--server", server, "--project", "o/p", "--state-dir", str(tmp_path)),
+        AGENTICS_USER_TOKEN=token,
+    )
+    err = result.stderr.decode().strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return result.returncode, err
+
+
+async def test_registration_errors_point_the_right_way(
+    hub: tuple[Hub, str], tmp_path: Path
+) -> None:
+    url = hub[1]
+    code, err = await _register_to(f"{url}/v1", tmp_path)
+    assert code == 2 and "answered 404" in err, err
+    assert f"POST {url}/v1/api/owners/o/projects/p/runners and POST " in err, err
+    assert f"has a path (/v1): give the Server's root, --server {url} (without /v1" in err, err
+
+    port = await _free_port()
+    code, err = await _register_to(f"http://127.0.0.1:{port}", tmp_path)
+    assert code == 1, err
+    assert err.endswith(f"connection refused by 127.0.0.1:{port}: nothing listens there"), err
+    assert "sub-exception" not in err and err.count("attempts") == 0, err
+
+    code, err = await _register_to("http://no-such-host.invalid", tmp_path)
+    assert code == 1 and "cannot resolve the host name 'no-such-host.invalid' (" in err, err
+    assert "[Errno" not in err, err
+
+    tls = "https://" + url.removeprefix("http://")
+    code, err = await _register_to(tls, tmp_path)
+    assert code == 2, err
+    assert (
+        err
+        == f"alp-gateway: {tls}: the Server does not speak TLS: use {url} (http://, not https://)"
+    )
+
+    code, err = await _register_to(url, tmp_path, token="not-the-admin-token")
+    assert code == 2 and "does not accept the user credential" in err, err
+    assert "runner token" not in err, err
+    code, err = await _register_to(url, tmp_path, token="alpr_a-runner-token")
+    assert code == 2 and "the credential given is a runner token (alpr_…)" in err, err
+
+
+async def test_run_waits_for_a_server_that_refuses_connections(
+    tmp_path: Path, logs: LogCapture
+) -> None:
+    """``run`` registers against a Server that is not up yet (compose, Kubernetes): it retries,
+    one clean line when the reason changes, until the Server answers or it is stopped."""
+    port = await _free_port()
+    runner = Runner(runner_config(f"http://127.0.0.1:{port}", None, tmp_path))
+    stopped: list[RunnerExit] = []
+
+    async def register() -> None:
+        try:
+            await runner.register()
+        except RunnerExit as exc:
+            stopped.append(exc)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(register)
+            await runner.counters.wait("registration_errors", 2)
+            runner.begin_shutdown()
+    assert [(str(e), e.code) for e in stopped] == [("stopped before the runner could register", 0)]
+    warned = [line for line in logs.lines if line.startswith("registration:")]
+    assert warned[0] == (
+        f"registration: POST http://127.0.0.1:{port}/api/owners/{OWNER}/projects/{PROJECT}/"
+        f"runners: connection refused by 127.0.0.1:{port}: nothing listens there; "
+        f"attempt 1, retrying in {warned[0].rsplit(' ', 2)[1]} s"
+    ), warned
+
+
+async def test_no_project_names_the_environment_variable(tmp_path: Path) -> None:
+    for command in ("run", "register"):
+        result = await cli(command, "--state-dir", str(tmp_path))
+        err = result.stderr.decode().strip()
+        assert result.returncode == 2 and err == (
+            "alp-gateway: no project: give --project OWNER/PROJECT, or set ALP_PROJECT or "
+            "AGENTICS_PROJECT in the environment (or project = in the config file)"
+        ), err
+
+
+async def test_second_signal_gives_up_final_reports_at_once(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """The Server is gone (every job status answers 503) when the first SIGTERM ends a session:
+    its final report is retried for ~15 s, but a second signal ends the process at once."""
+    async with fault_proxy(hub[1]) as proxy:
+        proxy.faults["status"] = [503] * 100
+        log_path = tmp_path / "runner.log"
+        with log_path.open("wb") as log:
+            proc = await trio.lowlevel.open_process(
+                [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(tmp_path)],
+                env=runner_env(proxy.url, sim.url),
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            with trio.fail_after(20):
+                await open_chat(hub[0], within=20)
+                await proxy.wait_hits("status", 1)  # in_progress, refused
+            proc.send_signal(signal.SIGTERM)  # the idle session ends; its report is retried
+            with trio.fail_after(20):
+                # three report attempts refused: the third comes over 0.75 s after the first
+                # signal, so the next SIGTERM is not taken for its echo (gateway.signals)
+                await proxy.wait_hits("status", 4)
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(3):  # the remaining attempts' backoff alone is over 10 s
+                code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert code == 130, text
+    assert "final report abandoned (stopped at once)" in text, text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -74,3 +75,35 @@ def test_the_check_finds_a_silent_test() -> None:
     assert not _checks_directly(tree)
     assert _checks_directly(ast.parse("def test_y():\n    assert 1\n"))
     assert _checks_directly(ast.parse("def test_z():\n    with pytest.raises(E):\n        f()\n"))
+
+
+def _skips_without_reason(tree: ast.AST) -> list[int]:
+    """Lines of ``pytest.skip()`` with no reason and ``pytest.mark.skip``/``skipif`` marks with
+    no ``reason=`` (``-rs`` would print an empty or made-up reason for them)."""
+    lines = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+            continue
+        func, owner = call.func, call.func.value
+        reasons = [k for k in call.keywords if k.arg == "reason"]
+        if func.attr == "skip" and isinstance(owner, ast.Name) and owner.id == "pytest":
+            if not call.args and not reasons:
+                lines.append(call.lineno)
+        elif func.attr in ("skip", "skipif") and isinstance(owner, ast.Attribute):
+            if owner.attr == "mark" and not reasons:
+                lines.append(call.lineno)
+    return lines
+
+
+def test_every_skip_says_why_and_pytest_prints_it() -> None:
+    missing = [
+        f"{path.name}:{line}"
+        for path in sorted(TESTS.glob("*.py"))
+        for line in _skips_without_reason(ast.parse(path.read_text(), str(path)))
+    ]
+    assert not missing, f"skips without a reason: {missing}"
+    with (TESTS.parent / "pyproject.toml").open("rb") as f:
+        addopts = tomllib.load(f)["tool"]["pytest"]["ini_options"]["addopts"].split()
+    assert "-rs" in addopts, "pytest prints skip reasons only with -rs (or -ra)"
+    assert _skips_without_reason(ast.parse("pytest.skip()\n@pytest.mark.skipif(x)\ndef f(): 0"))
+    assert not _skips_without_reason(ast.parse("pytest.skip('why')\npytest.mark.skip(reason='r')"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import socket
 import stat
 from collections.abc import AsyncIterator
 from typing import Any
@@ -591,7 +592,7 @@ def test_api_keys() -> None:
 
 def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = str(tmp_path / "state")
-    assert main(["keys", "create", "alice", "--data", data]) == 0
+    assert main(["keys", "create", "alice", "--data", data, "--create"]) == 0
     key = capsys.readouterr().out.strip()
     assert key.startswith("alpk_")
     assert main(["keys", "create", "bob", "--project", "acme/chat", "--data", data]) == 0
@@ -607,6 +608,46 @@ def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["keys", "create", "x", "--project", "bad", "--data", data]) == 2
     assert main(["--listen", "nonsense", "--data", data]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_keys_refuse_a_data_directory_with_no_hub(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped --data made a new empty store and a key the running hub rejects."""
+    hub = Hub(tmp_path / "hub")  # the hub that runs
+    hub.store.close()
+    wrong = tmp_path / "hbu"
+    for command in (["create", "alice"], ["list"], ["update", "alice", "--rpm", "1"]):
+        assert main(["keys", *command, "--data", str(wrong)]) == 2
+        err = capsys.readouterr().err
+        assert f"no hub in {wrong} (no hub.sqlite3): give the --data of the hub you run" in err
+        assert err.count("\n") == 1
+        assert ("`keys create --create` to start a new hub store" in err) == (
+            command[0] == "create"
+        )
+    assert not wrong.exists()
+    assert main(["usage", "--data", str(wrong)]) == 2
+    assert main(["keys", "create", "alice", "--data", str(tmp_path / "hub")]) == 0
+    assert capsys.readouterr().out.startswith("alpk_")
+    assert main(["keys", "create", "bob", "--data", str(wrong), "--create"]) == 0
+    assert (wrong / "hub.sqlite3").exists()
+
+
+def test_cli_hub_on_a_port_in_use_creates_nothing(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        data = tmp_path / "hub"
+        assert main(["--listen", f"127.0.0.1:{port}", "--data", str(data)]) == 2
+    out, err = capsys.readouterr()
+    assert (
+        err
+        == f"alp-gateway hub: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    )
+    assert "admin token" not in out and not data.exists()
 
 
 def test_cli_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:

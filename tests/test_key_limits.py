@@ -298,7 +298,10 @@ def test_keys_create_update_list_with_limits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = ["--data", str(tmp_path / "hub")]
-    assert hub_main(["keys", "create", "a", "--rpm", "3", "--max-streams", "2", *data]) == 0
+    assert (
+        hub_main(["keys", "create", "a", "--rpm", "3", "--max-streams", "2", *data, "--create"])
+        == 0
+    )
     created = capsys.readouterr()
     assert created.out.startswith("alpk_") and "limits: rpm=3 streams=2" in created.err
     assert hub_main(["keys", "create", "b", "--project", "acme/chat", *data]) == 0

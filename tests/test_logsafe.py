@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,3 +162,27 @@ def test_the_hub_command_installs_it_on_its_log_handler() -> None:
         root.setLevel(level)
         server.setLevel(server_level)
     assert handlers and all(any(isinstance(f, SafeFilter) for f in h.filters) for h in handlers)
+
+
+def test_the_hub_logs_in_the_runners_format(capsys: pytest.CaptureFixture[str]) -> None:
+    """One line format for the hub and the runner: ``gateway.observe``'s (not basicConfig's)."""
+    from gateway.hub.cli import configure_logging
+    from gateway.observe import setup_logging
+
+    root = logging.getLogger()
+    server = logging.getLogger("gateway.wire.server")
+    saved = (root.handlers[:], root.level, server.level)
+    root.handlers[:] = []
+    try:
+        configure_logging()  # the hub's, on stderr (captured)
+        logging.getLogger("gateway.hub").info("from the hub \x1b[31m")
+        setup_logging("INFO", "text")  # the runner's
+        logging.getLogger("gateway.runner").info("from the runner")
+    finally:
+        root.handlers[:], level, server_level = saved
+        root.setLevel(level)
+        server.setLevel(server_level)
+    hub_line, runner_line = capsys.readouterr().err.splitlines()
+    shape = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ INFO    from the (hub|runner)"
+    assert re.fullmatch(shape + r" \\x1b\[31m", hub_line), hub_line  # logsafe escaped it
+    assert re.fullmatch(shape, runner_line), runner_line

@@ -369,3 +369,21 @@ def test_keepalive_counters_in_metrics_and_status() -> None:
     )
     off = summary("http://x", Reading(200, "ok", Samples.parse(render(snapshot())), 0.0))
     assert "keepalive   pings off: 0 pings sent, 0 pong timeouts, 0 channels dead" in off
+
+
+async def test_status_against_something_that_is_not_a_runner(hub: tuple[Hub, str]) -> None:
+    """The hub answers 404 on /metrics: said as such, not as 'not answering (HTTPStatusError)'."""
+    code, out, err = await status("--metrics-url", hub[1])
+    assert code == 2 and out == "", err
+    assert err.strip() == (
+        f"alp-gateway status: {hub[1]}/metrics answered 404: something listens there, but it is "
+        "not an alp-gateway runner's metrics port; give the address of the runner's "
+        "--metrics-listen (--metrics-url or ALP_GATEWAY_METRICS_URL)"
+    )
+    with trio.socket.socket() as s:  # a port nothing listens on
+        await s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out, err = await status("--metrics-url", f"http://127.0.0.1:{port}")
+    assert code == 2 and (
+        f"is not answering (connection refused by 127.0.0.1:{port}: nothing listens there)" in err
+    ), err

@@ -439,3 +439,80 @@ async def test_cli_serves_until_interrupted() -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+# -- a realistic backend: n choices, max_tokens, its own port ----------------------------------
+
+
+async def test_n_choices_in_every_chunk(client: httpx.AsyncClient) -> None:
+    _, raw = await stream_raw(client, body(stream=True, n=3, sim={"chunks": 2}))
+    chunks = chunks_of(split_events(raw))
+    assert len(chunks) == 4  # role, two tokens, finish
+    for chunk in chunks:
+        assert [c["index"] for c in chunk["choices"]] == [0, 1, 2]
+    for i in range(3):
+        text = "".join(c["choices"][i]["delta"].get("content") or "" for c in chunks)
+        assert text == "tok0 tok1 "
+    assert [c["finish_reason"] for c in chunks[-1]["choices"]] == ["stop"] * 3
+    whole = (await client.post("/chat/completions", json=body(n=2, sim={"chunks": 2}))).json()
+    assert [(c["index"], c["message"]["content"]) for c in whole["choices"]] == [
+        (0, "tok0 tok1 "),
+        (1, "tok0 tok1 "),
+    ]
+    assert whole["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_cuts_the_reply_with_finish_reason_length(
+    client: httpx.AsyncClient, field: str
+) -> None:
+    _, raw = await stream_raw(client, body(stream=True, sim={"chunks": 8}, **{field: 3}))
+    chunks = chunks_of(split_events(raw))
+    assert content_of(chunks) == "tok0 tok1 tok2 "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = await client.post("/chat/completions", json=body(sim={"chunks": 8}, **{field: 3}))
+    choice = whole.json()["choices"][0]
+    assert choice["message"]["content"] == "tok0 tok1 tok2 " and choice["finish_reason"] == "length"
+    assert whole.json()["usage"]["completion_tokens"] == 3
+    # enough room: the whole reply, "stop"
+    _, raw = await stream_raw(client, body(stream=True, sim={"chunks": 2}, **{field: 5}))
+    assert chunks_of(split_events(raw))[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("dialect", ["ollama", "vllm", "llamacpp", "litellm"])
+async def test_max_tokens_in_every_dialect(client: httpx.AsyncClient, dialect: str) -> None:
+    payload = body(stream=True, max_tokens=2, sim={"chunks": 5, "dialect": dialect})
+    _, raw = await stream_raw(client, payload)
+    chunks = chunks_of(split_events(raw))
+    assert content_of(chunks) == "tok0 tok1 "
+    reasons = [c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")]
+    assert reasons == ["length"]
+
+
+@pytest.mark.parametrize("bad", [{"n": 0}, {"n": "2"}, {"max_tokens": 0}, {"max_tokens": True}])
+async def test_bad_n_or_max_tokens_is_a_400(client: httpx.AsyncClient, bad: dict[str, Any]) -> None:
+    response = await client.post("/chat/completions", json=body(**bad))
+    assert_error(response, 400)
+    assert response.json()["error"]["param"] == next(iter(bad))
+
+
+def test_cli_help_shows_the_defaults_and_its_own_port(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.backends import LOCAL_SERVERS
+    from gateway.sim.cli import DEFAULT_LISTEN
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in (
+        f"HOST:PORT to bind (default {DEFAULT_LISTEN})",
+        "content chunks per reply (default 8)",
+        "seconds between chunks (default 0.0)",
+        "chunks before the fault (default 2)",
+        "(default openai)",
+        "(default sim-model)",
+    ):
+        assert shown in text, shown
+    port = DEFAULT_LISTEN.rsplit(":", 1)[1]
+    assert port == "8789"
+    others = [kind for kind, url in LOCAL_SERVERS if f":{port}/" in url]
+    assert others == ["alp-gateway sim"]  # doctor names it as what it is, not as vLLM

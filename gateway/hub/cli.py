@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import re
+import socket
 import sqlite3
 import ssl
 import sys
@@ -26,6 +27,7 @@ from gateway.hub.hub import Hub
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
 from gateway.hub.usage import LIMIT_NAMES, KeyLimits, limits_of
+from gateway.observe import setup_logging
 from gateway.signals import watch_signals
 
 PROG = "alp-gateway hub"
@@ -228,6 +230,12 @@ def _build_parser() -> _Parser:
         default=DEFAULT_KEY_PROJECT,
         help=f"OWNER/PROJECT the key chats in (default {DEFAULT_KEY_PROJECT})",
     )
+    create.add_argument(
+        "--create",
+        action="store_true",
+        help="start a new hub store in --data when there is none (otherwise refused: a key in "
+        "a store no hub serves is a key every hub rejects)",
+    )
     _add_limit_flags(create)
     keys_sub.add_parser("list", help="list API keys and their limits", parents=[data])
     update = keys_sub.add_parser(
@@ -303,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             max_connections=args.max_connections,
             usage_retention=retention,
         )
+        _check_listen(host, port)  # before the data directory and an admin token are made
         return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
@@ -310,6 +319,26 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except (OSError, sqlite3.Error, ValueError) as exc:
         return _fail(str(exc))
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go, as the server will (SO_REUSEADDR, like trio's
+    listeners): a port in use is a one-line error before anything is created on disk."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise _UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise _UsageError(
+                    f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                ) from None
 
 
 def _check_tls(cert: pathlib.Path, key: pathlib.Path) -> None:
@@ -327,7 +356,22 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _no_hub_in(data_dir: pathlib.Path) -> str | None:
+    """Why ``data_dir`` holds no hub (None when it holds one): ``keys`` and ``usage`` work on
+    an existing hub's store, never on an empty one they would make up."""
+    if (data_dir / "hub.sqlite3").exists():
+        return None
+    return (
+        f"no hub in {data_dir} (no hub.sqlite3): give the --data of the hub you run "
+        f"(`alp-gateway hub` uses {default_data_dir()} unless told otherwise)"
+    )
+
+
 def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
+    missing = _no_hub_in(data_dir)
+    if missing is not None and not (args.keys_command == "create" and args.create):
+        extra = "; or `keys create --create` to start a new hub store there"
+        return _fail(missing + (extra if args.keys_command == "create" else ""))
     store = Store(data_dir)
     try:
         if args.keys_command == "create":
@@ -388,8 +432,9 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
 def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
     """``hub usage``: per key and model since ``--since``, from the store (the hub may run)."""
     span = parse_duration(args.since)
-    if not (data_dir / "hub.sqlite3").exists():
-        return _fail(f"no hub store in {data_dir}")
+    missing = _no_hub_in(data_dir)
+    if missing is not None:
+        return _fail(missing)
     store = Store(data_dir)
     try:
         since = time.time() - span
@@ -432,13 +477,13 @@ def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
 
 
 def configure_logging() -> None:
-    """The hub's log output: INFO lines on stderr (unless logging is set up already), every
-    handler's lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
+    """The hub's log output: INFO lines on stderr in the runner's format (``gateway.observe``;
+    JSON when ALP_GATEWAY_LOG_FORMAT=json), unless logging is set up already; every handler's
+    lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        fmt = "json" if os.environ.get("ALP_GATEWAY_LOG_FORMAT", "").lower() == "json" else "text"
+        setup_logging("INFO", fmt)
     for handler in root.handlers:
         logsafe.install(handler)
     logging.getLogger("gateway.wire.server").setLevel(logging.WARNING)

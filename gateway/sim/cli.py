@@ -12,28 +12,65 @@ from gateway.config import parse_listen
 from gateway.signals import watch_signals
 from gateway.sim.server import DIALECTS, FAULTS, SimOptions, Simulator, serve_sim
 
+# The simulator's own port: next to the hub's 8787, and no model server's (vLLM has 8000,
+# llama.cpp 8080, LM Studio 1234, LiteLLM 4000, Ollama 11434; 8788 is `wrangler pages dev`'s), so
+# doctor's look for local servers never takes the simulator for one of them.
+DEFAULT_LISTEN = "127.0.0.1:8789"
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="alp-gateway sim",
-        description="Run a simulated OpenAI-compatible model server.",
+        description="Run a simulated OpenAI-compatible model server. Each request may ask for "
+        "n choices (each chunk carries all of them, each with its index) and max_tokens (the "
+        'reply is cut there with finish_reason "length"), as a real server answers them.',
     )
-    parser.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to bind")
-    parser.add_argument("--chunks", type=int, default=8, help="content chunks per reply")
-    parser.add_argument("--interval", type=float, default=0.0, help="seconds between chunks")
-    parser.add_argument("--ttft", type=float, default=0.0, help="seconds before the first chunk")
-    parser.add_argument("--chunk-size", type=int, default=0, help="pad each token to N bytes")
-    parser.add_argument("--models", default="sim-model", help="comma-separated model ids")
-    parser.add_argument("--key", default=None, help="require 'Authorization: Bearer KEY'")
-    parser.add_argument("--fault", choices=sorted(FAULTS), default=None, help="inject a fault")
-    parser.add_argument("--fault-after", type=int, default=2, help="chunks before the fault")
-    parser.add_argument("--tool-calls", action="store_true", help="stream a tool call")
-    parser.add_argument("--usage", action="store_true", help="always send a usage chunk")
+    parser.add_argument(
+        "--listen", default=DEFAULT_LISTEN, help="HOST:PORT to bind (default %(default)s)"
+    )
+    parser.add_argument(
+        "--chunks", type=int, default=8, help="content chunks per reply (default %(default)s)"
+    )
+    parser.add_argument(
+        "--interval", type=float, default=0.0, help="seconds between chunks (default %(default)s)"
+    )
+    parser.add_argument(
+        "--ttft",
+        type=float,
+        default=0.0,
+        help="seconds before the first chunk (default %(default)s)",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=0,
+        help="pad each token to N bytes (default %(default)s: no padding)",
+    )
+    parser.add_argument(
+        "--models", default="sim-model", help="comma-separated model ids (default %(default)s)"
+    )
+    parser.add_argument(
+        "--key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)"
+    )
+    parser.add_argument(
+        "--fault", choices=sorted(FAULTS), default=None, help="inject a fault (default: none)"
+    )
+    parser.add_argument(
+        "--fault-after", type=int, default=2, help="chunks before the fault (default %(default)s)"
+    )
+    parser.add_argument(
+        "--tool-calls", action="store_true", help="stream a tool call (default: content)"
+    )
+    parser.add_argument(
+        "--usage",
+        action="store_true",
+        help="always send a usage chunk (default: when the request asks)",
+    )
     parser.add_argument(
         "--dialect",
         choices=sorted(DIALECTS),
         default="openai",
-        help="whose streaming chunk shape to imitate (default openai)",
+        help="whose streaming chunk shape to imitate (default %(default)s)",
     )
     return parser
 

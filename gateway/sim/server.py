@@ -248,6 +248,24 @@ class Simulator:
         await _Exchange(self, req).run()
 
 
+def request_limits(data: Mapping[str, Any]) -> tuple[int, int | None]:
+    """The request's ``n`` (choices; default 1) and ``max_tokens`` (or
+    ``max_completion_tokens``; default none); ``ValueError`` naming the field when one is not a
+    positive integer (the simulator answers 400, as OpenAI does)."""
+    values: dict[str, int | None] = {}
+    for name, default in (("n", 1), ("max_tokens", None), ("max_completion_tokens", None)):
+        value = data.get(name)
+        if value is None:
+            values[name] = default
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            values[name] = value
+        else:
+            raise ValueError(f"{name}: {value!r} is not a positive integer")
+    n = values["n"] or 1
+    max_tokens = values["max_tokens"]
+    return n, max_tokens if max_tokens is not None else values["max_completion_tokens"]
+
+
 def _prompt_tokens(data: Mapping[str, Any]) -> int:
     messages = data.get("messages")
     count = 0
@@ -280,9 +298,25 @@ def _tool_fragments(chunks: int) -> list[str]:
 class _Reply:
     """The per-request constants a reply is built from, with pre-encoded chunk templates."""
 
-    __slots__ = ("id", "created", "model", "opts", "data", "include_usage", "head")
+    __slots__ = (
+        "id",
+        "created",
+        "model",
+        "opts",
+        "data",
+        "include_usage",
+        "head",
+        "n",
+        "count",
+        "stop_reason",
+    )
 
     def __init__(self, sim: Simulator, model: str, opts: SimOptions, data: dict[str, Any]) -> None:
+        # the request's own n and max_tokens (checked by request_limits): ``n`` choices, each
+        # of ``count`` tokens, cut at max_tokens with finish_reason "length" as a server does
+        self.n, max_tokens = request_limits(data)
+        self.count = opts.chunks if max_tokens is None else min(opts.chunks, max_tokens)
+        self.stop_reason = "length" if self.count < opts.chunks else "stop"
         number = next(sim._ids)
         self.id = _dialect_id(opts.dialect, number)
         self.created = int(time.time())
@@ -297,7 +331,7 @@ class _Reply:
 
     def usage(self) -> dict[str, int]:
         prompt = _prompt_tokens(self.data)
-        completion = self.opts.chunks
+        completion = self.count * self.n
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -305,8 +339,11 @@ class _Reply:
         }
 
     def _choice(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        return self.head + _encode([choice]) + b"}"
+        """One chunk: the same delta for each of the ``n`` choices, each with its ``index``."""
+        choices = [
+            {"index": i, "delta": delta, "finish_reason": finish_reason} for i in range(self.n)
+        ]
+        return self.head + _encode(choices) + b"}"
 
     def payloads(self) -> Iterator[bytes]:
         """The ``data:`` payloads of the stream, ``[DONE]`` excluded."""
@@ -315,7 +352,7 @@ class _Reply:
             for chunk in _DIALECT_STREAMS[opts.dialect](self):
                 yield _encode(chunk)
             return
-        n = opts.chunks
+        n = self.count
         if opts.tool_calls:
             frags = _tool_fragments(n)
             call = {
@@ -333,7 +370,10 @@ class _Reply:
             prefix = self.head + b'[{"index":0,"delta":{"content":"tok'
             suffix = b' "},"finish_reason":null}]}'
             size = opts.chunk_size
-            if size == 0:
+            if self.n > 1:
+                for i in range(n):
+                    yield self._choice({"content": token_text(i, size)})
+            elif size == 0:
                 for i in range(n):
                     yield b"%b%d%b" % (prefix, i, suffix)
             else:
@@ -344,7 +384,7 @@ class _Reply:
                     if pad is None:
                         pad = pads[len(digits)] = b"." * max(0, size - 4 - len(digits))
                     yield b"".join((prefix, digits, b" ", pad, suffix[1:]))
-            finish = "stop"
+            finish = self.stop_reason
         yield self._choice({}, finish)
         if self.include_usage:
             yield self.head + b'[],"usage":' + _encode(self.usage()) + b"}"
@@ -354,7 +394,7 @@ class _Reply:
         opts = self.opts
         message: dict[str, Any]
         if opts.tool_calls:
-            frags = _tool_fragments(opts.chunks)
+            frags = _tool_fragments(self.count)
             call = {
                 "id": f"call_sim_{self.id.rsplit('-', 1)[1]}",
                 "type": "function",
@@ -363,15 +403,17 @@ class _Reply:
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
             finish = "tool_calls"
         else:
-            text = "".join(token_text(i, opts.chunk_size) for i in range(opts.chunks))
+            text = "".join(token_text(i, opts.chunk_size) for i in range(self.count))
             message = {"role": "assistant", "content": text}
-            finish = "stop"
+            finish = self.stop_reason
         completion: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "choices": [
+                {"index": i, "message": message, "finish_reason": finish} for i in range(self.n)
+            ],
             "usage": self.usage(),
         }
         if opts.dialect == "ollama":
@@ -384,7 +426,7 @@ class _Reply:
     # -- what the dialects share -----------------------------------------------------------
 
     def texts(self) -> list[str]:
-        return [token_text(i, self.opts.chunk_size) for i in range(self.opts.chunks)]
+        return [token_text(i, self.opts.chunk_size) for i in range(self.count)]
 
     @property
     def tool_name(self) -> str:
@@ -442,7 +484,7 @@ def _ollama_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
             "type": "function",
             "function": {
                 "name": reply.tool_name,
-                "arguments": "".join(_tool_fragments(reply.opts.chunks)) or "{}",
+                "arguments": "".join(_tool_fragments(reply.count)) or "{}",
             },
         }
         yield chunk({"role": "assistant", "content": "", "tool_calls": [call]})
@@ -450,7 +492,7 @@ def _ollama_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
     else:
         for text in reply.texts():
             yield chunk({"role": "assistant", "content": text})
-        finish = "stop"
+        finish = reply.stop_reason
     last = chunk({"role": "assistant", "content": ""}, finish)
     yield last
     if reply.include_usage:
@@ -488,7 +530,7 @@ def _vllm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
 
     yield chunk(choice({"role": "assistant", "content": ""}))
     if reply.opts.tool_calls:
-        frags = _tool_fragments(reply.opts.chunks)
+        frags = _tool_fragments(reply.count)
         header = {
             "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
             "type": "function",
@@ -504,7 +546,7 @@ def _vllm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
         for text in reply.texts():
             yield chunk(choice({"content": text}))
         final = {"content": ""}
-        finish = "stop"
+        finish = reply.stop_reason
     yield chunk(
         {"index": 0, "delta": final, "logprobs": None, "finish_reason": finish, "stop_reason": None}
     )
@@ -526,7 +568,7 @@ def _vllm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
 
 def _llamacpp_timings(reply: _Reply) -> dict[str, Any]:
     prompt_n = max(1, _prompt_tokens(reply.data))
-    predicted_n = reply.opts.chunks
+    predicted_n = reply.count
     prompt_ms = 1.25 * prompt_n
     predicted_ms = max(reply.opts.interval * predicted_n * 1000.0, 0.5 * predicted_n)
     return {
@@ -566,7 +608,7 @@ def _llamacpp_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
 
     yield chunk({"role": "assistant", "content": None})
     if reply.opts.tool_calls:
-        frags = _tool_fragments(reply.opts.chunks) or ["{}"]
+        frags = _tool_fragments(reply.count) or ["{}"]
         call_id = _random_alnum(32)
         for i, frag in enumerate(frags):
             call: dict[str, Any] = {"index": 0}
@@ -585,7 +627,7 @@ def _llamacpp_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
     else:
         for text in reply.texts():
             yield chunk({"content": text})
-        finish = "stop"
+        finish = reply.stop_reason
     last = chunk({}, finish)
     if reply.include_usage:
         yield last
@@ -619,7 +661,7 @@ def _litellm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
         }
 
     if reply.opts.tool_calls:
-        frags = _tool_fragments(reply.opts.chunks)
+        frags = _tool_fragments(reply.count)
         header = {
             "id": f"call_{_random_alnum(24)}",
             "function": {"arguments": "", "name": reply.tool_name},
@@ -637,7 +679,7 @@ def _litellm_stream(reply: _Reply) -> Iterator[dict[str, Any]]:
             if i == 0:
                 delta["role"] = "assistant"
             yield chunk({"index": 0, "delta": delta})
-        finish = "stop"
+        finish = reply.stop_reason
     yield chunk({"finish_reason": finish, "index": 0, "delta": {}})
     if reply.include_usage:
         u = reply.usage()
@@ -784,6 +826,14 @@ class _Exchange:
         except (ValueError, TypeError) as exc:
             await self._send_error(
                 400, error_envelope(str(exc), "invalid_request_error", None, "sim"), rec
+            )
+            return _COMPLETED
+        try:
+            request_limits(data)
+        except ValueError as exc:
+            param = str(exc).split(":", 1)[0]
+            await self._send_error(
+                400, error_envelope(str(exc), "invalid_request_error", None, param), rec
             )
             return _COMPLETED
         rec.options = opts
