@@ -134,6 +134,7 @@ class StreamSink:
         "record",
         "strip_usage",
         "last",
+        "flushing",
     )
 
     def __init__(
@@ -158,6 +159,7 @@ class StreamSink:
         self.wake = trio.Event()  # the turn's task has something to do
         self.error: str | None = None
         self.sent_chunk = False
+        self.flushing: trio.CancelScope | None = None  # the turn's task waiting for the socket
 
     def chunk(self, chunk: msgspec.Raw) -> None:
         if self.state == STREAMING and len(chunk):
@@ -197,6 +199,8 @@ class StreamSink:
     def _to(self, state: int) -> None:
         self.state = state
         self.wake.set()
+        if self.flushing is not None and state in (OVERRUN, GONE):
+            self.flushing.cancel()  # a flush to a client that does not read would never end
 
     def frame(self, frame: Frame) -> None:
         if self.state != STREAMING:
@@ -255,7 +259,9 @@ async def relay_stream(
             await _overrun(turn, resp, sink, counters)
             return
         if resp.backlog:
-            await resp.flush()
+            with trio.CancelScope() as sink.flushing:  # cancelled if the client falls behind
+                await resp.flush()
+            sink.flushing = None
             continue
         if state == DONE:
             turn.finished = True
