@@ -17,7 +17,7 @@ from gateway.hub import Hub
 from gateway.metrics import CONTENT_TYPE, render
 from gateway.observe import Counters, Histogram
 from gateway.runner import Runner, RunnerExit
-from gateway.sim import Simulator
+from gateway.sim import Simulator, open_sim
 from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
 from gateway.status import Reading, Samples, default_url, summary
 
@@ -371,12 +371,15 @@ def test_keepalive_counters_in_metrics_and_status() -> None:
     assert "keepalive   pings off: 0 pings sent, 0 pong timeouts, 0 channels dead" in off
 
 
-async def test_status_against_something_that_is_not_a_runner(hub: tuple[Hub, str]) -> None:
-    """The hub answers 404 on /metrics: said as such, not as 'not answering (HTTPStatusError)'."""
-    code, out, err = await status("--metrics-url", hub[1])
+async def test_status_against_something_that_is_not_a_runner() -> None:
+    """A simulator answers 404 on /metrics: said as such, not as 'not answering
+    (HTTPStatusError)'."""
+    async with open_sim() as sim:
+        root = sim.url.removesuffix("/v1")
+        code, out, err = await status("--metrics-url", root)
     assert code == 2 and out == "", err
     assert err.strip() == (
-        f"alp-gateway status: {hub[1]}/metrics answered 404: something listens there, but it is "
+        f"alp-gateway status: {root}/metrics answered 404: something listens there, but it is "
         "not an alp-gateway runner's metrics port; give the address of the runner's "
         "--metrics-listen (--metrics-url or ALP_GATEWAY_METRICS_URL)"
     )

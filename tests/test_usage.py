@@ -294,7 +294,7 @@ def test_hub_usage_prints_per_key_and_model(
     assert hub_main(["usage", "--since", "soon", "--data", str(data)]) == 2
     assert hub_main(["usage", "--data", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
-    assert "'soon' is not a duration" in err and "no hub store" in err
+    assert "'soon' is not a duration" in err and "no hub in" in err
 
 
 def test_an_old_store_gains_the_usage_tables_and_key_limits(tmp_path: Path) -> None:
