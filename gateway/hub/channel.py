@@ -46,8 +46,9 @@ _json_encoder = msgspec.json.Encoder()
 class TurnSink(Protocol):
     """Where the channel's reader puts a streamed turn's frames (the front door's client)."""
 
-    def chunk(self, chunk: msgspec.Raw) -> None:
-        """One chunk frame's chunk, in order."""
+    def chunk(self, chunk: msgspec.Raw, frame: bytes) -> None:
+        """One chunk frame's chunk, in order (``frame``: the whole frame's bytes, to search
+        without a copy)."""
 
     def flush_batch(self) -> None:
         """Every chunk of the read at hand is in: write them."""
@@ -198,7 +199,7 @@ class ServerChannel:
                 sink = sinks.get(rid)
                 if sink is not None:
                     if frame.type == _CHUNK:
-                        sink.chunk(frame.chunk)
+                        sink.chunk(frame.chunk, text)
                         if dirty is None:
                             dirty = {id(sink): sink}
                         else:

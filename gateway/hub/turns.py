@@ -86,6 +86,7 @@ def has_usage(raw: bytes | memoryview | msgspec.Raw) -> bool:
 
 
 def is_usage_only(raw: bytes | memoryview | msgspec.Raw) -> bool:
-    """A chunk with ``choices`` empty: the extra usage chunk ``include_usage`` asks for."""
+    """A chunk with ``choices`` empty: the extra usage chunk ``include_usage`` asks for (the
+    chunk, or the whole frame that carries it: a byte search, no decode)."""
     data = bytes(raw) if not isinstance(raw, bytes) else raw
     return b'"choices":[]' in data or b'"choices": []' in data

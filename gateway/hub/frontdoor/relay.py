@@ -161,12 +161,12 @@ class StreamSink:
         self.sent_chunk = False
         self.flushing: trio.CancelScope | None = None  # the turn's task waiting for the socket
 
-    def chunk(self, chunk: msgspec.Raw) -> None:
+    def chunk(self, chunk: msgspec.Raw, frame: bytes = b"") -> None:
         if self.state == STREAMING and len(chunk):
             self.last = chunk
             if self.record is not None:
                 self.record.chunks += 1
-            if self.strip_usage and is_usage_only(chunk):
+            if self.strip_usage and is_usage_only(frame or chunk):
                 return  # the usage chunk the hub added: counted at the end, not this client's
             events = self._encode(chunk)
             if events:
