@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -154,8 +155,33 @@ def _path(value: Any) -> Path:
     return Path(str(value)).expanduser()
 
 
-def _upper(value: Any) -> str:
-    return str(value).upper()
+def _ca_file(value: Any) -> Path:
+    """A CA file that loads: missing, unreadable or not PEM is a one-line error here, before
+    any TLS connection is tried (``run``, ``register`` and ``doctor`` alike)."""
+    path = _path(value)
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=str(path))
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist") from None
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"{path} holds no PEM certificate ({exc.reason or exc}); give the CA's certificate "
+            "in PEM (-----BEGIN CERTIFICATE-----)"
+        ) from None
+    except OSError as exc:  # after SSLError, which is one
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    return path
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: Any) -> str:
+    """One of ``LOG_LEVELS`` (any case); anything else is refused, not quietly INFO."""
+    level = str(value).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"not a log level: use {', '.join(LOG_LEVELS)}")
+    return level
 
 
 def _model_list(value: Any) -> tuple[str, ...]:
@@ -331,7 +357,7 @@ class Config:
     )
     ca_file: Path | None = setting(
         env="ALP_GATEWAY_CA_FILE",
-        parse=_path,
+        parse=_ca_file,
         help="a CA certificate (PEM) to trust for the Server besides the system's",
         group="server",
         shown="system CAs only",
@@ -435,7 +461,7 @@ class Config:
     log_level: str = setting(
         "INFO",
         env="ALP_GATEWAY_LOG_LEVEL",
-        parse=_upper,
+        parse=_log_level,
         help="DEBUG, INFO, WARNING or ERROR",
         group="logs",
         metavar="LEVEL",

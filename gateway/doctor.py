@@ -130,6 +130,8 @@ class Doctor:
                 )
             return None
         try:
+            # before load, which makes a directory of ours 0700 (gateway.state.private_dir)
+            dir_mode = stat.S_IMODE(path.parent.stat().st_mode)
             registration = store.load(config.project)
         except StateError as exc:
             mode = stat.S_IMODE(path.stat().st_mode)
@@ -160,13 +162,12 @@ class Doctor:
                     register,
                 )
             return None
-        dir_mode = stat.S_IMODE(store.dir.stat().st_mode)
         if dir_mode & 0o077:
             self.add(
                 WARN,
                 "state file",
-                f"{path} is private, but its directory is mode {dir_mode:o}",
-                f"chmod 700 {store.dir}",
+                f"{path} is private, but its directory was mode {dir_mode:o} "
+                "(made 0700 now; `run` does the same at every start)",
             )
         else:
             self.add(
@@ -292,6 +293,19 @@ class Doctor:
             problem = f"answered {exc.response.status_code}"
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             problem = _kind(exc)
+        if listed is None and problem == "answered 404" and not backend.url.endswith("/v1"):
+            # Ollama's plain http://127.0.0.1:11434 (and vLLM's, LiteLLM's host) answer 404 on
+            # /models: every chat turn would 404 too. Ask where the API really is.
+            v1 = f"{backend.url}/v1"
+            if await self._lists_models(backend, v1):
+                self.add(
+                    FAIL,
+                    name,
+                    f"{backend.url}/models answered 404, but {v1}/models lists models: "
+                    f"did you mean {v1}?",
+                    f"give the OpenAI-compatible base URL, {v1}, in {where}",
+                )
+                return
         if listed is None:
             if backend.declared_models:
                 self.add(
@@ -330,6 +344,18 @@ class Doctor:
                 self.add(OK, name, f"{backend.url} reachable; models: {shown}")
         if self.deep:
             await self.deep_check(backend, pool)
+
+    async def _lists_models(self, backend: Backend, url: str) -> bool:
+        """``GET {url}/models`` answers an OpenAI model list (with the backend's key)."""
+        headers = {k: v for k, v in backend.headers().items() if k == "authorization"}
+        try:
+            resp = await backend.client.get(
+                f"{url}/models", headers=headers, timeout=self.probe_timeout
+            )
+            data = msgspec.json.decode(resp.content) if resp.is_success else None
+        except (httpx.HTTPError, msgspec.DecodeError):
+            return False
+        return isinstance(data, dict) and isinstance(data.get("data"), list)
 
     async def deep_check(self, backend: Backend, pool: BackendPool) -> None:
         name = f"  {backend.name} completion"

@@ -39,7 +39,15 @@ class Registration:
 
 
 def _check_private(path: Path, want: int) -> None:
-    mode = stat.S_IMODE(path.stat().st_mode)
+    st = os.lstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISREG(st.st_mode):
+        raise StateError(f"{path} is not a regular file; move it away to register anew")
+    if st.st_uid != os.geteuid():
+        raise StateError(
+            f"{path} belongs to uid {st.st_uid}, not to this runner (uid {os.geteuid()}); "
+            "it holds the runner token: move it away to register anew"
+        )
     if mode & 0o077:
         raise StateError(
             f"{path} is readable by others (mode {mode:o}); it holds the runner token: "
@@ -47,29 +55,102 @@ def _check_private(path: Path, want: int) -> None:
         )
 
 
+def private_dir(state_dir: Path) -> Path:
+    """The directory that holds the registration file: THE state-directory rule.
+
+    The token file is ``registration.json``: a regular file owned by the runner's user, mode
+    0600 (a file others may read or that another user owns is refused). It lives in a directory
+    that only the runner's user may write, so nobody else can replace, rename or link it:
+
+    * ``state_dir`` owned by the runner's user (systemd's ``StateDirectory=``, the image's own
+      ``/var/lib/alp-gateway`` in a Docker named volume, a home directory): the file is there,
+      and the directory is made 0700 whenever it is used (load or save), however it was
+      created (a 0777 one too).
+    * ``state_dir`` owned by someone else but writable by the runner (a Kubernetes ``emptyDir``:
+      root, 0777; a bind mount the host made group- or world-writable; a sticky ``/tmp``):
+      the runner never changes that directory; the file is in ``state_dir/uid-<UID>``, a
+      subdirectory the runner creates, owns and keeps 0700. One that exists and belongs to
+      another user, or is a symlink, is refused.
+    * ``state_dir`` neither owned nor writable (a root-owned 0755 bind mount): refused, with
+      the fix (``chown UID DIR``).
+
+    ``state_dir`` not there yet is created (0700, owned by the runner) and is the first case.
+    """
+    try:
+        st = os.stat(state_dir)
+    except FileNotFoundError:
+        return state_dir
+    except OSError as exc:
+        raise StateError(f"{state_dir}: {exc.strerror}") from None
+    if st.st_uid == os.geteuid():
+        return state_dir
+    return state_dir / f"uid-{os.geteuid()}"
+
+
 class StateStore:
-    """Reads and writes registrations under ``state_dir`` (directory 0700, file 0600)."""
+    """Reads and writes registrations under ``state_dir`` by the rule of :func:`private_dir`
+    (directory 0700 owned by the runner, file 0600)."""
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir
-        self.path = state_dir / STATE_FILE
+
+    @property
+    def private_dir(self) -> Path:
+        """Where the file is (``state_dir`` itself or its ``uid-<UID>`` subdirectory)."""
+        return private_dir(self.dir)
+
+    @property
+    def path(self) -> Path:
+        return self.private_dir / STATE_FILE
+
+    def _secure_dir(self, where: Path) -> None:
+        """``where`` exists: make sure it is ours and 0700 (tightened when it is looser)."""
+        st = os.lstat(where) if where != self.dir else os.stat(where)
+        uid = os.geteuid()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            raise StateError(
+                f"{where} is not a directory of this runner's user (uid {uid}); it would hold "
+                "the runner token: move it away and start again"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(where, 0o700)
+
+    def _make_dir(self) -> Path:
+        where = self.private_dir
+        if where == self.dir:
+            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        else:
+            try:
+                where.mkdir(mode=0o700, exist_ok=True)
+            except PermissionError:
+                st = os.stat(self.dir)
+                raise StateError(
+                    f"cannot use the state directory {self.dir}: it belongs to uid {st.st_uid} "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}) and uid {os.geteuid()} may not write "
+                    f"in it: `chown {os.geteuid()} {self.dir}`, or give another --state-dir"
+                ) from None
+        self._secure_dir(where)
+        return where
 
     def _load_all(self) -> dict[str, dict[str, str]]:
-        if not self.path.exists():
-            return {}
-        _check_private(self.path, 0o600)
+        path = self.path
         try:
-            data = json.loads(self.path.read_text())
+            if path.parent.exists():
+                self._secure_dir(path.parent)
+            if not path.exists():
+                return {}
+            _check_private(path, 0o600)
+            data = json.loads(path.read_text())
             regs = data["registrations"]
             if not isinstance(regs, dict):
                 raise TypeError
             return regs
         except (ValueError, KeyError, TypeError):
             raise StateError(
-                f"{self.path} is not a registration file; move it away to register anew"
+                f"{path} is not a registration file; move it away to register anew"
             ) from None
         except OSError as exc:
-            raise StateError(f"{self.path}: {exc.strerror}") from None
+            raise StateError(f"{path}: {exc.strerror}") from None
 
     def load(self, project: str) -> Registration | None:
         """The saved registration for ``project`` (``OWNER/PROJECT``), if any."""
@@ -85,17 +166,17 @@ class StateStore:
 
     def save(self, reg: Registration) -> None:
         """Persist ``reg`` atomically, owner-only."""
+        path = self.path
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.dir, 0o700)
+            self._make_dir()
             regs = self._load_all()
             regs[reg.key] = asdict(reg)
-            tmp = self.path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 os.fchmod(f.fileno(), 0o600)
                 json.dump({"registrations": regs}, f, indent=2)
                 f.write("\n")
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError as exc:
-            raise StateError(f"cannot write {self.path}: {exc.strerror}") from None
+            raise StateError(f"cannot write {path}: {exc.strerror}") from None

@@ -289,3 +289,36 @@ async def test_sigterm_while_the_server_is_unreachable(tmp_path: Path) -> None:
         if proc.returncode is None:
             proc.kill()
     assert code == 0
+
+
+async def test_a_ca_file_that_is_missing_or_not_pem_is_one_line(tmp_path: Path) -> None:
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("this is not a certificate\n")
+    common = ["--project", "o/p", "--state-dir", str(tmp_path / "s"), "--user-token", "u"]
+    backend = ["--backend", "http://127.0.0.1:9/v1"]
+    for ca, says in ((tmp_path / "missing.pem", "does not exist"), (not_pem, "no PEM certificate")):
+        for command in (["run", *backend], ["register"]):
+            result = await cli(*command, *common, "--ca-file", str(ca))
+            err = result.stderr.decode().strip()
+            assert result.returncode == 2, err
+            assert err.startswith("alp-gateway: --ca-file") and says in err, err
+            assert "\n" not in err and "Traceback" not in err
+        result = await cli("doctor", *common, *backend, "--ca-file", str(ca))
+        out = result.stdout.decode()
+        assert result.returncode == 1 and "Traceback" not in result.stderr.decode()
+        assert f"--ca-file: invalid value '{ca}': {ca}" in out and says in out, out
+
+
+async def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
+    args = ["--project", "o/p", "--state-dir", str(tmp_path), "--backend", "http://127.0.0.1:9/v1"]
+    result = await cli("run", *args, "--log-level", "verbose")
+    err = result.stderr.decode().strip()
+    assert result.returncode == 2 and "\n" not in err, err
+    assert err == (
+        "alp-gateway: --log-level: invalid value 'verbose': "
+        "not a log level: use DEBUG, INFO, WARNING, ERROR"
+    )
+    result = await cli("run", *args, ALP_GATEWAY_LOG_LEVEL="loud")
+    assert (
+        result.returncode == 2 and b"ALP_GATEWAY_LOG_LEVEL: invalid value 'loud'" in result.stderr
+    )

@@ -200,3 +200,20 @@ async def test_cli_exit_codes(tmp_path: Path) -> None:
         check=False,
     )
     assert broken.returncode == 1 and "missing url" in broken.stdout.decode()
+
+
+async def test_a_backend_url_without_v1_fails_and_says_did_you_mean(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    assert sim.url.endswith("/v1")
+    plain = sim.url.removesuffix("/v1")  # as Ollama's http://127.0.0.1:11434 is given
+    checks = await diagnose(runner_config(hub[1], plain, tmp_path / "state"))
+    backend = by_name(checks)["backend default"]
+    assert backend.mark == FAIL, table(checks)
+    assert backend.detail == (
+        f"{plain}/models answered 404, but {sim.url}/models lists models: did you mean {sim.url}?"
+    )
+    assert "1 required check failed" in table(checks)
+    # the right URL still passes
+    checks = await diagnose(runner_config(hub[1], sim.url, tmp_path / "state"))
+    assert by_name(checks)["backend default"].mark == OK, table(checks)

@@ -1,7 +1,11 @@
-"""The persisted registration (gateway.state): owner-only, refused when readable by others."""
+"""The persisted registration (gateway.state): owner-only, refused when readable by others; the
+state-directory rule (``gateway.state.private_dir``) for a directory of another user."""
 
 import os
+import shutil
 import stat
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,4 +42,99 @@ def test_garbage_file_is_a_clear_error(tmp_path: Path) -> None:
     store.path.write_text("{")
     os.chmod(store.path, 0o600)
     with pytest.raises(StateError, match="not a registration file"):
+        store.load("o/p")
+
+
+NOBODY = 65532  # the image's and the Kubernetes manifest's uid
+
+
+def as_user(uid: int, action: Callable[[], str]) -> str:
+    """Run ``action`` in a forked child with ``uid`` as its user and group (no other groups):
+    what ``setpriv --reuid=UID --regid=UID --clear-groups`` does. Its result or its error."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = action()
+        except BaseException as exc:  # noqa: B036 - everything goes back to the parent
+            out, code = f"{type(exc).__name__}: {exc}", 1
+        os.write(write, out.encode())
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        out = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return out if os.waitstatus_to_exitcode(status) == 0 else f"failed: {out}"
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="changes user (as setpriv does): needs to run as root"
+)
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A root-owned 0777 directory reachable by any user: a Kubernetes emptyDir."""
+    where = Path(tempfile.mkdtemp(prefix="emptydir-", dir="/tmp"))
+    os.chmod(where, 0o777)
+    yield where
+    shutil.rmtree(where)
+
+
+@needs_root
+def test_an_emptydir_owned_by_root_gets_a_private_subdirectory(shared_dir: Path) -> None:
+    def save_and_load() -> str:
+        store = StateStore(shared_dir)
+        store.save(reg())
+        assert store.load("o/p") == reg()
+        return str(store.path)
+
+    assert as_user(NOBODY, save_and_load) == f"{shared_dir}/uid-{NOBODY}/registration.json"
+    private = shared_dir / f"uid-{NOBODY}"
+    st = os.stat(private)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o700)
+    st = os.stat(private / "registration.json")
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o600)
+    # the shared directory itself is left as it was
+    st = os.stat(shared_dir)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o777)
+    # a restarted runner (a new container in the same pod) finds its registration again
+    assert as_user(NOBODY, lambda: repr(StateStore(shared_dir).load("o/p"))) == repr(reg())
+
+
+@needs_root
+def test_a_subdirectory_someone_else_made_is_refused(shared_dir: Path) -> None:
+    os.mkdir(shared_dir / f"uid-{NOBODY}", 0o777)  # made by root, before the runner
+    out = as_user(NOBODY, lambda: str(StateStore(shared_dir).save(reg())))
+    assert out.startswith("failed: StateError: ")
+    assert "is not a directory of this runner's user" in out
+
+
+@needs_root
+def test_a_directory_the_runner_may_not_write_is_one_clear_line(shared_dir: Path) -> None:
+    os.chmod(shared_dir, 0o755)  # a root-owned bind mount
+    out = as_user(NOBODY, lambda: str(StateStore(shared_dir).save(reg())))
+    assert f"it belongs to uid 0 (mode 755) and uid {NOBODY} may not write in it" in out
+    assert f"`chown {NOBODY} {shared_dir}`" in out
+
+
+def test_an_own_0777_directory_is_made_0700_when_loaded(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state")
+    store.save(reg())
+    os.chmod(store.dir, 0o777)
+    assert store.load("o/p") == reg()
+    assert stat.S_IMODE(os.stat(store.dir).st_mode) == 0o700
+    assert store.path == tmp_path / "state" / "registration.json"
+
+
+@needs_root
+def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.save(reg())
+    os.chown(store.path, NOBODY, NOBODY)
+    with pytest.raises(StateError, match=f"belongs to uid {NOBODY}, not to this runner"):
         store.load("o/p")
