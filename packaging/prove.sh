@@ -60,7 +60,7 @@ wait_log() {
 }
 cleanup() {
     for c in "$P-gw" "$P-gw2" "$P-compose" "$P-hub" "$P-sim" "$P-ollama"; do
-        pm rm -f -t 0 "$c" >/dev/null 2>&1
+        pm rm -f -v -t 0 "$c" >/dev/null 2>&1
     done
     rm -rf "$SCRATCH"
 }
@@ -76,7 +76,7 @@ if [ ! -e /etc/containers/containers.conf ]; then
 fi
 echo "prove.sh: (lines from podman saying \"unable to get systemd connection ... healthchecks\" are harmless: no systemd runs here to time health checks)"
 echo "prove.sh: $(date -u '+%F %T UTC'), $(uname -m), $(nproc) cores, $(. /etc/os-release; echo "$PRETTY_NAME"), $(podman --version), commit $(git -C "$ROOT_DIR" rev-parse --short HEAD 2>/dev/null)"
-for c in "$P-gw" "$P-gw2" "$P-compose" "$P-hub" "$P-sim" "$P-ollama"; do pm rm -f -t 0 "$c" >/dev/null 2>&1; done
+for c in "$P-gw" "$P-gw2" "$P-compose" "$P-hub" "$P-sim" "$P-ollama"; do pm rm -f -v -t 0 "$c" >/dev/null 2>&1; done
 for v in "$P-hub-data" "$P-state"; do pm volume rm -f "$v" >/dev/null 2>&1; done
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ else
         pm stop -t 40 "$P-compose" >/dev/null
         code="$(pm inspect -f '{{.State.ExitCode}}' "$P-compose")"
         [ "$code" = 0 ] && ok "stop: exit 0" || bad "stop: exit $code"
-        pm rm -f "$P-compose" >/dev/null
+        pm rm -f -v "$P-compose" >/dev/null
         pm run -d --name "$P-compose" --network host --add-host ollama:127.0.0.1 --env-file "$envf" \
             -e ALP_PROJECT=local/chat -e AGENTICS_SERVER="$HUB" -e CHAT_LLM_BACKEND_URL=http://ollama:11434/v1 \
             -e CHAT_LLM_MODEL=qwen2.5:7b -e ALP_GATEWAY_NAME=compose-gateway -e ALP_GATEWAY_LOG_FORMAT=json \
@@ -323,7 +323,7 @@ fi
 say "5. systemd units: systemd-analyze verify and security --offline"
 sysroot="$SCRATCH/sysroot"
 bin="$SCRATCH/alp-gateway"
-cid="$(pm create "$IMG")" && pm cp "$cid:/usr/local/bin/alp-gateway" "$bin" && pm rm "$cid" >/dev/null
+cid="$(pm create "$IMG")" && pm cp "$cid:/usr/local/bin/alp-gateway" "$bin" && pm rm -v "$cid" >/dev/null
 for unit in packaging/systemd/*.service; do
     name="$(basename "$unit")"
     # verify checks that ExecStart's program exists: point it at the binary from the image
