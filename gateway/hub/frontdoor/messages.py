@@ -31,6 +31,13 @@ from typing import Any
 
 import msgspec
 
+from gateway.hub.frontdoor.chunks import (
+    Chunk,
+    ToolCallDelta,
+    Usage,
+    chunk_decoder,
+)
+
 __all__ = [
     "MessagesError",
     "ChatRequest",
@@ -581,46 +588,9 @@ def estimate_tokens(request: dict[str, Any]) -> int:
 # -- the answer: decoding chat chunks ------------------------------------------------------------
 
 
-class _Function(msgspec.Struct):
-    name: Any = None
-    arguments: Any = None
-
-
-class _ToolCall(msgspec.Struct):
-    index: Any = None
-    id: Any = None
-    function: _Function | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: Any = None
-    tool_calls: list[_ToolCall] | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: Any = 0
-    delta: _Delta | None = None
-    message: _Delta | None = None  # a whole chat.completion's choice
-    finish_reason: Any = None
-    stop_reason: Any = None  # vLLM: the stop string that ended the turn (an int: a stop token)
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: Any = None
-    completion_tokens: Any = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None
-
-
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
-
-
-def _decode_chunk(raw: bytes) -> _Chunk | None:
+def _decode_chunk(raw: bytes) -> Chunk | None:
     try:
-        return _chunk_decoder.decode(raw)
+        return chunk_decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
         return None
 
@@ -681,7 +651,7 @@ def _tool_id(message_id: str, index: int) -> str:
     return f"toolu_{base}_{index}"
 
 
-def _call_key(calls: dict[int, _Block], call: _ToolCall, position: int) -> int:
+def _call_key(calls: dict[int, _Block], call: ToolCallDelta, position: int) -> int:
     """Which call a tool_calls delta continues: its ``index``; without one (older Ollama sends
     whole calls without it), the call with the same ``id``, else a new call when the one at its
     position in the delta has another id, else that position."""
@@ -894,7 +864,7 @@ class MessagesStream:
 
     # -- the blocks --------------------------------------------------------------------------
 
-    def _take_usage(self, usage: _Usage) -> None:
+    def _take_usage(self, usage: Usage) -> None:
         if _is_int(usage.prompt_tokens):
             self._prompt_tokens = usage.prompt_tokens
         if _is_int(usage.completion_tokens):
@@ -911,7 +881,7 @@ class MessagesStream:
         block.pieces.append(text)
         self._advance(out)
 
-    def _on_tool(self, call: _ToolCall, position: int, out: list[bytes]) -> None:
+    def _on_tool(self, call: ToolCallDelta, position: int, out: list[bytes]) -> None:
         key = _call_key(self._tools, call, position)
         block = self._tools.get(key)
         function = call.function

@@ -49,6 +49,12 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from gateway.hub.frontdoor.chunks import (
+    ToolCallDelta,
+    Usage,
+    chunk_decoder,
+)
+
 KEEPALIVE = b": keepalive\n\n"
 
 # -- errors ------------------------------------------------------------------------------
@@ -599,52 +605,6 @@ def tool_names(request: dict[str, Any] | None) -> dict[str, _ToolName]:
 # -- chat chunks -----------------------------------------------------------------------------
 
 
-class _Function(msgspec.Struct):
-    name: Any = None
-    arguments: Any = None
-
-
-class _ToolCallDelta(msgspec.Struct):
-    index: Any = None
-    id: Any = None
-    function: _Function | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: Any = None
-    reasoning_content: Any = None
-    reasoning: Any = None
-    refusal: Any = None
-    tool_calls: list[_ToolCallDelta] | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: Any = 0
-    delta: _Delta | None = None
-    message: _Delta | None = None
-    finish_reason: Any = None
-
-
-class _Details(msgspec.Struct):
-    cached_tokens: Any = None
-    reasoning_tokens: Any = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: Any = None
-    completion_tokens: Any = None
-    total_tokens: Any = None
-    prompt_tokens_details: _Details | None = None
-    completion_tokens_details: _Details | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None
-    error: Any = None
-
-
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
 _encoder = msgspec.json.Encoder()
 
 
@@ -652,7 +612,7 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def _usage(usage: _Usage) -> dict[str, Any]:
+def _usage(usage: Usage) -> dict[str, Any]:
     prompt = _int(usage.prompt_tokens)
     completion = _int(usage.completion_tokens)
     total = usage.total_tokens
@@ -985,7 +945,7 @@ class ResponsesStream:
             {"item_id": call.item_id, "output_index": call.output_index, "delta": delta},
         )
 
-    def _tool_call(self, position: int, delta: _ToolCallDelta) -> bytes:
+    def _tool_call(self, position: int, delta: ToolCallDelta) -> bytes:
         key = delta.index if isinstance(delta.index, int) else position
         call = self._calls.get(key)
         if call is None:
@@ -1022,7 +982,7 @@ class ResponsesStream:
         if self._state == ENDED:
             return b""
         try:
-            chunk = _chunk_decoder.decode(raw)
+            chunk = chunk_decoder.decode(raw)
         except (msgspec.DecodeError, RecursionError):
             return b""
         out = self.start()
