@@ -556,12 +556,7 @@ class ServerWebSocket:
                 self.server.counters.ws_protocol_errors += 1
                 log.info("WebSocket %s: %s: failing it with %d", self.path, reason, code)
                 self.close_code = code
-                if not self.close_sent:
-                    self.close_sent = True
-                    try:
-                        self._write(server_frame(OP_CLOSE, close_payload(code, reason)))
-                    except ClientGone:
-                        pass
+                self._close_frame_once(code, reason)
                 return
             data = None
             found += 1
@@ -617,13 +612,18 @@ class ServerWebSocket:
             counters.pings_sent,
             counters.pong_timeouts,
         )
+        self._close_frame_once(CLOSE_NO_PONG, reason)
+        self._scope.cancel()
+
+    def _close_frame_once(self, code: int, reason: str) -> None:
+        """Our close frame, written at once if none went yet (the connection is being failed:
+        nothing waits for it)."""
         if not self.close_sent:
             self.close_sent = True
             try:
-                self._write(server_frame(OP_CLOSE, close_payload(CLOSE_NO_PONG, reason)))
+                self._write(server_frame(OP_CLOSE, close_payload(code, reason)))
             except ClientGone:
                 pass
-        self._scope.cancel()
 
 
 class Server:

@@ -384,12 +384,7 @@ def _function_call(item: dict[str, Any], where: str, messages: _Messages) -> Non
         if not isinstance(arguments, dict):
             raise _invalid(f"{where}.arguments", "expected a JSON string.")
         arguments = msgspec.json.encode(arguments).decode()
-    call = {
-        "id": _call_id(item, where),
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-    messages.tool_call(call)
+    _add_call(item, where, name, arguments, messages)
 
 
 def _custom_tool_call(item: dict[str, Any], where: str, messages: _Messages) -> None:
@@ -397,7 +392,13 @@ def _custom_tool_call(item: dict[str, Any], where: str, messages: _Messages) -> 
     text = item.get("input", "")
     if not isinstance(text, str):
         raise _invalid(f"{where}.input", "expected a string.")
-    arguments = msgspec.json.encode({"input": text}).decode()
+    _add_call(item, where, name, msgspec.json.encode({"input": text}).decode(), messages)
+
+
+def _add_call(
+    item: dict[str, Any], where: str, name: str, arguments: str, messages: _Messages
+) -> None:
+    """The chat tool call of a ``function_call`` or ``custom_tool_call`` item."""
     call = {
         "id": _call_id(item, where),
         "type": "function",
