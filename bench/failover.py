@@ -30,7 +30,7 @@ import trio
 
 from bench.common import Child, machine
 from bench.paths import chat_body
-from bench.run import _env, _py
+from bench.run import _env, _py, runner_argv
 from bench.sinks import SSEClient, Stream
 
 TARGET_S = 2.0  # issue 18 point 3: the next turn's first chunk within 2 s of its request
@@ -55,29 +55,7 @@ class Failover:
         seen = (await self.hub.rpc("seen"))["runners"]
         proc, _ = await self.child(
             name,
-            _py(
-                "-m",
-                "gateway",
-                "run",
-                "--server",
-                self.hub_url,
-                "--project",
-                self.hub_info["project"],
-                "--backend",
-                self.sim_url,
-                "--model",
-                "sim-model",
-                "--user-token",
-                self.hub_info["admin"],
-                "--name",
-                name,
-                "--state-dir",
-                str(self.tmp / f"state-{name}"),
-                "--max-sessions",
-                "16",
-                "--log-level",
-                "WARNING",
-            ),
+            runner_argv("gateway", self.hub_url, self.hub_info, self.sim_url, name, self.tmp, 16),
             rpc=False,
         )
         self.runners[name] = proc

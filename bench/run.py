@@ -142,6 +142,44 @@ async def _until_healthy(host: str, port: int, within: float) -> None:
             await trio.sleep(0.05)
 
 
+def runner_argv(
+    module: str,
+    hub_url: str,
+    hub_info: dict[str, Any],
+    sim_url: str,
+    name: str,
+    tmp: FsPath,
+    max_sessions: int,
+    extra: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """``python -m <module> run`` against the bench's hub and simulator, as runner ``name``
+    (its own state directory under ``tmp``), quiet but for warnings."""
+    return _py(
+        "-m",
+        module,
+        "run",
+        "--server",
+        hub_url,
+        "--project",
+        hub_info["project"],
+        "--backend",
+        sim_url,
+        "--model",
+        "sim-model",
+        "--user-token",
+        hub_info["admin"],
+        "--name",
+        name,
+        "--state-dir",
+        str(tmp / f"state-{name}"),
+        "--max-sessions",
+        str(max_sessions),
+        "--log-level",
+        "WARNING",
+        *extra,
+    )
+
+
 def _py(*args: str) -> list[str]:
     return [sys.executable, *args]
 
@@ -183,31 +221,9 @@ class Bench:
         self, hub_url: str, sim_url: str, name: str, max_sessions: int, ca_file: str | None = None
     ) -> list[str]:
         module = "bench.whatif_pool" if self.args.whatif_pool else "gateway"
-        return _py(
-            "-m",
-            module,
-            "run",
-            "--server",
-            hub_url,
-            "--project",
-            self.hub_info["project"],
-            "--backend",
-            sim_url,
-            "--model",
-            "sim-model",
-            "--user-token",
-            self.hub_info["admin"],
-            "--name",
-            name,
-            "--state-dir",
-            str(self.tmp / f"state-{name}"),
-            "--max-sessions",
-            str(max_sessions),
-            "--poll-interval",
-            "5",
-            "--log-level",
-            "WARNING",
-            *(["--ca-file", ca_file] if ca_file else []),
+        extra = ["--poll-interval", "5", *(["--ca-file", ca_file] if ca_file else [])]
+        return runner_argv(
+            module, hub_url, self.hub_info, sim_url, name, self.tmp, max_sessions, extra
         )
 
     def wanted(self, *names: str) -> bool:
