@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", help="use this backend URL instead of looking for one")
     demo.add_argument("--model", help="model to ask (default: the backend's first)")
     demo.add_argument("--sim", action="store_true", help="always use the built-in simulator")
-    from gateway.status import add_arguments as add_status_arguments
+    from gateway.ops.status import add_arguments as add_status_arguments
 
     add_status_arguments(
         sub.add_parser(
@@ -128,15 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "demo":
-            from gateway.demo import main as demo_main
+            from gateway.ops.demo import main as demo_main
 
             return demo_main(args)
         if args.command == "status":
-            from gateway.status import main as status_main
+            from gateway.ops.status import main as status_main
 
             return status_main(args)
         if args.command == "doctor":
-            from gateway.doctor import main as doctor_main
+            from gateway.ops.doctor import main as doctor_main
 
             return doctor_main(args)
         config = _config_from(args)
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _register(config: Config) -> int:
-    from gateway.runner import Runner, RunnerExit
+    from gateway.runner.supervisor import Runner, RunnerExit
 
     if not config.user_token:
         return _fail("registering needs a user credential: --user-token or AGENTICS_USER_TOKEN")
@@ -171,7 +171,7 @@ def _register(config: Config) -> int:
 
 
 def _run(config: Config) -> int:
-    from gateway.runner import Runner, RunnerExit
+    from gateway.runner.supervisor import Runner, RunnerExit
 
     if not config.backends:
         return _fail(

@@ -517,7 +517,7 @@ def test_hub_cli_flags_for_the_new_settings(
         return 0
 
     monkeypatch.setattr(cli, "_serve", fake_serve)
-    data = ["--data", str(tmp_path)]
+    data = ["--data", str(tmp_path), "--listen", "127.0.0.1:0"]  # 8787 may be taken here
     assert cli.main([*data, "--capacity-wait", "2.5", "--max-sessions-per-key", "3"]) == 0
     assert cli.main(data) == 0
     assert cli.main([*data, "--queue-wait", "4", "--queue-length", "5"]) == 0

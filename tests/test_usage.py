@@ -325,7 +325,7 @@ def test_usage_retention_flag(
 
     seen: list[Any] = []
     monkeypatch.setattr(cli, "_serve", lambda *args: seen.append(args[-1]) or 0)
-    data = ["--data", str(tmp_path)]
+    data = ["--data", str(tmp_path), "--listen", "127.0.0.1:0"]  # 8787 may be taken here
     assert cli.main([*data, "--usage-retention", "36h"]) == 0
     assert cli.main(data) == 0
     assert [s.usage_retention for s in seen] == [36 * 3600.0, 7 * DAY]

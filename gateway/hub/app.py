@@ -19,7 +19,7 @@ from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
-from gateway.protocol import CAPABILITY
+from gateway.wire.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from gateway import protocol
+from gateway.wire import protocol
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.counters import HubCounters
 from gateway.hub.http import ClientGone

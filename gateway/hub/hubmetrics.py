@@ -6,7 +6,7 @@ of every ended turn, once, and keeps its counters and histograms in plain dicts 
 (nothing is done per chunk). What is true at scrape time (runners connected, sessions, turns in
 flight, the ``HubCounters``, the queue) is read from the hub then. Rendered by
 ``prometheus_client`` through a private registry with one custom collector, as the runner's
-``gateway.metrics`` does (imported only when ``/metrics`` is scraped).
+``gateway.ops.metrics`` does (imported only when ``/metrics`` is scraped).
 """
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
-"""What crosses a socket, shared by the runner, the hub and the simulator: the HTTP/1.1 and
-WebSocket server core (``server``), its request and response (``http``), WebSocket frames as a
-server reads them (``wsframes``)."""
+"""What crosses a socket, shared by the runner, the hub and the simulator: the socket layer
+(``netio``), the HTTP/1.1 and WebSocket server core (``server``, ``http``, ``wsframes``), the
+HTTP/1.1 client (``http1``), the WebSocket client (``wsclient``), the Chat Channel's frames
+(``protocol``) and the SSE splitter (``sse``)."""

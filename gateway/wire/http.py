@@ -14,7 +14,7 @@ import h11
 import msgspec
 import trio
 
-from gateway.netio import Transport
+from gateway.wire.netio import Transport
 
 log = logging.getLogger("gateway.wire")
 

@@ -3,7 +3,7 @@
 Why our own: the hub's serving path writes each chunk a runner sends straight to its client's
 socket from the channel's reader, and a Chat Channel needs pings whose pongs are seen; an ASGI
 server gives neither (a chunk crossed four representations and two task hops there). Here each
-connection is one task over a non-blocking socket (``gateway.netio``, writes tried at once),
+connection is one task over a non-blocking socket (``gateway.wire.netio``, writes tried at once),
 h11 parses the HTTP/1.1 heads and bodies, and the WebSocket frames are our own
 (``gateway.wire.wsframes``: validated as RFC 6455 asks, a violation fails that connection).
 
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import h11
 import trio
 
-from gateway.netio import RECV_SIZE, TLSTransport, Transport, take_socket
+from gateway.wire.netio import RECV_SIZE, TLSTransport, Transport, take_socket
 from gateway.wire.http import ClientGone, HTTPError, Request, Response, error_envelope
 from gateway.wire.wsframes import (
     OP_CLOSE,

@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 
-from gateway import protocol
+from gateway.wire import protocol
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.frontdoor.relay import next_reply

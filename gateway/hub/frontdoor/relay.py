@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import trio
 
-from gateway import protocol
+from gateway.wire import protocol
 from gateway.hub.channel import Frame, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.dialects import ChatStream, Translation

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import msgspec
 import trio
 
-from gateway import protocol
+from gateway.wire import protocol
 from gateway.hub.board import Job, JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from gateway import protocol
+from gateway.wire import protocol
 from gateway.hub.http import HTTPError, error_envelope
 
 OWNED_BY = "alp-runner"
@@ -120,7 +120,7 @@ def upstream_error(message: str, code: str = "upstream_error") -> HTTPError:
         if status == 404 and "model" in message.lower():
             return HTTPError(404, message, Code.MODEL_NOT_FOUND, type_="invalid_request_error")
         return HTTPError(status, message, "invalid_request", type_="invalid_request_error")
-    if _RUNNER_LACKS_MODEL.match(message):  # the runner's own answer (gateway/backends.py)
+    if _RUNNER_LACKS_MODEL.match(message):  # the runner's own answer (gateway/runner/backends.py)
         return HTTPError(404, message, Code.MODEL_NOT_FOUND, type_="invalid_request_error")
     return HTTPError(502, message, code)
 

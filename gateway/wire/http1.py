@@ -25,7 +25,7 @@ import httptools
 import trio
 
 from gateway import __version__
-from gateway.netio import Transport, connect, start_tls
+from gateway.wire.netio import Transport, connect, start_tls
 
 USER_AGENT = f"alp-gateway/{__version__}".encode()
 _DEFAULT_PORTS = {"http": 80, "https": 443}

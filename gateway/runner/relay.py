@@ -19,14 +19,14 @@ import httptools
 import msgspec
 import trio
 
-from gateway import http1
-from gateway.netio import RECV_SIZE
+from gateway.wire import http1
+from gateway.wire.netio import RECV_SIZE
 from gateway.observe import Histogram
-from gateway.poller import END, IDLE, MORE, ROOM, Poller
-from gateway.sse import SSESplitter
+from gateway.runner.poller import END, IDLE, MORE, ROOM, Poller
+from gateway.wire.sse import SSESplitter
 
-if TYPE_CHECKING:  # imported only when tracing is on (gateway.tracing.start)
-    from gateway.otel import TurnTrace
+if TYPE_CHECKING:  # imported only when tracing is on (gateway.ops.tracing.start)
+    from gateway.ops.otel import TurnTrace
 
 DONE = b"[DONE]"
 _validate_json = msgspec.json.Decoder(msgspec.Raw).decode

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.config import parse_listen
-from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus
+from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 
 DEFAULT_URL = "http://127.0.0.1:9464"
 P = "alp_gateway_"
@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     except httpx.HTTPError as exc:
-        from gateway.alp import describe_error
+        from gateway.runner.alp import describe_error
 
         print(
             f"alp-gateway status: {url} is not answering ({describe_error(exc, url)}); is the "

@@ -35,7 +35,7 @@ IDLE = 0  # the socket is empty: wait until it is readable
 
 
 class Pumped(Protocol):
-    """A streaming turn as the poller sees it (``gateway.relay.SSERelay``)."""
+    """A streaming turn as the poller sees it (``gateway.runner.relay.SSERelay``)."""
 
     fd: int
     handback: trio.Event | None

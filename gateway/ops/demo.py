@@ -14,13 +14,13 @@ import httpx
 import msgspec
 import trio
 
-from gateway.backends import discover_local
+from gateway.runner.backends import discover_local
 from gateway.config import Config
 from gateway.hub import Hub, serve_hub
 from gateway.observe import setup_logging
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import SimOptions, Simulator, serve_sim
-from gateway.sse import SSESplitter
+from gateway.wire.sse import SSESplitter
 
 PROJECT = "demo/chat"
 

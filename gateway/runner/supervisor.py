@@ -13,8 +13,10 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import trio
 
-from gateway import __version__, tracing
-from gateway.alp import (
+from gateway import __version__
+
+from gateway.ops import tracing
+from gateway.runner.alp import (
     AlpClient,
     CertificateRefused,
     EventsUnavailable,
@@ -26,21 +28,21 @@ from gateway.alp import (
     is_chat_job,
     make_ssl_context,
 )
-from gateway.backends import BackendPool
-from gateway.channel import Channel, ChannelEnd, SessionLimits
+from gateway.runner.backends import BackendPool
+from gateway.runner.channel import Channel, ChannelEnd, SessionLimits
 from gateway.config import Config
-from gateway.metrics import MetricsServer, open_metrics
+from gateway.ops.metrics import MetricsServer, open_metrics
 from gateway.observe import Counters, Histogram, Redactor
-from gateway.poller import Poller
-from gateway.protocol import CAPABILITY
+from gateway.runner.poller import Poller
+from gateway.wire.protocol import CAPABILITY
 from gateway.signals import watch_signals
-from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus
+from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 from gateway.state import Registration, StateError, StateStore
-from gateway.wsclient import HandshakeError, WebSocket
-from gateway.wsclient import connect as dial_channel
+from gateway.wire.wsclient import HandshakeError, WebSocket
+from gateway.wire.wsclient import connect as dial_channel
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.otel import SessionTrace, Tracing
+    from gateway.ops.otel import SessionTrace, Tracing
 
 log = logging.getLogger("gateway.runner")
 

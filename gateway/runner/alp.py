@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
-from gateway.protocol import CAPABILITY
-from gateway.sse import SSESplitter
+from gateway.wire.protocol import CAPABILITY
+from gateway.wire.sse import SSESplitter
 from gateway.state import Registration
 
 log = logging.getLogger("gateway.alp")

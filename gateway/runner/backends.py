@@ -22,7 +22,7 @@ import httpx
 import msgspec
 import trio
 
-from gateway import http1, protocol
+from gateway.wire import http1, protocol
 from gateway.config import ConfigError
 
 if TYPE_CHECKING:

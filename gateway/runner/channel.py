@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from gateway import http1, protocol
-from gateway.backends import Backend, BackendError, BackendPool, BackendUnreachable
+from gateway.wire import http1, protocol
+from gateway.runner.backends import Backend, BackendError, BackendPool, BackendUnreachable
 from gateway.observe import Counters, Histogram, Redactor
-from gateway.poller import Poller
-from gateway.relay import SSERelay, TurnFailed, payload_problem
-from gateway.wsclient import ChannelClosed, WebSocket
+from gateway.runner.poller import Poller
+from gateway.runner.relay import SSERelay, TurnFailed, payload_problem
+from gateway.wire.wsclient import ChannelClosed, WebSocket
 
-if TYPE_CHECKING:  # imported only when tracing is on (gateway.tracing.start)
-    from gateway.otel import SessionTrace, TurnTrace
+if TYPE_CHECKING:  # imported only when tracing is on (gateway.ops.tracing.start)
+    from gateway.ops.otel import SessionTrace, TurnTrace
 
 log = logging.getLogger("gateway.channel")
 

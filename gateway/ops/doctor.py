@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import trio
 
-from gateway.alp import (
+from gateway.runner.alp import (
     AlpClient,
     Refused,
     ServerUnavailable,
@@ -24,10 +24,10 @@ from gateway.alp import (
     describe_error,
     make_ssl_context,
 )
-from gateway.backends import Backend, BackendPool, discover_local
+from gateway.runner.backends import Backend, BackendPool, discover_local
 from gateway.config import Config, ConfigError, load_config
 from gateway.observe import Redactor
-from gateway.snapshot import BackendStatus
+from gateway.runner.snapshot import BackendStatus
 from gateway.state import Registration, StateError, StateStore
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"

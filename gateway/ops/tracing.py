@@ -3,7 +3,7 @@
 Tracing is off unless asked: ``--otlp-endpoint`` / ``ALP_GATEWAY_OTLP_ENDPOINT`` or the standard
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (``OTEL_SDK_DISABLED=true``
 or ``OTEL_TRACES_EXPORTER=none`` turn it off again). When on, :func:`start` imports
-:mod:`gateway.otel`, which holds the SDK-backed spans; while off, no OpenTelemetry module is
+:mod:`gateway.ops.otel`, which holds the SDK-backed spans; while off, no OpenTelemetry module is
 imported and a turn does no tracing work (the channel holds ``None``).
 """
 
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 if TYPE_CHECKING:
-    from gateway.otel import Tracing
+    from gateway.ops.otel import Tracing
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
@@ -49,8 +49,8 @@ def _traces_url(base: str) -> str:
 
 
 def start(endpoint: str, service_version: str = "") -> Tracing:
-    """Tracing on: import the SDK and set up the exporter (see :class:`gateway.otel.Tracing`)."""
-    from gateway.otel import Tracing
+    """Tracing on: import the SDK and set up the exporter (see :class:`gateway.ops.otel.Tracing`)."""
+    from gateway.ops.otel import Tracing
 
     return Tracing.start(endpoint, service_version=service_version)
 

@@ -3,7 +3,7 @@
 Off unless ``--metrics-listen`` is given; a bare port binds loopback only. The protocol needs no
 listening socket (docs/protocol.md §5): this one is for the machine's own probes and Prometheus.
 
-Everything served is read from one ``RunnerStatus`` snapshot (``gateway.snapshot``), taken per
+Everything served is read from one ``RunnerStatus`` snapshot (``gateway.runner.snapshot``), taken per
 request through the callable the runner hands over; this module knows nothing of the runner.
 ``/metrics`` is rendered by ``prometheus_client`` (a private ``CollectorRegistry`` with one custom
 collector over the snapshot: none of its global registry, default collectors or threads). It is
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from gateway.snapshot import RunnerStatus
+from gateway.runner.snapshot import RunnerStatus
 from gateway.wire.http import Request
 from gateway.wire.server import Limits, Server
 

@@ -34,8 +34,8 @@ from wsproto.events import (
 )
 from wsproto.utilities import ProtocolError as WSProtocolError
 
-from gateway import netio, protocol
-from gateway.netio import Transport
+from gateway.wire import netio, protocol
+from gateway.wire.netio import Transport
 
 log = logging.getLogger("gateway.wsclient")
 
