@@ -1,0 +1,165 @@
+"""The package's layout holds: no import cycles between our modules, a module that calls itself
+pure (or sans-IO) in its docstring imports no trio (nor anything that does), every module says
+its job in a docstring, and ``docs/layout.md`` is the tree those docstrings make.
+
+``python tests/test_layout.py`` writes ``docs/layout.md`` again after a module is added, moved or
+its docstring changed.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gateway"
+LAYOUT = ROOT / "docs" / "layout.md"
+PURE = re.compile(r"\b(pure|sans-IO)\b", re.IGNORECASE)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str) -> set[str]:
+    """The modules ``name`` imports, at any depth of its code (lazy imports included), except
+    those under ``if TYPE_CHECKING:``; ours by their module name, others by their top package."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if _type_checking(node):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name if alias.name in MODULES else alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            if base not in MODULES:
+                found.add(base.split(".")[0])
+                continue
+            # ``from package import module`` imports the module; a package's own ``__init__``
+            # runs before any of its modules anyway, so it counts only when names come from it
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES}
+            found |= subs
+            if len(subs) < len(node.names):
+                found.add(base)
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _docstring(name: str) -> str:
+    return ast.get_docstring(ast.parse(MODULES[name].read_text())) or ""
+
+
+def test_no_import_cycles() -> None:
+    """Depth-first search over our modules' imports; a cycle is reported as its path."""
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(GRAPH[name]):
+            if dep not in MODULES:
+                continue
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep] if dep in path else [name, dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = 2
+
+    for name in MODULES:
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _reaches(name: str, target: str) -> list[str] | None:
+    """A chain of imports from ``name`` to the package ``target``, or None."""
+    seen = {name}
+    queue = [[name]]
+    while queue:
+        chain = queue.pop(0)
+        for dep in sorted(GRAPH.get(chain[-1], ())):
+            if dep == target:
+                return [*chain, dep]
+            if dep in MODULES and dep not in seen:
+                seen.add(dep)
+                queue.append([*chain, dep])
+    return None
+
+
+def test_pure_modules_import_no_trio() -> None:
+    pure = [n for n in MODULES if PURE.search(_docstring(n))]
+    # the ones the design leans on say so; a new pure module joins by saying so too
+    for expected in ("gateway.wire.sse", "gateway.wire.wsframes", "gateway.hub.frontdoor.dialects"):
+        assert expected in pure, f"{expected}'s docstring no longer says it is pure"
+    chains = {n: _reaches(n, "trio") for n in pure}
+    assert not {n: c for n, c in chains.items() if c}, chains
+
+
+def test_every_module_says_its_job() -> None:
+    silent = [n for n in MODULES if not _docstring(n).strip() and not n.endswith("__main__")]
+    assert not silent, f"modules without a docstring: {silent}"
+
+
+def render() -> str:
+    """``docs/layout.md``: the package as a tree, one line per module (its docstring's first
+    sentence)."""
+    lines = [
+        "# Layout",
+        "",
+        "The `gateway` package, one line per module: the first sentence of its docstring.",
+        "Generated by `python tests/test_layout.py`; `tests/test_layout.py` checks it.",
+        "",
+        "```",
+    ]
+    for name, path in MODULES.items():
+        rel = path.relative_to(ROOT)
+        depth = len(rel.parts) - 1
+        doc = " ".join(_docstring(name).split())
+        first = re.split(r"(?<=\.)\s", doc, maxsplit=1)[0] if doc else ""
+        if len(first) > 100:
+            first = first[:100].rsplit(" ", 1)[0] + " …"
+        shown = f"{rel.parent.name}/" if path.name == "__init__.py" else path.name
+        indent = "    " * (depth - (1 if path.name == "__init__.py" else 0))
+        lines.append(f"{indent}{shown:<{max(1, 22 - len(indent))}} {first}".rstrip())
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def test_layout_doc_is_current() -> None:
+    assert LAYOUT.exists() and LAYOUT.read_text() == render(), "run: python tests/test_layout.py"
+
+
+if __name__ == "__main__":
+    LAYOUT.write_text(render())
+    print(f"wrote {LAYOUT.relative_to(ROOT)}", file=sys.stderr)
