@@ -7,7 +7,7 @@ once per stream, and one task waits (``trio.lowlevel.wait_readable``) on that se
 and relays every ready socket in the order the kernel reports them. A decode-step burst of N
 streams is then one task wake-up instead of N (each with an epoll re-registration), and the
 event written first is relayed first (trio's own batch order is reversed half the time).
-``gateway/poller.py`` is the runner's version of the same idea. Linux only.
+``gateway/runner/poller.py`` is the runner's version of the same idea. Linux only.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from typing import Any
 import trio
 
 from bench.common import reply_line, serve_commands
-from gateway import protocol
 from gateway.hub import Hub, serve_hub
 from gateway.hub.store import DEFAULT_KEY_PROJECT
+from gateway.wire import protocol
 
 ADMIN = "alpa_bench_admin_credential"
 OWNER, PROJECT = DEFAULT_KEY_PROJECT.split("/")

@@ -9,12 +9,11 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from gateway import __version__
-from gateway.config import SETTINGS, Config, ConfigError, Setting, load_config
+from gateway.config import SETTINGS, Config, ConfigError, Setting, load_config, setting_flags
 from gateway.observe import setup_logging
 from gateway.state import StateError
 
@@ -95,11 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
         "sim", help="run the backend simulator (see `alp-gateway sim --help`)", add_help=False
     )
     return parser
-
-
-def setting_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line (None where a flag was not given)."""
-    return {s.key: getattr(args, s.key, None) for s in SETTINGS}
 
 
 def _config_from(args: argparse.Namespace) -> Config:

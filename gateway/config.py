@@ -764,6 +764,12 @@ def _spec(table: BackendTable, number: int, env: Mapping[str, str], where: str) 
 # -- merging ----------------------------------------------------------------------------------
 
 
+def setting_flags(args: object) -> dict[str, Any]:
+    """The settings given on the command line, an argparse namespace (None where a flag was not
+    given)."""
+    return {s.key: getattr(args, s.key, None) for s in SETTINGS}
+
+
 def load_config(
     flags: Mapping[str, Any],
     env: Mapping[str, str],

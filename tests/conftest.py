@@ -10,7 +10,7 @@ import pytest
 from helpers import ADMIN, BACKEND_KEY, LogCapture, runner_config, running
 
 from gateway.hub import Hub, open_hub
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, open_sim
 
 

@@ -12,7 +12,7 @@ import httpx
 import trio
 import trio_websocket
 
-from gateway import protocol
+from gateway.wire import protocol
 
 CONTENT_MODEL = "fake-model"
 

@@ -18,7 +18,7 @@ from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
 
 from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 
 ADMIN = "alpa_test_admin_credential"
 BACKEND_KEY = "sk-backend-very-secret-4242"
@@ -206,15 +206,15 @@ class RecordingProxy:
 def quick_alp_requests(monkeypatch: Any, timeout: float) -> None:
     """Give the runners' ALP client a short request timeout (30 s in production), so a held or
     black-holed Server request times out quickly."""
-    import gateway.runner
-    from gateway.alp import AlpClient
+    import gateway.runner.supervisor
+    from gateway.runner.alp import AlpClient
 
     class QuickAlpClient(AlpClient):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["timeout"] = timeout
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(gateway.runner, "AlpClient", QuickAlpClient)
+    monkeypatch.setattr(gateway.runner.supervisor, "AlpClient", QuickAlpClient)
 
 
 async def start_killable_sim(nursery: trio.Nursery, **kwargs: Any) -> tuple[Any, trio.CancelScope]:

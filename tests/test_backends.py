@@ -23,11 +23,11 @@ from helpers import (
     start_killable_sim,
 )
 
-from gateway.backends import Backend, BackendBusy, BackendError, BackendPool
 from gateway.config import SETTINGS, BackendSpec, Config, ConfigError, load_config
 from gateway.hub import Hub
-from gateway.protocol import CAPABILITY
+from gateway.runner.backends import Backend, BackendBusy, BackendError, BackendPool
 from gateway.sim import SimOptions, Simulator, open_sim, serve_sim
+from gateway.wire.protocol import CAPABILITY
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "config" / "alp-gateway.example.toml"

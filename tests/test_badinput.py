@@ -16,9 +16,9 @@ from helpers import ADMIN, Turns, open_chat, request_frame, runner_config, runni
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway import protocol
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.sim import open_sim
+from gateway.wire import protocol
 
 # -- the decoder alone -------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from helpers import (
 )
 
 from gateway.hub import Hub, open_hub
-from gateway.runner import Runner, RunnerExit
+from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator
 
 

@@ -11,7 +11,7 @@ import trio
 from helpers import Turns, open_chat, request_frame
 
 from gateway.hub import Hub
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import DIALECTS, SimOptions, Simulator, open_sim
 from gateway.sim.cli import _build_parser
 

@@ -10,11 +10,11 @@ import pytest
 import trio
 from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config
 
-from gateway import doctor
 from gateway.config import BackendSpec
-from gateway.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
 from gateway.hub import Hub
-from gateway.runner import Runner
+from gateway.ops import doctor
+from gateway.ops.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, open_sim
 from gateway.state import Registration, StateStore
 

@@ -12,7 +12,7 @@ import trio
 from helpers import ADMIN, EXE, OWNER, PROJECT, runner_config, runner_env, running
 
 from gateway.hub import Hub, open_hub
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}

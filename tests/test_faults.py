@@ -36,7 +36,7 @@ from helpers import (
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.store import Store, load_or_create_admin_token
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
 REQUEST_TIMEOUT = 2.5  # the runner's Server request timeout in these tests (30 s in production)

@@ -44,12 +44,12 @@ from hypothesis import strategies as st
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
-from gateway import http1, netio, protocol, wsclient
-from gateway.backends import BackendPool
-from gateway.channel import Channel
 from gateway.hub.frontdoor import relay
-from gateway.poller import Poller
-from gateway.sse import SSESplitter
+from gateway.runner.backends import BackendPool
+from gateway.runner.channel import Channel
+from gateway.runner.poller import Poller
+from gateway.wire import http1, netio, protocol, wsclient
+from gateway.wire.sse import SSESplitter
 
 GATEWAY = os.path.dirname(protocol.__file__) + os.sep  # allocations made by the gateway's code
 JOB = "job-hotpath"

@@ -1,4 +1,4 @@
-"""The backend hop's HTTP/1.1 client (gateway.http1): keep-alive, proxies from the environment,
+"""The backend hop's HTTP/1.1 client (gateway.wire.http1): keep-alive, proxies from the environment,
 https through a CONNECT tunnel, and the request closed when its turn is cancelled.
 
 Real sockets on loopback: the simulator as the backend, a small proxy written here (absolute
@@ -17,10 +17,10 @@ import pytest
 import trio
 import trustme
 
-from gateway import http1
-from gateway.backends import Backend, BackendUnreachable
 from gateway.config import ConfigError
+from gateway.runner.backends import Backend, BackendUnreachable
 from gateway.sim import Simulator, open_sim
+from gateway.wire import http1
 
 BODY = json.dumps(
     {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}

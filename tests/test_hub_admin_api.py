@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.hub import Hub
 from gateway.hub.admin import limits_supported
 from gateway.hub.http import HTTPError
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
 LIMIT = 15  # s: no step may take longer

@@ -15,11 +15,11 @@ import trio
 import trio_websocket
 from faultproxy import LOST, RESET, Delay, FaultProxy, Hold, fault_proxy
 
-from gateway import protocol
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.hub.app import _ssl_context
 from gateway.hub.channel import CLOSE_OFFLINE, CLOSE_REPLACED
 from gateway.hub.cli import default_data_dir, main
+from gateway.wire import protocol
 
 ADMIN = "alpa_test-admin-token"
 OWNER, PROJECT = "acme", "chat"

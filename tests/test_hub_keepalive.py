@@ -20,8 +20,8 @@ from wsproto.events import (
     TextMessage,
 )
 
-from gateway import protocol
 from gateway.hub import Hub, open_hub
+from gateway.wire import protocol
 from gateway.wire.server import CLOSE_NO_PONG
 
 BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"

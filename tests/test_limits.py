@@ -14,7 +14,7 @@ from helpers import runner_config as _runner_config
 
 from gateway.config import Config
 from gateway.hub import Hub, open_hub
-from gateway.runner import ChatJob
+from gateway.runner.supervisor import ChatJob
 from gateway.sim import Simulator
 
 

@@ -31,8 +31,8 @@ import trio
 from helpers import Turns, clean_env, open_chat, request_frame, runner_config, running
 
 from gateway.config import BackendSpec
-from gateway.doctor import OK, diagnose
 from gateway.hub import Hub
+from gateway.ops.doctor import OK, diagnose
 from gateway.sim import SimOptions, open_sim
 
 LITELLM = Path(sys.executable).with_name("litellm")

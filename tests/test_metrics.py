@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
 from gateway.hub import Hub
-from gateway.metrics import CONTENT_TYPE, render
 from gateway.observe import Counters, Histogram
-from gateway.runner import Runner, RunnerExit
+from gateway.ops.metrics import CONTENT_TYPE, render
+from gateway.ops.status import Reading, Samples, default_url, summary
+from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
+from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator, open_sim
-from gateway.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
-from gateway.status import Reading, Samples, default_url, summary
 
 LOOPBACK_ANY_PORT = ("127.0.0.1", 0)
 

@@ -29,7 +29,7 @@ from helpers import PROJECT as PROJECT_NAME
 
 from gateway.hub import Hub
 from gateway.hub.admin import limits_supported
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
 T = TypeVar("T")

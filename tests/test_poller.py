@@ -1,4 +1,4 @@
-"""The runner's poller (``gateway/poller.py``): one task reading every streaming turn's backend.
+"""The runner's poller (``gateway/runner/poller.py``): one task reading every streaming turn's backend.
 
 Over the hot-path rig (a real ``Channel`` on a socket pair, the Server's end on a thread, each
 backend a socket pair written from here): a turn whose backend goes wrong fails alone while the
@@ -13,8 +13,8 @@ import trio
 import trio.testing
 from test_hotpath import HEAD, Rig, _rig, chunked, payload
 
-from gateway import http1, protocol
-from gateway.channel import Ending, TurnEnd
+from gateway.runner.channel import Ending, TurnEnd
+from gateway.wire import http1, protocol
 
 
 def _event(i: int) -> bytes:

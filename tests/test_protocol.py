@@ -1,10 +1,10 @@
-"""Frame decoding and byte-spliced encoding (gateway.protocol)."""
+"""Frame decoding and byte-spliced encoding (gateway.wire.protocol)."""
 
 import json
 
 import pytest
 
-from gateway import protocol
+from gateway.wire import protocol
 
 
 def test_completion_request_keeps_body_raw() -> None:

@@ -30,9 +30,9 @@ from test_causes import (
     hub_of,
 )
 
-from gateway import protocol
 from gateway.hub import Hub, open_hub
 from gateway.hub.frontdoor.queue import Entry, FairQueue
+from gateway.wire import protocol
 
 DEPTH = f"{OWNER}/{PROJECT}"
 

@@ -20,9 +20,9 @@ from helpers import (
     running,
 )
 
-from gateway.alp import AlpClient
 from gateway.hub import Hub, open_hub
-from gateway.runner import ChatJob, Runner, backoff_delay, channel_url
+from gateway.runner.alp import AlpClient
+from gateway.runner.supervisor import ChatJob, Runner, backoff_delay, channel_url
 from gateway.sim import Simulator, serve_sim
 
 

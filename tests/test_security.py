@@ -23,7 +23,7 @@ from helpers import (
 
 from gateway.hub import Hub
 from gateway.observe import Redactor, setup_logging
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 from gateway.state import StateError, StateStore
 

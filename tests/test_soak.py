@@ -21,7 +21,7 @@ import trio.testing
 from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, request_frame, runner_config, running
 
 from gateway.hub import Hub, ServerChannel, open_hub
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import open_sim
 
 LONG = os.environ.get("ALP_SOAK") == "long"

@@ -1,9 +1,9 @@
-"""The incremental SSE splitter (gateway.sse)."""
+"""The incremental SSE splitter (gateway.wire.sse)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sse import SSESplitter
+from gateway.wire.sse import SSESplitter
 
 STREAM = b'data: {"a":1}\n\n: comment\n\nevent: x\ndata: {"b":2}\n\ndata: [DONE]\n\n'
 

@@ -27,7 +27,7 @@ from helpers import (
 
 from gateway.config import SETTINGS, Config
 from gateway.hub import App, Hub, open_hub
-from gateway.runner import Runner, RunnerExit
+from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator
 
 

@@ -26,10 +26,10 @@ from helpers import (
 )
 from otlp_receiver import ReceivedSpan, open_receiver
 
-from gateway import tracing
 from gateway.hub import Hub
-from gateway.otel import Tracing
-from gateway.runner import Runner
+from gateway.ops import tracing
+from gateway.ops.otel import Tracing
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

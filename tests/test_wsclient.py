@@ -1,4 +1,4 @@
-"""The Chat Channel's WebSocket client (gateway.wsclient) against a WebSocket server on loopback:
+"""The Chat Channel's WebSocket client (gateway.wire.wsclient) against a WebSocket server on loopback:
 pings answered, a close frame answered, an oversized message refused with 1009, a refused
 upgrade, and the keepalive that finds a silent (dead) path."""
 
@@ -25,10 +25,10 @@ from wsproto.events import (
     TextMessage,
 )
 
-from gateway import wsclient
 from gateway.hub import Hub
-from gateway.runner import Runner
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
+from gateway.wire import wsclient
 
 
 class Peer:

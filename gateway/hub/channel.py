@@ -10,10 +10,10 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from gateway.wire import protocol
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.counters import HubCounters
 from gateway.hub.http import ClientGone
+from gateway.wire import protocol
 from gateway.wire.server import ServerWebSocket
 from gateway.wire.wsframes import OP_BINARY
 

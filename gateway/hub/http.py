@@ -1,5 +1,5 @@
 """What every hub route shares beyond the request and response: the JSON body helpers, the
-disconnect wait (the request, response and error type are ``gateway.wire.http``'s)."""
+disconnect wait (the request and response are ``gateway.wire.http``'s, the error type ``gateway.wire.errors``')."""
 
 from __future__ import annotations
 
@@ -8,17 +8,14 @@ from typing import Any
 
 import msgspec
 
+from gateway.wire.errors import ClientGone, Headers, HTTPError, error_envelope
 from gateway.wire.http import (
     JSON_HEADER,
-    ClientGone,
-    Headers,
-    HTTPError,
     Message,
     Request,
     Response,
     Scope,
     bearer,
-    error_envelope,
     header,
 )
 

@@ -16,6 +16,8 @@ import httpx
 import msgspec
 import trio
 
+from gateway.config import Config, ConfigError, load_config, setting_flags
+from gateway.observe import Redactor
 from gateway.runner.alp import (
     AlpClient,
     Refused,
@@ -25,8 +27,6 @@ from gateway.runner.alp import (
     make_ssl_context,
 )
 from gateway.runner.backends import Backend, BackendPool, discover_local
-from gateway.config import Config, ConfigError, load_config
-from gateway.observe import Redactor
 from gateway.runner.snapshot import BackendStatus
 from gateway.state import Registration, StateError, StateStore
 
@@ -545,8 +545,6 @@ def run_doctor(
 
 def main(args: argparse.Namespace) -> int:
     """The ``doctor`` subcommand (flags as for ``run``, plus ``--deep``)."""
-    from gateway.cli import setting_flags
-
     return run_doctor(
         setting_flags(args), os.environ, args.config, deep=bool(getattr(args, "deep", False))
     )

@@ -1,6 +1,6 @@
 """Spans of Chat Jobs and turns through the OpenTelemetry SDK, exported over OTLP/HTTP.
 
-Imported only when tracing is on (:func:`gateway.ops.tracing.start`). A session span per Chat Job
+Imported only when tracing is on (:meth:`Tracing.start`, called by the supervisor). A session span per Chat Job
 (child of the job's ``agentDefinition.traceparent`` when present) and a turn span per chat turn
 (child of the session span, or of the turn frame's own ``traceparent`` when the Server sent one,
 then linked to the session span), named and attributed after the OpenTelemetry GenAI semantic

@@ -2,22 +2,20 @@
 
 Tracing is off unless asked: ``--otlp-endpoint`` / ``ALP_GATEWAY_OTLP_ENDPOINT`` or the standard
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (``OTEL_SDK_DISABLED=true``
-or ``OTEL_TRACES_EXPORTER=none`` turn it off again). When on, :func:`start` imports
-:mod:`gateway.ops.otel`, which holds the SDK-backed spans; while off, no OpenTelemetry module is
-imported and a turn does no tracing work (the channel holds ``None``).
+or ``OTEL_TRACES_EXPORTER=none`` turn it off again). When on, the runner imports
+:mod:`gateway.ops.otel` (which imports this module, never the other way), which holds the
+SDK-backed spans; while off, no OpenTelemetry module is imported and a turn does no tracing work
+(the channel holds ``None``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-
-if TYPE_CHECKING:
-    from gateway.ops.otel import Tracing
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
@@ -46,13 +44,6 @@ def _traces_url(base: str) -> str:
     if urlsplit(base).path.rstrip("/").endswith("/v1/traces"):
         return base
     return base.rstrip("/") + "/v1/traces"
-
-
-def start(endpoint: str, service_version: str = "") -> Tracing:
-    """Tracing on: import the SDK and set up the exporter (see :class:`gateway.ops.otel.Tracing`)."""
-    from gateway.ops.otel import Tracing
-
-    return Tracing.start(endpoint, service_version=service_version)
 
 
 def valid_traceparent(value: object) -> str | None:

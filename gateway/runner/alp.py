@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
+from gateway.state import Registration
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.sse import SSESplitter
-from gateway.state import Registration
 
 log = logging.getLogger("gateway.alp")
 

@@ -22,8 +22,8 @@ import httpx
 import msgspec
 import trio
 
-from gateway.wire import http1, protocol
 from gateway.config import ConfigError
+from gateway.wire import http1, protocol
 
 if TYPE_CHECKING:
     from gateway.config import BackendSpec, Config

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from gateway.wire import http1, protocol
-from gateway.runner.backends import Backend, BackendError, BackendPool, BackendUnreachable
 from gateway.observe import Counters, Histogram, Redactor
+from gateway.runner.backends import Backend, BackendError, BackendPool, BackendUnreachable
 from gateway.runner.poller import Poller
 from gateway.runner.relay import SSERelay, TurnFailed, payload_problem
+from gateway.wire import http1, protocol
 from gateway.wire.wsclient import ChannelClosed, WebSocket
 
-if TYPE_CHECKING:  # imported only when tracing is on (gateway.ops.tracing.start)
+if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
     from gateway.ops.otel import SessionTrace, TurnTrace
 
 log = logging.getLogger("gateway.channel")

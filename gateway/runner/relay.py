@@ -19,13 +19,13 @@ import httptools
 import msgspec
 import trio
 
-from gateway.wire import http1
-from gateway.wire.netio import RECV_SIZE
 from gateway.observe import Histogram
 from gateway.runner.poller import END, IDLE, MORE, ROOM, Poller
+from gateway.wire import http1
+from gateway.wire.netio import RECV_SIZE
 from gateway.wire.sse import SSESplitter
 
-if TYPE_CHECKING:  # imported only when tracing is on (gateway.ops.tracing.start)
+if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
     from gateway.ops.otel import TurnTrace
 
 DONE = b"[DONE]"

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 from gateway import __version__
 
 if TYPE_CHECKING:
-    from gateway.runner.backends import Backend
     from gateway.observe import Histogram
+    from gateway.runner.backends import Backend
 
 HEALTHY_WITHIN_POLLS = 3  # healthy wants a successful poll within this many poll intervals
 

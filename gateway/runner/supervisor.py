@@ -14,8 +14,10 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import trio
 
 from gateway import __version__
-
+from gateway.config import Config
+from gateway.observe import Counters, Histogram, Redactor
 from gateway.ops import tracing
+from gateway.ops.metrics import MetricsServer, open_metrics
 from gateway.runner.alp import (
     AlpClient,
     CertificateRefused,
@@ -30,14 +32,11 @@ from gateway.runner.alp import (
 )
 from gateway.runner.backends import BackendPool
 from gateway.runner.channel import Channel, ChannelEnd, SessionLimits
-from gateway.config import Config
-from gateway.ops.metrics import MetricsServer, open_metrics
-from gateway.observe import Counters, Histogram, Redactor
 from gateway.runner.poller import Poller
-from gateway.wire.protocol import CAPABILITY
-from gateway.signals import watch_signals
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
+from gateway.signals import watch_signals
 from gateway.state import Registration, StateError, StateStore
+from gateway.wire.protocol import CAPABILITY
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
 
@@ -296,7 +295,9 @@ class Runner:
         )
         fatal: RunnerExit | StateError | None = None
         if self.trace_endpoint is not None:
-            self.tracing = tracing.start(self.trace_endpoint, __version__)
+            from gateway.ops.otel import Tracing  # only when tracing is on: the SDK is heavy
+
+            self.tracing = Tracing.start(self.trace_endpoint, service_version=__version__)
         try:
             if self.config.metrics_listen is not None:  # binds now: a busy port fails the start
                 host, port = self.config.metrics_listen

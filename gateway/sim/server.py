@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 import trio
 
-from gateway.wire.http import ClientGone, HTTPError, Request, error_envelope
+from gateway.wire.errors import ClientGone, HTTPError, error_envelope
+from gateway.wire.http import Request
 from gateway.wire.server import Limits, Server
 
 __all__ = [

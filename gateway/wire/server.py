@@ -33,8 +33,9 @@ from typing import Any, Protocol
 import h11
 import trio
 
+from gateway.wire.errors import ClientGone, HTTPError, error_envelope
+from gateway.wire.http import Request, Response
 from gateway.wire.netio import RECV_SIZE, TLSTransport, Transport, take_socket
-from gateway.wire.http import ClientGone, HTTPError, Request, Response, error_envelope
 from gateway.wire.wsframes import (
     OP_CLOSE,
     OP_PING,

@@ -24,7 +24,7 @@ from gateway.hub.frontdoor.shapes import (
     stream_error_event,
     whole_completion,
 )
-from gateway.hub.http import HTTPError
+from gateway.wire.errors import HTTPError
 
 
 class Translation(Protocol):

@@ -9,7 +9,6 @@ from typing import Any
 
 import trio
 
-from gateway.wire import protocol
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.frontdoor.relay import next_reply
@@ -17,6 +16,7 @@ from gateway.hub.frontdoor.sessions import Sessions
 from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ModelList, Store
+from gateway.wire import protocol
 
 log = logging.getLogger("gateway.hub.frontdoor")
 

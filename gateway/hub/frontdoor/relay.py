@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 import trio
 
-from gateway.wire import protocol
 from gateway.hub.channel import Frame, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.frontdoor.dialects import ChatStream, Translation
@@ -26,6 +25,7 @@ from gateway.hub.frontdoor.shapes import (
 )
 from gateway.hub.http import ClientGone, Headers, Response
 from gateway.hub.turns import TurnRecord, has_usage, is_usage_only
+from gateway.wire import protocol
 
 log = logging.getLogger("gateway.hub.frontdoor")
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import msgspec
 import trio
 
-from gateway.wire import protocol
 from gateway.hub.board import Job, JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
@@ -27,6 +26,7 @@ from gateway.hub.frontdoor.shapes import (
 from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, Store, StoredSession
+from gateway.wire import protocol
 
 log = logging.getLogger("gateway.hub.frontdoor")
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from gateway.wire import protocol
-from gateway.hub.http import HTTPError, error_envelope
+from gateway.wire.errors import HTTPError, error_envelope
 
 OWNED_BY = "alp-runner"
 DONE_EVENT = b"data: [DONE]\n\n"
