@@ -5,27 +5,24 @@ health checks and doctor stay on httpx. One ``Client`` per backend origin keeps 
 stack of idle connections; a response is read by the relay itself, read by read
 (``Response.read_nowait``), so no layer sits between a socket read and the SSE splitter.
 
-``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` and ``NO_PROXY`` are honoured as httpx honours
-them: an ``http://`` origin through a proxy is asked in absolute form, an ``https://`` one
-through a ``CONNECT`` tunnel with TLS inside it.
+The proxy is the one ``gateway.wire.proxy`` finds in the environment (``HTTP_PROXY``,
+``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``): an ``http://`` origin through a proxy is asked
+in absolute form, an ``https://`` one through a ``CONNECT`` tunnel with TLS inside it.
 """
 
 from __future__ import annotations
 
-import base64
-import ipaddress
-import os
 import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import httptools
 import trio
 
 from gateway import __version__
 from gateway.wire.netio import Transport, connect, start_tls
+from gateway.wire.proxy import Proxy, proxy_for
 
 USER_AGENT = f"alp-gateway/{__version__}".encode()
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -45,102 +42,6 @@ class ProtocolError(HTTPError):
 
 class ConnectionLost(HTTPError):
     """The connection broke or was closed before the answer was complete."""
-
-
-# -- proxies from the environment ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Proxy:
-    """An ``http://`` proxy: where it listens and the ``Proxy-Authorization`` its URL carries."""
-
-    host: str
-    port: int
-    authorization: bytes | None = None
-
-
-def proxy_for(
-    scheme: str, host: str, port: int, env: Mapping[str, str] | None = None
-) -> Proxy | None:
-    """The proxy the environment names for ``scheme://host:port``, None for a direct connection.
-
-    As httpx reads the environment: ``{scheme}_proxy`` else ``all_proxy`` (lower case first,
-    then upper case), and ``no_proxy`` entries: ``*``; a host (``example.com`` matches it and
-    its subdomains, ``.example.com`` only the subdomains); an IP address; an ``ip/prefix``
-    network; any of them with ``:port``; or a URL (``http://host:port``).
-    """
-    env = os.environ if env is None else env
-    url = _env(env, f"{scheme}_proxy") or _env(env, "all_proxy")
-    if not url:
-        return None
-    if _bypassed(_env(env, "no_proxy") or "", scheme, host.lower(), port):
-        return None
-    if "://" not in url:
-        url = f"http://{url}"
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(
-            f"unsupported proxy {parts.scheme}://{parts.hostname or ''} (only http://)"
-        )
-    authorization = None
-    if parts.username is not None:
-        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
-        authorization = b"Basic " + base64.b64encode(credentials)
-    return Proxy(parts.hostname, parts.port or 80, authorization)
-
-
-def _env(env: Mapping[str, str], name: str) -> str | None:
-    return env.get(name) or env.get(name.upper())
-
-
-def _bypassed(no_proxy: str, scheme: str, host: str, port: int) -> bool:
-    for entry in (e.strip().lower() for e in no_proxy.split(",")):
-        if not entry:
-            continue
-        if entry == "*":
-            return True
-        want_scheme = None
-        if "://" in entry:
-            want_scheme, entry = entry.split("://", 1)
-            if want_scheme == "all":
-                want_scheme = None
-        if want_scheme is not None and want_scheme != scheme:
-            continue
-        name, want_port = _split_port(entry)
-        if want_port is not None and want_port != port:
-            continue
-        if _host_matches(name, host):
-            return True
-    return False
-
-
-def _split_port(entry: str) -> tuple[str, int | None]:
-    if entry.startswith("["):  # [v6]:port
-        name, _, rest = entry[1:].partition("]")
-        return name, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
-    if entry.count(":") == 1:
-        name, _, port = entry.partition(":")
-        if port.isdigit():
-            return name, int(port)
-    return entry, None
-
-
-def _host_matches(pattern: str, host: str) -> bool:
-    host = host.strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        address = None
-    if address is not None:
-        try:
-            return address in ipaddress.ip_network(pattern, strict=False)
-        except ValueError:
-            return False
-    if pattern.startswith("*"):
-        pattern = pattern[1:]
-    if pattern.startswith("."):
-        return host.endswith(pattern)
-    return host == pattern or host.endswith("." + pattern)
 
 
 # -- one response ------------------------------------------------------------------------
