@@ -16,6 +16,7 @@ from functools import partial
 import pytest
 import trio
 import trustme
+from helpers import BACKEND_KEY
 
 from gateway.config import ConfigError
 from gateway.runner.backends import Backend, BackendUnreachable
@@ -54,8 +55,9 @@ def test_the_client_asks_for_its_origin(env: dict[str, str], url: str, proxied: 
 
 
 class Proxy:
-    """A forwarding HTTP proxy: absolute-form requests (rewritten to origin form for the target)
-    and CONNECT tunnels. ``seen`` records each request line as it came."""
+    """A forwarding HTTP proxy: absolute-form requests (each rewritten to origin form for the
+    target, a kept-alive connection's too) and CONNECT tunnels. ``seen`` records each request
+    line as it came."""
 
     def __init__(self) -> None:
         self.seen: list[bytes] = []
@@ -74,26 +76,59 @@ class Proxy:
             if not data:
                 return
             head += data
-        line, rest = head.split(b"\r\n", 1)
-        self.seen.append(line)
-        method, target, version = line.split(b" ")
+        line = head.split(b"\r\n", 1)[0]
+        method, target, _ = line.split(b" ")
         if method == b"CONNECT":
+            self.seen.append(line)
             host, port = target.rsplit(b":", 1)
             upstream = await trio.open_tcp_stream(host.decode(), int(port))
             await client.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            leftover = rest.split(b"\r\n\r\n", 1)[1]
+            leftover = head.split(b"\r\n\r\n", 1)[1]
+            if leftover:
+                await upstream.send_all(leftover)
+            forward = partial(_pipe, client, upstream)
         else:
             assert target.startswith(b"http://")
-            authority, _, path = target[7:].partition(b"/")
+            authority = target[7:].partition(b"/")[0]
             host, port = authority.rsplit(b":", 1)
             upstream = await trio.open_tcp_stream(host.decode(), int(port))
-            leftover = b"%s /%s %s\r\n%s" % (method, path, version, rest)
-        if leftover:
-            await upstream.send_all(leftover)
+            forward = partial(self._requests, client, upstream, head)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pipe, client, upstream, nursery.cancel_scope)
+            nursery.start_soon(forward, nursery.cancel_scope)
             nursery.start_soon(_pipe, upstream, client, nursery.cancel_scope)
         await upstream.aclose()
+
+    async def _requests(
+        self,
+        client: trio.SocketStream,
+        upstream: trio.SocketStream,
+        buf: bytes,
+        done: trio.CancelScope,
+    ) -> None:
+        """Absolute-form requests (with a ``content-length`` body) forwarded in origin form."""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = await client.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                line, fields = head.split(b"\r\n", 1)
+                self.seen.append(line)
+                length = int(fields.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(buf) < length:
+                    buf += await client.receive_some(65536)
+                body, buf = buf[:length], buf[length:]
+                method, target, version = line.split(b" ")
+                path = b"/" + target[7:].partition(b"/")[2]
+                await upstream.send_all(
+                    b"%s %s %s\r\n%s\r\n\r\n%s" % (method, path, version, fields, body)
+                )
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            done.cancel()
 
 
 async def _pipe(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
@@ -148,6 +183,60 @@ async def test_no_proxy_goes_direct(sim: Simulator, monkeypatch: pytest.MonkeyPa
         assert proxy.seen == []
 
 
+async def test_no_proxy_range_health_models_and_turns_all_go_direct(
+    sim: Simulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``NO_PROXY=127.0.0.0/8``, a range httpx matches only at 127.0.0.0: the health probe, the
+    model list and the turn all go direct, on one kept-alive connection (one client)."""
+    async with open_proxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.0/8")
+        backend = Backend(sim.url, BACKEND_KEY)
+        try:
+            assert await backend.check() is None
+            assert await backend.list_models() == ["sim-model"]
+            assert b"data: [DONE]" in await _stream(backend)
+        finally:
+            await backend.aclose()
+        assert proxy.seen == []
+        assert [r.path for r in sim.requests] == [
+            "/v1/models",
+            "/v1/models",
+            "/v1/chat/completions",
+        ]
+        assert sim.connections == 1
+
+
+async def test_health_models_and_turns_take_the_same_proxy(
+    sim: Simulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_proxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setenv("NO_PROXY", "10.0.0.0/8,gpu.lan")
+        backend = Backend(sim.url, BACKEND_KEY)
+        try:
+            assert await backend.check() is None
+            assert await backend.list_models() == ["sim-model"]
+            assert b"data: [DONE]" in await _stream(backend)
+        finally:
+            await backend.aclose()
+        # each in absolute form, on one connection to the proxy kept alive
+        assert proxy.seen == [
+            f"GET {sim.url}/models HTTP/1.1".encode(),
+            f"GET {sim.url}/models HTTP/1.1".encode(),
+            f"POST {sim.url}/chat/completions HTTP/1.1".encode(),
+        ]
+        assert sim.connections == 1
+        assert [r.path for r in sim.requests] == [
+            "/v1/models",
+            "/v1/models",
+            "/v1/chat/completions",
+        ]
+        assert all(r.headers.get("authorization") == f"Bearer {BACKEND_KEY}" for r in sim.requests)
+
+
 @asynccontextmanager
 async def open_tls_backend(ca: trustme.CA) -> AsyncIterator[int]:
     """A TLS backend answering every request with one SSE event and [DONE] (keep-alive)."""
@@ -194,11 +283,12 @@ async def test_https_backend_through_a_connect_tunnel(monkeypatch: pytest.Monkey
         monkeypatch.delenv("no_proxy", raising=False)
         backend = Backend(f"https://localhost:{port}/v1", ssl_context=client_ctx)
         try:
+            assert await backend.check() is None  # the health check: the same tunnel and TLS
             assert await _stream(backend) == b'data: {"tls":true}\n\ndata: [DONE]\n\n'
             assert await _stream(backend) == b'data: {"tls":true}\n\ndata: [DONE]\n\n'
         finally:
             await backend.aclose()
-        # one tunnel: the second request went over the kept-alive TLS connection inside it
+        # one tunnel: the later requests went over the kept-alive TLS connection inside it
         assert proxy.seen == [f"CONNECT localhost:{port} HTTP/1.1".encode()]
 
 
@@ -209,6 +299,8 @@ async def test_https_backend_with_an_unknown_ca_is_unreachable_not_sent() -> Non
         try:
             with pytest.raises(BackendUnreachable, match="certificate"):
                 await _stream(backend)
+            # the health check refuses the certificate as the turn does: the backend is down
+            assert "certificate refused" in (await backend.check() or "")
         finally:
             await backend.aclose()
 

@@ -26,13 +26,14 @@ from gateway.runner.alp import (
     describe_error,
     make_ssl_context,
 )
-from gateway.runner.backends import Backend, BackendPool, discover_local
+from gateway.runner.backends import Answer, Backend, BackendPool, ProbeFailed, discover_local
 from gateway.runner.snapshot import BackendStatus
 from gateway.state import Registration, StateError, StateStore
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"
 _BODY_LIMIT = 200
 _DEEP_PROMPT = "Reply with the single word OK."
+_DEEP_ANSWER_TIME = 120.0  # a one-token completion may load the model first
 
 
 @dataclass
@@ -298,15 +299,13 @@ class Doctor:
         problem = ""
         try:
             listed = await backend.list_models()
-        except httpx.HTTPStatusError as exc:
-            problem = f"answered {exc.response.status_code}"
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            problem = _kind(exc)
+        except ProbeFailed as exc:
+            problem = exc.reason
         if listed is None and problem == "answered 404" and not backend.url.endswith("/v1"):
             # Ollama's plain http://127.0.0.1:11434 (and vLLM's, LiteLLM's host) answer 404 on
             # /models: every chat turn would 404 too. Ask where the API really is.
             v1 = f"{backend.url}/v1"
-            if await self._lists_models(backend, v1):
+            if await self._lists_models(backend, "/v1"):
                 self.add(
                     FAIL,
                     name,
@@ -354,16 +353,15 @@ class Doctor:
         if self.deep:
             await self.deep_check(backend, pool)
 
-    async def _lists_models(self, backend: Backend, url: str) -> bool:
-        """``GET {url}/models`` answers an OpenAI model list (with the backend's key)."""
-        headers = {k: v for k, v in backend.headers().items() if k == "authorization"}
-        try:
-            resp = await backend.client.get(
-                f"{url}/models", headers=headers, timeout=self.probe_timeout
-            )
-            data = msgspec.json.decode(resp.content) if resp.is_success else None
-        except (httpx.HTTPError, msgspec.DecodeError):
-            return False
+    async def _lists_models(self, backend: Backend, path: str) -> bool:
+        """``GET {backend.url}{path}/models`` answers an OpenAI model list (with the backend's key)."""
+        data = None
+        with trio.move_on_after(self.probe_timeout):
+            try:
+                answer = await backend.fetch("GET", f"{path}/models")
+                data = msgspec.json.decode(answer.body) if answer.ok else None
+            except (ProbeFailed, msgspec.DecodeError):
+                return False
         return isinstance(data, dict) and isinstance(data.get("data"), list)
 
     async def deep_check(self, backend: Backend, pool: BackendPool) -> None:
@@ -389,34 +387,34 @@ class Doctor:
                 "stream": False,
             }
         )
-        headers = {**backend.headers(), "accept": "application/json"}
         start = time.perf_counter()
-        try:
-            resp = await backend.client.post(
-                backend.completions_url,
-                content=body,
-                headers=headers,
-                timeout=httpx.Timeout(self.probe_timeout, read=120.0),
-            )
-        except httpx.HTTPError as exc:
+        answer: Answer | None = None
+        problem = "no answer in time"
+        with trio.move_on_after(self.probe_timeout + _DEEP_ANSWER_TIME):
+            try:
+                answer = await backend.fetch("POST", "/chat/completions", body)
+            except ProbeFailed as exc:
+                problem = exc.reason
+        if answer is None:
             self.add(
                 FAIL,
                 name,
-                f"{model}: {_kind(exc)}",
+                f"{model}: {problem}",
                 "the backend answers /models but not a completion: check its logs",
             )
             return
         elapsed = (time.perf_counter() - start) * 1000.0
-        if not resp.is_success:
+        if not answer.ok:
+            text = answer.body.decode("utf-8", "replace")
             self.add(
                 FAIL,
                 name,
-                f"{model}: backend returned {resp.status_code}: {_cut(resp.text)}",
+                f"{model}: backend returned {answer.status}: {_cut(text)}",
                 f"can {backend.name} load {model}? check its logs and memory",
             )
             return
         try:
-            msgspec.json.decode(resp.content)
+            msgspec.json.decode(answer.body)
         except msgspec.DecodeError:
             self.add(
                 FAIL,

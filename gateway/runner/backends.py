@@ -6,6 +6,10 @@ turns waiting for one of its ``max_concurrency`` slots. The ``BackendPool`` rout
 turn: the model named by the frame, else by the body, else the default; aliases mapped
 to local names; the allowlist applied; then the least-loaded up backend serving it.
 ``BackendPool.run`` keeps model lists fresh and probes health in the background.
+
+Every request to a backend, turns, health checks, model listing and doctor's, goes through
+its one ``http1.Client``: the same kept-alive connections, the same proxy (``NO_PROXY``
+ranges included) and the same TLS context, so a probe reaches the backend as a turn does.
 """
 
 from __future__ import annotations
@@ -13,12 +17,11 @@ from __future__ import annotations
 import logging
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-import httpx
 import msgspec
 import trio
 
@@ -30,11 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.backends")
 
-PROBE_TIMEOUT = 10.0
+PROBE_TIMEOUT = 10.0  # a health check's or a model list's whole exchange
+ANSWER_LIMIT = 16 * 1024 * 1024  # the largest answer to a probe read (a long model list)
 KEEPALIVE_CONNECTIONS = (
     64  # idle backend connections kept per backend (O(1) each, whatever the number)
 )
-_DISCOVERY_ERRORS = (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError)
 
 
 class BackendError(Exception):
@@ -53,12 +56,39 @@ class BackendIdle(BackendError):
     """The backend sent nothing for longer than the idle timeout."""
 
 
+class ProbeFailed(Exception):
+    """A health check, model listing or doctor's request got no usable answer.
+
+    ``reason`` says why in a few words (no key in it); ``status`` is the HTTP status when the
+    backend answered one that does not do."""
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole answer to ``Backend.fetch``: its status and its body."""
+
+    status: int
+    body: bytes
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
 class _ModelList(msgspec.Struct):
     data: list[dict[str, object]] = []
 
 
 class _OllamaTags(msgspec.Struct):
     models: list[dict[str, object]] = []
+
+
+_ListT = TypeVar("_ListT", _ModelList, _OllamaTags)
 
 
 def _ids(items: list[dict[str, object]], field: str) -> list[str]:
@@ -72,14 +102,26 @@ def _broke(exc: http1.HTTPError) -> str:
     return f"stream broke: {exc}"
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, httpx.TimeoutException):
-        return "did not answer in time"
-    if isinstance(exc, httpx.HTTPStatusError):
-        return f"answered {exc.response.status_code}"
-    if isinstance(exc, httpx.HTTPError):
-        return f"unreachable ({type(exc).__name__})"
-    return f"sent a model list that is not JSON ({type(exc).__name__})"
+@contextmanager
+def _in_time(seconds: float) -> Iterator[None]:
+    """A probe's deadline: ``ProbeFailed("did not answer in time")`` when it passes."""
+    try:
+        with trio.fail_after(seconds):
+            yield
+    except trio.TooSlowError:
+        raise ProbeFailed("did not answer in time") from None
+
+
+def _model_list(answer: Answer, kind: type[_ListT]) -> _ListT:
+    """A model list's answer decoded; ``ProbeFailed`` for another status or another shape."""
+    if not answer.ok:
+        raise ProbeFailed(f"answered {answer.status}", answer.status)
+    try:
+        return msgspec.json.decode(answer.body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ProbeFailed(f"sent a model list of another shape ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise ProbeFailed(f"sent a model list that is not JSON ({type(exc).__name__})") from None
 
 
 class Backend:
@@ -104,17 +146,13 @@ class Backend:
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
-        self.completions_url = f"{self.url}/chat/completions"
         self.declared_models: tuple[str, ...] = tuple(models)
         self.discovered_models: tuple[str, ...] | None = None  # None: never listed
         self.max_concurrency = max_concurrency
         self.queue_limit = queue
         self.idle_timeout = idle_timeout
         self.key = key or None  # masked in what the runner relays of this backend's errors
-        self._headers = {"accept": "text/event-stream", "content-type": "application/json"}
-        if key:
-            self._headers["authorization"] = f"Bearer {key}"
-        # The per-turn request, on the lean client (the hot path): keep-alive, bounded idle reuse.
+        # Every request (turns on the hot path; probes): keep-alive, bounded idle reuse.
         try:
             self.http = http1.Client(
                 self.url,
@@ -125,16 +163,9 @@ class Backend:
         except ValueError as exc:  # an unusable URL, or a proxy this client cannot speak
             raise ConfigError(f"backend {name} ({self.url}): {exc}") from None
         self._turn_target = self.http.target("/chat/completions")
-        self._turn_headers = [(k.encode(), v.encode()) for k, v in self._headers.items()]
+        self._turn_headers = [(b"accept", b"text/event-stream"), *self._common_headers(True)]
         # the head of every turn's request, built once (a traceparent gets its own per turn)
         self._turn_head = self.http.prepare(b"POST", self._turn_target, self._turn_headers)
-        # Model listing and health checks (not hot) on httpx. Per-read idle timeout, never an
-        # overall deadline: long generations are normal.
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect_timeout, read=idle_timeout, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=2),
-            verify=ssl_context if ssl_context is not None else True,
-        )
         # health: optimistic until a probe says otherwise
         self.up = True
         self.down_reason: str | None = None
@@ -183,9 +214,12 @@ class Backend:
     def knows_models(self) -> bool:
         return bool(self.models)
 
-    def headers(self) -> dict[str, str]:
-        """The headers of a completion request to this backend (its key included, if any)."""
-        return dict(self._headers)
+    def _common_headers(self, body: bool) -> list[tuple[bytes, bytes]]:
+        """Every request's headers but ``accept``: the body's type when there is one, the key."""
+        headers = [(b"content-type", b"application/json")] if body else []
+        if self.key:
+            headers.append((b"authorization", f"Bearer {self.key}".encode()))
+        return headers
 
     def mark(self, reason: str | None, models: Sequence[str] | None = None) -> None:
         """Record a check made elsewhere (doctor): down for ``reason`` (None: up), models as listed."""
@@ -195,7 +229,6 @@ class Backend:
 
     async def aclose(self) -> None:
         self.http.close()
-        await self.client.aclose()
 
     # -- HTTP ----------------------------------------------------------------------------
 
@@ -238,34 +271,64 @@ class Backend:
         if idle.cancelled_caught:
             raise BackendIdle(f"backend {self.url} sent nothing for too long (idle timeout)")
 
+    async def fetch(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        under_base: bool = True,
+    ) -> Answer:
+        """One request beside the turns (a probe, a model list, doctor's), on the turns' client.
+
+        ``path`` is under the base URL (``under_base=False``: under the origin); the key goes
+        with it. An answer of any status is an ``Answer``; no whole answer (unreachable,
+        broken, over ``ANSWER_LIMIT``) is ``ProbeFailed``. The caller bounds the time (a cancel
+        scope; a connect is bounded by ``connect_timeout``). A connection read to its end is
+        kept for the next request."""
+        headers = [(b"accept", b"application/json"), *self._common_headers(bool(body))]
+        target = self.http.target(path, under_base=under_base)
+        response: http1.Response | None = None
+        try:
+            response = await self.http.request(method.encode(), target, headers, body)
+            data = await response.read_body(ANSWER_LIMIT)
+        except http1.ConnectFailed as exc:
+            raise ProbeFailed(f"unreachable ({exc})") from None
+        except http1.HTTPError as exc:
+            raise ProbeFailed(_broke(exc)) from None
+        finally:
+            if response is not None:
+                self.http.release(response)  # kept if read to its end, else closed
+        if not response.complete:
+            raise ProbeFailed(f"sent an answer over {ANSWER_LIMIT} bytes")
+        return Answer(response.status, data)
+
     async def list_models(self) -> list[str]:
-        """Model ids from ``GET {url}/models`` (Ollama's ``/api/tags`` where that is missing)."""
-        headers = {k: v for k, v in self._headers.items() if k == "authorization"}
-        resp = await self.client.get(f"{self.url}/models", headers=headers, timeout=PROBE_TIMEOUT)
-        if resp.status_code == 404 and self.url.endswith("/v1"):
-            tags = await self.client.get(f"{self.url[:-3]}/api/tags", timeout=PROBE_TIMEOUT)
-            tags.raise_for_status()
-            return _ids(msgspec.json.decode(tags.content, type=_OllamaTags).models, "name")
-        resp.raise_for_status()
-        return _ids(msgspec.json.decode(resp.content, type=_ModelList).data, "id")
+        """Model ids from ``GET {url}/models`` (Ollama's ``/api/tags`` where that is missing);
+        ``ProbeFailed`` when there is no list (``status`` set when it answered another status)."""
+        with _in_time(PROBE_TIMEOUT):
+            answer = await self.fetch("GET", "/models")
+            if answer.status == 404 and self.url.endswith("/v1"):
+                origin_path = f"{self.http.base_path[:-3]}/api/tags"
+                tags = await self.fetch("GET", origin_path, under_base=False)
+                return _ids(_model_list(tags, _OllamaTags).models, "name")
+        return _ids(_model_list(answer, _ModelList).data, "id")
 
     async def check(self) -> str | None:
         """Probe ``GET {url}/models``: None when the backend answers, else why it is down.
 
         A 404/405 still counts as up (the server lives, it just has no model list).
         """
-        headers = {k: v for k, v in self._headers.items() if k == "authorization"}
         try:
-            resp = await self.client.get(
-                f"{self.url}/models", headers=headers, timeout=PROBE_TIMEOUT
-            )
-        except httpx.HTTPError as exc:
-            return _describe(exc)
-        if resp.is_success or resp.status_code in (404, 405):
+            with _in_time(PROBE_TIMEOUT):
+                answer = await self.fetch("GET", "/models")
+        except ProbeFailed as exc:
+            return exc.reason
+        if answer.ok or answer.status in (404, 405):
             return None
-        if resp.status_code in (401, 403):
-            return f"answered {resp.status_code}: its key was refused"
-        return f"answered {resp.status_code}"
+        if answer.status in (401, 403):
+            return f"answered {answer.status}: its key was refused"
+        return f"answered {answer.status}"
 
     # -- concurrency ---------------------------------------------------------------------
 
@@ -464,8 +527,8 @@ class BackendPool:
     async def _discover(self, backend: Backend) -> None:
         try:
             models = await backend.list_models()
-        except _DISCOVERY_ERRORS as exc:
-            reason = _describe(exc)
+        except ProbeFailed as exc:
+            reason = exc.reason
             if reason != backend.discovery_error:
                 log.warning(
                     "backend %s (%s) cannot list its models: %s", backend.name, backend.url, reason
@@ -675,7 +738,7 @@ async def discover_local(probe_timeout: float = 0.5) -> list[tuple[str, str, lis
         backend = Backend(url, connect_timeout=probe_timeout, idle_timeout=probe_timeout)
         try:
             models = await backend.list_models()
-        except _DISCOVERY_ERRORS:
+        except ProbeFailed:
             return
         finally:
             await backend.aclose()

@@ -1,8 +1,9 @@
 """The backend hop's HTTP/1.1 client: requests over ``netio`` sockets, httptools parsing, keep-alive.
 
-Only the per-turn chat-completions request goes through here (the hot path); model listing,
-health checks and doctor stay on httpx. One ``Client`` per backend origin keeps a bounded
-stack of idle connections; a response is read by the relay itself, read by read
+Every request to a backend goes through here: the per-turn chat-completions request (the hot
+path), and its health checks, model listing and doctor's requests, on the same connections
+and the same proxy and TLS rules. One ``Client`` per backend origin keeps a bounded stack of
+idle connections; a turn's response is read by the relay itself, read by read
 (``Response.read_nowait``), so no layer sits between a socket read and the SSE splitter.
 
 The proxy is the one ``gateway.wire.proxy`` finds in the environment (``HTTP_PROXY``,
@@ -231,9 +232,10 @@ class Client:
         self._absolute = self.proxy is not None and self.scheme == "http"
         self._idle: deque[tuple[float, Transport]] = deque()
 
-    def target(self, path: str) -> bytes:
-        """The request target for ``path`` under the base URL (absolute form to a proxy)."""
-        target = (self.base_path + path).encode()
+    def target(self, path: str, *, under_base: bool = True) -> bytes:
+        """The request target for ``path`` under the base URL (``under_base=False``: under the
+        origin), in absolute form to a proxy."""
+        target = ((self.base_path if under_base else "") + path).encode()
         if self._absolute:
             return b"http://" + self._authority + target
         return target
