@@ -127,8 +127,8 @@ def _model_list(answer: Answer, kind: type[_ListT]) -> _ListT:
 class Backend:
     """One OpenAI-compatible backend at ``url`` (its base, including ``/v1``).
 
-    The counters ``in_flight``, ``waiting``, ``waited_seconds_total``, ``waits_total``,
-    ``busy_total`` and ``turns_total`` are plain attributes for the metrics to read.
+    The counters ``in_flight``, ``waited_seconds_total``, ``waits_total``, ``busy_total`` and
+    ``turns_total`` are plain attributes for the metrics to read; ``waiting`` is the queue's length.
     """
 
     def __init__(
@@ -173,7 +173,6 @@ class Backend:
         self._probe_now = trio.Event()
         # concurrency
         self.in_flight = 0
-        self.waiting = 0
         self.waited_seconds_total = 0.0
         self.waits_total = 0
         self.busy_total = 0
@@ -333,6 +332,11 @@ class Backend:
     # -- concurrency ---------------------------------------------------------------------
 
     @property
+    def waiting(self) -> int:
+        """Turns waiting in the queue for a slot."""
+        return len(self._waiters)
+
+    @property
     def has_free_slot(self) -> bool:
         return self.max_concurrency is None or (
             self.in_flight < self.max_concurrency and not self._waiters
@@ -365,7 +369,6 @@ class Backend:
             raise BackendBusy(self.busy_text())
         event = trio.Event()
         self._waiters.append(event)
-        self.waiting = len(self._waiters)
         self.waits_total += 1
         log.info(
             "job %s request %s: waiting for backend %s (%d in flight, %d waiting)",
@@ -386,7 +389,6 @@ class Backend:
                 self._waiters.remove(event)
             raise
         finally:
-            self.waiting = len(self._waiters)
             self.waited_seconds_total += trio.current_time() - start
             self._touch()
 
@@ -396,7 +398,6 @@ class Backend:
             self._waiters.popleft().set()
         else:
             self.in_flight -= 1
-        self.waiting = len(self._waiters)
         self._touch()
 
 
@@ -436,7 +437,6 @@ class BackendPool:
         self.on_change = on_change
         self._refresh_done: trio.Event | None = None
         self._refreshed_at: float | None = None
-        self._changed = trio.Event()
 
     @classmethod
     def from_config(
@@ -541,7 +541,6 @@ class BackendPool:
         if tuple(models) != backend.discovered_models:
             log.info("backend %s serves %s", backend.name, ", ".join(models) or "no models")
         backend.discovered_models = tuple(models)
-        self._notify(health=False)
 
     # -- routing -------------------------------------------------------------------------
 
@@ -649,15 +648,9 @@ class BackendPool:
             self._notify()
         return backend.up
 
-    def _notify(self, health: bool = True) -> None:
-        changed, self._changed = self._changed, trio.Event()
-        changed.set()
-        if health and self.on_change is not None:
+    def _notify(self) -> None:
+        if self.on_change is not None:
             self.on_change()
-
-    async def wait_changed(self) -> None:
-        """Wait for the next health transition or model-list change."""
-        await self._changed.wait()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Discover models and probe every backend now (then ``started``), refresh the models
