@@ -58,12 +58,21 @@ def default_state_dir(env: Mapping[str, str]) -> Path:
     return root / "alp-gateway"
 
 
+def split_project(value: str) -> tuple[str, str]:
+    """``OWNER/PROJECT`` -> ``(owner, project)``: the one parser of a project's name (the
+    runner's setting, the hub's API keys). Spaces and slashes around it are dropped; ValueError
+    when the owner or the project is missing or there is more than one ``/``."""
+    owner, sep, name = value.strip().strip("/").partition("/")
+    if not sep or not owner or not name or "/" in name:
+        raise ValueError(f"project must look like OWNER/PROJECT, not {value!r}")
+    return owner, name
+
+
 def _project(value: str) -> str:
-    value = value.strip().strip("/")
-    owner, _, name = value.partition("/")
-    if not owner or not name or "/" in name:
-        raise ValueError("expected OWNER/PROJECT")
-    return value
+    try:
+        return "/".join(split_project(value))
+    except ValueError:
+        raise ValueError("expected OWNER/PROJECT") from None  # the caller shows the value
 
 
 def _positive_float(value: Any) -> float:
@@ -586,21 +595,6 @@ class Config:
         object.__setattr__(self, "backends", tuple(declared))
         object.__setattr__(self, "aliases", dict(self.aliases))
         object.__setattr__(self, "allowed_models", tuple(self.allowed_models))
-
-    @property
-    def owner(self) -> str:
-        assert self.project
-        return self.project.split("/", 1)[0]
-
-    @property
-    def project_name(self) -> str:
-        assert self.project
-        return self.project.split("/", 1)[1]
-
-    @property
-    def base_url(self) -> str:
-        """``{server}/api/owners/{owner}/projects/{project}`` (docs/protocol.md §1)."""
-        return f"{self.server}/api/owners/{self.owner}/projects/{self.project_name}"
 
 
 def _settings() -> tuple[Setting, ...]:

@@ -18,7 +18,15 @@ from gateway.config import (
     load_config,
     normalize_server,
     parse_listen,
+    split_project,
 )
+
+
+def test_one_project_parser() -> None:
+    assert split_project(" /acme/chat/ ") == ("acme", "chat")
+    for bad in ("noslash", "/p", "o/", "a/b/c", ""):
+        with pytest.raises(ValueError, match="OWNER/PROJECT"):
+            split_project(bad)
 
 
 def test_server_normalisation() -> None:
@@ -47,8 +55,7 @@ def test_precedence_flags_env_file(tmp_path: Path) -> None:
     assert config.backend == "http://file:1/v1"
     assert config.poll_interval == 2.5
     assert config.server == "http://localhost:9" and config.server_explicit
-    assert config.project == "o/p" and config.owner == "o" and config.project_name == "p"
-    assert config.base_url == "http://localhost:9/api/owners/o/projects/p"
+    assert config.project == "o/p" and split_project(config.project) == ("o", "p")
     assert load_config({"model": "flag"}, env, toml).model == "flag"
 
 

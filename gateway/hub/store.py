@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.config import split_project
 from gateway.hub.turns import TurnRecord
 from gateway.hub.usage import ERROR_OUTCOMES, HOUR, LIMIT_NAMES, HourlyUsage, KeyLimits
 
@@ -144,14 +145,6 @@ def key_id_of(key_hash: str) -> str:
     """An API key's id: the start of its hash, unique per key (a new key with a revoked key's
     name has another), not a secret, never the key itself."""
     return key_hash[:16]
-
-
-def split_project(project: str) -> tuple[str, str]:
-    """``"owner/project"`` -> ``("owner", "project")``; ValueError when malformed."""
-    owner, sep, name = project.partition("/")
-    if not sep or not owner or not name or "/" in name:
-        raise ValueError(f"project must look like OWNER/PROJECT, not {project!r}")
-    return owner, name
 
 
 @dataclass(frozen=True, slots=True)

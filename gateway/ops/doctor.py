@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import trio
 
-from gateway.config import Config, ConfigError, load_config, setting_flags
+from gateway.config import Config, ConfigError, load_config, setting_flags, split_project
 from gateway.observe import Redactor
 from gateway.runner.alp import (
     AlpClient,
@@ -215,7 +215,7 @@ class Doctor:
             )
             return
         assert config.project
-        owner, project = config.project.split("/", 1)
+        owner, project = split_project(config.project)
         alp = AlpClient(server, owner, project, ssl_context=ssl_context, timeout=self.probe_timeout)
         alp.token = registration.token
         try:

@@ -14,7 +14,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import trio
 
 from gateway import __version__
-from gateway.config import Config
+from gateway.config import Config, split_project
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.ops import tracing
 from gateway.ops.metrics import MetricsServer, open_metrics
@@ -231,8 +231,7 @@ class Runner:
         assert config.project and config.user_token
         client = AlpClient(
             config.server,
-            config.owner,
-            config.project_name,
+            *split_project(config.project),
             ssl_context=self.ssl_context,
             connect_timeout=config.connect_timeout,
         )
