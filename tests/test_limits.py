@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -14,6 +15,7 @@ from helpers import runner_config as _runner_config
 
 from gateway.config import Config
 from gateway.hub import Hub, open_hub
+from gateway.runner.alp import Job
 from gateway.runner.supervisor import ChatJob
 from gateway.sim import Simulator
 
@@ -138,6 +140,11 @@ async def test_absent_or_invalid_limits_mean_none_and_invalid_is_logged_once(
     assert any("maxTimeoutMinutes is True" in line for line in warned)
 
 
+def chat_job(job: dict[str, Any], run_id: str) -> ChatJob:
+    """The ``ChatJob`` a claimed job offered as ``job`` (a poll's JSON, as decoded) becomes."""
+    return ChatJob.of(msgspec.convert(job, Job), run_id)
+
+
 @pytest.mark.parametrize(
     ("definition", "idle", "total"),
     [
@@ -151,18 +158,12 @@ async def test_absent_or_invalid_limits_mean_none_and_invalid_is_logged_once(
 def test_limits_parsed_from_the_agent_definition(
     definition: dict[str, Any], idle: float | None, total: float | None
 ) -> None:
-    chat = ChatJob.from_job({"id": "j1", "agentDefinition": definition}, "r1")
+    chat = chat_job({"id": "j1", "agentDefinition": definition}, "r1")
     assert (chat.idle_timeout, chat.max_timeout) == (idle, total)
 
 
 def test_job_traceparent_kept_only_when_well_formed() -> None:
     good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    assert (
-        ChatJob.from_job({"id": "j", "agentDefinition": {"traceparent": good}}, "r").traceparent
-        == good
-    )
-    assert (
-        ChatJob.from_job({"id": "j", "agentDefinition": {"traceparent": "x"}}, "r").traceparent
-        is None
-    )
-    assert ChatJob.from_job({"id": "j", "agentDefinition": None}, "r").traceparent is None
+    assert chat_job({"id": "j", "agentDefinition": {"traceparent": good}}, "r").traceparent == good
+    assert chat_job({"id": "j", "agentDefinition": {"traceparent": "x"}}, "r").traceparent is None
+    assert chat_job({"id": "j", "agentDefinition": None}, "r").traceparent is None

@@ -8,7 +8,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -39,6 +39,11 @@ class EventsUnavailable(Exception):
     """The Server has no push route (``GET …/runners/events`` answered 404/405)."""
 
 
+class MalformedReply(ServerUnavailable):
+    """The Server answered 2xx with a body that does not fit the contract; the message names the
+    request and the field. Retried like an outage (a Server mid-deploy, a proxy's page)."""
+
+
 class Refused(Exception):
     """A non-retryable 4xx answer; the message names the path and status."""
 
@@ -55,22 +60,111 @@ def make_ssl_context(ca_file: Path | None) -> ssl.SSLContext:
     return ctx
 
 
-def is_chat_job(job: Any) -> bool:
-    """A Kind B job: ``agentDefinition.jobType == "chat_llm"`` or ``chat-llm:v1`` in its needs."""
-    if not isinstance(job, dict) or not isinstance(job.get("id"), str):
-        return False
-    definition = job.get("agentDefinition")
-    if not isinstance(definition, dict):
-        definition = {}
-    if definition.get("jobType") == CHAT_JOB_TYPE:
-        return True
-    for needs in (job.get("needs"), definition.get("needs")):
-        if isinstance(needs, list) and CAPABILITY in needs:
+# -- what the Server answers (docs/protocol.md §1-§3), decoded into types ------------------
+#
+# Each reply is decoded once, into the Struct below, by ``_decode``: a reply that does not fit
+# is one ``MalformedReply`` naming the request and the field (msgspec's path, ``$.jobs[0].id``),
+# never a KeyError or a traceback. Fields the runner does not read are ignored, so a Server
+# that sends more stays compatible. msgspec's messages name types and paths, never values: a
+# registration reply's token cannot reach an error message.
+
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class RegistrationReply(msgspec.Struct):
+    """``POST {base}/runners`` answered 2xx (§1): the runner's id, name and token."""
+
+    id: NonEmpty
+    token: NonEmpty
+    name: str | None = None  # the Server's name for the runner; else the one asked for
+    registeredAt: str | None = None
+
+
+class AgentDefinition(msgspec.Struct):
+    """What the runner reads of a job's ``agentDefinition`` (§2, §4, §6).
+
+    ``traceparent`` and the two time limits are left as any JSON value: the contract says one
+    that is not valid is ignored (§6) or logged and means no limit (§2), never that the job is
+    refused; ``gateway.runner.session.ChatJob`` reads them."""
+
+    jobType: str | None = None
+    needs: list[str] | None = None
+    traceparent: Any = None
+    idleTimeoutMinutes: Any = None
+    maxTimeoutMinutes: Any = None
+    channelUrl: str | None = None
+
+
+class Job(msgspec.Struct):
+    """One job a poll offers (§2): a Chat Job or someone else's."""
+
+    id: NonEmpty
+    needs: list[str] | None = None
+    agentDefinition: AgentDefinition | None = None
+    channelUrl: str | None = None
+
+    @property
+    def definition(self) -> AgentDefinition:
+        return self.agentDefinition or _NO_DEFINITION
+
+    @property
+    def is_chat_job(self) -> bool:
+        """A Kind B job: ``agentDefinition.jobType == "chat_llm"`` or ``chat-llm:v1`` in its needs."""
+        definition = self.definition
+        if definition.jobType == CHAT_JOB_TYPE:
             return True
-    return False
+        return any(CAPABILITY in (needs or ()) for needs in (self.needs, definition.needs))
+
+    @property
+    def channel_url(self) -> str | None:
+        """The job's own channel URL (§4, §6: on the job or in its definition), when it is ws(s)."""
+        for url in (self.channelUrl, self.definition.channelUrl):
+            if url is not None and url.startswith(("ws://", "wss://")):
+                return url
+        return None
 
 
-_jobs_decoder = msgspec.json.Decoder()
+_NO_DEFINITION = AgentDefinition()
+
+
+class JobsReply(msgspec.Struct):
+    """``POST {base}/runners/jobs`` answered 200 (§2). Each job is decoded on its own (``Job``):
+    one the runner cannot read is skipped, not the whole offer."""
+
+    jobs: list[msgspec.Raw] | None = None
+
+
+class ClaimReply(msgspec.Struct):
+    """``POST {base}/runners/generate-jitconfig`` answered 2xx (§3): the job is ours."""
+
+    runId: NonEmpty
+
+
+class JobAvailable(msgspec.Struct):
+    """One ``job_available`` event's data (§2); only a hint to poll now."""
+
+    jobId: str | None = None
+
+
+T = TypeVar("T")
+
+
+def _at(exc: msgspec.ValidationError, where: str) -> str:
+    """msgspec's message for a value decoded at ``where`` of the whole reply, with that path."""
+    text = str(exc)
+    if " - at `$" in text:
+        return text.replace(" - at `$", f" - at `{where}", 1)
+    return f"{text} - at `{where}`"
+
+
+def _decode(content: bytes, kind: type[T], what: str) -> T:
+    """``content`` as ``kind``; ``MalformedReply`` naming ``what`` and the field when it is not."""
+    try:
+        return msgspec.json.decode(content, type=kind)
+    except msgspec.ValidationError as exc:
+        raise MalformedReply(f"{what}: malformed reply: {exc}") from None
+    except msgspec.DecodeError:
+        raise MalformedReply(f"{what}: malformed reply: not JSON") from None
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -150,6 +244,7 @@ class AlpClient:
         self.project = project
         self.base = f"{server}/api/owners/{owner}/projects/{project}"
         self.token: str | None = None
+        self._said: set[str] = set()  # the skipped jobs already warned about
         self._client = httpx.AsyncClient(
             verify=ssl_context if ssl_context is not None else True,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
@@ -193,19 +288,16 @@ class AlpClient:
                 f"registration failed: POST {tried[-1]} answered {resp.status_code}",
                 resp.status_code,
             )
-        try:
-            data = resp.json()
-            return Registration(
-                id=str(data["id"]),
-                name=str(data.get("name") or name),
-                token=str(data["token"]),
-                server=self.server,
-                owner=self.owner,
-                project=self.project,
-                registeredAt=data.get("registeredAt"),
-            )
-        except (ValueError, KeyError, TypeError):
-            raise Refused("registration reply lacks id/token", resp.status_code) from None
+        reply = _decode(resp.content, RegistrationReply, f"POST {tried[-1]}")
+        return Registration(
+            id=reply.id,
+            name=reply.name or name,
+            token=reply.token,
+            server=self.server,
+            owner=self.owner,
+            project=self.project,
+            registeredAt=reply.registeredAt,
+        )
 
     def _refused_because(self, status: int, user_token: str) -> str:
         """Why a user credential was refused, in words that point the right way."""
@@ -242,8 +334,9 @@ class AlpClient:
             )
         return f"registration failed: {' and '.join(f'POST {u}' for u in tried)} answered {status}: {hint}"
 
-    async def poll(self, capabilities: list[str]) -> list[dict[str, Any]]:
-        """``POST {base}/runners/jobs``: the offered jobs (never claims)."""
+    async def poll(self, capabilities: list[str]) -> list[Job]:
+        """``POST {base}/runners/jobs``: the offered jobs (never claims). A job the runner cannot
+        read is left out, said once in a warning (it may be another kind of runner's)."""
         resp = await self._request("POST", "runners/jobs", json={"capabilities": capabilities})
         if resp.status_code in (204, 404):
             return []
@@ -251,16 +344,26 @@ class AlpClient:
             raise TokenRefused(f"the Server refused the runner token on poll ({resp.status_code})")
         if not resp.is_success:
             raise Refused(f"poll: Server answered {resp.status_code}", resp.status_code)
-        if not resp.content.strip():
+        if resp.content.strip() in (b"", b"null"):  # nothing offered (§2)
             return []
-        try:
-            data = _jobs_decoder.decode(resp.content)
-        except msgspec.DecodeError:
-            raise ServerUnavailable("poll: the Server's answer is not JSON") from None
-        if data is None:
-            return []
-        jobs = data.get("jobs") if isinstance(data, dict) else None
-        return [j for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else []
+        what = f"POST {self.base}/runners/jobs"
+        jobs = []
+        for n, raw in enumerate(_decode(resp.content, JobsReply, what).jobs or ()):
+            try:
+                jobs.append(msgspec.json.decode(raw, type=Job))
+            except msgspec.ValidationError as exc:
+                self._skipped(f"{what}: a job skipped: {_at(exc, f'$.jobs[{n}]')}")
+        return jobs
+
+    def _skipped(self, message: str) -> None:
+        """A job left out: a warning the first time, debug after (it is offered on every poll)."""
+        if message in self._said:
+            log.debug("%s", message)
+            return
+        if len(self._said) >= 256:
+            self._said.clear()
+        self._said.add(message)
+        log.warning("%s", message)
 
     async def claim(self, job_id: str, name: str) -> str | None:
         """``POST {base}/runners/generate-jitconfig``: the runId, or None when another runner has it."""
@@ -269,11 +372,8 @@ class AlpClient:
         )
         if not resp.is_success:
             return None
-        try:
-            run_id = resp.json().get("runId")
-        except (ValueError, AttributeError):
-            return None
-        return str(run_id) if run_id else None
+        what = f"POST {self.base}/runners/generate-jitconfig"
+        return _decode(resp.content, ClaimReply, what).runId
 
     async def set_status(self, run_id: str, job_id: str, body: dict[str, Any]) -> None:
         resp = await self._request("PATCH", f"runs/{run_id}/jobs/{job_id}", json=body)
@@ -329,10 +429,10 @@ async def _job_ids(resp: httpx.Response, url: str) -> AsyncIterator[str]:
     try:
         async for raw in resp.aiter_raw():
             for payload in splitter.feed(raw):
-                try:
-                    job_id = msgspec.json.decode(payload).get("jobId")
-                except (msgspec.DecodeError, AttributeError):
+                try:  # any event means "poll now": one that cannot be read as well
+                    job_id = msgspec.json.decode(payload, type=JobAvailable).jobId
+                except msgspec.DecodeError:
                     job_id = None
-                yield job_id if isinstance(job_id, str) else ""
+                yield job_id or ""
     except httpx.HTTPError as exc:
         raise ServerUnavailable(f"GET {url}: {describe_error(exc, url)}") from None

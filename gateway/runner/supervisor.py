@@ -22,12 +22,13 @@ from gateway.runner.alp import (
     AlpClient,
     CertificateRefused,
     EventsUnavailable,
+    Job,
+    MalformedReply,
     Refused,
     RegistrationRefused,
     ServerUnavailable,
     TokenRefused,
     describe_error,
-    is_chat_job,
     make_ssl_context,
 )
 from gateway.runner.backends import BackendPool
@@ -77,17 +78,15 @@ class ChatJob:
     trace: SessionTrace | None = field(default=None, repr=False)  # its span, tracing on
 
     @classmethod
-    def from_job(cls, job: dict[str, Any], run_id: str) -> ChatJob:
-        definition = job.get("agentDefinition")
-        if not isinstance(definition, dict):
-            definition = {}
+    def of(cls, job: Job, run_id: str) -> ChatJob:
+        definition = job.definition
         return cls(
-            job["id"],
+            job.id,
             run_id,
-            _job_channel_url(job),
-            traceparent=tracing.valid_traceparent(definition.get("traceparent")),
-            idle_timeout=_minutes(job["id"], definition, "idleTimeoutMinutes"),
-            max_timeout=_minutes(job["id"], definition, "maxTimeoutMinutes"),
+            job.channel_url,
+            traceparent=tracing.valid_traceparent(definition.traceparent),
+            idle_timeout=_minutes(job.id, "idleTimeoutMinutes", definition.idleTimeoutMinutes),
+            max_timeout=_minutes(job.id, "maxTimeoutMinutes", definition.maxTimeoutMinutes),
         )
 
     def limits(self) -> SessionLimits | None:
@@ -98,10 +97,9 @@ class ChatJob:
         return SessionLimits(self.idle_timeout, self.max_timeout, started=now, last_active=now)
 
 
-def _minutes(job_id: str, definition: dict[str, Any], name: str) -> float | None:
-    """``definition[name]`` (minutes, a positive number) in seconds; None when absent or not
-    valid, the latter said in one log line (the job is served without that limit)."""
-    value = definition.get(name)
+def _minutes(job_id: str, name: str, value: Any) -> float | None:
+    """``value`` (minutes, a positive number) in seconds; None when absent or not valid, the
+    latter said in one log line (the job is served without that limit, docs/protocol.md §2)."""
     if value is None:
         return None
     if (
@@ -133,15 +131,6 @@ def channel_url(server: str, job: ChatJob, token: str) -> str:
     scheme = "wss" if parts.scheme == "https" else "ws"
     query = urlencode({"jobId": job.id, "token": token})
     return f"{scheme}://{parts.netloc}/api/lives/chat/channel/ws?{query}"
-
-
-def _job_channel_url(job: dict[str, Any]) -> str | None:
-    for holder in (job, job.get("agentDefinition") or {}):
-        if isinstance(holder, dict):
-            url = holder.get("channelUrl")
-            if isinstance(url, str) and url.startswith(("ws://", "wss://")):
-                return url
-    return None
 
 
 class Runner:
@@ -243,8 +232,8 @@ class Runner:
                     reg = await client.register(config.user_token, config.name, list(config.labels))
                     break
                 except ServerUnavailable as exc:
-                    if isinstance(exc, CertificateRefused):
-                        raise RunnerExit(str(exc), 2) from None
+                    if isinstance(exc, (CertificateRefused, MalformedReply)):
+                        raise RunnerExit(str(exc), 2) from None  # waiting will not mend it
                     if not wait_for_server:
                         raise RunnerExit(f"registration: {exc}", 1) from None
                     failures += 1
@@ -436,14 +425,14 @@ class Runner:
         assert self.alp is not None
         self.alp.token = self.registration.token
 
-    async def _consider(self, jobs: list[dict[str, Any]]) -> None:
+    async def _consider(self, jobs: list[Job]) -> None:
         assert self.alp is not None and self.registration is not None
         for job in jobs:
             if self.shutdown.is_set() or len(self.sessions) >= self.config.max_sessions:
                 return
-            if not is_chat_job(job):
+            if not job.is_chat_job:
                 continue  # not ours: left queued for a capable runner
-            job_id = job["id"]
+            job_id = job.id
             if job_id in self.sessions or job_id in self._reporting:
                 continue
             try:
@@ -454,7 +443,7 @@ class Runner:
             if run_id is None:
                 log.debug("job %s was taken by another runner", job_id)
                 continue
-            chat = ChatJob.from_job(job, run_id)
+            chat = ChatJob.of(job, run_id)
             self.sessions[job_id] = chat
             assert self._sessions_nursery is not None  # _consider runs inside run()'s nursery
             self._sessions_nursery.start_soon(self._session, chat)
