@@ -34,7 +34,7 @@ from helpers import (
 )
 from pathproxy import PathProxy, path_proxy
 
-import gateway.runner.supervisor
+import gateway.runner.session
 from gateway.hub import Hub, ServerChannel
 from gateway.sim import Simulator
 
@@ -379,7 +379,7 @@ async def test_server_gone_slots_freed_jobs_reported_failure_polling_resumes(
     served."""
     quick_alp_requests(monkeypatch, 1.5)  # a black-holed request times out in 1.5 s, not 30
     if not server_back:
-        monkeypatch.setattr(gateway.runner.supervisor, "REPORT_ATTEMPTS", 2)
+        monkeypatch.setattr(gateway.runner.session, "REPORT_ATTEMPTS", 2)
     server, url = hub
     async with path_proxy(port_of(url)) as proxy:
         config = runner_config(

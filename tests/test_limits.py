@@ -16,7 +16,7 @@ from helpers import runner_config as _runner_config
 from gateway.config import Config
 from gateway.hub import Hub, open_hub
 from gateway.runner.alp import Job
-from gateway.runner.supervisor import ChatJob
+from gateway.runner.session import ChatJob
 from gateway.sim import Simulator
 
 

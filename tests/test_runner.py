@@ -22,7 +22,9 @@ from helpers import (
 
 from gateway.hub import Hub, open_hub
 from gateway.runner.alp import AlpClient
-from gateway.runner.supervisor import ChatJob, Runner, backoff_delay, channel_url
+from gateway.runner.backoff import backoff_delay
+from gateway.runner.session import ChatJob, channel_url
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, serve_sim
 
 

@@ -1,21 +1,19 @@
-"""The supervisor: registration, the poll loop, push events, one session per Chat Job, shutdown."""
+"""The supervisor: registration, the poll loop, push events, claims, the start of metrics and
+tracing, signals and shutdown; each claimed Chat Job is a ``Session`` (``gateway.runner.session``)
+in a slot of its own."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import random
 import signal
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from typing import TYPE_CHECKING
 
 import trio
 
 from gateway import __version__
 from gateway.config import Config, split_project
-from gateway.observe import Counters, Histogram, Redactor
+from gateway.observe import Counters, Histogram
 from gateway.ops import tracing
 from gateway.ops.metrics import MetricsServer, open_metrics
 from gateway.runner.alp import (
@@ -28,26 +26,22 @@ from gateway.runner.alp import (
     RegistrationRefused,
     ServerUnavailable,
     TokenRefused,
-    describe_error,
     make_ssl_context,
 )
 from gateway.runner.backends import BackendPool
-from gateway.runner.channel import Channel, ChannelEnd, SessionLimits
+from gateway.runner.backoff import backoff_delay
 from gateway.runner.poller import Poller
+from gateway.runner.session import ChatJob, Session, SessionKit
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 from gateway.signals import watch_signals
 from gateway.state import Registration, StateError, StateStore
 from gateway.wire.protocol import CAPABILITY
-from gateway.wire.wsclient import HandshakeError, WebSocket
-from gateway.wire.wsclient import connect as dial_channel
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.ops.otel import SessionTrace, Tracing
+    from gateway.ops.otel import Tracing
 
 log = logging.getLogger("gateway.runner")
 
-PROGRESS_STAGE = "chat_llm_active"
-REPORT_ATTEMPTS = 8
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
 
 
@@ -57,80 +51,6 @@ class RunnerExit(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
-
-
-def backoff_delay(failures: int, base: float, cap: float) -> float:
-    """Exponential backoff with jitter: ``base·2^(n-1)`` scaled by U(0.5, 1], never above ``cap``."""
-    raw = min(cap, base * (2 ** max(0, failures - 1)))
-    return raw * random.uniform(0.5, 1.0)
-
-
-@dataclass
-class ChatJob:
-    """A claimed Kind B job: what its ``agentDefinition`` says that the runner uses."""
-
-    id: str
-    run_id: str
-    channel_url: str | None = None
-    traceparent: str | None = None  # the trace it belongs to (W3C), when the Server gave one
-    idle_timeout: float | None = None  # s without a turn before the runner ends it
-    max_timeout: float | None = None  # s in all before the runner ends it
-    trace: SessionTrace | None = field(default=None, repr=False)  # its span, tracing on
-
-    @classmethod
-    def of(cls, job: Job, run_id: str) -> ChatJob:
-        definition = job.definition
-        return cls(
-            job.id,
-            run_id,
-            job.channel_url,
-            traceparent=tracing.valid_traceparent(definition.traceparent),
-            idle_timeout=_minutes(job.id, "idleTimeoutMinutes", definition.idleTimeoutMinutes),
-            max_timeout=_minutes(job.id, "maxTimeoutMinutes", definition.maxTimeoutMinutes),
-        )
-
-    def limits(self) -> SessionLimits | None:
-        """The session's clock, started now, when the job has a time limit."""
-        if self.idle_timeout is None and self.max_timeout is None:
-            return None
-        now = trio.current_time()
-        return SessionLimits(self.idle_timeout, self.max_timeout, started=now, last_active=now)
-
-
-def _minutes(job_id: str, name: str, value: Any) -> float | None:
-    """``value`` (minutes, a positive number) in seconds; None when absent or not valid, the
-    latter said in one log line (the job is served without that limit, docs/protocol.md §2)."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
-        return float(value) * 60.0
-    log.warning(
-        "job %s: %s is %.40r, not a positive number of minutes; no such limit",
-        job_id,
-        name,
-        value,
-    )
-    return None
-
-
-def channel_url(server: str, job: ChatJob, token: str) -> str:
-    """``ws(s)://{authority}/api/lives/chat/channel/ws?jobId=…&token=…`` (or the job's own URL)."""
-    if job.channel_url:
-        parts = urlsplit(job.channel_url)
-        query = parts.query
-        extra = {k: v for k, v in (("jobId", job.id), ("token", token)) if f"{k}=" not in query}
-        if extra:
-            query = f"{query}&{urlencode(extra)}" if query else urlencode(extra)
-        return urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
-    parts = urlsplit(server)
-    scheme = "wss" if parts.scheme == "https" else "ws"
-    query = urlencode({"jobId": job.id, "token": token})
-    return f"{scheme}://{parts.netloc}/api/lives/chat/channel/ws?{query}"
 
 
 class Runner:
@@ -147,9 +67,8 @@ class Runner:
         self.poller: Poller | None = None  # opened by run: the streaming turns' backend reads
         self.registration: Registration | None = None
         self.alp: AlpClient | None = None
-        self.sessions: dict[str, ChatJob] = {}
-        self._reporting: set[str] = set()  # ended sessions whose final report is on its way
-        self._report_scopes: set[trio.CancelScope] = set()  # final reports under way
+        self.sessions: dict[str, Session] = {}  # the open sessions: one slot each
+        self._reporting: dict[str, Session] = {}  # ended sessions whose final report is on its way
         self._stopping_now = False  # a second signal came
         self.shutdown = trio.Event()
         self._wake = trio.Event()
@@ -159,6 +78,7 @@ class Runner:
         self.last_poll_error: str | None = None
         self.first_poll = trio.Event()
         self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
+        self._kit: SessionKit | None = None  # what the sessions share, made by run()
         self.metrics: MetricsServer | None = None  # bound in run() when --metrics-listen is given
         # tracing: decided once, here; the SDK is imported and started by run() only when on
         self.trace_endpoint = tracing.endpoint_from_env(os.environ, config.otlp_endpoint)
@@ -303,6 +223,19 @@ class Runner:
                 await nursery.start(self.pool.run)  # models discovered, backends probed: then poll
                 if self.metrics is not None:
                     nursery.start_soon(self.metrics.serve)
+                self._kit = SessionKit(
+                    config=self.config,
+                    alp=self.alp,
+                    pool=self.pool,
+                    shutdown=self.shutdown,
+                    counters=self.counters,
+                    ttft=self.histograms["ttft_seconds"],
+                    relay=self.histograms["relay_seconds"],
+                    ssl_context=self.ssl_context,
+                    poller=self.poller,
+                    tracing=self.tracing,
+                    reports=self.reports,
+                )
                 async with trio.open_nursery() as sessions:
                     self._sessions_nursery = sessions
                     try:
@@ -352,21 +285,12 @@ class Runner:
 
         await watch_signals(first, again, task_status=task_status)
 
-    def _frame_log(self) -> Redactor | None:
-        if not self.config.verbose_frames:
-            return None
-        reg = self.registration
-        keys = [spec.key for spec in self.config.backends]
-        return Redactor(
-            [*keys, self.config.backend_key, self.config.user_token, reg.token if reg else None]
-        )
-
     def stop_now(self) -> None:
         """The second signal: final reports still being retried are given up at once (and a
         session ending from now on has at most 2 s for its report)."""
         self._stopping_now = True
-        for scope in self._report_scopes:
-            scope.cancel()
+        for session in [*self.sessions.values(), *self._reporting.values()]:
+            session.stop_now()
 
     def begin_shutdown(self) -> None:
         self.shutdown.set()
@@ -432,21 +356,38 @@ class Runner:
                 return
             if not job.is_chat_job:
                 continue  # not ours: left queued for a capable runner
-            job_id = job.id
-            if job_id in self.sessions or job_id in self._reporting:
+            if job.id in self.sessions or job.id in self._reporting:
                 continue
             try:
-                run_id = await self._claim(job_id)
+                run_id = await self._claim(job.id)
             except ServerUnavailable as exc:
-                log.warning("claim of job %s failed: %s", job_id, exc)
+                log.warning("claim of job %s failed: %s", job.id, exc)
                 continue
             if run_id is None:
-                log.debug("job %s was taken by another runner", job_id)
+                log.debug("job %s was taken by another runner", job.id)
                 continue
-            chat = ChatJob.of(job, run_id)
-            self.sessions[job_id] = chat
+            assert self._kit is not None  # made by run() before the first poll
+            session = Session(ChatJob.of(job, run_id), self._kit)
+            if self._stopping_now:
+                session.stop_now()
+            self.sessions[job.id] = session
             assert self._sessions_nursery is not None  # _consider runs inside run()'s nursery
-            self._sessions_nursery.start_soon(self._session, chat)
+            self._sessions_nursery.start_soon(self._run_session, session)
+
+    async def _run_session(self, session: Session) -> None:
+        """One session in its slot; the slot is freed when its channel is done, before the
+        final report (a report to a Server that is gone may take its bounded retries)."""
+        job_id = session.job.id
+
+        def free_slot() -> None:
+            self._reporting[job_id] = self.sessions.pop(job_id)
+            self._wake.set()  # a slot is free: poll now
+
+        try:
+            await session.run(self.registration.name if self.registration else "", free_slot)
+        finally:
+            self.sessions.pop(job_id, None)  # when it failed before it could free it
+            self._reporting.pop(job_id, None)
 
     async def _claim(self, job_id: str) -> str | None:
         """Claim a job; when the answer is lost on the way, ask once more at once: the claim may
@@ -480,180 +421,3 @@ class Runner:
                 failures += 1
                 log.debug("events subscription: %s", exc)
             await trio.sleep(backoff_delay(failures + 1, 1.0, self.config.poll_interval * 6))
-
-    # -- sessions --------------------------------------------------------------------
-
-    async def _session(self, job: ChatJob) -> None:
-        assert self.alp is not None
-        log.info("session start job=%s run=%s", job.id, job.run_id)
-        self.counters.inc("sessions_started")
-        conclusion, reason = "failure", "session ended unexpectedly"
-        budget: float | None = None  # how long the final report may be retried
-        if self.tracing is not None:
-            name = self.registration.name if self.registration else ""
-            job.trace = self.tracing.session(job.id, job.run_id, job.traceparent, name)
-        limits = job.limits()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._mark_in_progress, job)  # the dial does not wait for it
-                nursery.start_soon(self._heartbeat, job)
-                conclusion, reason = await self._serve_channel(job, limits)
-                nursery.cancel_scope.cancel()
-        except BaseException:  # cancelled (a second signal) or crashed: report, but do not linger
-            reason, budget = "runner stopped at once", 2.0
-            raise
-        finally:
-            # the slot is free before the report: on a Server that is gone the report may take
-            # its bounded retries, and the slot is not held for them (the job is not re-claimed)
-            del self.sessions[job.id]
-            self._reporting.add(job.id)
-            self._wake.set()  # a slot is free: poll now
-            # shielded from the session's own cancellation, but not from a second signal:
-            # stop_now() cancels the scope (a Server that is gone would hold the exit ~15 s)
-            report = trio.CancelScope(shield=True)
-            if self._stopping_now:
-                budget = min(budget or 2.0, 2.0)
-            self._report_scopes.add(report)
-            try:
-                with report, trio.move_on_after(budget or float("inf")):
-                    await self._report(job, conclusion, reason)
-                if report.cancelled_caught and job.id not in self.reports:
-                    log.warning("job %s: final report abandoned (stopped at once)", job.id)
-            finally:
-                self._report_scopes.discard(report)
-                self._reporting.discard(job.id)
-            if job.trace is not None:
-                job.trace.end(conclusion, reason)
-            self.counters.inc("sessions_ended")
-            log.info("session end job=%s conclusion=%s reason=%s", job.id, conclusion, reason)
-
-    async def _mark_in_progress(self, job: ChatJob) -> None:
-        assert self.alp is not None
-        try:
-            await self.alp.set_status(job.run_id, job.id, {"status": "in_progress"})
-        except (ServerUnavailable, Refused) as exc:
-            log.warning("job %s: in_progress not recorded: %s", job.id, exc)
-
-    async def _heartbeat(self, job: ChatJob) -> None:
-        assert self.alp is not None
-        while True:
-            await trio.sleep(self.config.heartbeat_interval)
-            try:
-                await self.alp.progress(job.run_id, job.id, PROGRESS_STAGE)
-                self.counters.inc("heartbeats")
-            except (ServerUnavailable, Refused) as exc:
-                log.warning("job %s: heartbeat failed: %s", job.id, exc)
-
-    async def _serve_channel(self, job: ChatJob, limits: SessionLimits | None) -> tuple[str, str]:
-        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason)."""
-        assert self.registration is not None
-        window = self.config.reconnect_window
-        dropped_at: float | None = None
-        last_problem = ""
-        failures = 0
-        while True:
-            if self.shutdown.is_set() and dropped_at is not None:
-                return "failure", f"runner shut down while the channel was down ({last_problem})"
-            url = channel_url(self.registration.server, job, self.registration.token)
-            end: ChannelEnd | None = None
-            # one deadline on the whole dial: connect, TLS and the upgrade
-            dial = trio.CancelScope(deadline=trio.current_time() + self.config.connect_timeout)
-            try:
-                ws: WebSocket | None = None
-                with dial:
-                    ws = await dial_channel(
-                        url,
-                        ssl_context=self.ssl_context if url.startswith("wss:") else None,
-                        max_message_size=self.config.max_frame_size,
-                        ping_interval=self.config.ping_interval,
-                        ping_timeout=self.config.ping_timeout,
-                        on_ping=self._on_ping,
-                    )
-                if ws is not None:
-                    try:
-                        end = await self._serve_connected(job, ws, dropped_at is not None, limits)
-                    finally:
-                        await ws.aclose()
-                    failures = 0
-                    dropped_at = None
-            except HandshakeError as exc:
-                status = exc.status_code
-                if status is not None and 400 <= status < 500:
-                    return "failure", f"the Server refused the chat channel ({status})"
-                last_problem = f"channel handshake failed: {exc}"
-            except OSError as exc:
-                last_problem = f"channel unreachable: {describe_error(exc, url)}"
-            if dial.cancelled_caught and end is None:
-                last_problem = f"channel handshake took over {self.config.connect_timeout:.0f} s"
-            if end is not None:
-                if end.by != "drop":
-                    return "success", end.reason
-                last_problem = end.reason
-                log.warning("job %s: %s; redialling", job.id, end.reason)
-            now = trio.current_time()
-            if dropped_at is None:
-                dropped_at = now
-            if now - dropped_at >= window:
-                return (
-                    "failure",
-                    f"gave up redialling the chat channel after {window:.0f} s: {last_problem}",
-                )
-            failures += 1
-            delay = min(backoff_delay(failures, 0.25, 5.0), window - (now - dropped_at))
-            with trio.move_on_after(delay):
-                await self.shutdown.wait()
-
-    def _on_ping(self, what: str) -> None:
-        if what == "sent":
-            self.counters.inc("pings_sent")
-        else:  # no pong, nor any other frame, in time: the channel is dead
-            self.counters.inc("pong_timeouts")
-            self.counters.inc("channels_dead")
-
-    async def _serve_connected(
-        self, job: ChatJob, ws: WebSocket, redial: bool, limits: SessionLimits | None = None
-    ) -> ChannelEnd:
-        """Serve one open channel connection until it ends."""
-        if redial:
-            log.info("job %s: channel redialled", job.id)
-            self.counters.inc("reconnects")
-        channel = Channel(
-            job.id,
-            ws,
-            self.pool,
-            shutdown=self.shutdown,
-            grace=self.config.grace,
-            counters=self.counters,
-            ttft=self.histograms["ttft_seconds"],
-            relay=self.histograms["relay_seconds"],
-            frame_log=self._frame_log(),
-            trace=job.trace,
-            limits=limits,
-            poller=self.poller,
-        )
-        return await channel.serve()
-
-    async def _report(self, job: ChatJob, conclusion: str, reason: str) -> None:
-        """The one final report; retried (bounded) while the Server is unavailable."""
-        assert self.alp is not None
-        for attempt in range(1, REPORT_ATTEMPTS + 1):
-            try:
-                await self.alp.report(job.run_id, job.id, conclusion, reason[:1000])
-                self.reports[job.id] = conclusion
-                return
-            except ServerUnavailable as exc:
-                if attempt == REPORT_ATTEMPTS:
-                    log.error(
-                        "job %s: final report lost after %d attempts: %s", job.id, attempt, exc
-                    )
-                    return
-                await trio.sleep(backoff_delay(attempt, 0.5, 10.0))
-            except Refused as exc:
-                if (
-                    exc.status == 409 and attempt > 1
-                ):  # our earlier attempt landed; its answer was lost
-                    log.info("job %s: final report was already recorded", job.id)
-                    self.reports[job.id] = conclusion
-                    return
-                log.error("job %s: final report refused: %s", job.id, exc)
-                return
