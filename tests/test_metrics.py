@@ -119,7 +119,15 @@ def test_snapshot_is_read_only() -> None:
 def test_render_backends_and_histogram_buckets() -> None:
     backends = [
         BackendStatus(
-            "gpu", safe_url("http://user:pw@10.0.0.2:8000/v1"), up=False, in_flight=3, waiting=2
+            "gpu",
+            safe_url("http://user:pw@10.0.0.2:8000/v1"),
+            up=False,
+            in_flight=3,
+            waiting=2,
+            turns=7,
+            waits=4,
+            waited_seconds=1.5,
+            busy=1,
         ),
         BackendStatus("plain", "http://127.0.0.1:11434/v1"),
     ]
@@ -138,6 +146,10 @@ def test_render_backends_and_histogram_buckets() -> None:
     assert value(fams, "alp_gateway_backend_up", backend="gpu") == 0
     assert value(fams, "alp_gateway_backend_in_flight", backend="gpu") == 3
     assert value(fams, "alp_gateway_backend_waiting", backend="gpu") == 2
+    for name, expected in (("turns", 7), ("waits", 4), ("wait_seconds", 1.5), ("busy", 1)):
+        family = f"alp_gateway_backend_{name}"
+        assert value(fams, family, family + "_total", backend="gpu") == expected
+        assert value(fams, family, family + "_total", backend="plain") == 0
     assert (
         value(fams, "alp_gateway_backend_up", backend="plain", url="http://127.0.0.1:11434/v1") == 1
     )

@@ -136,6 +136,25 @@ def families(status: RunnerStatus) -> Iterator[Any]:
         for backend in status.backends:
             family.add_metric([backend.label, backend.url], read(backend))
         yield family
+    per_backend_total: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
+        ("backend_turns", "Turns given a slot on the backend.", lambda b: b.turns),
+        ("backend_waits", "Turns that queued for a slot on the backend.", lambda b: b.waits),
+        (
+            "backend_wait_seconds",
+            "Seconds turns spent queued for a slot on the backend, summed.",
+            lambda b: round(b.waited_seconds, 6),
+        ),
+        (
+            "backend_busy",
+            "Turns refused as busy: every slot of the backend taken and its queue full.",
+            lambda b: b.busy,
+        ),
+    )
+    for name, help_text, total in per_backend_total:
+        counter = CounterMetricFamily(PREFIX + name, help_text, labels=["backend", "url"])
+        for backend in status.backends:
+            counter.add_metric([backend.label, backend.url], total(backend))
+        yield counter
 
 
 def registry(status: Callable[[], RunnerStatus]) -> CollectorRegistry:

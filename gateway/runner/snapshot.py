@@ -71,6 +71,10 @@ class BackendStatus:
     in_flight: int = 0
     waiting: int = 0
     models: tuple[str, ...] = ()
+    turns: int = 0  # turns given a slot, ever
+    waits: int = 0  # turns that queued for a slot
+    waited_seconds: float = 0.0  # their time in the queue, summed
+    busy: int = 0  # turns refused: every slot taken and the queue full
 
     @classmethod
     def of(cls, backend: Backend) -> BackendStatus:
@@ -82,6 +86,10 @@ class BackendStatus:
             in_flight=backend.in_flight,
             waiting=backend.waiting,
             models=backend.models,
+            turns=backend.turns_total,
+            waits=backend.waits_total,
+            waited_seconds=backend.waited_seconds_total,
+            busy=backend.busy_total,
         )
 
     @property
