@@ -137,7 +137,7 @@ def test_render_backends_and_histogram_buckets() -> None:
     text = render(
         snapshot(
             backends=backends,
-            counters={"turns_done": 2, "something_new": 1},
+            counters={"turns_done": 2, "something_new": 1, "reports_lost": 3},
             histograms={"ttft_seconds": HistogramStatus.of(hist)},
         )
     )
@@ -156,6 +156,9 @@ def test_render_backends_and_histogram_buckets() -> None:
     assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="done") == 2
     assert value(fams, "alp_gateway_turns", "alp_gateway_turns_total", outcome="error") == 0
     assert value(fams, "alp_gateway_something_new", "alp_gateway_something_new_total") == 1
+    reports = ("alp_gateway_final_reports", "alp_gateway_final_reports_total")
+    assert value(fams, *reports, outcome="lost") == 3
+    assert value(fams, *reports, outcome="success") == 0
     ttft = fams["alp_gateway_ttft_seconds"]
     assert ttft.type == "histogram"
     buckets = [(s.labels["le"], s.value) for s in ttft.samples if s.name.endswith("_bucket")]

@@ -63,6 +63,7 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     ),
 }
 _TURNS = {"turns_done": "done", "turns_error": "error", "turns_cancelled": "cancelled"}
+_REPORTS = {"reports_success": "success", "reports_failure": "failure", "reports_lost": "lost"}
 _HISTOGRAM_HELP = {
     "ttft_seconds": "Time from a turn's request to the backend's first bytes.",
     "relay_seconds": "Time from a read from the backend to its frames queued for the Server.",
@@ -111,6 +112,14 @@ def families(status: RunnerStatus) -> Iterator[Any]:
     for key, outcome in _TURNS.items():
         turns.add_metric([outcome], counts.pop(key, 0))
     yield turns
+    reports = CounterMetricFamily(
+        PREFIX + "final_reports",
+        "Chat Jobs' final reports: recorded by the Server, by conclusion, or lost (given up).",
+        labels=["outcome"],
+    )
+    for key, outcome in _REPORTS.items():
+        reports.add_metric([outcome], counts.pop(key, 0))
+    yield reports
     for key, (name, help_text) in _COUNTERS.items():
         yield CounterMetricFamily(PREFIX + name, help_text, counts.pop(key, 0))
     for key in sorted(counts):  # counters added elsewhere later show up without a change here

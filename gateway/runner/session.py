@@ -123,7 +123,6 @@ class SessionKit:
     ssl_context: ssl.SSLContext
     poller: Poller | None = None
     tracing: Tracing | None = None
-    reports: dict[str, str] = field(default_factory=dict)  # job id -> the conclusion recorded
 
 
 class Session:
@@ -167,13 +166,16 @@ class Session:
             report = self._report_scope = trio.CancelScope(shield=True)
             if self._stopping_now:
                 budget = min(budget or STOPPED_AT_ONCE_REPORT_S, STOPPED_AT_ONCE_REPORT_S)
+            recorded = False
             try:
                 with report, trio.move_on_after(budget or math.inf):
-                    await self._report(conclusion, reason)
-                if report.cancelled_caught and job.id not in kit.reports:
+                    recorded = await self._report(conclusion, reason)
+                if report.cancelled_caught and not recorded:
                     log.warning("job %s: final report abandoned (stopped at once)", job.id)
             finally:
                 self._report_scope = None
+            # the Server recorded it (reports_success, reports_failure), or it never will
+            kit.counters.inc(f"reports_{conclusion}" if recorded else "reports_lost")
             if job.trace is not None:
                 job.trace.end(conclusion, reason)
             kit.counters.inc("sessions_ended")
@@ -296,25 +298,25 @@ class Session:
         )
         return await channel.serve()
 
-    async def _report(self, conclusion: str, reason: str) -> None:
-        """The one final report; retried (bounded) while the Server is unavailable."""
+    async def _report(self, conclusion: str, reason: str) -> bool:
+        """The one final report; retried (bounded) while the Server is unavailable. Whether
+        the Server recorded it."""
         job, kit = self.job, self.kit
         for attempt in range(1, REPORT_ATTEMPTS + 1):
             try:
                 await kit.alp.report(job.run_id, job.id, conclusion, reason[:1000])
-                kit.reports[job.id] = conclusion
-                return
+                return True
             except ServerUnavailable as exc:
                 if attempt == REPORT_ATTEMPTS:
                     log.error(
                         "job %s: final report lost after %d attempts: %s", job.id, attempt, exc
                     )
-                    return
+                    return False
                 await trio.sleep(backoff_delay(attempt, 0.5, 10.0))
             except Refused as exc:
                 if exc.status == 409 and attempt > 1:  # an earlier attempt landed, its answer lost
                     log.info("job %s: final report was already recorded", job.id)
-                    kit.reports[job.id] = conclusion
-                    return
+                    return True
                 log.error("job %s: final report refused: %s", job.id, exc)
-                return
+                return False
+        return False  # not reached: the last attempt returns

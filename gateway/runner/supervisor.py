@@ -77,7 +77,6 @@ class Runner:
         self.last_poll_ok: float | None = None  # trio clock of the last successful poll
         self.last_poll_error: str | None = None
         self.first_poll = trio.Event()
-        self.reports: dict[str, str] = {}  # job id -> conclusion, for what this process reported
         self._kit: SessionKit | None = None  # what the sessions share, made by run()
         self.metrics: MetricsServer | None = None  # bound in run() when --metrics-listen is given
         # tracing: decided once, here; the SDK is imported and started by run() only when on
@@ -234,7 +233,6 @@ class Runner:
                     ssl_context=self.ssl_context,
                     poller=self.poller,
                     tracing=self.tracing,
-                    reports=self.reports,
                 )
                 async with trio.open_nursery() as sessions:
                     self._sessions_nursery = sessions
