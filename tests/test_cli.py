@@ -215,6 +215,29 @@ async def test_revoked_token_reregisters_with_user_credential(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_refused_token_registers_again_at_the_server_it_polls(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """The saved registration names the Server; the configured one (not given explicitly, like
+    the default agentics.dk) is another: registering again goes to the saved one."""
+    async with fault_proxy(hub[1]) as proxy, trio.open_nursery() as nursery:
+        await Runner(runner_config(proxy.url, sim.url, tmp_path)).register(wait_for_server=False)
+        elsewhere = runner_config("http://127.0.0.1:9", sim.url, tmp_path, server_explicit=False)
+        runner = Runner(elsewhere)
+        nursery.start_soon(runner.run)
+        with trio.fail_after(10):
+            await runner.first_poll.wait()
+        old = runner.registration
+        proxy.faults["poll"] = [401]
+        runner._wake.set()
+        with trio.fail_after(10):
+            await runner.counters.wait("polls", runner.counters.get("polls") + 2)
+        assert runner.registration is not old and runner.registration is not None
+        assert runner.registration.server == proxy.url
+        assert runner.counters.get("registration_errors") == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_second_signal_stops_at_once(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:

@@ -125,8 +125,11 @@ class Runner:
             )
         return await self.register()
 
-    async def register(self, *, wait_for_server: bool = True) -> Registration:
-        """Register with the user credential and save it.
+    async def register(
+        self, *, wait_for_server: bool = True, server: str | None = None
+    ) -> Registration:
+        """Register with the user credential at ``server`` (the configured one by default) and
+        save it.
 
         A Server that cannot be reached (a refused connection, a host name that does not
         resolve, a timeout, a 5xx) is waited for when ``wait_for_server`` (``run``: in compose
@@ -138,7 +141,7 @@ class Runner:
         config = self.config
         assert config.project and config.user_token
         client = AlpClient(
-            config.server,
+            server or config.server,
             *split_project(config.project),
             ssl_context=self.ssl_context,
             connect_timeout=config.connect_timeout,
@@ -343,7 +346,9 @@ class Runner:
                 3,
             )
         log.warning("%s: registering again with the user credential", message)
-        self.registration = await self.register()
+        assert self.alp is not None
+        # at the Server the runner polls: the saved registration's, which may not be the default
+        self.registration = await self.register(server=self.alp.server)
         assert self.alp is not None
         self.alp.token = self.registration.token
 
