@@ -476,8 +476,12 @@ class _CountingTransport(netio.Transport):
         return super().write(data)
 
 
-def _front_door_turn(rid: str) -> tuple[Any, _CountingTransport, Any, Any, socket.socket]:
-    """A channel, and a streamed turn on it whose client is the far end of a socket pair."""
+def _front_door_turn(
+    rid: str, record: Any = None, strip_usage: bool = False
+) -> tuple[Any, _CountingTransport, Any, Any, socket.socket]:
+    """A channel, and a streamed turn on it whose client is the far end of a socket pair (the
+    turn accounted for in ``record``, its usage chunk kept from the client with
+    ``strip_usage``)."""
     import h11
 
     from gateway.hub import Hub
@@ -492,7 +496,9 @@ def _front_door_turn(rid: str) -> tuple[Any, _CountingTransport, Any, Any, socke
     assert isinstance(conn.next_event(), h11.EndOfMessage)
     resp = Response(conn, transport, False, b"POST")
     ch = ServerChannel(JOB, "runner", None, Hub().channels)
-    sink = relay.StreamSink(resp, relay.stream_headers(rid), 1 << 20)
+    sink = relay.StreamSink(
+        resp, relay.stream_headers(rid), 1 << 20, record=record, strip_usage=strip_usage
+    )
     ch.open_turn(rid, sink)
     return ch, transport, resp, sink, theirs
 
@@ -541,6 +547,56 @@ async def test_front_door_never_holds_a_chunk_back() -> None:
     assert len(transport.writes) == 6 and resp.finished
     events = _events(client.recv(1 << 20))
     assert events == [b"data: " + payload(i) for i in range(5)] + [b"data: [DONE]"]
+
+
+USAGE_ONLY = (
+    b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":100,"total_tokens":103}}'
+)
+
+
+async def _front_door_calls(rid: str, accounted: bool) -> tuple[int, Any, list[bytes]]:
+    """Python calls (call and c_call events) while a front-door turn of 100 chunks, one a read,
+    then the usage chunk the hub asked for and done are handed to the channel's reader; with
+    ``accounted`` the turn has its record and its usage chunk is kept from the client."""
+    from gateway.hub.turns import TurnRecord
+
+    record = TurnRecord("id", "key", "s", "chat", "m", True, 0.0) if accounted else None
+    ch, _transport, resp, _sink, client = _front_door_turn(rid, record, accounted)
+    texts = [_chunk_frame(rid, i).encode() for i in range(100)]
+    usage = protocol.chunk_frame(protocol.chunk_prefix(JOB, rid), USAGE_ONLY).encode()
+    reads = [[t] for t in texts] + [[usage, protocol.done_frame(JOB, rid).encode()]]
+    calls = 0
+
+    def count(frame: Any, event: str, arg: object) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        for read in reads:
+            await ch.on_texts(read)
+    finally:
+        sys.setprofile(None)
+    assert resp.finished
+    return calls, record, _events(client.recv(1 << 20))
+
+
+async def test_front_door_accounting_adds_at_most_one_call_per_chunk() -> None:
+    """A turn's accounting (its chunks counted, its usage chunk kept from a client that did not
+    ask for it, its tokens taken at the end) costs at most one Python call per chunk over a turn
+    without it, and a few per turn (a ``startswith`` at the offset where the turn's chunks open
+    their choices; the search of each frame for an empty ``choices`` cost two), and takes the
+    tokens exactly."""
+    await _front_door_calls("warm", True)  # first-use costs stay out of the count
+    plain, _, events = await _front_door_calls("plain", False)
+    accounted, record, kept = await _front_door_calls("accounted", True)
+    assert events[-2:] == [b"data: " + USAGE_ONLY, b"data: [DONE]"]
+    assert kept == events[:-2] + [b"data: [DONE]"]  # the usage chunk did not reach the client
+    assert (record.prompt_tokens, record.completion_tokens, record.chunks) == (3, 100, 101)
+    print(f"\nPython calls the accounting adds: {accounted - plain} for 100 chunks")
+    assert accounted - plain <= 100 + 30  # and a few a turn: the first chunk, usage, done
 
 
 # -- the SSE splitter's fast path gives what the line parser gives ------------------------------

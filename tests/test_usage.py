@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 import trio
@@ -245,6 +246,81 @@ def test_pruning_is_bounded_work_and_totals_say_whether_they_are_exact(tmp_path:
     ]
     assert store.tokens_since("id-alice", 0) == 5 * (PRUNE_BATCH + 20)
     store.close()
+
+
+class _Taken:
+    """A response that keeps what the sink writes (the client's bytes)."""
+
+    started = finished = gone = False
+    backlog = 0
+
+    def __init__(self) -> None:
+        self.out = b""
+
+    def head(self, status: int, headers: Any) -> bytes:
+        self.started = True
+        return b""
+
+    def write_nowait(self, data: bytes, before: bytes = b"", end: bool = False) -> bool:
+        self.out += data
+        return True
+
+
+HEAD = b'{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+SPACED = b'{"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": '
+LLAMA = b'{"choices":'
+TOKEN = b'[{"index":0,"delta":{"content":"a \\"choices\\":[] b"},"finish_reason":null}]'
+USAGE = b'"usage":{"prompt_tokens":4,"completion_tokens":3,"total_tokens":7}'
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        # the same head on every chunk (what backends write); a text holding "choices":[]
+        [HEAD + TOKEN + b"}", HEAD + TOKEN + b"}", HEAD + b"[]," + USAGE + b"}"],
+        # JSON with spaces; choices first (llama.cpp)
+        [SPACED + TOKEN + b"}", SPACED + TOKEN + b"}", SPACED + b"[], " + USAGE + b"}"],
+        [LLAMA + TOKEN + b"}", LLAMA + TOKEN + b"}", LLAMA + b'[],"id":"c1",' + USAGE + b"}"],
+        # a head that grows, one that shrinks, a usage chunk laid out unlike the others
+        [
+            HEAD + TOKEN + b"}",
+            b'{"id":"c12",' + HEAD[11:] + TOKEN + b"}",
+            HEAD + b"[]," + USAGE + b"}",
+        ],
+        [
+            HEAD + TOKEN + b"}",
+            b'{"id":"",' + HEAD[11:] + TOKEN + b"}",
+            b'{"choices":[],' + USAGE + b"}",
+        ],
+        # choices not opening on an object: searched each time
+        [HEAD + b"[ {}]}", HEAD + b"[ {}]}", HEAD + b"[]," + USAGE + b"}"],
+    ],
+)
+@pytest.mark.parametrize("framed", [True, False])
+async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_the_layout(
+    chunks: list[bytes], framed: bool
+) -> None:
+    """Only the usage-only chunk is kept from the client (the turn's choices found where its
+    chunks open them, else searched), and its tokens are taken, the chunk frames handed over
+    with their bytes or without."""
+    from gateway.hub.channel import Frame
+    from gateway.hub.frontdoor.relay import DONE, StreamSink
+    from gateway.wire import protocol
+
+    record = TurnRecord("id", "alice", "s", "chat", "m", True, 0.0)
+    resp = _Taken()
+    sink = StreamSink(resp, [], 1 << 20, record=record, strip_usage=True)  # type: ignore[arg-type]
+    prefix = protocol.chunk_prefix("job", "r")
+    for chunk in chunks:
+        frame = protocol.chunk_frame_bytes(prefix, chunk)
+        raw = msgspec.json.decode(frame, type=Frame).chunk
+        sink.chunk(raw, frame) if framed else sink.chunk(raw)
+        sink.flush_batch()
+    sink.frame(Frame(type=protocol.COMPLETION_DONE))
+    assert sink.state == DONE
+    sent = b"".join(b"data: " + c + b"\n\n" for c in chunks[:-1]) + b"data: [DONE]\n\n"
+    assert resp.out == sent
+    assert (record.prompt_tokens, record.completion_tokens, record.chunks) == (4, 3, 3)
 
 
 def test_hub_usage_prints_per_key_and_model(

@@ -17,7 +17,7 @@ REFUSED = "refused"  # answered with an error before any runner served it (no ru
 OUTCOMES = (OK, ERROR, LOST, CLIENT_GONE, REFUSED)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TurnRecord:
     """One turn, filled in as it goes (times on the trio clock, seconds)."""
 
@@ -90,3 +90,27 @@ def is_usage_only(raw: bytes | memoryview | msgspec.Raw) -> bool:
     chunk, or the whole frame that carries it: a byte search, no decode)."""
     data = bytes(raw) if not isinstance(raw, bytes) else raw
     return b'"choices":[]' in data or b'"choices": []' in data
+
+
+_CHOICES = b'"choices":'
+
+
+def choices_mark(data: bytes) -> tuple[bytes, int] | None:
+    """Where a chunk (or the frame that carries it) opens a non-empty ``choices``: the bytes
+    from its key to the first choice's ``{`` and their offset, or None (no ``choices``, an empty
+    one, or laid out otherwise).
+
+    A backend writes every chunk of a stream with the same head (id, object, created, model...),
+    so the next chunk of the turn that has these bytes at this offset is not a usage-only chunk:
+    one ``startswith`` per chunk instead of ``is_usage_only``'s search of the whole frame. (A
+    string cannot hold ``"choices":`` unescaped, so the first one found is a key: the chunk's
+    own, the envelope and the head before it have none.)"""
+    at = data.find(_CHOICES)
+    if at < 0:
+        return None
+    end = at + len(_CHOICES)
+    while data[end : end + 1] == b" ":
+        end += 1
+    if not data.startswith(b"[{", end):
+        return None
+    return data[at : end + 2], at

@@ -24,7 +24,7 @@ from gateway.hub.frontdoor.shapes import (
     whole_completion,
 )
 from gateway.hub.http import ClientGone, Headers, Response
-from gateway.hub.turns import TurnRecord, has_usage, is_usage_only
+from gateway.hub.turns import TurnRecord, choices_mark, has_usage, is_usage_only
 from gateway.wire import protocol
 
 log = logging.getLogger("gateway.hub.frontdoor")
@@ -108,6 +108,7 @@ async def send_cancel(turn: Turn) -> None:
 
 
 STREAMING, DONE, ERROR, LOST, GONE, OVERRUN = range(6)  # a StreamSink's states
+_NOWHERE = 1 << 62  # past the end of any frame: ``startswith`` there is False
 
 
 class StreamSink:
@@ -133,6 +134,8 @@ class StreamSink:
         "sent_chunk",
         "record",
         "strip_usage",
+        "_choices",
+        "_choices_at",
         "last",
         "flushing",
     )
@@ -149,6 +152,10 @@ class StreamSink:
         self.resp = resp
         self.record = record  # the turn's accounting: its first token, its usage at the end
         self.strip_usage = strip_usage  # the hub asked for usage, the client did not
+        # how this turn's frames open a non-empty choices, and where (``turns.choices_mark``):
+        # a frame with these bytes there is no usage-only chunk (known after the first chunk)
+        self._choices = b""
+        self._choices_at = _NOWHERE
         self.last: Any = None  # the last chunk: where the usage is, read at the end
         self.translation: Translation = translation if translation is not None else ChatStream()
         self._encode = self.translation.chunk  # chat completions: one SSE event, bytes verbatim
@@ -166,11 +173,24 @@ class StreamSink:
             self.last = chunk
             if self.record is not None:
                 self.record.chunks += 1
-            if self.strip_usage and is_usage_only(frame or chunk):
+            if (
+                self.strip_usage
+                and not frame.startswith(self._choices, self._choices_at)
+                and self._usage_only(frame or bytes(chunk))
+            ):
                 return  # the usage chunk the hub added: counted at the end, not this client's
             events = self._encode(chunk)
             if events:
                 self.pending.append(events)
+
+    def _usage_only(self, data: bytes) -> bool:
+        """``chunk``'s test for a frame not laid out as the turn's last known one (its first,
+        the usage chunk, a head that changed): where its choices open is kept for the next."""
+        mark = choices_mark(data)
+        if mark is not None:
+            self._choices, self._choices_at = mark
+            return False
+        return is_usage_only(data)
 
     def flush_batch(self) -> None:
         pending = self.pending
