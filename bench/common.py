@@ -133,12 +133,18 @@ class Child:
     """A bench child process: JSON commands on its stdin, one JSON line back per command."""
 
     def __init__(
-        self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
     ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_dir / f"{name}.log"
         self.env = env
+        self.cwd = cwd  # where it runs (``python -m`` imports from there first)
         self.proc: trio.Process | None = None
         self._buf = b""
         self._lock = trio.Lock()
@@ -157,6 +163,7 @@ class Child:
             stdout=subprocess.PIPE if rpc else log,
             stderr=log,
             env=self.env,
+            cwd=self.cwd,
         )
         if not rpc:
             return None

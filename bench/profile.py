@@ -60,7 +60,9 @@ def summarise(collapsed: Path, top: int = 35) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    bench_args = parse_args(["--quick", "--no-scale", "--paths", args.path])
+    extra = ["--base-tree", args.base_tree] if args.base_tree else []
+    extra += ["--tokens", str(args.tokens)] if args.tokens else []
+    bench_args = parse_args(["--quick", "--no-scale", "--paths", args.path, *extra])
     bench_args.whatif_pool = args.whatif_pool
     bench = Bench(bench_args)
     sc = (
@@ -146,6 +148,12 @@ if __name__ == "__main__":
         "--whatif-pool", action="store_true", help="the runner with bench/whatif_pool.py"
     )
     parser.add_argument("--rate", type=int, default=250)
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="lockstep: tokens per stream (quick's 50)"
+    )
+    parser.add_argument(
+        "--base-tree", default="", help="the checkout of the path e2e-base (python -m bench)"
+    )
     parser.add_argument("--suffix", default="", help="appended to the output names (before/after)")
     parser.add_argument(
         "--py-spy",

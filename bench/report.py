@@ -15,6 +15,7 @@ LABELS = {
     "e2e": "e2e front door → runner",
     "e2e-messages": "e2e /v1/messages → runner",
     "e2e-responses": "e2e /v1/responses → runner",
+    "e2e-base": "e2e, the hub and runner of --base-tree",
     "plain-e2e": "plain aiohttp Server → plain peer",
     "litellm": "LiteLLM proxy",
     "peer-wss": "plain asyncio peer, wss",
@@ -32,6 +33,7 @@ RELAYS = {
     "e2e": ["runner", "hub"],
     "e2e-messages": ["runner", "hub"],
     "e2e-responses": ["runner", "hub"],
+    "e2e-base": ["runner", "hub"],
     "plain-e2e": ["peer", "plainhub"],
     "litellm": ["litellm"],
     "peer-wss": ["peer"],
@@ -50,6 +52,7 @@ LOOP = {
     "e2e": "trio",
     "e2e-messages": "trio",
     "e2e-responses": "trio",
+    "e2e-base": "trio",
     "plain-e2e": "asyncio",
     "litellm": "asyncio",
 }

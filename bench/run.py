@@ -75,6 +75,7 @@ PATHS = (
     "e2e",
     "e2e-messages",
     "e2e-responses",
+    "e2e-base",
     "plain-e2e",
     "litellm",
     "peer-wss",
@@ -210,9 +211,14 @@ class Bench:
         self.results["notes"].append(text)
 
     async def child(
-        self, name: str, argv: list[str], rpc: bool = True, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        rpc: bool = True,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
     ) -> tuple[Child, dict[str, Any] | None]:
-        c = Child(name, argv, self.tmp, env or _env())
+        c = Child(name, argv, self.tmp, env or _env(), cwd)
         self.children.append(c)
         hello = await c.start(rpc)
         return c, hello
@@ -324,6 +330,8 @@ class Bench:
             sessions=True,
             body=responses_body,
         )
+        if self.wanted("e2e-base"):
+            await self._e2e_base(sessions, ca_file)
         front_paths = [n for n in ("e2e", "e2e-messages", "e2e-responses") if self.wanted(n)]
         if front_paths:
             await _until_healthy("127.0.0.1", self.hub_port, 60)  # the runner has polled
@@ -335,6 +343,41 @@ class Bench:
                 out = await self.paths[name].run(sessions, sessions, False, f"warm-{name}")
                 if out.errors:
                     raise RuntimeError(f"front door warm-up ({name}) failed: {out.errors[:3]}")
+
+    async def _e2e_base(self, sessions: int, ca_file: str) -> None:
+        """``e2e`` over a hub and a runner of another checkout (``--base-tree``: run from there,
+        its ``gateway`` and ``bench.hubproc``), the same simulator, client and sessions: an A/B
+        whose two sides alternate within one run."""
+        tree = self.args.base_tree
+        if not tree:
+            raise SystemExit("the path e2e-base needs --base-tree DIR (a checkout to compare)")
+        env = {**_env(), "PYTHONPATH": tree}
+        hub, hello = await self.child("hub-base", _py("-m", "bench.hubproc"), env=env, cwd=tree)
+        assert hello is not None
+        port = int(hello["url"].rsplit(":", 1)[1])
+        key = (await hub.rpc("apikey"))["key"]
+        argv = runner_argv(
+            "gateway",
+            hello["url"],
+            hello,
+            self.sim_url,
+            "bench-runner-base",
+            self.tmp,
+            max(64, 4 * sessions),
+            ["--poll-interval", "5", "--ca-file", ca_file],
+        )
+        runner, _ = await self.child("runner-base", argv, rpc=False, env=env, cwd=tree)
+        self.paths["e2e-base"] = HttpPath(
+            "e2e-base",
+            SSEClient("127.0.0.1", port, headers={"authorization": f"Bearer {key}"}),
+            {"runner": (runner, False), "hub": (hub, False)},
+            sessions=True,
+        )
+        await _until_healthy("127.0.0.1", port, 60)
+        await self.sim.rpc("opts", opts={"chunks": 1})
+        out = await self.paths["e2e-base"].run(sessions, sessions, False, "warm-e2e-base")
+        if out.errors:
+            raise RuntimeError(f"front door warm-up (e2e-base) failed: {out.errors[:3]}")
 
     async def _plain_e2e(self, sessions: int) -> None:
         """The plain pair: client → ``bench/plainhub.py`` (aiohttp Server) → the plain peer →
@@ -570,8 +613,9 @@ class Bench:
 
     async def measure_all(self, names: list[str]) -> None:
         """Every scenario on every path, ``repeat`` rounds, the paths alternating within each
-        scenario (the machine is shared: a burst of another process's work then lands on every
-        path alike); the median of the rounds is kept."""
+        scenario, in the reverse order every other round (the machine is shared: a burst of
+        another process's work then lands on every path alike, and a drift favours none); the
+        median of the rounds is kept."""
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in names}
         wanted = [s for s in self.args.scenarios if s in SCENARIO_NAMES]
         for rnd in range(self.repeat):
@@ -585,7 +629,7 @@ class Bench:
                             flush=True,
                         )
                     continue
-                for name in names:
+                for name in names if rnd % 2 == 0 else names[::-1]:
                     path = self.paths[name]
                     if key == "c64" and not path.sessions:
                         continue  # without sessions "64 over one session" is c64s8 again
@@ -848,6 +892,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the runner with httpcore's pool bookkeeping made linear "
         "(bench/whatif_pool.py): what that fix is worth",
+    )
+    parser.add_argument(
+        "--base-tree",
+        default="",
+        help="another checkout (a directory) whose hub and runner the path e2e-base runs: "
+        "an A/B of the hub, the two sides alternating within one run",
     )
     parser.add_argument(
         "--label", default="", help="free text for the report's head (what is being measured)"
