@@ -51,7 +51,7 @@ from gateway.runner.poller import Poller
 from gateway.wire import http1, netio, protocol, wsclient
 from gateway.wire.sse import SSESplitter
 
-GATEWAY = os.path.dirname(protocol.__file__) + os.sep  # allocations made by the gateway's code
+GATEWAY = os.path.dirname(os.path.dirname(protocol.__file__)) + os.sep  # the gateway's code
 JOB = "job-hotpath"
 EVENTS_PER_READ = 25
 READS = 40
