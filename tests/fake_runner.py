@@ -262,10 +262,10 @@ class FakeRunner:
     ) -> None:
         body = turn.body
         script = self.scripts.get(body.get("model"), self.default)
-        prefix = protocol.chunk_prefix(turn.job_id, turn.request_id)
+        frames = protocol.TurnFrames(turn.job_id, turn.request_id)
 
         async def chunk(obj: dict[str, Any]) -> None:
-            await ws.send_message(protocol.chunk_frame(prefix, json.dumps(obj).encode()))
+            await ws.send_message(frames.chunk(json.dumps(obj).encode()).decode())
             turn.sent_chunks += 1
             self._changed()
 

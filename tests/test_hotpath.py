@@ -290,10 +290,14 @@ async def test_one_write_per_backend_read_and_frames_verbatim(poller: bool) -> N
             "tok1 ",
             "tok2 ",
         ]
-        assert (
-            rig.server.messages[7]
-            == (protocol.chunk_prefix(JOB, "r1") + payload(7) + b"}").decode()
-        )
+        seventh = rig.server.messages[7]
+        assert seventh.endswith(',"chunk":' + payload(7).decode() + "}")  # the bytes as they came
+        assert json.loads(seventh) == {
+            "type": protocol.COMPLETION_CHUNK,
+            "jobId": JOB,
+            "requestId": "r1",
+            "chunk": json.loads(payload(7)),
+        }
         writes_per_read = rig.sock.writes / reads
         print(f"\nwrites per backend read: {writes_per_read:.2f} ({rig.sock.writes} for {reads})")
         assert reads >= READS
@@ -504,7 +508,7 @@ def _front_door_turn(
 
 
 def _chunk_frame(rid: str, i: int) -> str:
-    return protocol.chunk_frame(protocol.chunk_prefix(JOB, rid), payload(i))
+    return protocol.TurnFrames(JOB, rid).chunk(payload(i)).decode()
 
 
 def _events(raw: bytes) -> list[bytes]:
@@ -564,7 +568,7 @@ async def _front_door_calls(rid: str, accounted: bool) -> tuple[int, Any, list[b
     record = TurnRecord("id", "key", "s", "chat", "m", True, 0.0) if accounted else None
     ch, _transport, resp, _sink, client = _front_door_turn(rid, record, accounted)
     texts = [_chunk_frame(rid, i).encode() for i in range(100)]
-    usage = protocol.chunk_frame(protocol.chunk_prefix(JOB, rid), USAGE_ONLY).encode()
+    usage = protocol.TurnFrames(JOB, rid).chunk(USAGE_ONLY)
     reads = [[t] for t in texts] + [[usage, protocol.done_frame(JOB, rid).encode()]]
     calls = 0
 

@@ -318,7 +318,7 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
             assert isinstance(ch, ServerChannel) and ch is hub.channel(job_id)
             assert hub.runners_connected == {runner["id"]} and hub.open_channels() == [ch]
             rx = ch.open_request("r1")
-            chunk = protocol.chunk_frame(protocol.chunk_prefix(job_id, "r1"), b'{"id":"c"}')
+            chunk = protocol.TurnFrames(job_id, "r1").chunk(b'{"id":"c"}').decode()
             stray = protocol.done_frame(job_id, "r2")
             await ws.send_message(b"\x00binary is ignored")
             await ws.send_message("not json at all")

@@ -2,6 +2,7 @@
 
 import json
 
+import msgspec
 import pytest
 
 from gateway.wire import protocol
@@ -53,11 +54,39 @@ def test_bad_frames_raise_with_request_id(text: str, request_id: str | None) -> 
 
 def test_chunk_frame_splices_payload_verbatim() -> None:
     payload = b'{"id":"c1","choices":[{"delta":{"content":"h\\u00e9 \\"x\\""}}],  "odd" : 1}'
-    frame = protocol.chunk_frame(protocol.chunk_prefix('job"1', "req"), payload)
+    frames = protocol.TurnFrames('job"1%s', "req%d\u0000")
+    frame = frames.chunk(payload)
     decoded = json.loads(frame)
     assert decoded["type"] == "chat.completion.chunk"
-    assert decoded["jobId"] == 'job"1' and decoded["requestId"] == "req"
-    assert frame.encode().endswith(b'"chunk":' + payload + b"}")
+    assert decoded["jobId"] == 'job"1%s' and decoded["requestId"] == "req%d\u0000"
+    assert frame.endswith(b'"chunk":' + payload + b"}")
+    raw = protocol.ChunkFrame('job"1%s', "req%d\u0000", msgspec.Raw(payload))
+    assert frame == protocol.encode_frame(raw)  # the template is the encoder's own frame
+    assert json.loads(frames.done) == {
+        "type": "chat.completion.done",
+        "jobId": 'job"1%s',
+        "requestId": "req%d\u0000",
+    }
+
+
+def test_runner_frames_from_the_one_encoder() -> None:
+    assert json.loads(protocol.error_frame("j", "r", "no")) == {
+        "type": "chat.completion.error",
+        "jobId": "j",
+        "requestId": "r",
+        "error": "no",
+    }
+    assert json.loads(protocol.models_frame("j", "r", ["a"])) == {
+        "type": "chat.models.response",
+        "jobId": "j",
+        "requestId": "r",
+        "models": ["a"],
+    }
+    assert json.loads(protocol.end_frame("j", "bye")) == {
+        "type": "chat.end",
+        "jobId": "j",
+        "reason": "bye",
+    }
 
 
 def test_with_model_sets_or_keeps() -> None:

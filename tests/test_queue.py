@@ -85,8 +85,8 @@ class SlotRunner(HandRunner):
                         "model": "fake-model",
                         "choices": [{"index": 0, "delta": {"content": f"served {text}"}}],
                     }
-                    prefix = protocol.chunk_prefix(job_id, frame["requestId"])
-                    await ws.send_message(protocol.chunk_frame(prefix, json.dumps(chunk).encode()))
+                    frames = protocol.TurnFrames(job_id, frame["requestId"])
+                    await ws.send_message(frames.chunk(json.dumps(chunk).encode()).decode())
                     await ws.send_message(protocol.done_frame(job_id, frame["requestId"]))
             except trio_websocket.ConnectionClosed:
                 pass

@@ -310,9 +310,9 @@ async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_t
     record = TurnRecord("id", "alice", "s", "chat", "m", True, 0.0)
     resp = _Taken()
     sink = StreamSink(resp, [], 1 << 20, record=record, strip_usage=True)  # type: ignore[arg-type]
-    prefix = protocol.chunk_prefix("job", "r")
+    frames = protocol.TurnFrames("job", "r")
     for chunk in chunks:
-        frame = protocol.chunk_frame_bytes(prefix, chunk)
+        frame = frames.chunk(chunk)
         raw = msgspec.json.decode(frame, type=Frame).chunk
         sink.chunk(raw, frame) if framed else sink.chunk(raw)
         sink.flush_batch()

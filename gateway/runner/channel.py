@@ -428,8 +428,7 @@ class Channel:
             text = Redactor([key], limit=None)(body)
             text = _truncated(text.encode(), _ERROR_BODY_LIMIT)
             raise TurnFailed(f"backend returned {response.status}: {text}")
-        prefix = protocol.chunk_prefix(self.job_id, request_id)
-        done_frame = protocol.done_frame(self.job_id, request_id)
+        frames = protocol.TurnFrames(self.job_id, request_id)
         if b"text/event-stream" not in (response.header(b"content-type") or b""):
             payload = (await response.read_body()).strip()
             problem = payload_problem(payload)
@@ -438,14 +437,13 @@ class Channel:
             if span is not None:
                 span.first_token()
                 span.chunks, span.last_payload = 1, payload
-            await send(prefix + payload + b"}")
-            await send(done_frame)
+            await send(frames.chunk(payload))
+            await send(frames.done)
             return
         relay = SSERelay(
             response,
             url=url,
-            prefix=prefix,
-            done_frame=done_frame.encode(),
+            frames=frames,
             offer=self._offer,
             offer_batch=self._offer_batch,
             request_id=request_id,
@@ -468,10 +466,10 @@ class Channel:
             problem = payload_problem(rest)
             if problem is not None:
                 raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
-            await send(prefix + rest + b"}")
+            await send(frames.chunk(rest))
             if span is not None:
                 span.chunks, span.last_payload = span.chunks + 1, rest
-        await send(done_frame)
+        await send(frames.done)
 
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()

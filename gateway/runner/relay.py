@@ -23,6 +23,7 @@ from gateway.observe import Histogram
 from gateway.runner.poller import END, IDLE, MORE, ROOM, Poller
 from gateway.wire import http1
 from gateway.wire.netio import RECV_SIZE
+from gateway.wire.protocol import TurnFrames
 from gateway.wire.sse import SSESplitter
 
 if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
@@ -55,7 +56,7 @@ class SSERelay:
         "done",
         "cancelled",
         "_url",
-        "_prefix",
+        "_template",
         "_offer",
         "_offer_batch",
         "_done_frame",
@@ -80,8 +81,7 @@ class SSERelay:
         response: http1.Response,
         *,
         url: str,
-        prefix: bytes,
-        done_frame: bytes,
+        frames: TurnFrames,
         offer: Callable[[bytes], bool],
         offer_batch: Callable[[list[bytes]], bool],
         request_id: str,
@@ -102,8 +102,8 @@ class SSERelay:
         self.done = False  # [DONE] came (and its done frame was offered)
         self.cancelled = False  # the channel cancelled the turn: nothing more is sent
         self._url = url
-        self._prefix = prefix
-        self._done_frame = done_frame
+        self._template = frames.template
+        self._done_frame = frames.done
         self._offer = offer
         self._offer_batch = offer_batch
         self._splitter = SSESplitter()
@@ -167,7 +167,7 @@ class SSERelay:
             if self._span is not None:
                 self._span.first_token()
         feed = self._splitter.feed
-        prefix = self._prefix
+        template = self._template
         for raw in pieces:
             payloads = feed(raw)
             if not payloads:
@@ -183,9 +183,9 @@ class SSERelay:
                 if not payload.isascii() and not is_utf8(payload):
                     raise TurnFailed(f"backend {self._url} sent an SSE event that is not UTF-8")
             if len(payloads) == 1:  # written now, unless a write is in progress
-                room = self._offer(prefix + payloads[0] + b"}")  # protocol.chunk_frame_bytes
+                room = self._offer(template % payloads[0])  # TurnFrames.chunk
             elif payloads:  # ready together: one write
-                room = self._offer_batch([prefix + p + b"}" for p in payloads])
+                room = self._offer_batch([template % p for p in payloads])
             else:
                 room = True
             if payloads:

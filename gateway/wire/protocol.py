@@ -2,8 +2,10 @@
 
 Inbound frames are decoded with msgspec straight into small Structs; the
 ``body`` of a completion request stays a ``msgspec.Raw`` so it is forwarded
-without being parsed. Outbound chunk frames are built by byte splicing: the
-backend's ``data:`` payload goes into the frame unchanged, never re-encoded.
+without being parsed. Outbound frames are Structs too, encoded by one encoder
+(``encode_frame``); a chunk frame's ``chunk`` is a ``msgspec.Raw``: the backend's
+``data:`` payload goes into the frame unchanged, never re-encoded, and a turn's
+chunk frames come from its ``TurnFrames`` (the encoder's frame, made once per turn).
 """
 
 from __future__ import annotations
@@ -163,58 +165,92 @@ def with_model(body: bytes, model: str) -> bytes:
         raise FrameError(f"body cannot carry a model: {type(exc).__name__}") from None
 
 
-def _json_str(value: str) -> bytes:
-    return _encoder.encode(value)
+# -- Runner -> Server frames: one encoder (msgspec), the chunk a ``Raw`` spliced in unparsed --
 
 
-def _envelope(type_: str, job_id: str, request_id: str | None = None) -> bytes:
-    """The head every Runner frame opens with, ``{"type":…,"jobId":…[,"requestId":…]``, left
-    open for the frame's own fields: the one place the envelope is written."""
-    head = b'{"type":' + _json_str(type_) + b',"jobId":' + _json_str(job_id)
-    if request_id is not None:
-        head += b',"requestId":' + _json_str(request_id)
-    return head
+class ChunkFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_CHUNK):
+    """``chat.completion.chunk``: one backend event's payload, as the backend wrote it."""
+
+    jobId: str
+    requestId: str
+    chunk: msgspec.Raw
 
 
-def runner_frame(type_: str, job_id: str, request_id: str | None = None, **fields: Any) -> bytes:
-    """One Runner → Server frame as UTF-8 JSON: the envelope, then ``fields`` encoded."""
-    parts = [_envelope(type_, job_id, request_id)]
-    for name, value in fields.items():
-        parts.append(b',"' + name.encode() + b'":' + _encoder.encode(value))
-    parts.append(b"}")
-    return b"".join(parts)
+class DoneFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_DONE):
+    """``chat.completion.done``: the turn's answer is whole."""
+
+    jobId: str
+    requestId: str
 
 
-def chunk_prefix(job_id: str, request_id: str) -> bytes:
-    """The fixed head of every chunk frame of one turn; append payload + ``b"}"``."""
-    return _envelope(COMPLETION_CHUNK, job_id, request_id) + b',"chunk":'
+class ErrorFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_ERROR):
+    """``chat.completion.error``: the turn ended without its answer; ``error`` says why."""
+
+    jobId: str
+    requestId: str
+    error: str
 
 
-def chunk_frame(prefix: bytes, payload: bytes | memoryview) -> str:
-    """One ``chat.completion.chunk`` frame around an unparsed JSON payload."""
-    return (prefix + payload + b"}").decode()
+class ModelsFrame(msgspec.Struct, tag_field="type", tag=MODELS_RESPONSE):
+    """``chat.models.response``: the models this Runner serves."""
+
+    jobId: str
+    requestId: str
+    models: list[str]
 
 
-def chunk_frame_bytes(prefix: bytes, payload: bytes | memoryview) -> bytes:
-    """The same frame as UTF-8 bytes, sent as a text message unchanged: the payload is copied
-    once and never decoded."""
-    return prefix + payload + b"}"
+class EndFrame(msgspec.Struct, tag_field="type", tag=END):
+    """``chat.end`` from the Runner: it ends the session; ``reason`` says why."""
+
+    jobId: str
+    reason: str
+
+
+OutboundFrame = ChunkFrame | DoneFrame | ErrorFrame | ModelsFrame | EndFrame
+_HOLE = b"\0"  # where a chunk goes: never in encoded JSON (a string escapes it as \u0000)
+
+
+def encode_frame(frame: OutboundFrame) -> bytes:
+    """One Runner -> Server frame as UTF-8 JSON text: the one encoder every such frame goes
+    through (a chunk's payload, a ``Raw``, is copied in as it is)."""
+    return _encoder.encode(frame)
+
+
+class TurnFrames:
+    """One turn's chunk and done frames, encoded once per turn.
+
+    ``template % payload`` is the chunk frame around ``payload`` (``chunk`` does it): the
+    encoder's own frame with ``%b`` where the ``Raw`` chunk goes, so a chunk costs one C-level
+    format, no JSON encoding and no parse; the payload must be JSON (it is not checked here).
+    """
+
+    __slots__ = ("template", "done")
+
+    def __init__(self, job_id: str, request_id: str) -> None:
+        frame = encode_frame(ChunkFrame(job_id, request_id, msgspec.Raw(_HOLE)))
+        head, tail = frame.split(_HOLE)
+        self.template = head.replace(b"%", b"%%") + b"%b" + tail.replace(b"%", b"%%")
+        self.done = encode_frame(DoneFrame(job_id, request_id))
+
+    def chunk(self, payload: bytes) -> bytes:
+        """The chunk frame holding ``payload`` unchanged."""
+        return self.template % payload
 
 
 def done_frame(job_id: str, request_id: str) -> str:
-    return runner_frame(COMPLETION_DONE, job_id, request_id).decode()
+    return encode_frame(DoneFrame(job_id, request_id)).decode()
 
 
 def error_frame(job_id: str, request_id: str, error: str) -> str:
-    return runner_frame(COMPLETION_ERROR, job_id, request_id, error=error).decode()
+    return encode_frame(ErrorFrame(job_id, request_id, error)).decode()
 
 
 def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
-    return runner_frame(MODELS_RESPONSE, job_id, request_id, models=models).decode()
+    return encode_frame(ModelsFrame(job_id, request_id, models)).decode()
 
 
 def end_frame(job_id: str, reason: str) -> str:
-    return runner_frame(END, job_id, reason=reason).decode()
+    return encode_frame(EndFrame(job_id, reason)).decode()
 
 
 _FRAME_HEAD_16 = struct.Struct("!BBH")
