@@ -1,7 +1,8 @@
 """Guards on the relay's hot path that count work instead of timing it, so they cannot flake.
 
-A fixed script of backend reads (several SSE events each) is relayed through a real ``Channel``
-over real sockets: each backend is a socket pair whose far end a thread writes (a chunked
+A fixed script of backend reads (several SSE events each) is relayed by a real ``Channel``'s
+relay (``channel.relay.answer``, its public face: no private state of the channel touched) over
+real sockets: each backend is a socket pair whose far end a thread writes (a chunked
 HTTP/1.1 response, one block per write), and the channel is our WebSocket client on a socket
 pair whose far end a thread reads (the Server's side, wsproto); and through the hub front door's
 ``relay_stream``. Threads are never counted: what is measured is the trio thread alone. What is
@@ -48,6 +49,7 @@ from gateway.hub.frontdoor import relay
 from gateway.runner.backends import BackendPool
 from gateway.runner.channel import Channel
 from gateway.runner.poller import Poller
+from gateway.runner.turn import Turn
 from gateway.wire import http1, netio, protocol, wsclient
 from gateway.wire.sse import SSESplitter
 
@@ -214,6 +216,7 @@ class Rig:
         self.sock = sock
         self.server = server
         self.log = log
+        self.turns: dict[str, Turn] = {}  # the turns in flight: a test may stop one
 
     def backend(self, name: str) -> tuple[http1.Response, BackendSocket, socket.socket]:
         near, far = socket.socketpair()
@@ -237,19 +240,20 @@ class Rig:
         return error, sock.reads
 
     async def relay_response(self, request_id: str, response: http1.Response) -> str | None:
-        """``Channel._relay`` of one turn, as ``Channel._turn`` runs it (its scope registered)."""
-        self.channel._started[request_id] = trio.current_time()
-        self.channel._turns[request_id] = turn = trio.CancelScope()
+        """One turn's answer relayed by the channel's relay, under the turn's scope as its
+        task runs it; the turn's error (as it would be framed), or None."""
+        frames = protocol.TurnFrames(JOB, request_id)
+        self.turns[request_id] = turn = Turn(request_id, frames, trio.current_time())
         try:
-            with trio.fail_after(WAIT), turn:  # a chunk held back for more deadlocks here
+            with trio.fail_after(WAIT), turn.scope:  # a chunk held back for more deadlocks here
                 await response.read_head()
                 with trio.CancelScope() as idle:
                     response.idle, response.idle_timeout = idle, 600.0
-                    await self.channel._relay(request_id, "http://backend", response)
-        except Exception as exc:  # the turn's error, as _turn would frame it
+                    await self.channel.relay.answer(turn, response)
+        except Exception as exc:
             return str(exc)
         finally:
-            del self.channel._turns[request_id]
+            del self.turns[request_id]
             response.close()
         return None
 

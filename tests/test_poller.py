@@ -2,7 +2,8 @@
 
 Over the hot-path rig (a real ``Channel`` on a socket pair, the Server's end on a thread, each
 backend a socket pair written from here): a turn whose backend goes wrong fails alone while the
-others in the poller stream on, and a cancelled turn leaves the poller and writes nothing more.
+others in the poller stream on, and a cancelled turn leaves the poller and writes nothing more;
+and a turn stopped once its done frame went out is whole all the same.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import trio
 import trio.testing
 from test_hotpath import HEAD, Rig, _rig, chunked, payload
 
-from gateway.runner.channel import Ending, TurnEnd
-from gateway.wire import http1, protocol
+from gateway.observe import Histogram
+from gateway.runner.relay import Relay
+from gateway.runner.turn import Ending, Turn, TurnEnd
+from gateway.wire import http1, netio, protocol
 
 
 def _event(i: int) -> bytes:
@@ -30,7 +33,7 @@ def _ids(rig: Rig, request_id: str, kind: str = protocol.COMPLETION_CHUNK) -> in
 async def test_a_failing_turn_leaves_the_others_streaming() -> None:
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
-        poller = rig.channel.poller
+        poller = rig.channel.relay.poller
         assert poller is not None
         names = ["a", "bad", "c"]
         backends = {name: rig.backend(name) for name in names}
@@ -62,7 +65,7 @@ async def test_a_failing_turn_leaves_the_others_streaming() -> None:
 async def test_a_cancelled_turn_leaves_the_poller_and_writes_nothing_more() -> None:
     async with trio.open_nursery() as nursery:
         rig = await _rig(nursery)
-        poller = rig.channel.poller
+        poller = rig.channel.relay.poller
         assert poller is not None
         response, _, far = rig.backend("gone")
         streaming, _, other = rig.backend("other")  # streaming too: the poller relays "gone"
@@ -76,7 +79,7 @@ async def test_a_cancelled_turn_leaves_the_poller_and_writes_nothing_more() -> N
             turns.start_soon(rig.relay_response, "other", streaming)
             await _in_the_poller(rig, [far, other])
             far.send(_event(2))  # ready in the same pass as the cancel below
-            rig.channel._cancel_turn("gone", TurnEnd(Ending.CANCELLED, "cancelled"))
+            rig.turns["gone"].stop(TurnEnd(Ending.CANCELLED, "cancelled"))
             await trio.testing.wait_all_tasks_blocked()
             turns.cancel_scope.cancel()  # "other" is done with
         assert result == [None]  # cancelled, not failed
@@ -94,7 +97,7 @@ async def test_a_cancelled_turn_leaves_the_poller_and_writes_nothing_more() -> N
 async def _in_the_poller(rig: Rig, fars: list[socket.socket]) -> None:
     """Start the turns on ``fars`` streaming, two chunks each: the first turn to stream was
     alone and waited on its own socket; at its second read it joins the poller too."""
-    poller = rig.channel.poller
+    poller = rig.channel.relay.poller
     assert poller is not None
     base = len(rig.server.messages)
     for far in fars:
@@ -112,3 +115,45 @@ def _answered(rig: Rig) -> http1.Response:
     response, _, far = rig.backend("after")
     far.send(HEAD + _event(0) + chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     return response
+
+
+class _StopAtDone:
+    """An outlet that takes every frame, and stops the turn as its done frame goes out: the
+    Server's cancel crossing the done frame on the wire."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.turn: Turn | None = None
+
+    def offer(self, message: bytes) -> bool:
+        self.frames.append(message)
+        if self.turn is not None and message == self.turn.frames.done:
+            self.turn.stop(TurnEnd(Ending.CANCELLED, protocol.CANCELLED))
+        return True
+
+    def offer_batch(self, messages: list[bytes]) -> bool:
+        return all([self.offer(m) for m in messages])
+
+    async def wait_room(self) -> None:
+        pass
+
+    async def send(self, message: bytes | str) -> None:
+        self.offer(message.encode() if isinstance(message, str) else message)
+
+
+async def test_a_stop_after_the_done_frame_is_too_late() -> None:
+    """A turn whose done frame went out is whole: a stop that comes after it does not cancel
+    its relay (the Server would get a second terminal frame, ``cancelled``, after done)."""
+    near, far = socket.socketpair()
+    response = http1.Response(netio.Transport(near))
+    far.send(HEAD + _event(0) + chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    out = _StopAtDone()
+    turn = out.turn = Turn("late", protocol.TurnFrames("job", "late"), trio.current_time())
+    relay = Relay(out, None, Histogram(), Histogram())
+    with turn.scope:
+        await response.read_head()
+        await relay.answer(turn, response)
+    assert not turn.scope.cancelled_caught and turn.stopped is not None
+    assert out.frames == [turn.frames.chunk(payload(0)), turn.frames.done]
+    response.close()
+    far.close()

@@ -140,8 +140,6 @@ class TurnTrace:
 
     def __init__(self, span: Span) -> None:
         self.span = span
-        self.chunks = 0  # set by the relay once the stream is over
-        self.last_payload: bytes | None = None  # the stream's last event (its usage, if any)
         context = span.get_span_context()
         flags = int(context.trace_flags)
         self.traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"

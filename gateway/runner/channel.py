@@ -1,9 +1,8 @@
-"""One Chat Channel connection: a reader, and one task per in-flight turn (its stream relayed
-read by read by ``relay.SSERelay``, in the runner's ``Poller`` while other turns stream too)."""
+"""One Chat Channel connection: a reader, and one task per in-flight turn (its answer relayed
+read by read by ``relay.Relay``, in the runner's ``Poller`` while other turns stream too)."""
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -13,42 +12,23 @@ import trio
 from gateway.observe import Counters, Histogram, Redactor
 from gateway.runner.backends import Backend, BackendError, BackendPool, BackendUnreachable
 from gateway.runner.poller import Poller
-from gateway.runner.relay import SSERelay, TurnFailed, payload_problem
+from gateway.runner.relay import Outlet, Relay
+from gateway.runner.turn import Ending, Turn, TurnEnd
 from gateway.wire import http1, protocol
+from gateway.wire.stream import BadPayload
 from gateway.wire.wsclient import ChannelClosed, WebSocket
 
 if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
-    from gateway.ops.otel import SessionTrace, TurnTrace
+    from gateway.ops.otel import SessionTrace
 
 log = logging.getLogger("gateway.channel")
 
 SHUTTING_DOWN = "runner shutting down"
 _ERROR_BODY_LIMIT = 512
-_DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
 
 
-class Ending(enum.Enum):
-    """How a turn ended: the counter it adds to, whether the Server is told (an error frame)
-    and whether it is worth a log line. ``Channel._conclude`` does all three, in one place."""
-
-    DONE = ("turns_done", False, False)
-    FAILED = ("turns_error", True, True)
-    CANCELLED = ("turns_cancelled", True, False)  # the Server asked (chat.completion.cancel)
-    SHUTDOWN = ("turns_cancelled", True, True)  # the runner is shutting down
-    SESSION_ENDED = ("turns_cancelled", False, False)  # chat.end or the channel is gone
-
-    def __init__(self, counter: str, framed: bool, logged: bool) -> None:
-        self.counter = counter
-        self.framed = framed
-        self.logged = logged
-
-
-@dataclass(frozen=True)
-class TurnEnd:
-    """One turn's outcome: how it ended and the message the Server and the log get."""
-
-    ending: Ending
-    message: str = ""
+class TurnFailed(Exception):
+    """The turn cannot be served; the message is safe for a frame (no key)."""
 
 
 _DONE_END = TurnEnd(Ending.DONE)
@@ -117,24 +97,25 @@ class Channel:
         self.pool = pool
         self.shutdown = shutdown
         self.grace = grace
-        self._turns: dict[str, trio.CancelScope] = {}
-        self._stopped: dict[str, TurnEnd] = {}  # why a turn was cancelled
-        self._started: dict[str, float] = {}  # request id -> when its frame arrived
+        self._turns: dict[str, Turn] = {}
         self._no_turns = trio.Event()
         self._no_turns.set()
         self._draining = False
         self._drain_reason = SHUTTING_DOWN
         self._end: ChannelEnd | None = None
         self._nursery: trio.Nursery | None = None
-        self.turns_served = 0
         self.counters = counters if counters is not None else Counters()
-        self.ttft = ttft if ttft is not None else Histogram()
-        self.relay = relay if relay is not None else Histogram()
         self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
-        self._send = ws.send if frame_log is None else self._send_logged
-        self._offer = ws.offer if frame_log is None else self._offer_logged
-        self._offer_batch = ws.offer_batch if frame_log is None else self._offer_batch_logged
-        self.poller = poller  # reads the backend sockets of streaming turns (None: each its own)
+        out: Outlet = ws if frame_log is None else _LoggedOutlet(ws, job_id, frame_log)
+        self._send = out.send
+        # the turns' answers to frames; the poller reads the backend sockets of streaming
+        # turns (None: each turn its own)
+        self.relay = Relay(
+            out,
+            poller,
+            ttft if ttft is not None else Histogram(),
+            relay if relay is not None else Histogram(),
+        )
         self.trace = trace  # tracing on: the session's span; off: None, and turns do no tracing
         self.limits = limits
         self._turn_began: trio.Event | None = None  # set when a turn starts (idle limit only)
@@ -168,19 +149,6 @@ class Channel:
             self._nursery.cancel_scope.cancel()
 
     # -- the socket --------------------------------------------------------------------
-
-    async def _send_logged(self, frame: bytes | str) -> None:
-        log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
-        await self.ws.send(frame)
-
-    def _offer_logged(self, frame: bytes) -> bool:
-        log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
-        return self.ws.offer(frame)
-
-    def _offer_batch_logged(self, frames: list[bytes]) -> bool:
-        for frame in frames:
-            log.info("job %s → %s", self.job_id, self.frame_log(frame))  # type: ignore[misc]
-        return self.ws.offer_batch(frames)
 
     async def _reader(self) -> None:
         while self._end is None:
@@ -300,33 +268,30 @@ class Channel:
                 )
             )
             return
-        scope = trio.CancelScope()
-        self._turns[request_id] = scope
-        self._started[request_id] = trio.current_time()
+        frames = protocol.TurnFrames(self.job_id, request_id)
+        turn = self._turns[request_id] = Turn(request_id, frames, trio.current_time())
         if self._no_turns.is_set():  # one event per busy spell: its waiters see it end
             self._no_turns = trio.Event()
         if self._turn_began is not None:
             self._turn_began.set()
         assert self._nursery is not None
-        self._nursery.start_soon(self._turn, frame, scope)
+        self._nursery.start_soon(self._turn, frame, turn)
 
     def _cancel_turn(self, request_id: str, end: TurnEnd) -> None:
-        scope = self._turns.get(request_id)
-        if scope is not None:
-            self._stopped.setdefault(request_id, end)
-            scope.cancel()
+        turn = self._turns.get(request_id)
+        if turn is not None:
+            turn.stop(end)
 
-    async def _turn(self, frame: protocol.CompletionRequest, scope: trio.CancelScope) -> None:
+    async def _turn(self, frame: protocol.CompletionRequest, turn: Turn) -> None:
         request_id = frame.requestId
-        span: TurnTrace | None = None
         if self.trace is not None:
-            span = self.trace.turn(request_id, frame.model, traceparent=frame.traceparent)
+            turn.span = self.trace.turn(request_id, frame.model, traceparent=frame.traceparent)
         try:
             end = _DONE_END
             try:
-                with scope:
+                with turn.scope:
                     try:
-                        await self._forward(frame, span)
+                        await self._forward(frame, turn)
                     except TurnFailed as exc:
                         end = TurnEnd(Ending.FAILED, str(exc))
                     except protocol.FrameError as exc:  # a body that cannot take its model
@@ -334,39 +299,36 @@ class Channel:
                     except ChannelClosed:
                         end = _SESSION_END
             except trio.Cancelled:  # the channel itself is ending: no one left to tell
-                end = self._stopped.get(request_id, _SESSION_END)
-                self._conclude_quietly(request_id, end, span)
+                self._conclude_quietly(turn, turn.stopped or _SESSION_END)
                 raise
-            if scope.cancelled_caught:
-                end = self._stopped.get(request_id, _CANCELLED_END)
-            await self._conclude(request_id, end, span)
+            if turn.scope.cancelled_caught:
+                end = turn.stopped or _CANCELLED_END
+            await self._conclude(turn, end)
         finally:
             if self.limits is not None:
                 self.limits.last_active = trio.current_time()
             del self._turns[request_id]
-            self._started.pop(request_id, None)
-            self._stopped.pop(request_id, None)
             if not self._turns:
                 self._no_turns.set()
 
-    async def _conclude(self, request_id: str, end: TurnEnd, span: TurnTrace | None) -> None:
+    async def _conclude(self, turn: Turn, end: TurnEnd) -> None:
         """Count, log, trace and frame one turn's outcome: the one place that does."""
-        self._conclude_quietly(request_id, end, span)
+        self._conclude_quietly(turn, end)
         if end.ending.framed:
-            await self._send_or_drop(protocol.error_frame(self.job_id, request_id, end.message))
+            frame = protocol.error_frame(self.job_id, turn.request_id, end.message)
+            await self._send_or_drop(frame)
 
-    def _conclude_quietly(self, request_id: str, end: TurnEnd, span: TurnTrace | None) -> None:
+    def _conclude_quietly(self, turn: Turn, end: TurnEnd) -> None:
         """Count, log and trace one turn's outcome (``_conclude`` without the frame)."""
         ending = end.ending
         self.counters.inc(ending.counter)
         if ending.logged:
-            log.warning("job %s request %s: %s", self.job_id, request_id, end.message)
-        self.turns_served += 1
-        if span is not None:
+            log.warning("job %s request %s: %s", self.job_id, turn.request_id, end.message)
+        if turn.span is not None:
             error = end.message if ending in _TRACED_ERRORS else None
-            span.end(ending.name.lower(), error, span.chunks, span.last_payload)
+            turn.span.end(ending.name.lower(), error, turn.chunks, turn.last_payload)
 
-    async def _forward(self, frame: protocol.CompletionRequest, span: TurnTrace | None) -> None:
+    async def _forward(self, frame: protocol.CompletionRequest, turn: Turn) -> None:
         """Route one turn, hold a slot on a backend serving its model, relay its chunks and
         done frame; ``TurnFailed`` when it cannot. A backend that cannot be reached (nothing
         was sent) is probed at once, and the turn goes to the next backend serving the model."""
@@ -375,6 +337,7 @@ class Channel:
             route = await self.pool.route(frame.model, bytes(frame.body))
         except BackendError as exc:
             raise TurnFailed(str(exc)) from None
+        span = turn.span
         traceparent = None
         if span is not None:
             span.routed(route.model or route.requested)
@@ -387,7 +350,7 @@ class Channel:
                     if span is not None:
                         span.backend(backend.url)
                     async with backend.stream(route.body, traceparent) as response:
-                        await self._relay(request_id, backend.url, response, span, backend.key)
+                        await self._relay(turn, response, backend.key)
                         return
             except BackendUnreachable as exc:
                 assert backend is not None
@@ -400,27 +363,19 @@ class Channel:
                 )
             except BackendError as exc:
                 raise TurnFailed(str(exc)) from None
-            except http1.ProtocolError as exc:
+            except (BadPayload, http1.ProtocolError) as exc:
                 url = backend.url if backend is not None else "?"
                 raise TurnFailed(f"backend {url} {exc}") from None
             except http1.HTTPError as exc:
                 url = backend.url if backend is not None else "?"
                 raise TurnFailed(f"backend {url} stream broke: {exc}") from None
 
-    async def _relay(
-        self,
-        request_id: str,
-        url: str,
-        response: http1.Response,
-        span: TurnTrace | None = None,
-        key: str | None = None,
-    ) -> None:
+    async def _relay(self, turn: Turn, response: http1.Response, key: str | None = None) -> None:
         """Relay one backend answer: every SSE event becomes a chunk frame written the moment
-        its read is split (``SSERelay``, in the poller's task while it streams), then the done
+        its read is split (``Relay``, in the poller's task while it streams), then the done
         frame. An error answer's body goes to the Server in the error frame, with the backend's
         key (``key``), bearer tokens and credential fields masked: a backend that echoes the
         request's headers must not hand the key on."""
-        send = self._send
         if not 200 <= response.status < 300:
             # read a key's length more, so a key cut at the limit is still masked whole
             extra = len(key) if key else 0
@@ -428,68 +383,43 @@ class Channel:
             text = Redactor([key], limit=None)(body)
             text = _truncated(text.encode(), _ERROR_BODY_LIMIT)
             raise TurnFailed(f"backend returned {response.status}: {text}")
-        frames = protocol.TurnFrames(self.job_id, request_id)
-        if b"text/event-stream" not in (response.header(b"content-type") or b""):
-            payload = (await response.read_body()).strip()
-            problem = payload_problem(payload)
-            if problem is not None:
-                raise TurnFailed(f"backend {url} answered {problem}")
-            if span is not None:
-                span.first_token()
-                span.chunks, span.last_payload = 1, payload
-            await send(frames.chunk(payload))
-            await send(frames.done)
-            return
-        relay = SSERelay(
-            response,
-            url=url,
-            frames=frames,
-            offer=self._offer,
-            offer_batch=self._offer_batch,
-            request_id=request_id,
-            stopped=self._stopped,
-            started=self._started.get(request_id, 0.0),
-            ttft=self.ttft,
-            relay=self.relay,
-            span=span,
-        )
         try:
-            await relay.run(self.poller, self.ws.wait_room)
+            await self.relay.answer(turn, response)
         finally:
-            self.counters.inc("chunks", relay.chunks)
-            if span is not None:  # bytes already in hand, read once the stream is over
-                span.chunks, span.last_payload = relay.chunks, relay.last_payload
-        if relay.done:
-            await _drain(response)
-            return
-        for rest in relay.rest():
-            problem = payload_problem(rest)
-            if problem is not None:
-                raise TurnFailed(f"backend {url} sent an SSE event that is {problem}")
-            await send(frames.chunk(rest))
-            if span is not None:
-                span.chunks, span.last_payload = span.chunks + 1, rest
-        await send(frames.done)
+            self.counters.inc("chunks", turn.chunks)
 
     async def _answer_models(self, request_id: str) -> None:
         models = await self.pool.models()
         await self._send_or_drop(protocol.models_frame(self.job_id, request_id, models))
 
 
-async def _drain(response: http1.Response) -> None:
-    """After ``[DONE]``: read the rest of the response (briefly), so the connection is reused."""
-    if response.complete:
-        return
-    with trio.move_on_after(_DRAIN_AFTER_DONE):
-        try:
-            while not response.complete:
-                await response.read_more()
-                response.body = []
-        except http1.HTTPError:
-            pass  # the turn is done; the connection is just not kept
-
-
 def _truncated(data: bytes, limit: int) -> str:
     if len(data) > limit:
         return data[:limit].decode(errors="replace").strip() + "…"
     return data.decode(errors="replace").strip()
+
+
+class _LoggedOutlet:
+    """The channel's WebSocket with every frame sent logged (``--verbose-frames``: cut and
+    redacted): the relay's outlet then."""
+
+    def __init__(self, ws: WebSocket, job_id: str, frame_log: Redactor) -> None:
+        self.ws = ws
+        self.job_id = job_id
+        self.frame_log = frame_log
+
+    def offer(self, message: bytes) -> bool:
+        log.info("job %s → %s", self.job_id, self.frame_log(message))
+        return self.ws.offer(message)
+
+    def offer_batch(self, messages: list[bytes]) -> bool:
+        for message in messages:
+            log.info("job %s → %s", self.job_id, self.frame_log(message))
+        return self.ws.offer_batch(messages)
+
+    async def wait_room(self) -> None:
+        await self.ws.wait_room()
+
+    async def send(self, message: bytes | str) -> None:
+        log.info("job %s → %s", self.job_id, self.frame_log(message))
+        await self.ws.send(message)

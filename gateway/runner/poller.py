@@ -10,8 +10,9 @@ own (level-triggered, registered once per turn), that set's descriptor is what t
 on, and one task relays the ready sockets in the order the kernel reports them: each turn's
 ``pump`` reads its socket and writes its frames before the next turn's socket is read.
 
-A stream alone (``streaming`` is 1) waits on its own socket instead: the poller's own epoll
-round would cost it a syscall per read, and there is no burst to share.
+A stream alone (``alone``: one turn between ``enter`` and ``leave``) waits on its own socket
+instead: the poller's own epoll round would cost it a syscall per read, and there is no burst
+to share.
 
 A turn comes back to its own task (``follow`` returns) when its response ends, when the
 channel has no room for more frames, or when its read failed (the error is raised there):
@@ -35,7 +36,7 @@ IDLE = 0  # the socket is empty: wait until it is readable
 
 
 class Pumped(Protocol):
-    """A streaming turn as the poller sees it (``gateway.runner.relay.SSERelay``)."""
+    """A streaming turn as the poller sees it (``gateway.runner.relay.Pump``)."""
 
     fd: int
     handback: trio.Event | None
@@ -51,7 +52,8 @@ class Poller:
     def __init__(self, epoll: select.epoll) -> None:
         self._epoll = epoll
         self._turns: dict[int, Pumped] = {}
-        self.streaming = 0  # turns relaying a stream now (kept by them): one alone waits itself
+        self._streaming = 0  # turns relaying a stream now (between enter and leave)
+        self.alone = False  # exactly one is: it waits on its own socket (read, never written)
 
     @classmethod
     def open(cls) -> Poller | None:
@@ -63,6 +65,15 @@ class Poller:
     @property
     def following(self) -> int:
         return len(self._turns)
+
+    def enter(self) -> None:
+        """A turn's stream begins: it may be followed from now on (``leave`` when it ends)."""
+        self._streaming += 1
+        self.alone = self._streaming == 1
+
+    def leave(self) -> None:
+        self._streaming -= 1
+        self.alone = self._streaming == 1
 
     async def run(self) -> None:
         """Relay ready sockets until cancelled; the epoll set is closed at the end."""

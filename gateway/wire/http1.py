@@ -3,8 +3,10 @@
 Every request to a backend goes through here: the per-turn chat-completions request (the hot
 path), and its health checks, model listing and doctor's requests, on the same connections
 and the same proxy and TLS rules. One ``Client`` per backend origin keeps a bounded stack of
-idle connections; a turn's response is read by the relay itself, read by read
-(``Response.read_nowait``), so no layer sits between a socket read and the SSE splitter.
+idle connections. Here: connecting, pooling, sending, and reading a response's head (and a
+short body whole); the parsing does no I/O (``gateway.wire.stream``), and a turn's streamed
+body is read by the relay itself, read by read, so no layer sits between a socket read and
+the SSE splitter.
 
 The proxy is the one ``gateway.wire.proxy`` finds in the environment (``HTTP_PROXY``,
 ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``): an ``http://`` origin through a proxy is asked
@@ -18,140 +20,83 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
-import httptools
 import trio
 
 from gateway import __version__
 from gateway.wire.netio import Transport, connect, start_tls
 from gateway.wire.proxy import Proxy, proxy_for
+from gateway.wire.stream import ConnectionLost as ConnectionLost  # the errors, one hierarchy
+from gateway.wire.stream import HTTPError as HTTPError
+from gateway.wire.stream import ProtocolError as ProtocolError
+from gateway.wire.stream import ResponseParser, lost
 
 USER_AGENT = f"alp-gateway/{__version__}".encode()
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-class HTTPError(Exception):
-    """A request failed; the message is safe for a frame (no header, no key)."""
+_IDLE_STEPS = 16  # the idle deadline moves once 1/16 of the timeout has passed, not per read
 
 
 class ConnectFailed(HTTPError):
     """No connection could be made (refused, unreachable, name, TLS, proxy): nothing was sent."""
 
 
-class ProtocolError(HTTPError):
-    """The answer is not HTTP/1.1 as it must be."""
-
-
-class ConnectionLost(HTTPError):
-    """The connection broke or was closed before the answer was complete."""
-
-
 # -- one response ------------------------------------------------------------------------
 
 
 class Response:
-    """One connection and the response being read on it; httptools' callbacks fill it in.
+    """One connection and the response being read on it: the socket here, the parsing in
+    ``parser`` (``gateway.wire.stream.ResponseParser``, which does no I/O).
 
-    ``body`` collects the body's pieces as they are parsed (already de-chunked); the reader
-    takes them. ``complete`` once the whole message was read.
+    ``read_head``/``read_body`` read it here; a reader of its own (the runner's relay, read by
+    read) calls ``recv`` (what has arrived, ``b""`` at the end, ``BlockingIOError`` when
+    nothing has), waits on ``fileno()`` and feeds the parser through an ``EventStream``.
+    ``idle`` (set by the exchange's owner) is its idle deadline: ``keep_idle`` moves it.
     """
 
-    __slots__ = (
-        "transport",
-        "parser",
-        "status",
-        "headers",
-        "body",
-        "head_done",
-        "complete",
-        "_sized",
-        "_reusable",
-        "_started",
-        "idle",
-        "idle_timeout",
-    )
+    __slots__ = ("transport", "parser", "recv", "idle", "idle_timeout")
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self.parser = httptools.HttpResponseParser(self)
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-        self.head_done = False
-        self.complete = False
-        self._sized = False  # the body has a length or is chunked (else: until the close)
-        self._reusable = False
-        self._started = False  # any byte of the answer came
+        self.parser = ResponseParser()
+        # for a plain socket, the socket's own method: no Python layer on a relay's reads
+        self.recv = transport.recv
         # the idle deadline of the exchange (set by its owner): moved forward as bytes arrive
         self.idle: trio.CancelScope | None = None
         self.idle_timeout = 0.0
 
-    # httptools' callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+    @property
+    def status(self) -> int:
+        return self.parser.status
 
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if status < 200:  # an informational answer: the real one follows
-            self.headers = []
-            return
-        self.status = status
-        self.head_done = True
-        for name, value in self.headers:
-            if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value):
-                self._sized = True
-        if status in (204, 304):
-            self._sized = True
+    @property
+    def complete(self) -> bool:
+        return self.parser.complete
 
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        if self.head_done:
-            self.complete = True
-            self._reusable = self.parser.should_keep_alive()
-
-    # reading
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return self.parser.header(name)
 
-    def feed(self, data: bytes) -> None:
-        self._started = True
-        if self.complete:  # bytes after the whole message: not a connection to keep
-            self._reusable = False
-            return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            raise ProtocolError(f"sent a malformed HTTP response ({exc})") from None
+    def fileno(self) -> int:
+        return self.transport.sock.fileno()
+
+    def keep_idle(self, now: float) -> float:
+        """Bytes arrived at ``now``: the idle deadline moves to ``now`` + the idle timeout.
+        Returns when it is next worth moving (a sixteenth of the timeout later), so a reader
+        moves it now and then, not per read."""
+        if self.idle is not None:
+            self.idle.deadline = now + self.idle_timeout
+        return now + self.idle_timeout / _IDLE_STEPS
 
     def read_nowait(self) -> bool:
-        """Parse what has arrived; False when nothing has (wait with ``wait_readable``).
+        """Parse what has arrived; False when nothing has.
 
         ``ConnectionLost`` when the connection ends before the message does."""
         try:
             data = self.transport.recv_nowait()
         except (OSError, ssl.SSLError) as exc:
-            raise ConnectionLost(_lost(exc)) from None
+            raise lost(exc) from None
         if data is None:
             return False
-        if data:
-            self.feed(data)
-        else:
-            self.end_of_stream()
+        self.parser.feed(data)
         return True
-
-    def end_of_stream(self) -> None:
-        """The peer closed its side: the end of a body that runs until the close, else a loss."""
-        if self.head_done and not self._sized:
-            self.complete = True
-        elif not self.complete:
-            raise ConnectionLost("closed the connection mid-response" if self.head_done else "")
-
-    async def wait_readable(self) -> None:
-        await self.transport.wait_readable()
 
     async def read_more(self) -> None:
         """Wait for and parse the next bytes."""
@@ -159,30 +104,33 @@ class Response:
             await self.transport.wait_readable()
 
     async def read_head(self) -> None:
-        while not self.head_done:
+        while not self.parser.head_done:
             await self.read_more()
 
     async def read_body(self, limit: int | None = None) -> bytes:
         """The rest of the body, or its first ``limit`` bytes and a bit (then the rest is left)."""
-        size = sum(map(len, self.body))
-        while not self.complete and (limit is None or size <= limit):
-            before = len(self.body)
+        parser = self.parser
+        size = sum(map(len, parser.body))
+        while not parser.complete and (limit is None or size <= limit):
+            before = len(parser.body)
             await self.read_more()
-            size += sum(map(len, self.body[before:]))
-        data = b"".join(self.body)
-        self.body = []
-        return data
+            size += sum(map(len, parser.body[before:]))
+        return parser.take_body()
+
+    async def discard_rest(self) -> None:
+        """Read the rest of the message and drop it, so the connection can be kept."""
+        parser = self.parser
+        parser.body.clear()
+        while not parser.complete:
+            await self.read_more()
+            parser.body.clear()
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self._reusable and not self.transport.unsent
+        return self.parser.keep_alive and not self.transport.unsent
 
     def close(self) -> None:
         self.transport.close()
-
-
-def _lost(exc: BaseException) -> str:
-    return f"connection broke ({type(exc).__name__})"
 
 
 def _os_text(exc: BaseException) -> str:
@@ -281,10 +229,10 @@ class Client:
                         await transport.flush()
                     await response.read_head()
                 except (OSError, ssl.SSLError) as exc:
-                    raise ConnectionLost(_lost(exc)) from None
+                    raise lost(exc) from None
             except ConnectionLost as exc:
                 transport.close()
-                if reused and not response._started:
+                if reused and not response.parser.started:
                     continue  # the peer had closed it while idle: a fresh connection
                 raise ConnectionLost(str(exc) or "closed the connection before answering") from None
             except BaseException:
@@ -348,7 +296,7 @@ class Client:
             raise ConnectFailed(
                 f"proxy {proxy.host}:{proxy.port} refused the tunnel ({response.status})"
             )
-        if response.body:  # the tunnel carries nothing before our TLS hello
+        if response.parser.body:  # the tunnel carries nothing before our TLS hello
             raise ConnectFailed(f"proxy {proxy.host}:{proxy.port} sent bytes into the tunnel")
 
     def close(self) -> None:
