@@ -10,10 +10,7 @@ chunk frames come from its ``TurnFrames`` (the encoder's frame, made once per tu
 
 from __future__ import annotations
 
-import os
 import re
-import struct
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -251,76 +248,6 @@ def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
 
 def end_frame(job_id: str, reason: str) -> str:
     return encode_frame(EndFrame(job_id, reason)).decode()
-
-
-_FRAME_HEAD_16 = struct.Struct("!BBH")
-_FRAME_HEAD_64 = struct.Struct("!BBQ")
-_TEXT_FIN = 0x81  # FIN + opcode 1 (text)
-_KEY_POOL = 4096  # bytes of masking keys drawn at a time
-
-
-_SHORT_HEADS = [bytes((_TEXT_FIN, n | 0x80)) for n in range(126)]  # masked, length < 126
-_pack16, _pack64 = _FRAME_HEAD_16.pack, _FRAME_HEAD_64.pack
-# zeros under a frame's head and key: payload < 126 bytes, < 65536, larger
-_ZEROS_7, _ZEROS_16, _ZEROS_64 = b"\0" * 6, b"\0" * 8, b"\0" * 14
-
-
-class ClientFramer:
-    """WebSocket text frames as a client sends them (RFC 6455 §5.2): masked, each with its own
-    fresh key (§5.3), the keys drawn from ``entropy`` (a CSPRNG: ``os.urandom``) a pool at a time.
-
-    Masking is one XOR of whole numbers (a C-level pass, no per-byte Python work); for several
-    frames written together, one XOR covers them all (zeros under their heads and keys)."""
-
-    __slots__ = ("_entropy", "_pool", "_pos")
-
-    def __init__(self, entropy: Callable[[int], bytes] = os.urandom) -> None:
-        self._entropy = entropy
-        self._pool = b""
-        self._pos = _KEY_POOL
-
-    def frame(self, data: bytes) -> bytes:
-        """One masked text frame holding ``data`` (UTF-8 text, framed as it is)."""
-        pos = self._pos
-        if pos >= _KEY_POOL:
-            self._pool = self._entropy(_KEY_POOL)
-            pos = 0
-        self._pos = pos + 4
-        key = self._pool[pos : pos + 4]
-        n = len(data)
-        if n:
-            pad = (key * ((n >> 2) + 1))[:n]
-            data = (int.from_bytes(data, "big") ^ int.from_bytes(pad, "big")).to_bytes(n, "big")
-        if n < 126:
-            return _SHORT_HEADS[n] + key + data
-        if n < 65536:
-            return _pack16(_TEXT_FIN, 0xFE, n) + key + data
-        return _pack64(_TEXT_FIN, 0xFF, n) + key + data
-
-    def frames(self, messages: list[bytes]) -> bytes:
-        """Masked text frames holding ``messages``, one each, as one buffer to write."""
-        plain: list[bytes] = []
-        pads: list[bytes] = []
-        for data in messages:
-            n = len(data)
-            if n < 126:
-                head, zeros = _SHORT_HEADS[n], _ZEROS_7
-            elif n < 65536:
-                head, zeros = _pack16(_TEXT_FIN, 0xFE, n), _ZEROS_16
-            else:
-                head, zeros = _pack64(_TEXT_FIN, 0xFF, n), _ZEROS_64
-            pos = self._pos
-            if pos >= _KEY_POOL:
-                self._pool = self._entropy(_KEY_POOL)
-                pos = 0
-            self._pos = pos + 4
-            key = self._pool[pos : pos + 4]
-            plain += (head, key, data)
-            pads += (zeros, (key * ((n >> 2) + 1))[:n])
-        whole = b"".join(plain)
-        size = len(whole)
-        mask = int.from_bytes(b"".join(pads), "big")
-        return (int.from_bytes(whole, "big") ^ mask).to_bytes(size, "big")
 
 
 def encode(obj: Any) -> str:

@@ -3,7 +3,7 @@
 The runner is only ever a WebSocket client, so it owns that side: wsproto does the handshake
 and builds the control frames (pong, close, ping); the Server's whole unfragmented text frames
 (every turn's request) are decoded here and every other frame goes to wsproto whole. The text
-frames of the hot path are built here (``protocol.ClientFramer``) and written by the code that
+frames of the hot path are built here (``wsframes.ClientFramer``) and written by the code that
 has them (``offer``: a turn's task, or the runner's poller for it), at once, when no write is in
 progress. A write the socket cannot take whole leaves the rest to the connection's own task
 (``run``); frames that become ready meanwhile wait in a bounded list and go out together in its
@@ -34,7 +34,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import ProtocolError as WSProtocolError
 
-from gateway.wire import netio, protocol
+from gateway.wire import netio, wsframes
 from gateway.wire.netio import Transport
 
 log = logging.getLogger("gateway.wsclient")
@@ -87,7 +87,7 @@ class WebSocket:
         self._conn = conn
         self.max_message_size = max_message_size
         self._limit = write_buffer
-        framer = protocol.ClientFramer()
+        framer = wsframes.ClientFramer()
         self._frame, self._frames = framer.frame, framer.frames
         self._inbox: deque[str | bytes] = deque()
         self._rx = bytearray()  # bytes of a frame not complete yet (see _take_frames)
