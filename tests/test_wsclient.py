@@ -4,6 +4,8 @@ upgrade, and the keepalive that finds a silent (dead) path."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -232,6 +234,95 @@ async def test_refused_upgrade_names_the_status() -> None:
         with pytest.raises(wsclient.HandshakeError) as info:
             await wsclient.connect(url)
     assert info.value.status_code == 403
+
+
+RawScript = Callable[[trio.SocketStream, bytes], Awaitable[None]]
+
+
+@asynccontextmanager
+async def raw_server(script: RawScript) -> AsyncIterator[str]:
+    """A Server written by hand: ``script`` gets the stream and the client's key once the
+    upgrade request has come, and answers it as it likes."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        key = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-key:")
+        )
+        await script(stream, key)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        port = listeners[0].socket.getsockname()[1]
+        yield f"ws://127.0.0.1:{port}/api/lives/chat/channel/ws?jobId=j"
+        nursery.cancel_scope.cancel()
+
+
+def _answer(key: bytes, accept: bytes | None = None, extra: bytes = b"") -> bytes:
+    if accept is None:
+        digest = hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()
+        accept = base64.b64encode(digest)
+    return (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: " + accept + b"\r\n" + extra + b"\r\n"
+    )
+
+
+async def test_frames_that_come_with_the_answer_are_read() -> None:
+    """The 101, a whole frame and half of the next in one write: both messages arrive."""
+    second = _frame(1, b'{"n":2,"pad":"' + b"p" * 300 + b'"}')
+
+    async def script(stream: trio.SocketStream, key: bytes) -> None:
+        await stream.send_all(_answer(key) + _frame(1, b'{"n":1}') + second[:100])
+        await stream.send_all(second[100:])
+        await trio.sleep_forever()
+
+    async with raw_server(script) as url:
+        ws = await wsclient.connect(url)
+        with trio.fail_after(5):
+            assert await ws.receive() == '{"n":1}'
+            assert (await ws.receive()).startswith('{"n":2,')
+        await ws.aclose()
+
+
+@pytest.mark.parametrize(
+    ("accept", "extra", "problem"),
+    [
+        (b"bm90IHRoZSBrZXk=", b"", "does not match the key"),
+        (None, b"Sec-WebSocket-Extensions: permessage-deflate\r\n", "not asked for"),
+        (None, b"Sec-WebSocket-Protocol: chat\r\n", "not asked for"),
+    ],
+)
+async def test_an_upgrade_answer_that_does_not_fit_the_request_is_refused(
+    accept: bytes | None, extra: bytes, problem: str
+) -> None:
+    async def script(stream: trio.SocketStream, key: bytes) -> None:
+        await stream.send_all(_answer(key, accept, extra))
+        await trio.sleep_forever()
+
+    async with raw_server(script) as url:
+        with pytest.raises(wsclient.HandshakeError) as info:
+            await wsclient.connect(url)
+    assert problem in str(info.value) and info.value.status_code is None
+
+
+async def test_a_connection_that_ends_without_a_close_frame_is_closed() -> None:
+    async def script(stream: trio.SocketStream, key: bytes) -> None:
+        await stream.send_all(_answer(key) + _frame(1, b'{"n":1}'))
+        await stream.aclose()
+
+    async with raw_server(script) as url:
+        ws = await wsclient.connect(url)
+        with trio.fail_after(5):
+            assert await ws.receive() == '{"n":1}'
+            with pytest.raises(wsclient.ChannelClosed) as info:
+                await ws.receive()
+        await ws.aclose()
+    assert info.value.code is None and "no close frame" in str(info.value)
 
 
 async def test_sent_frames_arrive_in_order_with_writes_in_between() -> None:
