@@ -1,4 +1,4 @@
-"""Frame decoding and byte-spliced encoding (gateway.wire.protocol)."""
+"""Frame decoding and encoding through the one encoder (gateway.wire.protocol)."""
 
 import json
 
@@ -109,3 +109,24 @@ def test_a_frame_traceparent_is_taken_whatever_it_holds() -> None:
         assert frame.traceparent == kept
     frame = protocol.decode_frame('{"type":"chat.completion.request","requestId":"r","body":{}}')
     assert isinstance(frame, protocol.CompletionRequest) and frame.traceparent is None
+
+
+def test_hub_frames_come_from_the_one_encoder_and_read_back() -> None:
+    """The hub's request, cancel and models-request frames are the encoder's Structs; the
+    runner's decoder reads them back, the client's body byte for byte (spaces kept), and a
+    request with no traceparent carries no such key."""
+    from gateway.hub.frontdoor.relay import request_frame
+
+    body = '{"messages":[],"model":"m", "x" : 1}'
+    text = request_frame("j", "r", body)
+    assert "traceparent" not in text
+    frame = protocol.decode_frame(text)
+    assert isinstance(frame, protocol.CompletionRequest)
+    assert bytes(frame.body) == body.encode() and frame.requestId == "r"
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    frame = protocol.decode_frame(request_frame("j", "r", body, tp))
+    assert isinstance(frame, protocol.CompletionRequest) and frame.traceparent == tp
+    cancel = protocol.encode_frame(protocol.CancelFrame("j", "r"))
+    assert isinstance(protocol.decode_frame(cancel), protocol.CompletionCancel)
+    ask = protocol.encode_frame(protocol.ModelsRequestFrame("j", "m"))
+    assert isinstance(protocol.decode_frame(ask), protocol.ModelsRequest)

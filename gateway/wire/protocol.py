@@ -203,13 +203,49 @@ class EndFrame(msgspec.Struct, tag_field="type", tag=END):
     reason: str
 
 
-OutboundFrame = ChunkFrame | DoneFrame | ErrorFrame | ModelsFrame | EndFrame
+# -- Server -> Runner frames (the hub's side), through the same encoder --
+
+
+class RequestFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_REQUEST, omit_defaults=True):
+    """``chat.completion.request``: the client's body, a ``Raw`` copied in as it came (never
+    re-encoded), with the turn's ``traceparent`` when it has one."""
+
+    jobId: str
+    requestId: str
+    body: msgspec.Raw
+    traceparent: str | None = None
+
+
+class CancelFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_CANCEL):
+    """``chat.completion.cancel``: nobody reads the turn any more."""
+
+    jobId: str
+    requestId: str
+
+
+class ModelsRequestFrame(msgspec.Struct, tag_field="type", tag=MODELS_REQUEST):
+    """``chat.models.request``: which models does this Runner serve?"""
+
+    jobId: str
+    requestId: str
+
+
+OutboundFrame = (
+    ChunkFrame
+    | DoneFrame
+    | ErrorFrame
+    | ModelsFrame
+    | EndFrame
+    | RequestFrame
+    | CancelFrame
+    | ModelsRequestFrame
+)
 _HOLE = b"\0"  # where a chunk goes: never in encoded JSON (a string escapes it as \u0000)
 
 
 def encode_frame(frame: OutboundFrame) -> bytes:
-    """One Runner -> Server frame as UTF-8 JSON text: the one encoder every such frame goes
-    through (a chunk's payload, a ``Raw``, is copied in as it is)."""
+    """One frame as UTF-8 JSON text: the one encoder every frame either end sends goes through
+    (a chunk's payload or a request's body, a ``Raw``, is copied in as it is)."""
     return _encoder.encode(frame)
 
 
@@ -248,8 +284,3 @@ def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
 
 def end_frame(job_id: str, reason: str) -> str:
     return encode_frame(EndFrame(job_id, reason)).decode()
-
-
-def encode(obj: Any) -> str:
-    """Encode any frame-shaped object (the hub's side, tests) as a text message."""
-    return _encoder.encode(obj).decode()

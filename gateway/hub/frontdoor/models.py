@@ -166,8 +166,8 @@ class Models:
         rx = ch.open_request(rid)
         try:
             with trio.move_on_after(within):
-                frame = {"type": protocol.MODELS_REQUEST, "jobId": ch.job_id, "requestId": rid}
-                await ch.send(protocol.encode(frame))
+                frame = protocol.ModelsRequestFrame(ch.job_id, rid)
+                await ch.send(protocol.encode_frame(frame).decode())
                 while True:
                     reply = await next_reply(rx)
                     if reply is None:

@@ -87,17 +87,13 @@ class Turn:
 def request_frame(job_id: str, rid: str, body: str, traceparent: str | None = None) -> str:
     """The ``chat.completion.request`` frame around the client's body text (not re-encoded),
     with the turn's ``traceparent`` when it has one (docs/protocol.md §6)."""
-    fields = {"type": protocol.COMPLETION_REQUEST, "jobId": job_id, "requestId": rid}
-    if traceparent is not None:
-        fields["traceparent"] = traceparent
-    return protocol.encode(fields)[:-1] + ',"body":' + body + "}"
+    frame = protocol.RequestFrame(job_id, rid, msgspec.Raw(body), traceparent)
+    return protocol.encode_frame(frame).decode()
 
 
 async def send_cancel(turn: Turn) -> None:
     """``chat.completion.cancel`` for a turn nobody reads any more (shielded, bounded)."""
-    frame = protocol.encode(
-        {"type": protocol.COMPLETION_CANCEL, "jobId": turn.job_id, "requestId": turn.rid}
-    )
+    frame = protocol.encode_frame(protocol.CancelFrame(turn.job_id, turn.rid)).decode()
     with trio.move_on_after(CANCEL_SEND_TIMEOUT) as scope:
         scope.shield = True
         try:
