@@ -86,7 +86,7 @@ FLOORS = {
     "floor-trio-streams": "bench.floor_streams",
     "floor-asyncio": "bench.floor_asyncio",
 }
-SCENARIO_NAMES = ("single", "c64", "c64s8", "spread", "lockstep", "ttft")
+SCENARIO_NAMES = ("single", "c64", "c64s8", "spread", "spread8", "lockstep", "ttft")
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,9 @@ def scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
         "c64": Scenario("c64", args.streams, 1, sizes["c64"]),
         "c64s8": Scenario("c64s8", args.streams, args.sessions, sizes["c64"]),
         "spread": Scenario("spread", args.streams, 1, sizes["spread"], PACE, share=False),
+        "spread8": Scenario(
+            "spread8", args.streams, args.sessions, sizes["spread"], PACE, share=False
+        ),
         "lockstep": Scenario(
             "lockstep", args.streams, args.sessions, tokens, args.step, "lockstep", share=False
         ),
