@@ -912,6 +912,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(PATHS)}")
     args.paths = paths
+    if args.whatif_pool and (args.probe or args.runner_gc):
+        parser.error("--whatif-pool runs another patched runner: not with --probe or --runner-gc")
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(args.scenarios) - set(SCENARIO_NAMES))
     if unknown:
