@@ -73,6 +73,10 @@ SCENARIOS = (
         "released together every {ms} ms",
     ),
     ("spread", "spread: {streams} streams / 1 session paced {ms} ms, starts spread over one step"),
+    (
+        "spread8",
+        "spread8: {streams} streams / {sessions} sessions paced {ms} ms, starts spread over one step",
+    ),
     ("single", "full speed: 1 stream"),
     ("c64s8", "full speed: {streams} streams / {sessions} sessions"),
     ("c64", "full speed: {streams} streams / 1 session"),

@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import ssl
 import sys
@@ -39,6 +40,7 @@ from bench.paths import (
     responses_body,
 )
 from bench.sinks import MESSAGES, RESPONSES, FloorSink, SSEClient, Stream, WsSink, clock
+from bench.tail import brief, tail_breakdown
 
 SIZES: dict[str, dict[str, int]] = {
     # chunks per stream at full speed (1 stream, 64 streams), spread chunks, TTFT turns, scale sessions
@@ -87,7 +89,7 @@ FLOORS = {
     "floor-trio-streams": "bench.floor_streams",
     "floor-asyncio": "bench.floor_asyncio",
 }
-SCENARIO_NAMES = ("single", "c64", "c64s8", "spread", "lockstep", "ttft")
+SCENARIO_NAMES = ("single", "c64", "c64s8", "spread", "spread8", "lockstep", "ttft")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ def scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
         "c64": Scenario("c64", args.streams, 1, sizes["c64"]),
         "c64s8": Scenario("c64s8", args.streams, args.sessions, sizes["c64"]),
         "spread": Scenario("spread", args.streams, 1, sizes["spread"], PACE, share=False),
+        "spread8": Scenario(
+            "spread8", args.streams, args.sessions, sizes["spread"], PACE, share=False
+        ),
         "lockstep": Scenario(
             "lockstep", args.streams, args.sessions, tokens, args.step, "lockstep", share=False
         ),
@@ -227,6 +232,8 @@ class Bench:
         self, hub_url: str, sim_url: str, name: str, max_sessions: int, ca_file: str | None = None
     ) -> list[str]:
         module = "bench.whatif_pool" if self.args.whatif_pool else "gateway"
+        if self.args.probe or self.args.runner_gc:
+            module = "bench.tailprobe"
         extra = ["--poll-interval", "5", *(["--ca-file", ca_file] if ca_file else [])]
         return runner_argv(
             module, hub_url, self.hub_info, sim_url, name, self.tmp, max_sessions, extra
@@ -294,12 +301,18 @@ class Bench:
                 self.paths[name] = ChannelPath(name, "peer", self.peer, channels)
             if self.wanted("plain-e2e"):
                 await self._plain_e2e(sessions)
+        runner_env = _env()
+        if self.args.probe:
+            runner_env["BENCH_TAILPROBE"] = str(self.tmp / "tailprobe.json")
+        if self.args.runner_gc:
+            runner_env["BENCH_GC"] = self.args.runner_gc
         self.runner, _ = await self.child(
             "runner",
             self.runner_argv(
                 hub_hello["url"], self.sim_url, "bench-runner", max(64, 4 * sessions), ca_file
             ),
             rpc=False,
+            env=runner_env,
         )
         for name, sink in (("runner", self.ws_sink), ("runner-wss", self.wss_sink)):
             if not self.wanted(name):
@@ -480,6 +493,9 @@ class Bench:
         if latency:
             await self.sim.rpc("record", on=True)
         procs = {**path.procs, "sim": (self.sim, False)}
+        probing = self.args.probe and path.name == "runner" and latency
+        if probing:
+            await self._probe_dump()  # the stamps so far (start-up, the last run) are dropped
         cpu0 = {k: c.cpu(tree) for k, (c, tree) in procs.items()}
         own0 = time.process_time()
         sessions = sc.sessions if path.sessions else 1
@@ -511,7 +527,21 @@ class Bench:
             dump = (await self.sim.rpc("dump"))["streams"]
             await self.sim.rpc("record", on=False)
             result.update(self._latency(out, dump))
+            if probing:
+                result["probe"] = tail_breakdown(out, dump, await self._probe_dump())
         return result
+
+    async def _probe_dump(self) -> dict[str, Any]:
+        """The runner's stamps (``bench/tailprobe.py``) since the last dump; ``tail_breakdown``
+        joins them per chunk with the simulator's ``sent_at`` and the sink's receive stamps."""
+        path = self.tmp / "tailprobe.json"
+        path.unlink(missing_ok=True)
+        os.kill(self.runner.pid, signal.SIGUSR1)
+        with trio.fail_after(10):
+            while not path.exists():  # noqa: ASYNC110 (another process writes it)
+                await trio.sleep(0.02)
+        probe: dict[str, Any] = json.loads(path.read_text())
+        return probe
 
     def _latency(self, out: Outcome, dump: list[dict[str, Any]]) -> dict[str, Any]:
         by_key: dict[tuple[str, str], list[float]] = {}
@@ -638,6 +668,8 @@ class Bench:
                     print(
                         f"  [{rnd + 1}/{self.repeat}] {key:8} {name:18} {_brief(got)}", flush=True
                     )
+                    if "probe" in got:
+                        print(brief(got["probe"]), flush=True)
         for name in names:
             self.results["paths"][name] = {k: _median(v) for k, v in runs[name].items()}
 
@@ -900,6 +932,18 @@ def _parser() -> argparse.ArgumentParser:
         "an A/B of the hub, the two sides alternating within one run",
     )
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run the runner with bench/tailprobe.py's stamps and print where its slowest "
+        "chunks' latency went (its own figures are then not the runner's)",
+    )
+    parser.add_argument(
+        "--runner-gc",
+        default="",
+        help="a garbage-collection experiment on the runner (bench/tailprobe.py): off, "
+        "freeze, t0=N, comma-joined",
+    )
+    parser.add_argument(
         "--label", default="", help="free text for the report's head (what is being measured)"
     )
     parser.add_argument(
@@ -918,6 +962,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(PATHS)}")
     args.paths = paths
+    if args.whatif_pool and (args.probe or args.runner_gc):
+        parser.error("--whatif-pool runs another patched runner: not with --probe or --runner-gc")
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(args.scenarios) - set(SCENARIO_NAMES))
     if unknown:
