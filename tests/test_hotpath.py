@@ -47,7 +47,7 @@ from wsproto.events import AcceptConnection, Request, TextMessage
 
 from gateway.hub.frontdoor import relay
 from gateway.runner.backends import BackendPool
-from gateway.runner.channel import Channel
+from gateway.runner.channel import Channel, ChannelKit
 from gateway.runner.poller import Poller
 from gateway.runner.turn import Turn
 from gateway.wire import http1, netio, protocol, wsclient
@@ -270,7 +270,9 @@ async def _rig(nursery: trio.Nursery, log: Log | None = None, poller: bool = Tru
     the_poller = Poller.open() if poller else None
     if the_poller is not None:
         nursery.start_soon(the_poller.run)
-    channel = Channel(JOB, ws, BackendPool([], None), shutdown=trio.Event(), poller=the_poller)
+    channel = Channel(
+        JOB, ws, ChannelKit(pool=BackendPool([], None), shutdown=trio.Event(), poller=the_poller)
+    )
     nursery.start_soon(channel.serve)
     await trio.testing.wait_all_tasks_blocked()
     sock.writes = 0  # from here on count only the channel's own writes

@@ -4,7 +4,7 @@ read by read by ``relay.Relay``, in the runner's ``Poller`` while other turns st
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import trio
@@ -59,6 +59,21 @@ class SessionLimits:
         return f"session reached its time limit of {self.total / 60:g} min (maxTimeoutMinutes)"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChannelKit:
+    """What every Chat Channel of one runner shares: the backends, the shutdown event and the
+    grace turns get after it, the counters and histograms, and the poller (None: each streaming
+    turn reads its own socket)."""
+
+    pool: BackendPool
+    shutdown: trio.Event
+    grace: float = 30.0
+    counters: Counters = field(default_factory=Counters)
+    ttft: Histogram = field(default_factory=Histogram)
+    relay: Histogram = field(default_factory=Histogram)
+    poller: Poller | None = None
+
+
 @dataclass
 class ChannelEnd:
     """How a channel connection ended: by the Server (chat.end), the runner (shutdown) or a drop."""
@@ -80,23 +95,17 @@ class Channel:
         self,
         job_id: str,
         ws: WebSocket,
-        pool: BackendPool,
+        kit: ChannelKit,
         *,
-        shutdown: trio.Event,
-        grace: float = 30.0,
-        counters: Counters | None = None,
-        ttft: Histogram | None = None,
-        relay: Histogram | None = None,
         frame_log: Redactor | None = None,
         trace: SessionTrace | None = None,
         limits: SessionLimits | None = None,
-        poller: Poller | None = None,
     ) -> None:
         self.job_id = job_id
         self.ws = ws
-        self.pool = pool
-        self.shutdown = shutdown
-        self.grace = grace
+        self.pool = kit.pool
+        self.shutdown = kit.shutdown
+        self.grace = kit.grace
         self._turns: dict[str, Turn] = {}
         self._no_turns = trio.Event()
         self._no_turns.set()
@@ -104,18 +113,13 @@ class Channel:
         self._drain_reason = SHUTTING_DOWN
         self._end: ChannelEnd | None = None
         self._nursery: trio.Nursery | None = None
-        self.counters = counters if counters is not None else Counters()
+        self.counters = kit.counters
         self.frame_log = frame_log  # --verbose-frames: every frame, cut and redacted
         out: Outlet = ws if frame_log is None else _LoggedOutlet(ws, job_id, frame_log)
         self._send = out.send
         # the turns' answers to frames; the poller reads the backend sockets of streaming
         # turns (None: each turn its own)
-        self.relay = Relay(
-            out,
-            poller,
-            ttft if ttft is not None else Histogram(),
-            relay if relay is not None else Histogram(),
-        )
+        self.relay = Relay(out, kit.poller, kit.ttft, kit.relay)
         self.trace = trace  # tracing on: the session's span; off: None, and turns do no tracing
         self.limits = limits
         self._turn_began: trio.Event | None = None  # set when a turn starts (idle limit only)

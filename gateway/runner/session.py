@@ -20,13 +20,11 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import trio
 
 from gateway.config import Config
-from gateway.observe import Counters, Histogram, Redactor
+from gateway.observe import Redactor
 from gateway.ops import tracing
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
-from gateway.runner.backends import BackendPool
 from gateway.runner.backoff import backoff_delay
-from gateway.runner.channel import Channel, ChannelEnd, SessionLimits
-from gateway.runner.poller import Poller
+from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
 
@@ -108,20 +106,16 @@ def channel_url(server: str, job: ChatJob, token: str) -> str:
     return f"{scheme}://{parts.netloc}/api/lives/chat/channel/ws?{query}"
 
 
-@dataclass(frozen=True)
-class SessionKit:
-    """What every session of one runner shares. ``alp`` holds the Server's URL and the current
-    runner token (a re-registration replaces it there): each dial reads both afresh."""
+@dataclass(frozen=True, kw_only=True)
+class SessionKit(ChannelKit):
+    """What every session of one runner shares: its channels' kit (the shutdown event, set by
+    the first signal: turns get the grace, no redial after a drop), and the rest. ``alp``
+    holds the Server's URL and the current runner token (a re-registration replaces it there):
+    each dial reads both afresh."""
 
     config: Config
     alp: AlpClient
-    pool: BackendPool
-    shutdown: trio.Event  # set by the first signal: turns get the grace, no redial after a drop
-    counters: Counters
-    ttft: Histogram
-    relay: Histogram
     ssl_context: ssl.SSLContext
-    poller: Poller | None = None
     tracing: Tracing | None = None
 
 
@@ -283,18 +277,7 @@ class Session:
             log.info("job %s: channel redialled", job.id)
             kit.counters.inc("reconnects")
         channel = Channel(
-            job.id,
-            ws,
-            kit.pool,
-            shutdown=kit.shutdown,
-            grace=kit.config.grace,
-            counters=kit.counters,
-            ttft=kit.ttft,
-            relay=kit.relay,
-            frame_log=self._frame_log(),
-            trace=job.trace,
-            limits=limits,
-            poller=kit.poller,
+            job.id, ws, kit, frame_log=self._frame_log(), trace=job.trace, limits=limits
         )
         return await channel.serve()
 

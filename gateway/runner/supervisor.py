@@ -230,6 +230,7 @@ class Runner:
                     alp=self.alp,
                     pool=self.pool,
                     shutdown=self.shutdown,
+                    grace=self.config.grace,
                     counters=self.counters,
                     ttft=self.histograms["ttft_seconds"],
                     relay=self.histograms["relay_seconds"],
