@@ -480,24 +480,22 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     return None
 
 
+def _invalid_json(why: str) -> ResponsesError:
+    return ResponsesError(
+        400, f"We could not parse the JSON body of your request: {why}", "invalid_json"
+    )
+
+
 def decode_request(body: bytes) -> dict[str, Any]:
     """The Responses request body as a dict; ResponsesError 400 if it is not a JSON object."""
     if not body.strip():
-        raise ResponsesError(
-            400, "We could not parse the JSON body of your request: it is empty.", "invalid_json"
-        )
+        raise _invalid_json("it is empty.")
     try:
         request = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise ResponsesError(
-            400, f"We could not parse the JSON body of your request: {exc}", "invalid_json"
-        ) from None
+        raise _invalid_json(str(exc)) from None
     except RecursionError:
-        raise ResponsesError(
-            400,
-            "We could not parse the JSON body of your request: it is nested too deeply.",
-            "invalid_json",
-        ) from None
+        raise _invalid_json("it is nested too deeply.") from None
     if not isinstance(request, dict):
         raise ResponsesError(400, "The request body must be a JSON object.", "invalid_request")
     return request
@@ -509,11 +507,7 @@ def translate(body: bytes) -> ChatRequest:
     try:
         return _translate(request)
     except RecursionError:
-        raise ResponsesError(
-            400,
-            "We could not parse the JSON body of your request: it is nested too deeply.",
-            "invalid_json",
-        ) from None
+        raise _invalid_json("it is nested too deeply.") from None
 
 
 def _translate(request: dict[str, Any]) -> ChatRequest:
