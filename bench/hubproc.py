@@ -31,10 +31,10 @@ async def main() -> None:
     async def hubsink(streams: int, body: dict[str, Any]) -> dict[str, Any]:
         if not sink_job:
             sink_job.append(
-                hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION)).id
+                hub.board.enqueue(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION)).id
             )
         job_id = sink_job[0]
-        ch = await hub.wait_channel(job_id, 30)
+        ch = await hub.channels.wait(job_id, 30)
         assert ch is not None, "no runner took the hub-sink job"
         events = 0
         last = 0.0
@@ -69,23 +69,23 @@ async def main() -> None:
 
         async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             if cmd["cmd"] == "apikey":
-                return {"key": hub.create_api_key(f"bench-{uuid.uuid4().hex[:8]}")}
+                return {"key": hub.keys.create(f"bench-{uuid.uuid4().hex[:8]}")}
             if cmd["cmd"] == "enqueue":
                 definition = dict(DEFINITION)
                 if cmd.get("channel_url"):
                     definition["channelUrl"] = cmd["channel_url"]
                 ids = [
-                    hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(definition)).id
+                    hub.board.enqueue(OWNER, PROJECT, [protocol.CAPABILITY], dict(definition)).id
                     for _ in range(cmd["n"])
                 ]
                 return {"ids": ids}
             if cmd["cmd"] == "hubsink":
                 return await hubsink(cmd["streams"], cmd["body"])
             if cmd["cmd"] == "seen":
-                return {"runners": len(hub.last_seen)}
+                return {"runners": len(hub.board.last_seen)}
             if cmd["cmd"] == "jobs":
                 states: dict[str, int] = {}
-                for job in hub.jobs.values():
+                for job in hub.board.all_jobs.values():
                     states[job.status] = states.get(job.status, 0) + 1
                 return {"states": states}
             raise ValueError(f"unknown command {cmd['cmd']!r}")

@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import sys
+import time
+import weakref
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -19,6 +21,7 @@ from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
 from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
 from gateway.runner.supervisor import Runner
+from gateway.wire.wsframes import OP_BINARY
 
 ADMIN = "alpa_test_admin_credential"
 BACKEND_KEY = "sk-backend-very-secret-4242"
@@ -57,11 +60,65 @@ async def running(config: Config) -> AsyncIterator[Runner]:
         nursery.cancel_scope.cancel()
 
 
+def register_runner(
+    hub: Hub, owner: str, project: str, name: str, labels: list[str]
+) -> dict[str, Any]:
+    """Register a runner straight in the hub's store (as ``POST {base}/runners`` does)."""
+    registration, token = hub.store.add_registration(owner, project, name, list(labels))
+    hub.board.seen(registration.id)
+    return {
+        "id": registration.id,
+        "name": registration.name,
+        "token": token,
+        "registeredAt": registration.registered_at,
+    }
+
+
+class Inbox:
+    """Every frame a channel's runner sends that no request of the hub's own is open for (a
+    test playing the Server's part sends its own request frames): ``(text, receipt time)``."""
+
+    def __init__(self, channel: ServerChannel) -> None:
+        self._send, self._receive = trio.open_memory_channel[tuple[str, float]](100_000)
+        channel.unrouted = self._put
+        self._note = channel._note
+
+    def _put(self, frame: Any, text: bytes) -> None:
+        self._note(frame, text)  # the channel's own bookkeeping (a runner's chat.end) first
+        self._send.send_nowait((text.decode(errors="replace"), time.perf_counter()))
+
+    async def recv(self) -> tuple[str, float]:
+        return await self._receive.receive()
+
+
+_INBOXES: weakref.WeakKeyDictionary[ServerChannel, Inbox] = weakref.WeakKeyDictionary()
+
+
+def inbox(channel: ServerChannel) -> Inbox:
+    """The channel's inbox (made, and put in place, at the first call)."""
+    found = _INBOXES.get(channel)
+    if found is None:
+        found = _INBOXES[channel] = Inbox(channel)
+    return found
+
+
+async def send(channel: ServerChannel, frame: dict[str, Any] | str | bytes) -> None:
+    """Send a test's frame on a hub channel: a dict as JSON text, a str as text, bytes as a
+    binary message (which the hub itself never sends)."""
+    if isinstance(frame, bytes):
+        assert channel._ws is not None
+        await channel._ws.send_message(OP_BINARY, frame)
+        return
+    data = json.dumps(frame) if isinstance(frame, dict) else frame
+    await channel.send(data.encode())
+
+
 async def open_chat(hub: Hub, within: float = 10) -> tuple[Any, ServerChannel]:
-    """Queue a Kind B job and wait for the runner's channel."""
-    job = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
-    channel = await hub.wait_channel(job.id, within)
+    """Queue a Kind B job and wait for the runner's channel (its inbox in place)."""
+    job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    channel = await hub.channels.wait(job.id, within)
     assert channel is not None, "the runner did not open the chat channel"
+    inbox(channel)
     return job, channel
 
 
@@ -88,6 +145,7 @@ class Turns:
 
     def __init__(self, channel: ServerChannel) -> None:
         self.channel = channel
+        self.inbox = inbox(channel)
         self.frames: dict[str, list[tuple[dict[str, Any], str, float]]] = {}
         self.other: list[dict[str, Any]] = []
 
@@ -115,7 +173,7 @@ class Turns:
                 assert last["type"] != "chat.completion.error", f"turn {rid} failed: {last}"
 
     async def next(self) -> dict[str, Any]:
-        text, at = await self.channel.recv()
+        text, at = await self.inbox.recv()
         frame = json.loads(text)
         rid = frame.get("requestId")
         if rid is None:

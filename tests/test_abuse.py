@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT
+from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner
 from rawclient import (
     BINARY,
     CLOSE,
@@ -102,8 +102,8 @@ async def exchange(url: str, data: bytes) -> Any:
 async def claimed(hub: Hub, url: str) -> tuple[str, str]:
     """(job id, runner token): a Kind B job claimed through the runner API by a runner
     registered for it."""
-    runner = hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])
-    job = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    runner = register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
+    job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     body = {"jobId": job.id, "name": "box"}
     resp = await exchange(
         url, request("POST", f"{BASE}/runners/generate-jitconfig", [bearer(runner["token"])], body)
@@ -119,8 +119,8 @@ def _channel_target(job_id: str, token: str) -> str:
 def _credential(hub: Hub, route: str) -> str:
     """A valid credential for ``route``: a runner token, or an API key for the chat route."""
     if route == "chat":
-        return hub.create_api_key("k")
-    return hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
+        return hub.keys.create("k")
+    return register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
 
 
 def _target(route: str) -> tuple[str, str]:
@@ -382,7 +382,7 @@ async def test_refusals_warn_at_most_once_a_minute(
     (The four held connections are event streams: busy, never idle-closed.)"""
     hub = _hub(max_connections=4, offline_after=1e6, keepalive_interval=1e6)
     async with open_hub(hub) as (hub, url):
-        token = hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
+        token = register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
         with trio.fail_after(300):
             held = []
             for _ in range(4):
@@ -413,7 +413,7 @@ async def test_content_length_with_chunked_is_400_and_the_connection_closed(
     """RFC 9112 §6.1: the framing is ambiguous, so the connection closes after the 400; the
     request pipelined behind it is never answered."""
     async with open_hub(_hub()) as (hub, url):
-        key = hub.create_api_key("k")
+        key = hub.keys.create("k")
         smuggled = head(
             "POST",
             CHAT,
@@ -435,7 +435,7 @@ async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(
     autojump_clock: trio.testing.MockClock, records: Records, size_line: bytes
 ) -> None:
     async with open_hub(_hub()) as (hub, url):
-        key = hub.create_api_key("k")
+        key = hub.keys.create("k")
         chunked = head("POST", CHAT, [bearer(key), ("Transfer-Encoding", "chunked")])
         with trio.fail_after(120):
             conn = await RawConn.open(url)
@@ -514,7 +514,7 @@ async def _open_channel(hub: Hub, url: str) -> tuple[str, RawConn]:
     await conn.send(upgrade_head(_channel_target(job_id, token)))
     resp = await conn.head()
     assert resp is not None and resp.status == 101, resp
-    assert await hub.wait_channel(job_id, 10) is not None
+    assert await hub.channels.wait(job_id, 10) is not None
     return job_id, conn
 
 
@@ -592,7 +592,7 @@ async def _chat_with_session(session: bytes) -> int:
     from fake_runner import CONTENT_MODEL, FakeRunner
 
     async with open_hub(_hub()) as (hub, url):
-        key = hub.create_api_key("k")
+        key = hub.keys.create("k")
         runner = FakeRunner(url, ADMIN)
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)

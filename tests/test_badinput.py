@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import ADMIN, Turns, open_chat, request_frame, runner_config, running
+from helpers import ADMIN, Turns, open_chat, request_frame, runner_config, running, send
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -251,10 +251,10 @@ def test_oversized_frame_is_refused_and_the_session_survives(live: Live) -> None
         old: ServerChannel = live.channel
         big = request_frame(live.job.id, "big", sim={"chunks": 1})
         big["body"]["messages"][0]["content"] = "x" * (2 << 20)  # over the 1 MiB limit set above
-        await old.send(big)
+        await send(old, big)
         with trio.fail_after(10):
             await old.closed.wait()
-        new = await live.hub.wait_channel(live.job.id, 15)
+        new = await live.hub.channels.wait(live.job.id, 15)
         assert new is not None and new is not old
         live.channel, live.turns = new, Turns(new)
         await live.exchange([], set())

@@ -23,6 +23,7 @@ from helpers import (
     request_frame,
     runner_config,
     runner_env,
+    send,
 )
 
 from gateway.hub import Hub, open_hub
@@ -151,7 +152,7 @@ async def test_run_serves_then_sigterm_drains(
         )
         try:
             job, ch = await open_chat(hub[0], within=20)
-            await ch.send(request_frame(job.id, "t", sim={"chunks": 8, "interval": 0.05}))
+            await send(ch, request_frame(job.id, "t", sim={"chunks": 8, "interval": 0.05}))
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
             proc.send_signal(signal.SIGTERM)
@@ -261,7 +262,7 @@ async def test_second_signal_stops_at_once(
     try:
         with trio.fail_after(20):
             job, ch = await open_chat(hub[0], within=20)
-            await ch.send(request_frame(job.id, "long", sim={"chunks": 1000, "interval": 0.05}))
+            await send(ch, request_frame(job.id, "long", sim={"chunks": 1000, "interval": 0.05}))
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
         proc.send_signal(signal.SIGTERM)  # graceful: would wait up to 60 s for the turn

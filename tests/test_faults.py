@@ -32,6 +32,7 @@ from helpers import (
     request_frame,
     runner_config,
     running,
+    send,
 )
 
 from gateway.hub import Hub, open_hub
@@ -63,9 +64,9 @@ def quick_requests(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def serve_turn(hub: Hub, job_id: str, request_id: str = "t", chunks: int = 3) -> None:
     """One turn down the job's current channel, relayed to the end (done)."""
-    ch = hub.channel(job_id)
+    ch = hub.channels.get(job_id)
     assert ch is not None
-    await ch.send(request_frame(job_id, request_id, sim={"chunks": chunks}))
+    await send(ch, request_frame(job_id, request_id, sim={"chunks": chunks}))
     turns = Turns(ch)
     await turns.until(request_id)
     assert turns.last(request_id)["type"] == "chat.completion.done"
@@ -176,7 +177,7 @@ async def test_status_and_progress_faults_are_logged_and_the_session_goes_on(
         assert job.progress and not ch.closed.is_set()
         text = "\n".join(logs.lines)
         assert "in_progress not recorded" in text and "heartbeat failed" in text
-        await ch.send({"type": "chat.end", "reason": "user left"})
+        await send(ch, {"type": "chat.end", "reason": "user left"})
         with trio.fail_after(20):
             await runner.counters.wait("sessions_ended", 1)
     finals = completed(job.reports)
@@ -197,7 +198,7 @@ async def test_final_report_retried_until_it_lands(
         job, ch = await open_chat(server)
         await serve_turn(server, job.id)
         proxy.faults["status"] = [kind]
-        await ch.send({"type": "chat.end", "reason": "user left"})
+        await send(ch, {"type": "chat.end", "reason": "user left"})
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
     statuses = [h.fault for h in proxy.hits if h.route == "status"]
@@ -221,7 +222,7 @@ async def test_final_report_answer_lost_is_not_recorded_twice(
     async with running(runner_config(url, sim.url, tmp_path)) as runner:
         job, ch = await open_chat(server)
         proxy.faults["status"] = [LOST]
-        await ch.send({"type": "chat.end", "reason": "user left"})
+        await send(ch, {"type": "chat.end", "reason": "user left"})
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
     finals = completed(job.reports)
@@ -241,8 +242,8 @@ async def test_channel_handshake_faults_are_redialled(
     proxy.faults["channel"] = [503, RESET, Hold(2.0)]
     config = runner_config(url, sim.url, tmp_path, connect_timeout=1.0, reconnect_window=30.0)
     async with running(config) as runner:
-        job = server.enqueue_job("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
-        ch = await server.wait_channel(job.id, 30)
+        job = server.board.enqueue("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
+        ch = await server.channels.wait(job.id, 30)
         assert ch is not None
         await serve_turn(server, job.id)
         assert proxy.hit_counts["channel"] == 4
@@ -452,8 +453,9 @@ async def _backpressure(server: Hub, proxy: FaultProxy, sim: Simulator) -> None:
     proxy.pause_channels()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read_all)
-        await ch.send(
-            request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0})
+        await send(
+            ch,
+            request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0}),
         )
         with trio.fail_after(10):
             stream = await sim.wait_for_streams(1)

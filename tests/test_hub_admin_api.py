@@ -70,18 +70,18 @@ async def test_every_data_route_needs_the_admin_credential(env: Env) -> None:
         ("GET", "/metrics"),
         ("POST", "/metrics"),  # no 405 either without the credential
     ]
-    key = env.hub.create_api_key("tester", PROJECT)
+    key = env.hub.keys.create("tester", PROJECT)
     async with httpx.AsyncClient(base_url=env.base, timeout=LIMIT) as client:
         for method, path in routes:
             r = await client.request(method, path)
             assert r.status_code == 401, (method, path)
             r = await client.request(method, path, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 403, (method, path)
-    assert [k["revoked"] for k in env.hub.list_api_keys()] == [False]
+    assert [k["revoked"] for k in env.hub.keys.listing()] == [False]
 
 
 async def test_runners_sessions_turns_and_keys(env: Env) -> None:
-    key = env.hub.create_api_key("tester", PROJECT)
+    key = env.hub.keys.create("tester", PROJECT)
     client = env.client(key)
     with trio.fail_after(LIMIT):
         await client.models.list()  # the runner lists its models
@@ -165,7 +165,7 @@ async def test_create_and_revoke_keys(env: Env) -> None:
 
 
 async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = env.hub.create_api_key("tester", PROJECT)
+    key = env.hub.keys.create("tester", PROJECT)
     client = env.client(key)
     with trio.fail_after(LIMIT):
         stream = await client.chat.completions.create(
@@ -181,7 +181,7 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
         def refuse(record: Any) -> None:
             raise HTTPError(429, "rpm limit of the key passed", "rate_limited")
 
-        monkeypatch.setattr(env.hub.frontdoor.usage, "admit", refuse)
+        monkeypatch.setattr(env.hub.accounting, "admit", refuse)
         with pytest.raises(openai.RateLimitError):
             await client.chat.completions.create(model="sim-model", messages=MESSAGES)  # type: ignore[arg-type]
         monkeypatch.undo()
@@ -196,7 +196,7 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
             recent_waits: tuple[float, ...]
 
         stats = QueueStats({"acme/chat": 3}, 5, 2.5, 1.5, (0.5, 1.0))
-        monkeypatch.setattr(env.hub.frontdoor.sessions, "queue_stats", lambda: stats, raising=False)
+        monkeypatch.setattr(env.hub.sessions, "queue_stats", lambda: stats, raising=False)
         async with env.admin() as admin:
             r = await admin.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

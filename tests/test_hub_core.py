@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio_websocket
 from faultproxy import LOST, RESET, Delay, FaultProxy, Hold, fault_proxy
+from helpers import inbox, register_runner, send
 
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.hub.app import _ssl_context
@@ -63,8 +64,8 @@ async def claim(client: httpx.AsyncClient, token: str, job_id: str) -> str:
 
 async def claimed_job(hub: Hub, client: httpx.AsyncClient) -> tuple[dict[str, Any], str, str]:
     """A registered runner (its record), a job it claimed, and the run id."""
-    runner = hub.register_runner(OWNER, PROJECT, "box", [])
-    job = hub.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    runner = register_runner(hub, OWNER, PROJECT, "box", [])
+    job = hub.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
     run_id = await claim(client, runner["token"], job.id)
     return runner, job.id, run_id
 
@@ -83,7 +84,7 @@ async def test_register_both_paths(served: tuple[Hub, httpx.AsyncClient], path: 
     assert set(body) == {"id", "name", "token", "registeredAt"}
     assert body["name"] == "box"
     assert body["token"].startswith("alpr_")
-    runner = hub.registration_by_token(body["token"])
+    runner = hub.store.registration_by_token(body["token"])
     assert runner is not None and runner.labels == ("linux",)
     assert (runner.owner, runner.project) == (OWNER, PROJECT)
 
@@ -105,11 +106,11 @@ async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> No
     body = {"name": "box", "labels": []}
     assert (await client.post(url, json=body)).status_code == 401
     assert (await client.post(url, json=body, headers=bearer("alpa_wrong"))).status_code == 401
-    runner = hub.register_runner(OWNER, PROJECT, "box", [])
+    runner = register_runner(hub, OWNER, PROJECT, "box", [])
     r = await client.post(url, json=body, headers=bearer(runner["token"]))
     assert r.status_code == 403
     assert "only a user credential registers a runner" in r.json()["error"]["message"]
-    key = hub.create_api_key("k")
+    key = hub.keys.create("k")
     assert (await client.post(url, json=body, headers=bearer(key))).status_code == 403
     assert (await client.post(url, content=b"not json", headers=bearer(ADMIN))).status_code == 400
     assert (await client.post(url, json={"labels": []}, headers=bearer(ADMIN))).status_code == 400
@@ -121,15 +122,15 @@ async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> No
 
 async def test_poll_matches_capabilities(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
     url = f"{BASE}/runners/jobs"
     r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
     assert r.status_code == 204 and r.content == b""
 
-    chat = hub.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
-    hub.enqueue_job(OWNER, PROJECT, [*CAPS, "gpu"])
-    anyone = hub.enqueue_job(OWNER, PROJECT, [])
-    hub.enqueue_job(OWNER, "elsewhere", CAPS)
+    chat = hub.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    hub.board.enqueue(OWNER, PROJECT, [*CAPS, "gpu"])
+    anyone = hub.board.enqueue(OWNER, PROJECT, [])
+    hub.board.enqueue(OWNER, "elsewhere", CAPS)
 
     for _ in range(2):  # polling never claims
         r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
@@ -142,8 +143,8 @@ async def test_poll_matches_capabilities(served: tuple[Hub, httpx.AsyncClient]) 
         "needs": CAPS,
         "agentDefinition": {"jobType": "chat_llm"},
     }
-    assert all(job.claimed_by is None for job in hub.jobs.values())
-    assert hub.last_seen[hub.registration_by_token(token).id] > 0  # type: ignore[union-attr]
+    assert all(job.claimed_by is None for job in hub.board.all_jobs.values())
+    assert hub.board.last_seen[hub.store.registration_by_token(token).id] > 0  # type: ignore[union-attr]
 
 
 async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -153,9 +154,9 @@ async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
     assert (await client.post(url, json=body)).status_code == 401
     assert (await client.post(url, json=body, headers=bearer("alpr_nope"))).status_code == 401
     assert (await client.post(url, json=body, headers=bearer(ADMIN))).status_code == 401
-    foreign = hub.register_runner(OWNER, "other", "box", [])["token"]
+    foreign = register_runner(hub, OWNER, "other", "box", [])["token"]
     assert (await client.post(url, json=body, headers=bearer(foreign))).status_code == 403
-    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
     assert (await client.post(url, content=b"{", headers=bearer(token))).status_code == 400
     assert (
         await client.post(url, json={"capabilities": "x"}, headers=bearer(token))
@@ -164,9 +165,9 @@ async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
 
 async def test_claim_once(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    first = hub.register_runner(OWNER, PROJECT, "one", [])
-    second = hub.register_runner(OWNER, PROJECT, "two", [])
-    job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    first = register_runner(hub, OWNER, PROJECT, "one", [])
+    second = register_runner(hub, OWNER, PROJECT, "two", [])
+    job = hub.board.enqueue(OWNER, PROJECT, CAPS)
     url = f"{BASE}/runners/generate-jitconfig"
     run_id = await claim(client, first["token"], job.id)
     assert job.claimed.is_set() and job.claimed_by == first["id"] and job.run_id == run_id
@@ -189,9 +190,9 @@ async def test_claim_once(served: tuple[Hub, httpx.AsyncClient]) -> None:
 async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
     runner, job_id, run_id = await claimed_job(hub, client)
-    job = hub.jobs[job_id]
+    job = hub.board.all_jobs[job_id]
     token = runner["token"]
-    other = hub.register_runner(OWNER, PROJECT, "other", [])["token"]
+    other = register_runner(hub, OWNER, PROJECT, "other", [])["token"]
     url = f"{BASE}/runs/{run_id}/jobs/{job_id}"
 
     r = await client.patch(url, json={"status": "in_progress"}, headers=bearer(other))
@@ -232,13 +233,13 @@ async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> Non
 
 async def test_events_deliver_job_available(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
     with trio.fail_after(10):
         async with client.stream("GET", f"{BASE}/runners/events", headers=bearer(token)) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
-            hub.enqueue_job(OWNER, "elsewhere", CAPS)  # another project's subscribers only
-            job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+            hub.board.enqueue(OWNER, "elsewhere", CAPS)  # another project's subscribers only
+            job = hub.board.enqueue(OWNER, PROJECT, CAPS)
             buf = ""
             async for text in r.aiter_text():
                 buf += text
@@ -255,7 +256,7 @@ async def test_events_keepalive_and_auth() -> None:
     async with open_hub(Hub(admin_token=ADMIN, keepalive_interval=0.05)) as (hub, url):
         async with httpx.AsyncClient(base_url=url) as client:
             assert (await client.get(f"{BASE}/runners/events")).status_code == 401
-            token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+            token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
             with trio.fail_after(10):
                 async with client.stream(
                     "GET", f"{BASE}/runners/events", headers=bearer(token)
@@ -267,7 +268,7 @@ async def test_events_keepalive_and_auth() -> None:
 
 async def test_events_disabled() -> None:
     async with open_hub(Hub(admin_token=ADMIN, events=False)) as (hub, url):
-        token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+        token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
         async with httpx.AsyncClient(base_url=url) as client:
             assert (
                 await client.get(f"{BASE}/runners/events", headers=bearer(token))
@@ -280,8 +281,8 @@ async def test_events_disabled() -> None:
 async def test_channel_handshake_rejections(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
     runner, job_id, run_id = await claimed_job(hub, client)
-    other = hub.register_runner(OWNER, PROJECT, "other", [])["token"]
-    unclaimed = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    other = register_runner(hub, OWNER, PROJECT, "other", [])["token"]
+    unclaimed = hub.board.enqueue(OWNER, PROJECT, CAPS)
     for jid, token in [
         (job_id, "alpr_wrong"),
         (job_id, other),
@@ -314,9 +315,9 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
     runner, job_id, _ = await claimed_job(hub, client)
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])) as ws:
-            ch = await hub.wait_channel(job_id, timeout=5)
-            assert isinstance(ch, ServerChannel) and ch is hub.channel(job_id)
-            assert hub.runners_connected == {runner["id"]} and hub.open_channels() == [ch]
+            ch = await hub.channels.wait(job_id, timeout=5)
+            assert isinstance(ch, ServerChannel) and ch is hub.channels.get(job_id)
+            assert hub.channels.runners() == {runner["id"]} and hub.channels.all() == [ch]
             rx = ch.open_request("r1")
             chunk = protocol.TurnFrames(job_id, "r1").chunk(b'{"id":"c"}').decode()
             stray = protocol.done_frame(job_id, "r2")
@@ -327,26 +328,26 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
             await ws.send_message(protocol.end_frame(job_id, "bye"))
             text, at = await rx.receive()
             assert text == chunk and isinstance(at, float)
-            assert [(await ch.recv())[0] for _ in range(3)] == [
+            assert [(await inbox(ch).recv())[0] for _ in range(3)] == [
                 "not json at all",
                 stray,
                 protocol.end_frame(job_id, "bye"),
             ]
             ch.close_request("r1")
             await ws.send_message(chunk)  # no longer routed to r1: recv() gets it
-            assert (await ch.recv())[0] == chunk
+            assert (await inbox(ch).recv())[0] == chunk
 
-            await ch.send({"type": protocol.MODELS_REQUEST, "jobId": job_id, "requestId": "m"})
+            await send(ch, {"type": protocol.MODELS_REQUEST, "jobId": job_id, "requestId": "m"})
             assert json.loads(await ws.get_message()) == {
                 "type": protocol.MODELS_REQUEST,
                 "jobId": job_id,
                 "requestId": "m",
             }
-            await ch.send("raw text")
+            await send(ch, "raw text")
             assert await ws.get_message() == "raw text"
-            await ch.send(b"\x01\x02")
+            await send(ch, b"\x01\x02")
             assert await ws.get_message() == b"\x01\x02"
-            await hub.end_job(job_id, "idle")
+            await hub.channels.end_job(job_id, "idle")
             assert json.loads(await ws.get_message()) == {
                 "type": "chat.end",
                 "jobId": job_id,
@@ -358,12 +359,16 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
             with pytest.raises(trio_websocket.ConnectionClosed) as info:
                 await ws.get_message()
             assert info.value.reason.code == 1011
-            assert ch.closed.is_set() and hub.channel(job_id) is None and not hub.runners_connected
+            assert (
+                ch.closed.is_set()
+                and hub.channels.get(job_id) is None
+                and not hub.channels.runners()
+            )
             with pytest.raises(trio.EndOfChannel):
                 await rx2.receive()
             with pytest.raises(trio.EndOfChannel):
-                await ch.recv()
-            await ch.send("dropped quietly")
+                await inbox(ch).recv()
+            await send(ch, "dropped quietly")
             with pytest.raises(trio.EndOfChannel):
                 await ch.open_request("late").receive()
 
@@ -373,14 +378,14 @@ async def test_channel_runner_disconnect(served: tuple[Hub, httpx.AsyncClient]) 
     runner, job_id, _ = await claimed_job(hub, client)
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])) as ws:
-            ch = await hub.wait_channel(job_id)
+            ch = await hub.channels.wait(job_id)
             assert ch is not None
             rx = ch.open_request("r1")
             await ws.aclose()
             await ch.closed.wait()
             with pytest.raises(trio.EndOfChannel):
                 await rx.receive()
-        assert await hub.wait_channel(job_id, timeout=0.01) is None
+        assert await hub.channels.wait(job_id, timeout=0.01) is None
 
 
 async def test_channel_replaced_on_reconnect(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -389,16 +394,16 @@ async def test_channel_replaced_on_reconnect(served: tuple[Hub, httpx.AsyncClien
     url = ws_url(client, job_id, runner["token"])
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(url) as ws1:
-            first = await hub.wait_channel(job_id)
+            first = await hub.channels.wait(job_id)
             assert first is not None
             async with trio_websocket.open_websocket_url(url) as ws2:
                 await first.closed.wait()
-                second = hub.channel(job_id)
+                second = hub.channels.get(job_id)
                 assert second is not None and second is not first
                 with pytest.raises(trio_websocket.ConnectionClosed) as info:
                     await ws1.get_message()
                 assert info.value.reason.code == CLOSE_REPLACED
-                await second.send("still here")
+                await send(second, "still here")
                 assert await ws2.get_message() == "still here"
                 await ws2.send_message("hello")
                 assert (await second.recv())[0] == "hello"
@@ -412,7 +417,7 @@ async def test_channel_message_limit() -> None:
                 async with trio_websocket.open_websocket_url(
                     ws_url(client, job_id, runner["token"])
                 ) as ws:
-                    ch = await hub.wait_channel(job_id)
+                    ch = await hub.channels.wait(job_id)
                     assert ch is not None
                     await ws.send_message("x" * 2048)
                     with pytest.raises(trio_websocket.ConnectionClosed) as info:
@@ -423,10 +428,10 @@ async def test_channel_message_limit() -> None:
 
 async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    runner = hub.register_runner(OWNER, PROJECT, "box", [])
-    queued = hub.enqueue_job(OWNER, PROJECT, CAPS)
-    await hub.cancel_job(queued.id, "no runner")
-    assert queued.id not in hub.jobs and queued.cancelled
+    runner = register_runner(hub, OWNER, PROJECT, "box", [])
+    queued = hub.board.enqueue(OWNER, PROJECT, CAPS)
+    await hub.channels.cancel_job(queued.id, "no runner")
+    assert queued.id not in hub.board.all_jobs and queued.cancelled
     r = await client.post(
         f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(runner["token"])
     )
@@ -438,12 +443,12 @@ async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
     )
     assert r.status_code == 404
 
-    job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    job = hub.board.enqueue(OWNER, PROJECT, CAPS)
     await claim(client, runner["token"], job.id)
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(ws_url(client, job.id, runner["token"])) as ws:
-            await hub.wait_channel(job.id)
-            await hub.cancel_job(job.id, "gone")
+            await hub.channels.wait(job.id)
+            await hub.channels.cancel_job(job.id, "gone")
             assert json.loads(await ws.get_message()) == {
                 "type": "chat.end",
                 "jobId": job.id,
@@ -457,7 +462,7 @@ async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
 
 async def test_fault_injection(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
     hub, proxy, client = proxied
-    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
     proxy.faults["poll"] = [503, 500]
     url = f"{BASE}/runners/jobs"
     for expected in (503, 500, 204):
@@ -475,7 +480,7 @@ async def test_fault_injection(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient
             pass
     assert info.value.status_code == 500
     async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
-        assert await hub.wait_channel(job_id, timeout=5) is not None
+        assert await hub.channels.wait(job_id, 5) is not None
 
 
 async def test_dispatch_unknown(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -505,8 +510,8 @@ async def test_offline_runner_jobs_force_completed() -> None:
     async with open_hub(Hub(admin_token=ADMIN, offline_after=0.5)) as (hub, url):
         async with httpx.AsyncClient(base_url=url) as client:
             runner, job_id, run_id = await claimed_job(hub, client)
-            job = hub.jobs[job_id]
-            assert await hub.check_offline() == []  # just seen: alive
+            job = hub.board.all_jobs[job_id]
+            assert hub.check_offline() == []  # just seen: alive
             with trio.fail_after(10):
                 async with trio_websocket.open_websocket_url(
                     ws_url(client, job_id, runner["token"])
@@ -549,7 +554,7 @@ async def test_persistence_across_restart(tmp_path: pathlib.Path) -> None:
                 f"{BASE}/runners", json={"name": "box"}, headers=bearer(first.admin_token)
             )
             token = r.json()["token"]
-    key = first.create_api_key("alice", "acme/chat")
+    key = first.keys.create("alice", "acme/chat")
     first.store.close()
 
     second = Hub(data)
@@ -572,19 +577,19 @@ async def test_persistence_across_restart(tmp_path: pathlib.Path) -> None:
 
 def test_api_keys() -> None:
     hub = Hub()
-    key = hub.create_api_key("bob")
+    key = hub.keys.create("bob")
     assert key.startswith("alpk_")
-    found = hub.check_api_key(key)
+    found = hub.keys.check(key)
     assert found is not None and (found.owner, found.project) == ("local", "chat")
-    assert hub.check_api_key(key + "x") is None
+    assert hub.keys.check(key + "x") is None
     with pytest.raises(ValueError):
-        hub.create_api_key("bob")
+        hub.keys.create("bob")
     with pytest.raises(ValueError):
-        hub.create_api_key("carol", "no-slash")
-    assert [k["name"] for k in hub.list_api_keys()] == ["bob"]
-    assert hub.revoke_api_key("bob") and not hub.revoke_api_key("bob")
-    assert hub.check_api_key(key) is None
-    assert hub.list_api_keys()[0]["revoked"] is True
+        hub.keys.create("carol", "no-slash")
+    assert [k["name"] for k in hub.keys.listing()] == ["bob"]
+    assert hub.keys.revoke("bob") and not hub.keys.revoke("bob")
+    assert hub.keys.check(key) is None
+    assert hub.keys.listing()[0]["revoked"] is True
 
 
 # -- the hub CLI ---------------------------------------------------------------------------
@@ -687,7 +692,7 @@ async def _raw_poll(url: str, token: str) -> bytes:
 
 async def test_fault_kinds(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
     hub, proxy, client = proxied
-    token = hub.register_runner(OWNER, PROJECT, "box", [])["token"]
+    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
     url = f"{BASE}/runners/jobs"
     body = {"capabilities": CAPS}
     proxy.faults["poll"] = [RESET]
@@ -704,7 +709,7 @@ async def test_fault_kinds(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -
     assert await proxy.wait_hits("poll", 5) == proxy.hits and proxy.hit_counts["poll"] == 5
 
     # LOST: the claim takes effect, the answer never comes
-    job = hub.enqueue_job(OWNER, PROJECT, CAPS)
+    job = hub.board.enqueue(OWNER, PROJECT, CAPS)
     proxy.faults["claim"] = [LOST]
     with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):  # reset, no answer
         await client.post(
@@ -726,7 +731,7 @@ async def test_channel_faults(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]
     assert not isinstance(reset.value, trio_websocket.ConnectionRejected)  # no answer at all
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(url):  # late, but accepted
-            assert await hub.wait_channel(job_id, timeout=5) is not None
+            assert await hub.channels.wait(job_id, 5) is not None
     assert [h.fault for h in proxy.hits if h.route == "channel"] == [RESET, Delay(0.1)]
 
 
@@ -750,7 +755,7 @@ async def test_unstarted_claim_is_reoffered_to_its_runner_only() -> None:
     async with open_hub(Hub(admin_token=ADMIN, reoffer_after=3600)) as (hub, url):
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             runner, job_id, run_id = await claimed_job(hub, client)
-            other = hub.register_runner(OWNER, PROJECT, "other", [])
+            other = register_runner(hub, OWNER, PROJECT, "other", [])
             poll = f"{BASE}/runners/jobs"
 
             async def offered(token: str) -> list[str]:
@@ -769,7 +774,7 @@ async def test_unstarted_claim_is_reoffered_to_its_runner_only() -> None:
             )
             assert r.status_code == 409
             async with trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])):
-                assert await hub.wait_channel(job_id, timeout=5) is not None
+                assert await hub.channels.wait(job_id, 5) is not None
                 assert await offered(runner["token"]) == []  # started: never again
                 r = await client.post(
                     f"{BASE}/runners/generate-jitconfig",
@@ -799,7 +804,7 @@ async def test_paused_channel_reads_nothing_until_resumed(
             trio_websocket.open_websocket_url(ws_url(client, job_id, runner["token"])) as ws,
             trio.open_nursery() as nursery,
         ):
-            ch = await hub.wait_channel(job_id, timeout=5)
+            ch = await hub.channels.wait(job_id, timeout=5)
             assert ch is not None
             proxy.pause_channels()
             nursery.start_soon(sender, ws)
@@ -809,11 +814,11 @@ async def test_paused_channel_reads_nothing_until_resumed(
                 await trio.sleep(0.25)
             await trio.sleep(0.5)
             assert 0 < sent == last < total  # TCP pushed back
-            await ch.send("the Server can still send")
+            await send(ch, "the Server can still send")
             assert await ws.get_message() == "the Server can still send"
             proxy.resume_channels()
             for i in range(total):
-                assert (await ch.recv())[0] == f"{i:06d}{pad}"
+                assert (await inbox(ch).recv())[0] == f"{i:06d}{pad}"
 
 
 async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> None:
@@ -834,8 +839,8 @@ async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> Non
             )
             assert r.status_code == 200
             _, finished_id, finished_run = await claimed_job(first, client)
-    queued = first.enqueue_job(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
-    withdrawn = first.enqueue_job(OWNER, PROJECT, CAPS)
+    queued = first.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    withdrawn = first.board.enqueue(OWNER, PROJECT, CAPS)
     await first.cancel_job(withdrawn.id)
     first.store.close()
 
@@ -847,13 +852,13 @@ async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> Non
     assert job.reports == [{"status": "in_progress"}]
     assert second.jobs[queued.id].agent_definition == {"jobType": "chat_llm"}
     async with open_hub(second) as (_, url):
-        assert await second.check_offline() == []  # reloaded jobs get offline_after to show up
+        assert second.check_offline() == []  # reloaded jobs get offline_after to show up
         async with httpx.AsyncClient(base_url=url) as client:
             with trio.fail_after(10):  # the runner's redial of the same job is accepted
                 async with trio_websocket.open_websocket_url(
                     ws_url(client, job_id, runner["token"])
                 ):
-                    assert await second.wait_channel(job_id, timeout=5) is not None
+                    assert await second.channels.wait(job_id, 5) is not None
             status = f"{BASE}/runs/{run_id}/jobs/{job_id}"
             r = await client.patch(status, json=done, headers=bearer(runner["token"]))
             assert r.status_code == 200

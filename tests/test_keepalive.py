@@ -31,6 +31,7 @@ from helpers import (
     runner_config,
     runner_env,
     running,
+    send,
 )
 from pathproxy import PathProxy, path_proxy
 
@@ -57,7 +58,7 @@ async def serve_turn(ch: ServerChannel, job_id: str, request_id: str, chunks: in
     """One turn on ``ch``, relayed to its done frame; the seconds to its first chunk."""
     sent = trio.current_time()
     rx = ch.open_request(request_id)
-    await ch.send(request_frame(job_id, request_id, sim={"chunks": chunks}))
+    await send(ch, request_frame(job_id, request_id, sim={"chunks": chunks}))
     first: float | None = None
     frames = []
     async with rx:
@@ -103,7 +104,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             await serve_turn(ch, job.id, "warm")
             assert list(runner.sessions) == [job.id]
             long_rx = ch.open_request("long")
-            await ch.send(request_frame(job.id, "long", sim={"chunks": 100_000, "interval": 0.02}))
+            await send(ch, request_frame(job.id, "long", sim={"chunks": 100_000, "interval": 0.02}))
             with trio.fail_after(GUARD):
                 stream = await sim.wait_for_streams(2)
                 assert await stream.wait_sent(1)
@@ -111,7 +112,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             frozen_at = trio.current_time()
             assert proxy.freeze() >= 1  # the channel and any pooled HTTP connection
             during_rx = ch.open_request("during")  # a turn sent while the path is dead
-            await ch.send(request_frame(job.id, "during", sim={"chunks": 3}))
+            await send(ch, request_frame(job.id, "during", sim={"chunks": 3}))
             with trio.fail_after(GUARD):
                 await counters.wait("channels_dead", 1)
                 detected = trio.current_time()
@@ -240,7 +241,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
     clear error, never hangs; the next turn is served on the same session; the runner holds one
     session slot throughout; `status` shows the keepalive's counters."""
     server, url = hub
-    key = server.create_api_key("keepalive", f"{OWNER}/{PROJECT}")
+    key = server.keys.create("keepalive", f"{OWNER}/{PROJECT}")
     oc = openai.AsyncOpenAI(
         base_url=url + "/v1",
         api_key=key,
@@ -257,7 +258,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
                 _, _, line = await runner.line("health and metrics on ")
                 metrics = line.split("health and metrics on ", 1)[1].split("/healthz", 1)[0]
                 assert (await _chat(oc, 5))[0] == whole
-                ((_, job_id),) = server.frontdoor.sessions.listing().items()
+                ((_, job_id),) = server.sessions.listing().items()
                 ch = server.channel(job_id)
                 assert ch is not None
                 frozen_at = trio.current_time()
@@ -285,7 +286,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
             assert outcome[0] == "served" or (
                 outcome[0].startswith("error: ") and "lost" in outcome[0]
             ), outcome
-            assert server.frontdoor.sessions.listing() == {("keepalive", "frozen"): job_id}
+            assert server.sessions.listing() == {("keepalive", "frozen"): job_id}
             lines = report.splitlines()
             assert "sessions    1 open (max 64), 1 started, 0 ended" in lines, report
             assert any(x.startswith("channels    1 redials, ") for x in lines), report
@@ -327,9 +328,9 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
         )
         async with running(config) as runner:
             counters = runner.counters
-            job = server.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy))
+            job = server.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy))
             with trio.fail_after(GUARD):
-                ch = await server.wait_channel(job.id, GUARD)
+                ch = await server.channels.wait(job.id, GUARD)
                 assert ch is not None
                 await serve_turn(ch, job.id, "first")
             if ping:
@@ -343,7 +344,7 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
             with trio.fail_after(GUARD):  # forgotten T after the first turn's last byte
                 await proxy.wait_until(lambda: proxy.forgotten == 1)
             rx = ch.open_request("after-idle")
-            await ch.send(request_frame(job.id, "after-idle", sim={"chunks": 3}))
+            await send(ch, request_frame(job.id, "after-idle", sim={"chunks": 3}))
             with trio.move_on_after(10 * NAT_IDLE):  # nothing comes back: the turn is lost
                 async for text, _ in rx:
                     raise AssertionError(f"a frame came through a forgotten path: {text}")

@@ -260,7 +260,7 @@ async def test_status_page(
             await run(counted, "alice", 2 + SLOW["chunks"], 1)
 
     # -- the usage chart: the hourly book's rows as bars (none while the book keeps none) ----
-    hourly = the_hub.frontdoor.usage.hourly(0)
+    hourly = the_hub.accounting.hourly(0)
 
     def chart() -> None:
         bars = page.locator('#usage-chart svg rect[data-key="alice"]')
@@ -273,7 +273,7 @@ async def test_status_page(
     with trio.fail_after(STEP):
         await run(chart)
 
-    bob = the_hub.create_api_key("bob", PROJECT)
+    bob = the_hub.keys.create("bob", PROJECT)
     with trio.fail_after(STEP):
         await _client(base, bob).models.list()  # the runner lists its models: the page shows them
 
@@ -302,7 +302,7 @@ async def test_status_page(
 
     # -- whatever a name holds is shown as text, never run as HTML ------------------------
     odd = '<img src=x onerror="document.title=1">'
-    the_hub.create_api_key(odd, PROJECT)
+    the_hub.keys.create(odd, PROJECT)
 
     def literal() -> None:
         expect(page.locator("#keys tbody")).to_contain_text(odd)

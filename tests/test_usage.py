@@ -21,13 +21,13 @@ import pytest
 import trio
 import trio.testing
 from fake_runner import FakeRunner, Script
+from gateway.hub.turns import TurnRecord
+from gateway.hub.usage import PRUNE_BATCH, HourlyUsage, KeyLimits
 from helpers import ADMIN, OWNER, PROJECT, runner_config, running
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
 from gateway.hub.store import Store
-from gateway.hub.turns import TurnRecord
-from gateway.hub.usage import PRUNE_BATCH, HourlyUsage, KeyLimits
 from gateway.sim import Simulator
 
 LIMIT = 15.0  # s: no step of a real-time test may take longer
@@ -42,7 +42,7 @@ class Ended:
     def __init__(self, hub: Hub) -> None:
         self.records: list[TurnRecord] = []
         self._change = trio.Event()
-        hub.frontdoor.usage.observers.append(self._ended)
+        hub.accounting.observers.append(self._ended)
 
     def _ended(self, record: TurnRecord) -> None:
         self.records.append(record)
@@ -76,7 +76,7 @@ async def served(
     data = tmp_path / "hub"
     async with open_hub(Hub(data, admin_token=ADMIN, runner_wait_timeout=LIMIT)) as (hub, url):
         ended = Ended(hub)
-        key = hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        key = hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         async with running(runner_config(url, sim.url, tmp_path / "state")):
             yield hub, url, key, ended, data
     hub.store.close()
@@ -136,7 +136,7 @@ async def test_turns_streamed_and_not_are_rows_and_hourly_totals_with_the_backen
         ("chat", True),
         ("messages", False),
     ]
-    api_key = hub.check_api_key(key)
+    api_key = hub.keys.check(key)
     assert api_key is not None
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == tokens
     for row in rows:
@@ -146,13 +146,13 @@ async def test_turns_streamed_and_not_are_rows_and_hourly_totals_with_the_backen
         assert row["outcome"] == "ok"
         assert row["ttft"] is not None and 0 <= row["ttft"] <= row["duration"]
         assert abs(row["at"] - time.time()) < 3600
-    hourly = hub.frontdoor.usage.hourly(time.time() - 3600, "alice")
+    hourly = hub.accounting.hourly(time.time() - 3600, "alice")
     assert {(h.key_name, h.model) for h in hourly} == {("alice", "sim-model")}
     assert sum(h.turns for h in hourly) == 4 and sum(h.errors for h in hourly) == 0
     assert sum(h.prompt_tokens for h in hourly) == sum(p for p, _ in tokens)
     assert sum(h.completion_tokens for h in hourly) == sum(c for _, c in tokens)
-    assert hub.frontdoor.usage.hourly(0, "bob") == []
-    assert hub.frontdoor.usage.in_flight == {}
+    assert hub.accounting.hourly(0, "bob") == []
+    assert hub.accounting.in_flight == {}
 
 
 async def test_a_failed_turn_is_an_error_in_the_totals(
@@ -177,10 +177,10 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
 ) -> None:
     wall = [1_700_000_000.0]  # the book's wall clock, set by hand
     hub = Hub(tmp_path / "hub", admin_token=ADMIN, ping_interval=0.0, usage_retention=7 * DAY)
-    hub.frontdoor.usage.clock = lambda: wall[0]
+    hub.accounting.clock = lambda: wall[0]
     async with open_hub(hub) as (hub, url):
         ended = Ended(hub)
-        key = hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        key = hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         runner = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, default=Script(usage=True))
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -205,7 +205,7 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
             nursery.cancel_scope.cancel()
     rows = hub.store.usage_rows()
     assert len(first_rows) == 2 and [r["at"] for r in rows] == [wall[0]]
-    hourly = hub.frontdoor.usage.hourly(0)
+    hourly = hub.accounting.hourly(0)
     assert [(h.hour, h.turns, h.prompt_tokens, h.completion_tokens) for h in hourly] == [
         (1_699_999_200, 2, 10, 6),  # the hour of the first two turns, kept
         (1_699_999_200 + 8 * 24 * 3600, 1, 5, 3),
@@ -303,8 +303,9 @@ async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_t
     """Only the usage-only chunk is kept from the client (the turn's choices found where its
     chunks open them, else searched), and its tokens are taken, the chunk frames handed over
     with their bytes or without."""
-    from gateway.hub.channel import Frame
     from gateway.hub.frontdoor.relay import DONE, StreamSink
+
+    from gateway.hub.channel import Frame
     from gateway.wire import protocol
 
     record = TurnRecord("id", "alice", "s", "chat", "m", True, 0.0)

@@ -46,6 +46,12 @@ class Changes:
     async def wait(self) -> None:
         await self._event.wait()
 
+    @property
+    def event(self) -> trio.Event:
+        """The event the next ``notify`` sets (take it before looking, wait on it after: a
+        change in between is not missed)."""
+        return self._event
+
 
 @dataclass(eq=False)
 class Job:
@@ -71,6 +77,9 @@ class Job:
     final_reported: bool = False  # a runner's "completed" report was accepted
     claimed_at: float | None = None  # trio clock; None for a job reloaded at start
     channel_opened: bool = False  # a channel of this job was accepted (since this hub started)
+    # offered only to these runners (None: any capable one): the dispatcher's placement by
+    # model, a listing for one runner; not stored (an unclaimed job does not outlive a restart)
+    runners: frozenset[str] | None = None
 
     @property
     def over(self) -> bool:
@@ -161,6 +170,7 @@ class RunnerState:
     project: str
     capabilities: frozenset[str] | None = None
     polled_at: float | None = None  # trio clock
+    models: frozenset[str] | None = None  # the models it listed last (None: not known yet)
 
 
 @dataclass(frozen=True)
@@ -217,6 +227,12 @@ class JobBoard:
         self.runners: dict[str, RunnerState] = {}  # runner id -> its project and last poll
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+        self.late_reports = 0  # reports that came after their job's final one (dropped)
+
+    @property
+    def all_jobs(self) -> JobsView:
+        """Every job by id: live ones from memory, ended ones from the store."""
+        return JobsView(self)
 
     def lookup(self, job_id: str) -> Job | None:
         """The job, live (the board's own object) or ended (a copy read from the store)."""
@@ -359,7 +375,12 @@ class JobBoard:
 
         def offer(job: Job) -> bool:
             if job.claimed_by is None:
-                return job.status == "queued" and not job.cancelled
+                targets = job.runners
+                return (
+                    job.status == "queued"
+                    and not job.cancelled
+                    and (targets is None or runner_id in targets)
+                )
             claimed_at = -math.inf if job.claimed_at is None else job.claimed_at
             due = now - claimed_at >= self.settings.reoffer_after
             return due and self.unstarted_claim(job, runner_id)

@@ -26,7 +26,7 @@ from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
-from gateway.hub.usage import LIMIT_NAMES, KeyLimits, limits_of
+from gateway.hub.store import LIMIT_NAMES, KeyLimits, limits_of
 from gateway.observe import setup_logging
 from gateway.signals import watch_signals
 

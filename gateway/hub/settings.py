@@ -52,6 +52,9 @@ class HubSettings:
     # are kept for good); API keys' limits changed by another process apply within
     # key_check_interval
     usage_retention: float = 7 * 86400.0
+    # tokens a turn that names no max_tokens holds against its key's token limits (tpm,
+    # tokens_per_day) while it is in flight (settled to what it used at its end)
+    token_reservation: int = 1024
 
     @property
     def pong_timeout(self) -> float:

@@ -14,11 +14,98 @@ import secrets
 import sqlite3
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.config import split_project
-from gateway.hub.turns import TurnRecord
-from gateway.hub.usage import ERROR_OUTCOMES, HOUR, LIMIT_NAMES, HourlyUsage, KeyLimits
+
+StoreError = sqlite3.Error  # what a store that fails raises (busy, broken, gone)
+HOUR = 3600
+ERROR_OUTCOMES = ("error", "lost", "refused", "cut")  # counted as errors in the totals
+LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "max_streams")
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """An API key's limits (None: none): requests and tokens a minute, tokens a day (UTC),
+    turns in flight at once."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    tokens_per_day: int | None = None
+    max_streams: int | None = None
+
+    def describe(self) -> str:
+        """``rpm=3 tpm=1000 tokens/day=50000 streams=2`` (only the limits set), or ``-``."""
+        parts = [
+            f"{label}={value}"
+            for label, value in (
+                ("rpm", self.rpm),
+                ("tpm", self.tpm),
+                ("tokens/day", self.tokens_per_day),
+                ("streams", self.max_streams),
+            )
+            if value is not None
+        ]
+        return " ".join(parts) or "-"
+
+    def as_json(self) -> dict[str, int | None]:
+        return {name: getattr(self, name) for name in LIMIT_NAMES}
+
+
+def limits_of(
+    rpm: int | None = None,
+    tpm: int | None = None,
+    tokens_per_day: int | None = None,
+    max_streams: int | None = None,
+) -> KeyLimits:
+    """KeyLimits from given values, 0 (or None) meaning no limit; ValueError on a negative or
+    non-integer value."""
+    values: dict[str, int | None] = {}
+    for name, value in zip(LIMIT_NAMES, (rpm, tpm, tokens_per_day, max_streams), strict=True):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise ValueError(f"the limit {name} must be a whole number, 0 for none, not {value!r}")
+        values[name] = value or None
+    return KeyLimits(**values)
+
+
+@dataclass(frozen=True)
+class HourlyUsage:
+    """One key's use in one hour (UTC, the hour's start as a Unix time)."""
+
+    hour: int
+    key_name: str
+    model: str | None
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int = 0  # turns that ended in error, lost, refused or cut (by the hub, not limits)
+
+
+class UsageRow(Protocol):
+    """What the ledger records of an ended turn (``gateway.hub.turn.Turn`` is one)."""
+
+    key_id: str
+    key_name: str
+    session: str
+    runner_id: str | None
+    job_id: str | None
+    model_label: str
+    api: str
+    stream: bool
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    estimated: bool
+
+    @property
+    def ttft(self) -> float | None: ...
+
+    @property
+    def duration(self) -> float | None: ...
+
+    @property
+    def outcome(self) -> str | None: ...
 
 RUNNER_TOKEN_PREFIX = "alpr_"
 API_KEY_PREFIX = "alpk_"
@@ -597,9 +684,9 @@ class Store:
 
     # -- usage -------------------------------------------------------------------------
 
-    def add_usage(self, record: TurnRecord, at: float) -> None:
+    def add_usage(self, record: UsageRow, at: float) -> None:
         """An ended turn (``at``: when, Unix time): its row, and its key's hourly totals."""
-        model = record.model or ""
+        model = record.model_label
         prompt, completion = record.prompt_tokens or 0, record.completion_tokens or 0
         error = int(record.outcome in ERROR_OUTCOMES)
         with self._db:

@@ -1,101 +1,48 @@
-"""The hub's book of turns: which are in flight now, what each key used, each key's limits.
+"""The hub's accounting: each API key's limits, the turns in flight, and every ended turn's
+tokens in the usage ledger; a limit passed is a ``LimitExceeded`` (the edge answers 429).
 
-Every ended turn is one row in the store (kept ``usage_retention`` s) and is added to its key's
-hourly totals (kept for good). ``admit`` enforces the key's limits: requests a minute (a sliding
-60 s window of admitted turns), tokens a minute (a sliding 60 s window of ended turns' tokens),
-tokens a UTC day (ended turns') and turns in flight at once (from ``admit`` to ``ended``). The
-book is touched once per turn, never per chunk; ``admit`` does not await, so it is exact under
-any number of concurrent turns."""
+``admit`` enforces a key's limits before a turn is served: requests a minute (a sliding 60 s
+window of admitted turns), tokens a minute and tokens a UTC day (ended turns' tokens plus what
+the turns in flight reserved: their ``max_tokens``, or ``token_reservation``), and turns in
+flight at once. ``admit`` does not await, so it is exact under any number of concurrent turns,
+and concurrent turns overshoot a token limit by at most one turn's reservation. ``ended`` frees
+the turn's slot and reservation and charges what it used: the backend's usage, or, for a turn
+that ended without one (client gone, cancelled, channel lost), the tokens it delivered (a chunk
+a token) and its prompt estimated, marked estimated in the ledger. Nothing here runs per chunk.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
-from gateway.hub import turns
-from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
-from gateway.hub.turns import TurnRecord
+from gateway.hub.store import HourlyUsage, KeyLimits, Store, StoreError
+from gateway.hub.turn import Turn
 
-if TYPE_CHECKING:
-    from gateway.hub.store import Store
-
-log = logging.getLogger("gateway.hub.usage")
+log = logging.getLogger("gateway.hub.accounting")
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
 DAY = 86400
-HOUR = 3600
 PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
 PRUNE_EVERY = 60.0  # s (wall clock) between prunes once nothing old is left
-ERROR_OUTCOMES = (turns.ERROR, turns.LOST, turns.REFUSED)  # counted as errors in the totals
-LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "max_streams")
 
 
-@dataclass(frozen=True)
-class KeyLimits:
-    """An API key's limits (None: none): requests and tokens a minute, tokens a day (UTC),
-    turns in flight at once."""
+class LimitExceeded(Exception):
+    """A turn would pass one of its key's limits (``limit``: rpm, tpm, tokens_per_day,
+    max_streams); ``retry_after``: seconds until it would not."""
 
-    rpm: int | None = None
-    tpm: int | None = None
-    tokens_per_day: int | None = None
-    max_streams: int | None = None
-
-    def describe(self) -> str:
-        """``rpm=3 tpm=1000 tokens/day=50000 streams=2`` (only the limits set), or ``-``."""
-        parts = [
-            f"{label}={value}"
-            for label, value in (
-                ("rpm", self.rpm),
-                ("tpm", self.tpm),
-                ("tokens/day", self.tokens_per_day),
-                ("streams", self.max_streams),
-            )
-            if value is not None
-        ]
-        return " ".join(parts) or "-"
-
-    def as_json(self) -> dict[str, int | None]:
-        return {name: getattr(self, name) for name in LIMIT_NAMES}
-
-
-def limits_of(
-    rpm: int | None = None,
-    tpm: int | None = None,
-    tokens_per_day: int | None = None,
-    max_streams: int | None = None,
-) -> KeyLimits:
-    """KeyLimits from given values, 0 (or None) meaning no limit; ValueError on a negative or
-    non-integer value."""
-    values: dict[str, int | None] = {}
-    for name, value in zip(LIMIT_NAMES, (rpm, tpm, tokens_per_day, max_streams), strict=True):
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
-        ):
-            raise ValueError(f"the limit {name} must be a whole number, 0 for none, not {value!r}")
-        values[name] = value or None
-    return KeyLimits(**values)
-
-
-@dataclass(frozen=True)
-class HourlyUsage:
-    """One key's use in one hour (UTC, the hour's start as a Unix time)."""
-
-    hour: int
-    key_name: str
-    model: str | None
-    turns: int
-    prompt_tokens: int
-    completion_tokens: int
-    errors: int = 0  # turns that ended in error, lost or refused (by the hub, not its limits)
+    def __init__(self, limit: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.message = message
+        self.retry_after = retry_after
 
 
 @dataclass(eq=False)
@@ -106,6 +53,7 @@ class _KeyState:
     tokens: deque[tuple[float, int]] = field(default_factory=deque)  # ended turns', last 60 s
     window_tokens: int = 0  # the sum of ``tokens``
     in_flight: int = 0  # admitted, not ended
+    reserved: int = 0  # tokens the turns in flight reserved
     day: int = -1  # the UTC day (its start, Unix time) ``day_tokens`` counts; -1: not read yet
     day_tokens: int = 0
 
@@ -122,20 +70,10 @@ def _retry_after(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
-def _refused(message: str, seconds: int) -> HTTPError:
-    return HTTPError(
-        429,
-        message,
-        "rate_limit_exceeded",
-        type_="rate_limit_error",
-        headers=[(b"retry-after", str(seconds).encode())],
-    )
-
-
-class UsageBook:
-    """Every front-door turn passes here: ``admit`` before it is served (a limit refuses it with
-    an HTTPError 429), ``started`` once it is, ``ended`` when it is over, whatever the outcome;
-    ``observers`` are told of each ended turn (the metrics).
+class Accounting:
+    """Every front-door turn passes here: ``admit`` before it is served, ``started`` once it
+    is, ``ended`` when it is over, whatever the outcome; ``observers`` are told of each ended
+    turn (the metrics), a turn refused by a limit included (it is never in the ledger).
 
     With a store, each ended turn is written to it (a row, and its key's hourly totals) and the
     keys' limits are read from it (each key's again after ``key_check_interval`` s). ``clock``:
@@ -147,14 +85,15 @@ class UsageBook:
         settings: HubSettings | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        label: Callable[[str | None], str] = lambda model: model or "",
     ) -> None:
         self.store = store
         self.settings = settings or HubSettings()
         self.clock = clock
-        self.in_flight: dict[int, TurnRecord] = {}
-        self.observers: list[Callable[[TurnRecord], None]] = []
+        self.label = label  # the model as the ledger and the metrics name it
+        self.in_flight: dict[int, Turn] = {}
+        self.observers: list[Callable[[Turn], None]] = []
         self._keys: dict[str, _KeyState] = {}  # key id -> its counters
-        self._holding: dict[int, _KeyState] = {}  # id(record) of an admitted turn -> its key's
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
         self._next_prune = -math.inf  # wall clock
 
@@ -193,24 +132,33 @@ class UsageBook:
             state.day_tokens = self.store.tokens_since(key_id, day) if self.store else 0
         return state.day_tokens
 
-    def admit(self, record: TurnRecord) -> None:
-        """Raise HTTPError (429) when the turn would pass one of its key's limits; else count
-        it (a request of the minute, a turn in flight until ``ended``)."""
-        limits = self.limits(record.key_id, record.key_name)
-        state = self._state(record.key_id)
+    def reservation(self, max_tokens: int | None) -> int:
+        """The tokens a turn holds against its key's token limits while in flight."""
+        return max_tokens if max_tokens is not None else self.settings.token_reservation
+
+    def admit(self, turn: Turn) -> None:
+        """LimitExceeded when the turn would pass one of its key's limits; else count it (a
+        request of the minute, a turn in flight and its reservation until ``ended``)."""
+        limits = self.limits(turn.key_id, turn.key_name)
+        state = self._state(turn.key_id)
         now = trio.current_time()
         state.expire(now)
+        if not (limits.tpm or limits.tokens_per_day):
+            turn.reserved = 0  # nothing to hold tokens against
         if limits.tokens_per_day is not None:
-            used = self._day_tokens(state, record.key_id)
-            if used >= limits.tokens_per_day:
+            used = self._day_tokens(state, turn.key_id)
+            if used + state.reserved >= limits.tokens_per_day:
                 wait = _retry_after(state.day + DAY - self.clock())
-                raise _refused(
+                raise LimitExceeded(
+                    "tokens_per_day",
                     f"this API key is limited to {limits.tokens_per_day} tokens per day "
-                    f"(tokens_per_day, UTC) and has used {used} today: retry in {wait} s",
+                    f"(tokens_per_day, UTC) and has used {used} today"
+                    + (f", {state.reserved} more held by turns in flight" if state.reserved else "")
+                    + f": retry in {wait} s",
                     wait,
                 )
-        if limits.tpm is not None and state.window_tokens >= limits.tpm:
-            left = state.window_tokens
+        if limits.tpm is not None and state.window_tokens + state.reserved >= limits.tpm:
+            left = state.window_tokens + state.reserved
             wait_until = now
             for at, tokens in state.tokens:  # until enough of the minute's tokens age out
                 left -= tokens
@@ -218,47 +166,62 @@ class UsageBook:
                 if left < limits.tpm:
                     break
             wait = _retry_after(wait_until - now)
-            raise _refused(
+            raise LimitExceeded(
+                "tpm",
                 f"this API key is limited to {limits.tpm} tokens per minute (tpm) and has used "
-                f"{state.window_tokens} in the last minute: retry in {wait} s",
+                f"{state.window_tokens} in the last minute"
+                + (f", {state.reserved} more held by turns in flight" if state.reserved else "")
+                + f": retry in {wait} s",
                 wait,
             )
         if limits.rpm is not None and len(state.requests) >= limits.rpm:
             oldest = state.requests[len(state.requests) - limits.rpm]
             wait = _retry_after(oldest + WINDOW - now)
-            raise _refused(
+            raise LimitExceeded(
+                "rpm",
                 f"this API key is limited to {limits.rpm} requests per minute (rpm): "
                 f"retry in {wait} s",
                 wait,
             )
         if limits.max_streams is not None and state.in_flight >= limits.max_streams:
-            raise _refused(
+            raise LimitExceeded(
+                "max_streams",
                 f"this API key is limited to {limits.max_streams} turns in flight at once "
                 f"(max_streams) and has {state.in_flight}: retry when one ends",
                 1,
             )
         state.requests.append(now)
         state.in_flight += 1
-        self._holding[id(record)] = state
+        state.reserved += turn.reserved
+        self.in_flight[id(turn)] = turn
 
-    def started(self, record: TurnRecord) -> None:
-        self.in_flight[id(record)] = record
+    def refused(self, turn: Turn) -> None:
+        """A turn refused before it was admitted (a limit): only the observers are told (no
+        store write per refused request)."""
+        turn.model_label = self.label(turn.model)
+        for observe in self.observers:
+            observe(turn)
 
-    def ended(self, record: TurnRecord) -> None:
-        """The turn is over: its slot freed, its tokens counted, its row written, observers told."""
-        self.in_flight.pop(id(record), None)
-        held = self._holding.pop(id(record), None)
-        if held is not None:
-            held.in_flight -= 1
+    def ended(self, turn: Turn) -> None:
+        """The turn is over: its slot and reservation freed, its tokens charged (estimated
+        where the backend said nothing), its row written, observers told."""
+        if self.in_flight.pop(id(turn), None) is None:
+            self.refused(turn)
+            return
+        state = self._state(turn.key_id)
+        state.in_flight -= 1
+        state.reserved -= turn.reserved
+        turn.model_label = self.label(turn.model)
         try:
-            tokens = record.tokens
-            state = held or self._state(record.key_id)
+            if turn.estimated and turn.prompt_tokens is None:
+                turn.prompt_tokens = turn.dialect.prompt_estimate(turn.body)
+            tokens = turn.tokens
             if tokens:
                 state.tokens.append((trio.current_time(), tokens))
                 state.window_tokens += tokens
             wall = self.clock()
             if self.store is not None:
-                self._write(record, wall)
+                self._write(turn, wall)
             day = int(wall) // DAY * DAY
             if state.day != day and self.store is None:  # nowhere to read the day from
                 state.day, state.day_tokens = day, 0
@@ -266,19 +229,19 @@ class UsageBook:
                 state.day_tokens += tokens
         finally:
             for observe in self.observers:
-                observe(record)
+                observe(turn)
 
-    def _write(self, record: TurnRecord, wall: float) -> None:
+    def _write(self, turn: Turn, wall: float) -> None:
         """The turn's row and hourly totals; old rows pruned (bounded: ``PRUNE_BATCH``)."""
         assert self.store is not None
         try:
-            self.store.add_usage(record, wall)
+            self.store.add_usage(turn, wall)
             if wall >= self._next_prune:
                 before = wall - self.settings.usage_retention
                 deleted = self.store.prune_usage(before, PRUNE_BATCH)
                 self._next_prune = wall if deleted >= PRUNE_BATCH else wall + PRUNE_EVERY
-        except sqlite3.Error as exc:  # a busy or broken store must not break serving
-            log.warning("could not record the usage of a turn of key %s: %s", record.key_name, exc)
+        except StoreError as exc:  # a busy or broken store must not break serving
+            log.warning("could not record the usage of a turn of key %s: %s", turn.key_name, exc)
 
     def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
         """The hourly totals from ``since`` (a Unix time; the hour it falls in included) on,
@@ -286,3 +249,4 @@ class UsageBook:
         if self.store is None:
             return []
         return self.store.hourly_usage(since, key_name)
+
