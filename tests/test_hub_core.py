@@ -205,7 +205,7 @@ async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> Non
 
     progress = {"stage": "chat_llm_active", "message": None}
     r = await client.post(f"{url}/progress", json=progress, headers=bearer(token))
-    assert r.status_code == 200 and job.progress == [progress]
+    assert r.status_code == 200 and job.last_progress == progress
     r = await client.post(f"{url}/progress", json=progress, headers=bearer(other))
     assert r.status_code == 403
     r = await client.patch(url, json={"status": "bogus"}, headers=bearer(token))
@@ -222,9 +222,11 @@ async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> Non
     assert job.completed.is_set() and job.status == "completed" and job.conclusion == "success"
     r = await client.patch(url, json=done, headers=bearer(token))
     assert r.status_code == 409
-    assert job.reports == [{"status": "in_progress"}, {"status": "bogus"}, done, done]
+    # the refused report and the late one are not kept; the late ones are counted
+    assert job.reports == [{"status": "in_progress"}, done]
+    assert hub.board.late_reports == 1
     r = await client.post(f"{url}/progress", json=progress, headers=bearer(token))
-    assert r.status_code == 409
+    assert r.status_code == 409 and hub.board.late_reports == 2
 
 
 # -- events (SSE) ------------------------------------------------------------------
