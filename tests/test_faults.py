@@ -225,7 +225,8 @@ async def test_final_report_answer_lost_is_not_recorded_twice(
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
     finals = completed(job.reports)
-    assert len(finals) == 2  # received twice: the recorded one and the refused retry
+    assert len(finals) == 1  # received twice: the recorded one kept, the refused retry not
+    assert server.board.late_reports == 1
     assert job.status == "completed" and job.conclusion == "success" and job.final_reported
     assert proxy.hit_counts["status"] == 3
     assert any("409" in line for line in logs.lines)
