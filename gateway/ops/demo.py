@@ -73,7 +73,7 @@ async def _demo(args: argparse.Namespace) -> int:
                 server_explicit=True,
                 project=PROJECT,
                 state_dir=Path(state),
-                backend=backend_url,
+                backend=(backend_url,),
                 model=model,
                 user_token=hub.admin_token,
                 name="demo-runner",
