@@ -527,6 +527,6 @@ def test_hub_cli_flags_for_the_new_settings(
     assert cli.main([*data, "--capacity-wait", "-1"]) == 2
     assert cli.main([*data, "--max-sessions-per-key", "-2"]) == 2
     assert cli.main([*data, "--queue-length", "-1"]) == 2
-    err = capsys.readouterr().err
-    assert "--capacity-wait" in err and "--max-sessions-per-key" in err
+    err = capsys.readouterr().err  # --capacity-wait is --queue-wait's old name
+    assert "--queue-wait" in err and "--max-sessions-per-key" in err
     assert "--queue-length" in err

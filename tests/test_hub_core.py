@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import stat
@@ -15,10 +16,11 @@ import trio
 import trio_websocket
 from faultproxy import LOST, RESET, Delay, FaultProxy, Hold, fault_proxy
 
+from gateway.config import default_hub_data
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.hub.app import _ssl_context
 from gateway.hub.channel import CLOSE_OFFLINE, CLOSE_REPLACED
-from gateway.hub.cli import default_data_dir, main
+from gateway.hub.cli import main
 from gateway.wire import protocol
 
 ADMIN = "alpa_test-admin-token"
@@ -592,7 +594,9 @@ def test_api_keys() -> None:
 # -- the hub CLI ---------------------------------------------------------------------------
 
 
-def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_keys(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = str(tmp_path / "state")
     assert main(["keys", "create", "alice", "--data", data, "--create"]) == 0
     key = capsys.readouterr().out.strip()
@@ -603,9 +607,14 @@ def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "alice" in out and "local/chat" in out and "acme/chat" in out and key not in out
     assert main(["keys", "revoke", "alice", "--data", data]) == 0
+    said = capsys.readouterr().out  # when a running hub honours it, with the value
+    assert said.startswith("revoked API key 'alice'") and "within key_check_interval (5 s)" in said
     assert main(["keys", "revoke", "alice", "--data", data]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "alice" in err
+    monkeypatch.setenv("ALP_GATEWAY_HUB_KEY_CHECK_INTERVAL", "30")  # as the hub was started
+    assert main(["keys", "update", "bob", "--rpm", "5", "--data", data]) == 0
+    assert "a running hub applies them within key_check_interval (30 s)" in capsys.readouterr().out
     assert Hub(tmp_path / "state").check_api_key(key) is None
     assert main(["keys", "create", "x", "--project", "bad", "--data", data]) == 2
     assert main(["--listen", "nonsense", "--data", data]) == 2
@@ -654,13 +663,14 @@ def test_cli_hub_on_a_port_in_use_creates_nothing(
 
 def test_cli_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     monkeypatch.setenv("ALP_GATEWAY_STATE_DIR", str(tmp_path / "s"))
-    assert default_data_dir() == tmp_path / "s" / "hub"
+    assert default_hub_data(os.environ) == tmp_path / "s" / "hub"
     monkeypatch.delenv("ALP_GATEWAY_STATE_DIR")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "x"))
-    assert default_data_dir() == tmp_path / "x" / "alp-gateway" / "hub"
+    assert default_hub_data(os.environ) == tmp_path / "x" / "alp-gateway" / "hub"
     monkeypatch.delenv("XDG_STATE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_data_dir() == tmp_path / "home" / ".local" / "state" / "alp-gateway" / "hub"
+    home = tmp_path / "home" / ".local" / "state" / "alp-gateway" / "hub"
+    assert default_hub_data(os.environ) == home
 
 
 # -- fault kinds, hits, admin routes, re-offered claims, pausing a channel ---------------------
