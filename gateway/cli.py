@@ -13,44 +13,18 @@ from pathlib import Path
 
 import trio
 
-from gateway import __version__
-from gateway.config import SETTINGS, Config, ConfigError, Setting, load_config, setting_flags
+from gateway import __version__, logsafe
+from gateway.config import SETTINGS, Config, ConfigError, add_flags, load_config, setting_flags
 from gateway.observe import setup_logging
 from gateway.state import StateError
 
 log = logging.getLogger("gateway")
 
 
-def flag_help(setting: Setting) -> str:
-    """A flag's help: what it does, its environment names and its default (all from the table)."""
-    env = " or ".join(setting.env)
-    return f"{setting.help} (env {env}; default {setting.default_text})".replace("%", "%%")
-
-
 def _add_settings(parser: argparse.ArgumentParser, *, register_only: bool = False) -> None:
-    """One flag per setting, straight from ``SETTINGS``; the value is parsed once, by the
-    setting's own ``parse`` in ``load_config`` (so a flag, a variable and a TOML key agree)."""
+    """``--config`` and one flag per runner setting (``gateway.config.add_flags``)."""
     parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
-    for setting in SETTINGS:
-        if register_only and not setting.register:
-            continue
-        if setting.is_flag:
-            parser.add_argument(
-                setting.flag,
-                dest=setting.key,
-                action="store_const",
-                const=True,
-                default=None,
-                help=flag_help(setting),
-            )
-        else:
-            parser.add_argument(
-                setting.flag,
-                dest=setting.key,
-                default=None,
-                metavar=setting.metavar or setting.key.upper(),
-                help=flag_help(setting),
-            )
+    add_flags(parser, [s for s in SETTINGS if s.register or not register_only])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     sub.add_parser(
-        "hub", help="run the ALP Server emulator (see `alp-gateway hub --help`)", add_help=False
+        "hub",
+        help="run the hub: your own ALP Server, with an OpenAI/Anthropic/Responses-compatible "
+        "front door (see `alp-gateway hub --help`)",
+        add_help=False,
     )
     sub.add_parser(
         "sim", help="run the backend simulator (see `alp-gateway sim --help`)", add_help=False
@@ -102,7 +79,8 @@ def _config_from(args: argparse.Namespace) -> Config:
 
 
 def _fail(message: str, code: int = 2) -> int:
-    print(f"alp-gateway: {message}", file=sys.stderr)
+    # escaped: a message may carry what a Server or a backend answered
+    print(f"alp-gateway: {logsafe.escape(message)}", file=sys.stderr)
     return code
 
 
@@ -161,7 +139,11 @@ def _register(config: Config) -> int:
         reg = trio.run(partial(runner.register, wait_for_server=False))
     except RunnerExit as exc:
         return _fail(str(exc), exc.code)
-    print(f"registered runner {reg.name} ({reg.id}) for {reg.key}; saved in {runner.store.path}")
+    print(  # the runner id is the Server's: escaped as in the logs
+        logsafe.escape(
+            f"registered runner {reg.name} ({reg.id}) for {reg.key}; saved in {runner.store.path}"
+        )
+    )
     return 0
 
 

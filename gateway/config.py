@@ -1,20 +1,24 @@
 """Every setting declared once, and one validated ``Config`` from flags > environment > TOML > defaults.
 
-Each runner setting is one field of ``Config`` made with ``setting(...)``: its type, default,
-validation, environment names, help text and place in the docs. The command line flags
-(``gateway.cli``), the environment and TOML readers (``load_config``) and the documentation
-(``gateway.settings_doc``: the README table and ``config/alp-gateway.example.toml``) all come from
-``SETTINGS``, which is read off those fields. Pure: no I/O beyond reading the TOML file.
+Each runner setting is one field of ``Config``, each hub setting one field of ``HubSettings``,
+made with ``setting(...)``: its type, default, validation, environment names, help text and place
+in the docs. The command line flags and their help (``add_flags``, used by ``gateway.cli`` and
+``gateway.hub.cli``), the environment and TOML readers (``load_config``,
+``load_hub_settings``) and the documentation (``gateway.ops.settings_doc``: the README tables,
+``config/alp-gateway.example.toml`` and ``config/hub.example.toml``) all come from ``SETTINGS``
+and ``HUB_SETTINGS``, which are read off those fields: adding a setting is adding one field.
+Pure: no I/O beyond reading the TOML file.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
 import ssl
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any
@@ -89,6 +93,15 @@ def _non_negative_float(value: Any) -> float:
     return number
 
 
+def _non_negative_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("must be a whole number")
+    number = int(value)
+    if number < 0:
+        raise ValueError("must be ≥ 0")
+    return number
+
+
 def _http_url(value: Any) -> str:
     text = str(value).strip()
     parts = urlsplit(text)
@@ -124,6 +137,14 @@ def _url(value: Any) -> str:
     return text
 
 
+def _urls(value: Any) -> tuple[str, ...]:
+    """One URL, several (a flag given again, a TOML list) or a comma-separated list; each checked
+    as ``_url`` does, duplicates dropped."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    urls = [_url(part) for item in items for part in str(item).split(",") if part.strip()]
+    return tuple(dict.fromkeys(urls))
+
+
 def _log_format(value: Any) -> str:
     text = str(value)
     if text not in ("text", "json"):
@@ -154,6 +175,25 @@ def parse_listen(value: Any) -> tuple[str, int]:
     if not port_text.isdigit() or int(port_text) > 65535:
         raise ValueError("expected PORT or HOST:PORT, such as 9464 or 127.0.0.1:9464")
     return host or "127.0.0.1", int(port_text)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
+
+
+def parse_duration(value: Any) -> float:
+    """``30m``, ``24h``, ``7d``, ``90s`` (or a number of seconds) as seconds, > 0; the one
+    duration parser (the hub's ``usage_retention``, ``hub usage --since``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        found = _DURATION.fullmatch(str(value))
+        if found is None:
+            raise ValueError("not a duration such as 30m, 24h or 7d")
+        seconds = float(found[1]) * _UNITS[found[2] or "s"]
+    if not seconds > 0:
+        raise ValueError("not a duration such as 30m, 24h or 7d (it must be more than 0)")
+    return seconds
 
 
 def _str(value: Any) -> str:
@@ -211,9 +251,10 @@ GROUPS = {
 
 @dataclass(frozen=True)
 class Setting:
-    """One runner setting: everything the flags, readers and docs need to know about it.
+    """One setting (the runner's or the hub's): everything the flags, readers and docs need.
 
-    ``key`` is the ``Config`` attribute and the TOML key; the flag is ``--key-with-dashes``.
+    ``key`` is the ``Config`` (or ``HubSettings``) attribute and the TOML key; the flag is
+    ``--key-with-dashes``.
     ``parse`` converts and validates a value from any source (flag text, environment text or a
     TOML value) and raises ValueError with a short reason. ``default`` is the ``Config`` field's
     default (None when it has none or a computed one); ``shown`` describes a default in words.
@@ -233,6 +274,8 @@ class Setting:
     secret: bool = False
     register: bool = False  # also a flag of `alp-gateway register`
     is_flag: bool = False  # a flag without a value (``store_true``)
+    repeat: bool = False  # the flag may be given again: every value is kept (``parse`` gets a list)
+    aliases: tuple[str, ...] = ()  # other flags that set it (old names)
 
     @property
     def flag(self) -> str:
@@ -298,8 +341,9 @@ class BackendSpec:
 class Config:
     """Everything the Runner needs to know, validated once at start; one field per setting.
 
-    ``backends`` lists every backend, the ``--backend`` shortcut (named "default") first;
-    it is kept in step with ``backend``/``backend_key`` whenever a Config is built.
+    ``backends`` lists every backend, those of ``--backend`` first (named "default",
+    "default-2", …); it is kept in step with ``backend``/``backend_key`` whenever a Config is
+    built.
     """
 
     # == the Server and the project
@@ -551,19 +595,24 @@ class Config:
         group="models",
         metavar="S",
     )
-    backend: str | None = setting(
+    backend: tuple[str, ...] = setting(
+        (),
         env="CHAT_LLM_BACKEND_URL",
-        parse=_url,
-        help="one-backend shortcut: its base URL including /v1 (a backend named default)",
+        parse=_urls,
+        help="a backend's base URL including /v1; given again, each URL is one more backend of "
+        "the pool (named default, default-2, …; a TOML list or comma-separated elsewhere)",
         group="models",
+        shown="none",
         metavar="URL",
-        note="It comes before the [[backend]] tables.",
+        note="They come before the [[backend]] tables.",
         sample="http://127.0.0.1:11434/v1",
+        repeat=True,
     )
     backend_key: str | None = setting(
         env="CHAT_LLM_BACKEND_KEY",
         parse=_str,
-        help="the API key of --backend; it never leaves this machine",
+        help="the API key of --backend (one --backend only: give several backends their keys in "
+        "[[backend]] tables); it never leaves this machine",
         group="models",
         metavar="KEY",
         secret=True,
@@ -575,17 +624,25 @@ class Config:
     aliases: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        declared = [b for b in self.backends if not b.shortcut]
-        if self.backend:
-            declared.insert(
-                0, BackendSpec(DEFAULT_BACKEND, self.backend, self.backend_key, shortcut=True)
+        urls: Any = self.backend
+        urls = (urls,) if isinstance(urls, str) else tuple(urls or ())  # Config(backend="…")
+        object.__setattr__(self, "backend", urls)
+        if len(urls) > 1 and self.backend_key:
+            raise ConfigError(
+                f"--backend-key with {len(urls)} --backend URLs: which backend the key is for is "
+                "not clear; give each backend its key in a [[backend]] table (key or key_env)"
             )
+        shortcuts = [
+            BackendSpec(_shortcut_name(n), url, self.backend_key, shortcut=True)
+            for n, url in enumerate(urls, 1)
+        ]
+        declared = shortcuts + [b for b in self.backends if not b.shortcut]
         seen: set[str] = set()
         for spec in declared:
             if spec.name in seen:
                 extra = (
-                    " (--backend makes a backend named default)"
-                    if spec.name == DEFAULT_BACKEND
+                    " (--backend makes backends named default, default-2, …)"
+                    if spec.name.startswith(DEFAULT_BACKEND)
                     else ""
                 )
                 raise ConfigError(
@@ -597,9 +654,15 @@ class Config:
         object.__setattr__(self, "allowed_models", tuple(self.allowed_models))
 
 
-def _settings() -> tuple[Setting, ...]:
+def _shortcut_name(number: int) -> str:
+    """The name of the ``number``-th ``--backend`` URL's backend: default, default-2, …"""
+    return DEFAULT_BACKEND if number == 1 else f"{DEFAULT_BACKEND}-{number}"
+
+
+def _settings(declared: type) -> tuple[Setting, ...]:
+    """The ``Setting`` of each field of ``declared`` made with ``setting(...)``, in order."""
     out = []
-    for f in fields(Config):
+    for f in fields(declared):
         meta = f.metadata.get("setting")
         if meta is not None:
             default = None if f.default is MISSING else f.default
@@ -607,8 +670,316 @@ def _settings() -> tuple[Setting, ...]:
     return tuple(out)
 
 
-SETTINGS: tuple[Setting, ...] = _settings()
+SETTINGS: tuple[Setting, ...] = _settings(Config)
 _BY_KEY = {s.key: s for s in SETTINGS}
+
+
+# -- the hub's settings -----------------------------------------------------------------------
+
+HUB_GROUPS = {
+    "hub": "Where the hub serves, its data directory and its logs",
+    "hub-runners": "Runners and their Chat Channels",
+    "hub-frontdoor": "The front door: sessions, the fair queue, models, usage",
+    "hub-bounds": "The server's bounds",
+}
+
+
+def default_hub_data(env: Mapping[str, str]) -> Path:
+    """The hub's data directory unless told otherwise: ``hub`` in ``default_state_dir(env)``."""
+    return default_state_dir(env) / "hub"
+
+
+@dataclass
+class HubSettings:
+    """Every hub setting, one field each (made with ``setting(...)``, as ``Config``'s are).
+
+    Every part of the hub reads the one ``HubSettings`` it was given when it needs a value, so a
+    change applies at once. ``listen``, ``data``, ``tls_*`` and ``log_*`` are the ``hub``
+    command's (``gateway.hub.cli``); the rest are the hub's own.
+    """
+
+    # == where it serves, its data and its logs
+    listen: tuple[str, int] = setting(
+        ("127.0.0.1", 8787),
+        env="ALP_GATEWAY_HUB_LISTEN",
+        parse=parse_listen,
+        help="HOST:PORT to serve on: runners, the /v1 front door, the status page (a bare port "
+        "binds 127.0.0.1)",
+        group="hub",
+        shown="127.0.0.1:8787",
+        metavar="HOST:PORT",
+        sample="127.0.0.1:8787",
+    )
+    data: Path = setting(
+        env="ALP_GATEWAY_HUB_DATA",
+        parse=_path,
+        factory=lambda: default_hub_data(os.environ),
+        help="the hub's data directory: hub.sqlite3 (runners, API keys, jobs, sessions, usage) "
+        "and the admin credential, owner-only; `hub keys` and `hub usage` work on it",
+        group="hub",
+        shown="$ALP_GATEWAY_STATE_DIR/hub, else $XDG_STATE_HOME/alp-gateway/hub, else "
+        "~/.local/state/alp-gateway/hub",
+        metavar="DIR",
+        sample="~/.local/state/alp-gateway/hub",
+    )
+    tls_cert: Path | None = setting(
+        env="ALP_GATEWAY_HUB_TLS_CERT",
+        parse=_path,
+        help="serve HTTPS and WSS only, with this certificate (chain) file; needs --tls-key",
+        group="hub",
+        shown="plain HTTP",
+        metavar="PEM",
+        sample="/etc/alp-gateway/hub.crt",
+    )
+    tls_key: Path | None = setting(
+        env="ALP_GATEWAY_HUB_TLS_KEY",
+        parse=_path,
+        help="the private key of --tls-cert",
+        group="hub",
+        metavar="PEM",
+        sample="/etc/alp-gateway/hub.key",
+    )
+    log_format: str = setting(
+        "text",
+        env="ALP_GATEWAY_LOG_FORMAT",
+        parse=_log_format,
+        help="text or json (the runner's format and variable)",
+        group="hub",
+        metavar="FORMAT",
+    )
+    log_level: str = setting(
+        "INFO",
+        env="ALP_GATEWAY_LOG_LEVEL",
+        parse=_log_level,
+        help="DEBUG, INFO, WARNING or ERROR",
+        group="hub",
+        metavar="LEVEL",
+    )
+    # == runners and their Chat Channels
+    offline_after: float = setting(
+        60.0,
+        env="ALP_GATEWAY_HUB_OFFLINE_AFTER",
+        parse=_positive_float,
+        help="seconds without a sign of life from a runner (a poll, a heartbeat, a frame) before "
+        "it counts as gone and its jobs are ended",
+        group="hub-runners",
+        metavar="S",
+    )
+    reoffer_after: float = setting(
+        10.0,
+        env="ALP_GATEWAY_HUB_REOFFER_AFTER",
+        parse=_positive_float,
+        help="seconds after which a claimed job its runner has not started is offered to that "
+        "runner again",
+        group="hub-runners",
+        metavar="S",
+    )
+    ping_interval: float = setting(
+        20.0,
+        env="ALP_GATEWAY_HUB_PING_INTERVAL",
+        parse=_non_negative_float,
+        help="seconds between WebSocket pings on every Chat Channel (0: off)",
+        group="hub-runners",
+        metavar="S",
+    )
+    ping_timeout: float | None = setting(
+        env="ALP_GATEWAY_HUB_PING_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a pinged channel may stay silent before it is closed as dead and its turns "
+        "move",
+        group="hub-runners",
+        shown="the ping interval",
+        metavar="S",
+        sample=20,
+    )
+    first_frame_timeout: float = setting(
+        300.0,
+        env="ALP_GATEWAY_HUB_FIRST_FRAME_TIMEOUT",
+        parse=_positive_float,
+        help="with pings off, seconds a turn waits for its runner's first frame",
+        group="hub-runners",
+        metavar="S",
+    )
+    reconnect_timeout: float = setting(
+        10.0,
+        env="ALP_GATEWAY_HUB_RECONNECT_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a turn waits for a dropped channel's redial when no other runner is free",
+        group="hub-runners",
+        metavar="S",
+    )
+    keepalive_interval: float = setting(
+        15.0,
+        env="ALP_GATEWAY_HUB_KEEPALIVE_INTERVAL",
+        parse=_positive_float,
+        help="seconds between SSE keepalives: the runners' event stream, waiting and streamed "
+        "turns",
+        group="hub-runners",
+        metavar="S",
+    )
+    # == the front door
+    runner_wait_timeout: float = setting(
+        30.0,
+        env="ALP_GATEWAY_HUB_RUNNER_WAIT_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a new chat session's first turn waits for a runner to take its job",
+        group="hub-frontdoor",
+        metavar="S",
+    )
+    session_idle_timeout: float = setting(
+        600.0,
+        env="ALP_GATEWAY_HUB_SESSION_IDLE_TIMEOUT",
+        parse=_non_negative_float,
+        help="seconds a chat session may stay idle before its job is ended (0: never)",
+        group="hub-frontdoor",
+        metavar="S",
+    )
+    max_sessions_per_key: int = setting(
+        16,
+        env="ALP_GATEWAY_HUB_MAX_SESSIONS_PER_KEY",
+        parse=_non_negative_int,
+        help="chat sessions one API key may hold: past it the key's least recently used idle "
+        "session is ended, or 429 when all are busy (0: no bound)",
+        group="hub-frontdoor",
+        metavar="N",
+    )
+    queue_length: int = setting(
+        64,
+        env="ALP_GATEWAY_HUB_QUEUE_LENGTH",
+        parse=_non_negative_int,
+        help="when every runner that could serve a new session is at capacity, at most this many "
+        "requests wait in the project's fair queue; one more gets 503 queue_full (0: none wait)",
+        group="hub-frontdoor",
+        metavar="N",
+    )
+    queue_wait: float = setting(
+        10.0,
+        env="ALP_GATEWAY_HUB_QUEUE_WAIT",
+        parse=_non_negative_float,
+        help="seconds a request waits in that queue, then 503 queue_timeout with Retry-After "
+        "(--capacity-wait: its old name)",
+        group="hub-frontdoor",
+        metavar="S",
+        aliases=("--capacity-wait",),
+    )
+    models_wait: float = setting(
+        15.0,
+        env="ALP_GATEWAY_HUB_MODELS_WAIT",
+        parse=_positive_float,
+        help="seconds GET /v1/models waits for a runner when no model list is known yet",
+        group="hub-frontdoor",
+        metavar="S",
+    )
+    models_timeout: float = setting(
+        3.0,
+        env="ALP_GATEWAY_HUB_MODELS_TIMEOUT",
+        parse=_positive_float,
+        help="seconds GET /v1/models waits for an open channel's answer",
+        group="hub-frontdoor",
+        metavar="S",
+    )
+    default_model: str | None = setting(
+        env="ALP_GATEWAY_HUB_DEFAULT_MODEL",
+        parse=_str,
+        help="serve a request for a model no runner lists with this one instead of a 404 (for "
+        "clients with fixed model names, such as Claude Code's claude-*)",
+        group="hub-frontdoor",
+        shown="the 404",
+        metavar="MODEL",
+        sample="qwen2.5:7b",
+    )
+    count_usage: bool = setting(
+        True,
+        env="ALP_GATEWAY_HUB_COUNT_USAGE",
+        parse=_bool,
+        help="ask for usage on every streamed chat turn (kept from a client that did not ask), "
+        "so that every turn's tokens are counted",
+        group="hub-frontdoor",
+        metavar="on|off",
+    )
+    key_check_interval: float = setting(
+        5.0,
+        env="ALP_GATEWAY_HUB_KEY_CHECK_INTERVAL",
+        parse=_positive_float,
+        help="seconds within which a running hub honours an API key revoked or limits changed "
+        "by another process (`hub keys`)",
+        group="hub-frontdoor",
+        metavar="S",
+    )
+    usage_retention: float = setting(
+        7 * 86400.0,
+        env="ALP_GATEWAY_HUB_USAGE_RETENTION",
+        parse=parse_duration,
+        help="how long each front-door turn's usage row is kept (30m, 24h, 7d); the hourly "
+        "totals per key and model are kept for good",
+        group="hub-frontdoor",
+        shown="7d",
+        metavar="DURATION",
+        sample="7d",
+    )
+    token_reservation: int = setting(
+        1024,
+        env="ALP_GATEWAY_HUB_TOKEN_RESERVATION",
+        parse=_positive_int,
+        help="tokens a turn that names no max_tokens holds against its API key's token limits "
+        "(tpm, tokens_per_day) while in flight, settled to what it used at its end",
+        group="hub-frontdoor",
+        metavar="TOKENS",
+    )
+    client_backlog: int = setting(
+        MiB,
+        env="ALP_GATEWAY_HUB_CLIENT_BACKLOG",
+        parse=_positive_int,
+        help="bytes a streaming client may fall behind its turn before that turn alone is ended",
+        group="hub-frontdoor",
+        metavar="BYTES",
+    )
+    # == the server's bounds
+    head_timeout: float = setting(
+        10.0,
+        env="ALP_GATEWAY_HUB_HEAD_TIMEOUT",
+        parse=_positive_float,
+        help="seconds for a request head (or a TLS handshake) to arrive, else the connection is "
+        "closed; also how long a kept-alive connection waits for its next request",
+        group="hub-bounds",
+        metavar="S",
+    )
+    body_timeout: float = setting(
+        60.0,
+        env="ALP_GATEWAY_HUB_BODY_TIMEOUT",
+        parse=_positive_float,
+        help="seconds for a request body to arrive after its head, else 408 and closed",
+        group="hub-bounds",
+        metavar="S",
+    )
+    max_body: int = setting(
+        16 * MiB,
+        env="ALP_GATEWAY_HUB_MAX_BODY",
+        parse=_positive_int,
+        help="largest request body and WebSocket message, in bytes (413 or close 1009 past it)",
+        group="hub-bounds",
+        metavar="BYTES",
+    )
+    max_connections: int = setting(
+        1024,
+        env="ALP_GATEWAY_HUB_MAX_CONNECTIONS",
+        parse=_positive_int,
+        help="open connections at most; one more gets 503 and is closed",
+        group="hub-bounds",
+        metavar="N",
+    )
+    # -- not settings: ways to be another Server in tests
+    events: bool = True  # serve GET {base}/runners/events (the job_available push)
+    register_paths: tuple[str, ...] = ("runners", "runners/register")  # under {base}/
+
+    @property
+    def pong_timeout(self) -> float:
+        """Seconds a channel may stay silent after a ping before it is closed as dead."""
+        return self.ping_interval if self.ping_timeout is None else self.ping_timeout
+
+
+HUB_SETTINGS: tuple[Setting, ...] = _settings(HubSettings)
+_HUB_BY_KEY = {s.key: s for s in HUB_SETTINGS}
 
 
 # -- the TOML file ----------------------------------------------------------------------------
@@ -651,24 +1022,31 @@ class FileSettings:
     aliases: dict[str, str] = field(default_factory=dict)
 
 
-def read_toml(path: Path) -> FileSettings:
-    """Read and check ``path``: an unknown key or table is an error naming the file and the key."""
+def _load_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
+
+
+def read_toml(path: Path) -> FileSettings:
+    """Read and check ``path``: an unknown key or table is an error naming the file and the key."""
+    data = _load_toml(path)
     where = f"config file {path}"
     values: dict[str, Any] = {}
     backends: tuple[BackendTable, ...] = ()
     aliases: dict[str, str] = {}
     for key, value in data.items():
         norm = key.replace("-", "_")
-        if norm == "backend" and not isinstance(value, str):
+        urls = isinstance(value, str) or (
+            isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+        )
+        if norm == "backend" and not urls:  # [[backend]] tables, not backend = URL or [URLs]
             if not isinstance(value, list):
                 raise ConfigError(
                     f"{where}: write backends as [[backend]] tables (an array), not [backend]"
@@ -758,21 +1136,56 @@ def _spec(table: BackendTable, number: int, env: Mapping[str, str], where: str) 
 # -- merging ----------------------------------------------------------------------------------
 
 
-def setting_flags(args: object) -> dict[str, Any]:
+def flag_help(setting: Setting) -> str:
+    """A flag's help: what it does, its environment names and its default (all from the table)."""
+    env = " or ".join(setting.env)
+    return f"{setting.help} (env {env}; default {setting.default_text})".replace("%", "%%")
+
+
+def add_flags(parser: argparse.ArgumentParser, settings: Iterable[Setting]) -> None:
+    """One flag per setting (and its old names), straight from the declarations. A flag not
+    given leaves no attribute (``setting_flags`` reads it as None); the value is parsed once, by
+    the setting's own ``parse`` when the settings are loaded, so that a flag, a variable and a TOML
+    key agree. A ``repeat`` setting's flag collects every value given."""
+    for setting in settings:
+        names = (setting.flag, *setting.aliases)
+        if setting.is_flag:
+            parser.add_argument(
+                *names,
+                dest=setting.key,
+                action="store_const",
+                const=True,
+                default=argparse.SUPPRESS,
+                help=flag_help(setting),
+            )
+        else:
+            parser.add_argument(
+                *names,
+                dest=setting.key,
+                action="append" if setting.repeat else "store",
+                default=argparse.SUPPRESS,
+                metavar=setting.metavar or setting.key.upper(),
+                help=flag_help(setting),
+            )
+
+
+def setting_flags(args: object, settings: tuple[Setting, ...] = SETTINGS) -> dict[str, Any]:
     """The settings given on the command line, an argparse namespace (None where a flag was not
     given)."""
-    return {s.key: getattr(args, s.key, None) for s in SETTINGS}
+    return {s.key: getattr(args, s.key, None) for s in settings}
 
 
-def load_config(
+def _merge(
+    settings: tuple[Setting, ...],
     flags: Mapping[str, Any],
     env: Mapping[str, str],
-    config_file: Path | None = None,
-) -> Config:
-    """Merge ``flags`` (None = not given) > ``env`` > TOML file > defaults and validate."""
-    file = read_toml(config_file) if config_file else FileSettings({})
+    file_values: Mapping[str, Any],
+    config_file: Path | None,
+) -> dict[str, Any]:
+    """Each setting's value, parsed, from ``flags`` (None = not given) > ``env`` > the file's
+    values > nothing (then the field's default applies); ConfigError names the source."""
     values: dict[str, Any] = {}
-    for s in SETTINGS:
+    for s in settings:
         raw: Any = None
         source = ""
         if flags.get(s.key) is not None:
@@ -783,15 +1196,26 @@ def load_config(
                     raw, source = env[name], name
                     break
             else:
-                if s.key in file.values:
-                    raw, source = file.values[s.key], f"{s.key} in {config_file}"
+                if s.key in file_values:
+                    raw, source = file_values[s.key], f"{s.key} in {config_file}"
         if raw is None:
-            continue  # the Config field's default
+            continue  # the field's default
         try:
             values[s.key] = s.parse(raw)
         except (ValueError, TypeError) as exc:
             shown = "(hidden)" if s.secret else repr(raw)
             raise ConfigError(f"{source}: invalid value {shown}: {exc}") from None
+    return values
+
+
+def load_config(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str],
+    config_file: Path | None = None,
+) -> Config:
+    """Merge ``flags`` (None = not given) > ``env`` > TOML file > defaults and validate."""
+    file = read_toml(config_file) if config_file else FileSettings({})
+    values = _merge(SETTINGS, flags, env, file.values, config_file)
     values["server_explicit"] = "server" in values
     values.setdefault("state_dir", default_state_dir(env))
     where = f"config file {config_file}" if config_file else "config"
@@ -800,3 +1224,34 @@ def load_config(
     )
     values["aliases"] = file.aliases
     return Config(**values)
+
+
+def read_hub_toml(path: Path) -> dict[str, Any]:
+    """The hub settings ``path`` holds (plain keys, no tables); an unknown key or any table is an
+    error naming the file and the key."""
+    where = f"config file {path}"
+    values: dict[str, Any] = {}
+    for key, value in _load_toml(path).items():
+        norm = key.replace("-", "_")
+        if norm in _HUB_BY_KEY:
+            values[norm] = value
+        elif isinstance(value, dict):
+            raise ConfigError(f"{where}: unknown table [{key}] (the hub's settings are plain keys)")
+        else:
+            raise ConfigError(f"{where}: unknown setting {key!r}")
+    return values
+
+
+def load_hub_settings(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str],
+    config_file: Path | None = None,
+) -> HubSettings:
+    """The hub's ``HubSettings``: ``flags`` (None = not given) > ``env`` > TOML file > defaults,
+    validated."""
+    file_values = read_hub_toml(config_file) if config_file else {}
+    values = _merge(HUB_SETTINGS, flags, env, file_values, config_file)
+    values.setdefault("data", default_hub_data(env))
+    if (values.get("tls_cert") is None) != (values.get("tls_key") is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    return HubSettings(**values)

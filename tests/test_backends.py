@@ -82,7 +82,8 @@ def test_backend_tables_aliases_and_limits(tmp_path: Path) -> None:
     assert config.aliases == {"gpt-4o-mini": "qwen2.5:7b"}
     assert config.allowed_models == ("qwen2.5:7b", "gpt-4o-mini")
     assert config.health_interval == 5.0 and config.models_refresh == 60.0
-    assert config.backend == "http://127.0.0.1:1234/v1" and config.backend_key == "sk-shortcut-9999"
+    assert config.backend == ("http://127.0.0.1:1234/v1",)
+    assert config.backend_key == "sk-shortcut-9999"
     for secret in ("sk-from-env-5678", "sk-inline-1234", "sk-shortcut-9999"):
         assert secret not in repr(config)
     defaults = load_config({}, {})

@@ -473,3 +473,20 @@ async def test_second_signal_gives_up_final_reports_at_once(
     text = log_path.read_text()
     assert code == 130, text
     assert "final report abandoned (stopped at once)" in text, text
+
+
+async def test_a_mistyped_hub_flag_is_named_not_taken_for_a_command(tmp_path: Path) -> None:
+    """Issue 31, point 4: argparse took the value after an unknown flag for a command's name
+    (``invalid choice: '127.0.0.1:9999' (choose from 'keys', 'usage')``)."""
+    data = tmp_path / "hub"
+    for args, said in [
+        (("--listn", "127.0.0.1:9999"), "unknown flag --listn (did you mean --listen?)"),
+        (("--port", "9999"), "unknown flag --port (did you mean --listen HOST:PORT?)"),
+        (("keys", "list", "--dta", "x"), "unknown flag --dta of `alp-gateway hub keys list`"),
+        (("serve",), "'serve' is not a command of `alp-gateway hub` (keys, usage)"),
+    ]:
+        result = await cli("hub", *args, "--data", str(data))
+        err = result.stderr.decode()
+        assert result.returncode == 2 and err.startswith(f"alp-gateway hub: error: {said}"), err
+        assert err.count("\n") == 1 and "invalid choice" not in err
+    assert not data.exists()

@@ -227,3 +227,18 @@ async def test_an_unreachable_server_is_one_clean_reason(sim: Simulator, tmp_pat
     assert checks["Server"].detail == (
         f"{server} unreachable: connection refused by 127.0.0.1:{port}: nothing listens there"
     )
+
+
+def test_the_table_prints_what_servers_and_backends_said_escaped() -> None:
+    """Issue 30, row 6: a check's detail quotes a Server's or a backend's answer (a model name, an
+    error body); the terminal gets it escaped, and each check stays one line (plus its hint)."""
+    out = table(
+        [
+            Check(OK, "backend", "serving evil\x1b]0;pwned\x07\r\n  ✓  forged"),
+            Check(FAIL, "server", "said \x1b[2J", "fix\x1b[31m it"),
+        ]
+    )
+    lines = out.split("\n")
+    assert all(line.isprintable() for line in lines), out
+    assert "serving evil\\x1b]0;pwned\\x07\\r\\n  ✓  forged" in lines[0]
+    assert lines[1].endswith("said \\x1b[2J") and lines[2].endswith("→ fix\\x1b[31m it")

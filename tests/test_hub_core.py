@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import stat
@@ -16,10 +17,11 @@ import trio_websocket
 from faultproxy import LOST, RESET, Delay, FaultProxy, Hold, fault_proxy
 from helpers import inbox, register_runner, send
 
+from gateway.config import default_hub_data
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.hub.app import _ssl_context
 from gateway.hub.channel import CLOSE_OFFLINE, CLOSE_REPLACED
-from gateway.hub.cli import default_data_dir, main
+from gateway.hub.cli import main
 from gateway.wire import protocol
 
 ADMIN = "alpa_test-admin-token"
@@ -206,7 +208,7 @@ async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> Non
 
     progress = {"stage": "chat_llm_active", "message": None}
     r = await client.post(f"{url}/progress", json=progress, headers=bearer(token))
-    assert r.status_code == 200 and job.progress == [progress]
+    assert r.status_code == 200 and job.last_progress == progress
     r = await client.post(f"{url}/progress", json=progress, headers=bearer(other))
     assert r.status_code == 403
     r = await client.patch(url, json={"status": "bogus"}, headers=bearer(token))
@@ -223,9 +225,11 @@ async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> Non
     assert job.completed.is_set() and job.status == "completed" and job.conclusion == "success"
     r = await client.patch(url, json=done, headers=bearer(token))
     assert r.status_code == 409
-    assert job.reports == [{"status": "in_progress"}, {"status": "bogus"}, done, done]
+    # the refused report and the late one are not kept; the late ones are counted
+    assert job.reports == [{"status": "in_progress"}, done]
+    assert hub.board.late_reports == 1
     r = await client.post(f"{url}/progress", json=progress, headers=bearer(token))
-    assert r.status_code == 409
+    assert r.status_code == 409 and hub.board.late_reports == 2
 
 
 # -- events (SSE) ------------------------------------------------------------------
@@ -595,7 +599,9 @@ def test_api_keys() -> None:
 # -- the hub CLI ---------------------------------------------------------------------------
 
 
-def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_keys(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = str(tmp_path / "state")
     assert main(["keys", "create", "alice", "--data", data, "--create"]) == 0
     key = capsys.readouterr().out.strip()
@@ -606,9 +612,14 @@ def test_cli_keys(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "alice" in out and "local/chat" in out and "acme/chat" in out and key not in out
     assert main(["keys", "revoke", "alice", "--data", data]) == 0
+    said = capsys.readouterr().out  # when a running hub honours it, with the value
+    assert said.startswith("revoked API key 'alice'") and "within key_check_interval (5 s)" in said
     assert main(["keys", "revoke", "alice", "--data", data]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "alice" in err
+    monkeypatch.setenv("ALP_GATEWAY_HUB_KEY_CHECK_INTERVAL", "30")  # as the hub was started
+    assert main(["keys", "update", "bob", "--rpm", "5", "--data", data]) == 0
+    assert "a running hub applies them within key_check_interval (30 s)" in capsys.readouterr().out
     assert Hub(tmp_path / "state").check_api_key(key) is None
     assert main(["keys", "create", "x", "--project", "bad", "--data", data]) == 2
     assert main(["--listen", "nonsense", "--data", data]) == 2
@@ -657,13 +668,14 @@ def test_cli_hub_on_a_port_in_use_creates_nothing(
 
 def test_cli_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     monkeypatch.setenv("ALP_GATEWAY_STATE_DIR", str(tmp_path / "s"))
-    assert default_data_dir() == tmp_path / "s" / "hub"
+    assert default_hub_data(os.environ) == tmp_path / "s" / "hub"
     monkeypatch.delenv("ALP_GATEWAY_STATE_DIR")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "x"))
-    assert default_data_dir() == tmp_path / "x" / "alp-gateway" / "hub"
+    assert default_hub_data(os.environ) == tmp_path / "x" / "alp-gateway" / "hub"
     monkeypatch.delenv("XDG_STATE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_data_dir() == tmp_path / "home" / ".local" / "state" / "alp-gateway" / "hub"
+    home = tmp_path / "home" / ".local" / "state" / "alp-gateway" / "hub"
+    assert default_hub_data(os.environ) == home
 
 
 # -- fault kinds, hits, admin routes, re-offered claims, pausing a channel ---------------------

@@ -1,11 +1,14 @@
-"""`--log-format json`: one JSON object per line, for the formatter alone and for a real runner process."""
+"""Log lines: `--log-format json` one JSON object per line, for the formatter alone and for a real
+runner process; the hub's process writes every line in the log format."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import re
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,3 +125,59 @@ async def test_runner_process_logs_json_lines(
     token = saved["registrations"][f"{OWNER}/{PROJECT}"]["token"]
     for secret in (BACKEND_KEY, ADMIN, token):
         assert secret not in text
+
+
+TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (DEBUG|INFO|WARNING|ERROR) +\S")
+
+
+async def _hub_process(data: Path, *args: str, **env: str) -> tuple[int, str, str]:
+    """``alp-gateway hub`` on a free port until it says it listens, then SIGTERM: its exit
+    status, stdout and stderr."""
+    proc = await trio.lowlevel.open_process(
+        [EXE, "hub", "--listen", "127.0.0.1:0", "--data", str(data), *args],
+        env=clean_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    err = b""
+    try:
+        with trio.fail_after(30):
+            while b"hub listening on" not in err or not err.endswith(b"\n"):
+                chunk = await proc.stderr.receive_some()
+                assert chunk, f"the hub exited: {err!r}"
+                err += chunk
+            proc.send_signal(signal.SIGTERM)
+            while chunk := await proc.stderr.receive_some():
+                err += chunk
+            out = b""
+            while chunk := await proc.stdout.receive_some():
+                out += chunk
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return code, out.decode(), err.decode()
+
+
+async def test_the_hub_writes_every_line_in_the_log_format(tmp_path: Path) -> None:
+    """Issue 31, point 11: the hub's start and stop lines were printed without a timestamp among
+    log lines with one. Now stderr is log lines only, in the runner's formats; stdout holds the
+    admin credential, printed once, and nothing else."""
+    code, out, err = await _hub_process(tmp_path / "hub")
+    assert code == 0
+    lines = err.splitlines()
+    assert all(TEXT_LINE.match(line) for line in lines), lines
+    messages = [line.split(maxsplit=2)[2] for line in lines]
+    assert messages[0].startswith("status page: http://127.0.0.1:")
+    assert messages[1].startswith("hub listening on http://127.0.0.1:")
+    assert "hub stopping" in messages
+    token = (tmp_path / "hub" / "admin-token").read_text().strip()
+    assert out.splitlines()[0].startswith("admin token (") and out.splitlines()[1] == f"  {token}"
+    assert len(out.splitlines()) == 2 and token not in err
+
+    code, out, err = await _hub_process(tmp_path / "hub", ALP_GATEWAY_LOG_FORMAT="json")
+    assert code == 0 and out == ""  # the credential is shown once only
+    messages = [str(e["msg"]) for e in json_lines(err)]
+    assert messages[1].startswith("hub listening on http://") and "hub stopping" in messages

@@ -405,3 +405,17 @@ async def test_status_against_something_that_is_not_a_runner() -> None:
     assert code == 2 and (
         f"is not answering (connection refused by 127.0.0.1:{port}: nothing listens there)" in err
     ), err
+
+
+def test_status_prints_what_the_runner_said_escaped() -> None:
+    """Issue 30, row 6: the health text and the backends' names and URLs come from the process
+    at --metrics-url; a terminal gets them escaped (``gateway.logsafe``), one line each."""
+    evil = "gpu\x1b]0;pwned\x07\r\nhealth      healthy: forged"
+    text = render(snapshot(backends=[BackendStatus(evil, "http://x/v1\x1b[2J", up=True)]))
+    out = summary("http://x", Reading(503, "down\x1b[2J\nforged", Samples.parse(text), 0.0))
+    lines = out.split("\n")
+    assert all(line.isprintable() for line in lines), out
+    assert [line for line in lines if line.startswith("health ")] == [
+        "health      NOT HEALTHY (503): down\\x1b[2J\\nforged"
+    ]
+    assert any("gpu\\x1b]0;pwned\\x07\\r\\nhealth" in line for line in lines)

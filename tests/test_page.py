@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,10 @@ import pytest
 import trio
 from helpers import ADMIN, OWNER
 from helpers import PROJECT as PROJECT_NAME
+from rawclient import RawConn, Response
+from rawclient import bearer as raw_bearer
+from rawclient import head as raw_head
+from rawclient import request as raw_request
 
 from gateway.hub import Hub
 from gateway.hub.admin import limits_supported
@@ -335,6 +340,97 @@ async def test_status_page(
 
     with trio.fail_after(STEP):
         await run(reload_and_sign_out)
+
+
+async def test_a_sign_in_before_the_script_ran_puts_the_credential_in_no_url(
+    browser: Browser, hub: tuple[Hub, str]
+) -> None:
+    """The sign-in form submitted before ``app.js`` ran (here: its download refused): the admin
+    credential goes into no URL (history, proxies, the Referer of a link) nor any request. The
+    form cannot be filled in before the script runs, and a submission forced anyway carries no
+    field and goes by POST (once it went as ``GET /?token=alpa_…``)."""
+    _, base = hub
+    page = browser.page
+    sent: list[tuple[str, str, str]] = []  # (method, URL, body) of every request of the page
+
+    def before_the_script() -> str:
+        page.on("request", lambda r: sent.append((r.method, r.url, r.post_data or "")))
+        page.route("**/page/app.js", lambda route: route.abort())
+        response = page.goto(f"{base}/")
+        assert response is not None and response.status == 200
+        field = page.get_by_label("Admin credential")
+        # what a person can do: nothing until the script has run
+        assert field.is_disabled() and page.get_by_role("button", name="Sign in").is_disabled()
+        # a submission forced anyway, the credential typed into the field
+        with page.expect_navigation():
+            page.evaluate(
+                """(credential) => {
+                    document.getElementById("token").value = credential;
+                    document.getElementById("signin").requestSubmit();
+                }""",
+                ADMIN,
+            )
+        url: str = page.url
+        return url
+
+    with trio.fail_after(STEP):
+        url = await browser.run(before_the_script)
+    assert ADMIN not in url and "token" not in url
+    # the page and its files (its script refused), then the form: posted, to the page
+    assert [m for m, _, _ in sent[:-1]] == ["GET"] * (len(sent) - 1)
+    assert sent[-1][:2] == ("POST", f"{base}/")
+    for _method, request_url, body in sent:
+        assert ADMIN not in request_url and "token" not in request_url
+        assert ADMIN not in body and body == ""
+
+
+ADMIN_READS = [
+    "/api/hub/jobs",
+    "/api/hub/sessions",
+    "/api/hub/counters",
+    "/api/hub/runners",
+    "/api/hub/turns",
+    "/api/hub/usage",
+    "/api/hub/keys",
+    "/metrics",
+]
+
+
+async def _raw(url: str, data: bytes) -> Response:
+    conn = await RawConn.open(url)
+    try:
+        await conn.send(data)
+        resp = await conn.response()
+    finally:
+        await conn.aclose()
+    assert resp is not None, "no answer"
+    return resp
+
+
+async def test_the_admin_credential_is_read_from_no_query_string(hub: tuple[Hub, str]) -> None:
+    """Over a plain socket: the hub takes the admin credential from the Authorization header
+    only. In a query string (as the old form put it there) it opens nothing, and no answer
+    repeats it; the page itself ignores it; the form's scriptless POST is answered 405."""
+    _, base = hub
+    query = urllib.parse.urlencode(
+        {"token": ADMIN, "access_token": ADMIN, "authorization": f"Bearer {ADMIN}", "key": ADMIN}
+    )
+    with trio.fail_after(STEP):
+        for path in ADMIN_READS:
+            resp = await _raw(base, raw_head("GET", f"{path}?{query}"))
+            assert resp.status == 401, (path, resp.status)
+            assert ADMIN.encode() not in resp.body
+            assert (await _raw(base, raw_head("GET", path, [raw_bearer(ADMIN)]))).status == 200
+        resp = await _raw(base, raw_request("POST", f"/api/hub/keys?{query}", body={"name": "x"}))
+        assert resp.status == 401 and ADMIN.encode() not in resp.body
+        page = await _raw(base, raw_head("GET", "/"))
+        with_query = await _raw(base, raw_head("GET", f"/?{query}"))
+        assert with_query.status == page.status == 200 and with_query.body == page.body
+        form = raw_request(
+            "POST", "/", [("Content-Type", "application/x-www-form-urlencoded")], query.encode()
+        )
+        resp = await _raw(base, form)
+        assert resp.status == 405 and ADMIN.encode() not in resp.body
 
 
 def _a_number() -> Any:

@@ -119,5 +119,5 @@ async def test_error_frames_and_reports_hold_no_secret(
     await send(ch, {"type": "chat.end"})
     with trio.fail_after(5):
         await job.completed.wait()
-    everything = json.dumps(turns.of("e")) + json.dumps(job.reports) + json.dumps(job.progress)
+    everything = json.dumps(turns.of("e")) + json.dumps(job.reports) + json.dumps(job.last_progress)
     assert BACKEND_KEY not in everything

@@ -3,6 +3,7 @@ and served with ``ca_file``; there is no way to turn verification off."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
@@ -115,22 +116,34 @@ async def hub_cli(pki: Pki, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
             "--tls-key",
             str(pki.key),
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         env=clean_env(),
     )
+    listening = trio.Event()
+    found: list[str] = []
+
+    async def read_log() -> None:  # the log lines (stderr), read to the end: a full pipe stalls
+        assert proc.stderr is not None
+        seen = b""
+        while data := await proc.stderr.receive_some():
+            seen += data
+            if not listening.is_set() and (url := re.search(rb"hub listening on (\S+)\n", seen)):
+                found.append(url.group(1).decode())
+                listening.set()
+        listening.set()
+
     try:
-        assert proc.stdout is not None
-        out = b""
-        with trio.fail_after(30):
-            while b"hub listening on" not in out or not out.endswith(b"\n"):
-                data = await proc.stdout.receive_some()
-                assert data, f"the hub exited: {out!r}"
-                out += data
-        lines = out.decode().splitlines()
-        token = lines[1].strip()  # the admin token, printed once at first start
-        url = lines[-1].split("hub listening on ", 1)[1].strip()
-        yield url, token
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_log)
+            with trio.fail_after(30):
+                await listening.wait()
+            assert found, "the hub exited"
+            token = (tmp_path / "hub" / "admin-token").read_text().strip()
+            try:
+                yield found[0], token
+            finally:
+                proc.terminate()
     finally:
         proc.terminate()
         with trio.move_on_after(10):

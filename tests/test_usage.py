@@ -329,6 +329,8 @@ def test_hub_usage_prints_per_key_and_model(
 ) -> None:
     data = tmp_path / "hub"
     store = Store(data)
+    store.create_api_key("alice")
+    store.create_api_key("dave")  # a key that chatted not at all
     now = time.time()
     store.add_usage(_record("alice", "m1"), now - 10)
     store.add_usage(_record("alice", "m1", "error"), now - 20)
@@ -357,8 +359,11 @@ def test_hub_usage_prints_per_key_and_model(
         "bob",
         "carol",
     ]
-    assert hub_main(["usage", "--key", "nobody", "--data", str(data)]) == 0
-    assert capsys.readouterr().out.startswith("no usage of API key 'nobody' since ")
+    assert hub_main(["usage", "--key", "nobody", "--data", str(data)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no API key named 'nobody'" in err
+    assert hub_main(["usage", "--key", "dave", "--data", str(data)]) == 0
+    assert capsys.readouterr().out.startswith("no usage of API key 'dave' since ")
 
     # rows pruned after a day: a longer span is answered from the hourly totals, and says so
     store = Store(data)
@@ -372,6 +377,44 @@ def test_hub_usage_prints_per_key_and_model(
     assert hub_main(["usage", "--data", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "'soon' is not a duration" in err and "no hub in" in err
+
+
+# Chosen by a key holder (a model name) or a key's admin (a key name): a terminal's title, a clear
+# screen, a line separator and a line break that would forge a row of the table.
+EVIL_MODEL = "evil\x1b]0;pwned\x07\x1b[2J\u2028x\r\nFAKE-ROW  bob  m  999  999  999  0"
+EVIL_KEY = "mallory\x1b[31m\r\nFAKE-KEY  x/y"
+
+
+def test_what_clients_chose_is_printed_escaped_as_in_the_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hub usage`` and ``hub keys list`` pass every name through ``gateway.logsafe`` (issue 30,
+    row 6): no control character reaches the terminal and no row is forged."""
+    data = tmp_path / "hub"
+    store = Store(data)
+    store.create_api_key("alice")
+    store.create_api_key(EVIL_KEY)
+    store.add_usage(_record("alice", EVIL_MODEL), time.time() - 10)
+    store.add_usage(_record(EVIL_KEY, "m1"), time.time() - 10)
+    store.close()
+
+    def printed(*args: str) -> list[str]:
+        assert hub_main([*args, "--data", str(data)]) == 0
+        out = capsys.readouterr().out
+        assert all(ch.isprintable() for ch in out.replace("\n", "")), repr(out)
+        return out.splitlines()
+
+    title, header, *rows = printed("usage")
+    assert header.split()[:2] == ["KEY", "MODEL"] and len(rows) == 2  # no forged row
+    assert rows[0].startswith("alice  ") and "\\x1b]0;pwned\\x07\\x1b[2J\\u2028x\\r\\n" in rows[0]
+    assert rows[1].startswith("mallory\\x1b[31m\\r\\nFAKE-KEY  x/y  m1 ")
+    header, *rows = printed("keys", "list")
+    assert header.split()[0] == "NAME" and len(rows) == 2
+    assert rows[1].startswith("mallory\\x1b[31m\\r\\nFAKE-KEY") and "active" in rows[1]
+    # a name given on the command line comes back escaped in an error too
+    assert hub_main(["usage", "--key", EVIL_KEY + "?", "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "\\x1b[31m" in err
 
 
 def test_an_old_store_gains_the_usage_tables_and_key_limits(tmp_path: Path) -> None:
@@ -408,4 +451,4 @@ def test_usage_retention_flag(
     assert [s.usage_retention for s in seen] == [36 * 3600.0, 7 * DAY]
     assert cli.main([*data, "--usage-retention", "-3d"]) == 2
     assert cli.main([*data, "--usage-retention", "0d"]) == 2
-    assert "is not a duration" in capsys.readouterr().err
+    assert "not a duration" in capsys.readouterr().err

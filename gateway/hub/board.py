@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import trio
 
@@ -20,6 +20,9 @@ log = logging.getLogger("gateway.hub")
 
 SUBSCRIBER_BUFFER = 64  # job_available events buffered per subscriber; more are dropped
 RECENT_ENDED = 256  # ended jobs kept in memory (late reports land on them); older: the store
+# One report's body at most (status or progress; the runner API reads no more: 413). A runner's
+# final report carries a short ``logs`` (ours: 1,000 characters at most).
+REPORT_MAX_BYTES = 16 * 1024
 
 Refusal = Literal["not_found", "conflict", "forbidden", "invalid"]
 
@@ -68,8 +71,10 @@ class Job:
     runner_name: str | None = None  # the "name" sent with the claim
     status: str = "queued"  # "queued" | "in_progress" | "completed"
     conclusion: str | None = None  # "success" | "failure"
+    # status reports kept: the first in_progress and the final one (the runner's, or forced)
     reports: list[dict[str, Any]] = field(default_factory=list)
-    progress: list[dict[str, Any]] = field(default_factory=list)
+    last_progress: dict[str, Any] | None = None  # the last heartbeat (memory only)
+    heartbeats: int = 0  # progress reports accepted (memory only)
     completed: trio.Event = field(default_factory=trio.Event)
     claimed: trio.Event = field(default_factory=trio.Event)
     cancelled: bool = False
@@ -226,6 +231,7 @@ class JobBoard:
         self.last_seen: dict[str, float] = {}  # runner id -> trio clock of its last sign of life
         self.runners: dict[str, RunnerState] = {}  # runner id -> its project and last poll
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
+        self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
         self.late_reports = 0  # reports that came after their job's final one (dropped)
 
@@ -428,16 +434,20 @@ class JobBoard:
         return job
 
     def report_status(self, job: Job, report: dict[str, Any]) -> None:
-        """A status report (``in_progress`` or the one ``completed``); every report is kept."""
-        self._keep_report(job, report)
+        """A status report (``in_progress`` or the one ``completed``), validated before anything
+        is kept. Kept: the first ``in_progress`` (a repeated one changes nothing) and the final
+        report. Not kept: a refused report, or one after the job's final report (a conflict,
+        counted in ``late_reports``)."""
         status = report.get("status")
         if status not in ("in_progress", "completed"):
             raise BoardError("invalid", '"status" must be "in_progress" or "completed"')
         if job.status == "completed":
-            raise BoardError("conflict", "this job is already completed")
+            self._late()
         if status == "in_progress":
-            job.status = "in_progress"
-            self.save(job)
+            if job.status != "in_progress":
+                job.status = "in_progress"
+                self._keep_report(job, report)
+                self.save(job)
             return
         conclusion = report.get("conclusion")
         if conclusion not in ("success", "failure"):
@@ -445,6 +455,7 @@ class JobBoard:
         for key in ("logs", "completionReason"):
             if report.get(key) is not None and not isinstance(report[key], str):
                 raise BoardError("invalid", f'"{key}" must be a string')
+        self._keep_report(job, report)
         job.status = "completed"
         job.conclusion = conclusion
         job.final_reported = True
@@ -453,14 +464,22 @@ class JobBoard:
         self.changes.notify()
 
     def report_progress(self, job: Job, report: dict[str, Any]) -> None:
-        """A heartbeat (``{"stage", "message"?}``)."""
-        job.progress.append(report)
+        """A heartbeat (``{"stage", "message"?}``), validated before it is kept: the job keeps
+        its last one and their count only, in memory; none after the job's final report (a
+        conflict, counted in ``late_reports``)."""
         if not isinstance(report.get("stage"), str):
             raise BoardError("invalid", '"stage" must be a string')
         if report.get("message") is not None and not isinstance(report["message"], str):
             raise BoardError("invalid", '"message" must be a string or null')
         if job.status == "completed":
-            raise BoardError("conflict", "this job is already completed")
+            self._late()
+        job.last_progress = report
+        job.heartbeats += 1
+
+    def _late(self) -> NoReturn:
+        """A report after its job's final one: dropped, counted, refused as a conflict."""
+        self.late_reports += 1
+        raise BoardError("conflict", "this job is already completed")
 
     def may_open_channel(self, runner_id: str, job_id: str) -> Job | None:
         """The job when ``runner_id`` may open its channel now (its claim, not over), else None."""

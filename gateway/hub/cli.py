@@ -1,10 +1,18 @@
 """The ``hub`` command line: serve the hub; create, list, update or revoke its front-door API keys;
-print the keys' usage."""
+print the keys' usage.
+
+Its settings (``--listen``, ``--data``, every tunable) are declared once, in ``gateway.config``
+(``HubSettings``): their flags come from ``gateway.config.add_flags`` and their values
+from ``load_hub_settings`` (flags > environment > ``--config`` file > defaults). This module holds
+the commands only. What it prints that a client, a runner or a key's admin chose (key names,
+model names) is escaped as the logs are (``gateway.logsafe``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import logging
 import os
 import pathlib
@@ -14,24 +22,32 @@ import sqlite3
 import ssl
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import trio
 
 from gateway import logsafe
-from gateway.config import default_state_dir
-from gateway.config import parse_listen as config_parse_listen
+from gateway.config import (
+    HUB_SETTINGS,
+    ConfigError,
+    HubSettings,
+    add_flags,
+    default_hub_data,
+    load_hub_settings,
+    parse_duration,
+    setting_flags,
+)
 from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
-from gateway.hub.settings import HubSettings
 from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
 from gateway.hub.store import LIMIT_NAMES, KeyLimits, limits_of
 from gateway.observe import setup_logging
 from gateway.signals import watch_signals
 
 PROG = "alp-gateway hub"
-DEFAULT_LISTEN = "127.0.0.1:8787"
+log = logging.getLogger("gateway.hub")
 
 
 class _UsageError(Exception):
@@ -39,32 +55,107 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """A parser that raises ``_UsageError`` and remembers its flags and commands, so that a flag
+    it does not know can be named with a "did you mean" (``_unknown_flag``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.flags: dict[str, argparse.Action] = {}
+        self.commands: dict[str, _Parser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        for name in action.option_strings:
+            self.flags[name] = action
+        return action
+
+    def command(
+        self, sub: argparse._SubParsersAction[_Parser], name: str, **kwargs: Any
+    ) -> _Parser:
+        """``sub.add_parser(name, ...)``, remembered as one of this parser's commands."""
+        parser = sub.add_parser(name, **kwargs)
+        self.commands[name] = parser
+        _add_common(parser)
+        return parser
+
+    def find(self, flag: str) -> argparse.Action | None:
+        """The action ``flag`` names here (a unique abbreviation too, as argparse allows)."""
+        if flag in self.flags:
+            return self.flags[flag]
+        if not flag.startswith("--"):
+            return None
+        started = {self.flags[f] for f in self.flags if f.startswith(flag)}
+        return next(iter(started)) if started else None
+
     def error(self, message: str) -> NoReturn:
         raise _UsageError(message)
 
 
-def default_data_dir() -> pathlib.Path:
-    """``hub`` in the state directory (``gateway.config.default_state_dir``, the runner's rule)."""
-    return default_state_dir(os.environ) / "hub"
+# A flag a new user may reach for, and the one that does its job.
+_MEANT = {
+    "--port": "--listen HOST:PORT",
+    "--host": "--listen HOST:PORT",
+    "--bind": "--listen HOST:PORT",
+    "--address": "--listen HOST:PORT",
+    "--state-dir": "--data DIR",
+    "--data-dir": "--data DIR",
+    "--config-file": "--config FILE",
+}
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """``--listen`` through the one parser (``gateway.config.parse_listen``); _UsageError when malformed."""
+def _unknown_flag(parser: _Parser, argv: Sequence[str]) -> str | None:
+    """The first flag of ``argv`` that the command it is given to does not know, said in one line
+    with the flag meant where one is close; None when every flag is known."""
+    current = parser
+    takes_value = False
+    for token in argv:
+        if token == "--":
+            return None
+        if takes_value:
+            takes_value = False
+            continue
+        if token.startswith("-") and len(token) > 1 and not token[1:2].isdigit():
+            flag, eq, _ = token.partition("=")
+            action = current.find(flag)
+            if action is None:
+                return _did_you_mean(flag, current, parser)
+            takes_value = not eq and action.nargs != 0
+        elif token in current.commands:
+            current = current.commands[token]
+    return None
+
+
+def _did_you_mean(flag: str, current: _Parser, top: _Parser) -> str:
+    where = "" if current is top else f" of `{current.prog}`"
+    meant = _MEANT.get(flag)
+    if meant is None or meant.split()[0] not in current.flags:
+        close = difflib.get_close_matches(flag, [f for f in current.flags if f != "--help"], 1)
+        meant = close[0] if close else None
+    hint = f" (did you mean {meant}?)" if meant else f" (see `{current.prog} --help`)"
+    return f"unknown flag {logsafe.safe(flag)}{where}{hint}"
+
+
+_INVALID_COMMAND = re.compile(r"argument command: invalid choice: (.*) \(choose from ")
+
+
+def _parse(parser: _Parser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``; a mistake said as the user made it: an unknown flag by name
+    (argparse takes a value after an unknown flag for the command's name) and a word that is no
+    command as such."""
     try:
-        return config_parse_listen(value)
-    except ValueError as exc:
-        raise _UsageError(f"--listen {value!r}: {exc}") from None
-
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: str) -> float:
-    """``30m``, ``24h``, ``7d`` (or ``90s``) as seconds; _UsageError when malformed."""
-    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", value)
-    if found is None or not float(found[1]) > 0:
-        raise _UsageError(f"{value!r} is not a duration such as 30m, 24h or 7d")
-    return float(found[1]) * _UNITS[found[2]]
+        return parser.parse_args(argv)
+    except _UsageError as exc:
+        unknown = _unknown_flag(parser, argv)
+        if unknown is not None:
+            raise _UsageError(unknown) from None
+        found = _INVALID_COMMAND.match(str(exc))
+        if found is not None:
+            raise _UsageError(
+                f"{found[1]} is not a command of `{PROG}` "
+                f"({', '.join(parser.commands)}); to serve, give flags only, such as "
+                "--listen HOST:PORT"
+            ) from None
+        raise
 
 
 def _limit(value: str) -> int:
@@ -93,136 +184,45 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-streams", type=_limit, metavar="N", help="turns in flight at once")
 
 
-def _build_parser() -> _Parser:
-    data = _Parser(add_help=False)
-    data.add_argument(
-        "--data",
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--data``, which every hub command takes (before or after its name)."""
+    parser.add_argument(
+        "--config",
         type=pathlib.Path,
+        metavar="FILE",
         default=argparse.SUPPRESS,
-        help="state directory (default: $ALP_GATEWAY_STATE_DIR/hub or ~/.local/state/alp-gateway/hub)",
+        help="a TOML file of hub settings (config/hub.example.toml shows every one)",
     )
+    add_flags(parser, [s for s in HUB_SETTINGS if s.key == "data"])
+
+
+def _build_parser() -> _Parser:
     parser = _Parser(
         prog=PROG,
-        description="Serve the hub (an ALP Server emulator) or manage its API keys.",
-        epilog="Runners, API keys, Chat Jobs (with every report) and the front door's chat "
-        "sessions live in DATA/hub.sqlite3: a restarted hub goes on with them. With the admin "
-        "credential, GET /api/hub/jobs and GET /api/hub/sessions list them; GET /api/hub/counters "
-        "gives pings sent, pong timeouts, channels declared dead and failovers. Each front-door "
-        "turn's usage is kept (`hub usage` prints it).",
-        parents=[data],
+        description="Serve the hub, your own ALP Server: runners dial out to it and claim its "
+        "chat jobs, and clients reach their models through its OpenAI-, Anthropic- and "
+        "Responses-compatible front door (/v1), with API keys, limits and usage. Or manage "
+        "its API keys, or print their usage.",
+        epilog="Settings: flags > environment > --config FILE (TOML) > defaults; "
+        "config/hub.example.toml shows every one. Runners, API keys, Chat Jobs (with every "
+        "report) and the front door's chat sessions live in DATA/hub.sqlite3: a restarted hub "
+        "goes on with them. With the admin credential, GET /api/hub/jobs and GET "
+        "/api/hub/sessions list them; GET /api/hub/counters gives pings sent, pong timeouts, "
+        "channels declared dead and failovers. Each front-door turn's usage is kept (`hub usage` "
+        "prints it).",
     )
-    parser.add_argument(
-        "--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_LISTEN})"
-    )
-    parser.add_argument(
-        "--tls-cert",
-        type=pathlib.Path,
-        metavar="PEM",
-        help="serve HTTPS/WSS with this certificate (chain) file; needs --tls-key",
-    )
-    parser.add_argument(
-        "--tls-key", type=pathlib.Path, metavar="PEM", help="the private key of --tls-cert"
-    )
-    parser.add_argument(
-        "--models-wait",
-        type=float,
-        metavar="SECONDS",
-        default=HubSettings.models_wait,
-        help="how long GET /v1/models waits for a runner when no model list is known yet "
-        f"(default {HubSettings.models_wait:g})",
-    )
-    parser.add_argument(
-        "--ping-interval",
-        type=float,
-        metavar="SECONDS",
-        default=HubSettings.ping_interval,
-        help="a WebSocket ping on every chat channel this often; 0 turns pings off "
-        f"(default {HubSettings.ping_interval:g})",
-    )
-    parser.add_argument(
-        "--ping-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=None,
-        help="a channel silent this long after a ping is closed as dead and its turns move "
-        "(default: the ping interval)",
-    )
-    parser.add_argument(
-        "--queue-length",
-        type=int,
-        metavar="N",
-        default=HubSettings.queue_length,
-        help="when every runner that could serve a new chat session is at capacity, at most this "
-        "many requests wait in the project's queue (round-robin across API keys); one more is "
-        f"answered 503 queue_full with Retry-After; 0 = none wait (default {HubSettings.queue_length})",
-    )
-    parser.add_argument(
-        "--queue-wait",
-        "--capacity-wait",
-        dest="queue_wait",
-        type=float,
-        metavar="SECONDS",
-        default=HubSettings.queue_wait,
-        help="a request waits this long in the queue for a runner to free up, then 503 "
-        f"queue_timeout with Retry-After (--capacity-wait: the old name) (default {HubSettings.queue_wait:g})",
-    )
-    parser.add_argument(
-        "--max-sessions-per-key",
-        type=int,
-        metavar="N",
-        default=HubSettings.max_sessions_per_key,
-        help="chat sessions one API key may hold: past it the key's least recently used idle "
-        "session is ended, or 429 when all are busy; 0 = no bound "
-        f"(default {HubSettings.max_sessions_per_key})",
-    )
-    parser.add_argument(
-        "--default-model",
-        metavar="MODEL",
-        default=None,
-        help="serve a request for a model no runner lists with this one instead of a 404 (for "
-        "clients with fixed model names, such as Claude Code's claude-*) (default: the 404)",
-    )
-    parser.add_argument(
-        "--head-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=HubSettings.head_timeout,
-        help="a request head (or TLS handshake) not complete within this is closed; also how "
-        f"long a kept-alive connection waits for its next request (default {HubSettings.head_timeout:g})",
-    )
-    parser.add_argument(
-        "--body-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=HubSettings.body_timeout,
-        help="a request body not complete within this of its head gets 408 and is closed "
-        f"(default {HubSettings.body_timeout:g})",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        metavar="N",
-        default=HubSettings.max_connections,
-        help="open connections at most; one more gets 503 and is closed "
-        f"(default {HubSettings.max_connections})",
-    )
-    parser.add_argument(
-        "--usage-retention",
-        metavar="DURATION",
-        default=None,
-        help="keep each front-door turn's usage row this long (30m, 24h, 7d); the hourly totals "
-        f"per key and model are kept for good (default {HubSettings.usage_retention / 86400:g}d)",
-    )
+    _add_common(parser)
+    add_flags(parser, [s for s in HUB_SETTINGS if s.key != "data"])
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    keys = sub.add_parser("keys", help="manage front-door API keys", parents=[data])
+    keys = parser.command(sub, "keys", help="manage front-door API keys")
     keys_sub = keys.add_subparsers(
         dest="keys_command",
         metavar="{create,list,update,revoke}",
         parser_class=_Parser,
         required=True,
     )
-    create = keys_sub.add_parser(
-        "create", help="create an API key (printed once), with its limits", parents=[data]
+    create = keys.command(
+        keys_sub, "create", help="create an API key (printed once), with its limits"
     )
     create.add_argument("name")
     create.add_argument(
@@ -237,21 +237,25 @@ def _build_parser() -> _Parser:
         "a store no hub serves is a key every hub rejects)",
     )
     _add_limit_flags(create)
-    keys_sub.add_parser("list", help="list API keys and their limits", parents=[data])
-    update = keys_sub.add_parser(
+    keys.command(keys_sub, "list", help="list API keys and their limits")
+    update = keys.command(
+        keys_sub,
         "update",
         help="change an API key's limits (the flags given; 0 = no limit); a running hub "
-        "applies them within its key check interval",
-        parents=[data],
+        "applies them within its key_check_interval",
     )
     update.add_argument("name")
     _add_limit_flags(update)
-    revoke = keys_sub.add_parser("revoke", help="revoke an API key", parents=[data])
+    revoke = keys.command(
+        keys_sub,
+        "revoke",
+        help="revoke an API key; a running hub refuses it within its key_check_interval",
+    )
     revoke.add_argument("name")
-    usage = sub.add_parser(
+    usage = parser.command(
+        sub,
         "usage",
         help="print the front-door usage per API key and model (turns, tokens, errors)",
-        parents=[data],
     )
     usage.add_argument("--key", metavar="NAME", help="only this API key")
     usage.add_argument(
@@ -263,59 +267,23 @@ def _build_parser() -> _Parser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``alp-gateway hub ...``; returns the exit status."""
     parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
-        data_dir: pathlib.Path = getattr(args, "data", None) or default_data_dir()
-        if args.command == "keys":
-            return _keys(args, data_dir)
-        if args.command == "usage":
-            return _usage(args, data_dir)
-        host, port = parse_listen(args.listen)
-        if (args.tls_cert is None) != (args.tls_key is None):
-            raise _UsageError("--tls-cert and --tls-key go together")
-        if args.tls_cert is not None:
-            _check_tls(args.tls_cert, args.tls_key)
-        if not args.models_wait > 0:
-            raise _UsageError("--models-wait must be a positive number of seconds")
-        if not args.ping_interval >= 0:
-            raise _UsageError("--ping-interval must be 0 (off) or a positive number of seconds")
-        if args.ping_timeout is not None and not args.ping_timeout > 0:
-            raise _UsageError("--ping-timeout must be a positive number of seconds")
-        if not args.queue_wait >= 0:
-            raise _UsageError(
-                "--queue-wait (--capacity-wait) must be 0 or a positive number of seconds"
-            )
-        if args.queue_length < 0:
-            raise _UsageError("--queue-length must be 0 (no queue) or a positive number")
-        if args.max_sessions_per_key < 0:
-            raise _UsageError("--max-sessions-per-key must be 0 (no bound) or a positive number")
-        if not args.head_timeout > 0 or not args.body_timeout > 0:
-            raise _UsageError(
-                "--head-timeout and --body-timeout must be positive numbers of seconds"
-            )
-        if args.max_connections < 1:
-            raise _UsageError("--max-connections must be a positive number")
-        retention = HubSettings.usage_retention
-        if args.usage_retention is not None:
-            retention = parse_duration(args.usage_retention)
-        settings = HubSettings(
-            models_wait=args.models_wait,
-            ping_interval=args.ping_interval,
-            ping_timeout=args.ping_timeout,
-            queue_length=args.queue_length,
-            queue_wait=args.queue_wait,
-            max_sessions_per_key=args.max_sessions_per_key,
-            default_model=args.default_model,
-            head_timeout=args.head_timeout,
-            body_timeout=args.body_timeout,
-            max_connections=args.max_connections,
-            usage_retention=retention,
+        args = _parse(parser, argv)
+        settings = load_hub_settings(
+            setting_flags(args, HUB_SETTINGS), os.environ, getattr(args, "config", None)
         )
-        _check_listen(host, port)  # before the data directory and an admin token are made
-        return _serve(data_dir, host, port, args.tls_cert, args.tls_key, settings)
+        if args.command == "keys":
+            return _keys(args, settings)
+        if args.command == "usage":
+            return _usage(args, settings)
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            _check_tls(settings.tls_cert, settings.tls_key)
+        _check_listen(*settings.listen)  # before the data directory and an admin token are made
+        return _serve(settings)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
-    except _UsageError as exc:
+    except (_UsageError, ConfigError) as exc:
         return _fail(str(exc))
     except (OSError, sqlite3.Error, ValueError) as exc:
         return _fail(str(exc))
@@ -352,7 +320,7 @@ def _check_tls(cert: pathlib.Path, key: pathlib.Path) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{PROG}: error: {logsafe.escape(message)}", file=sys.stderr)
     return 2
 
 
@@ -363,23 +331,45 @@ def _no_hub_in(data_dir: pathlib.Path) -> str | None:
         return None
     return (
         f"no hub in {data_dir} (no hub.sqlite3): give the --data of the hub you run "
-        f"(`alp-gateway hub` uses {default_data_dir()} unless told otherwise)"
+        f"(`alp-gateway hub` uses {default_hub_data(os.environ)} unless told otherwise)"
     )
 
 
-def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int) -> list[str]:
+    """Lines of a table: every cell escaped and capped as a log line's values are (a name may
+    hold a terminal's escape sequence or a line break), the first ``left`` columns aligned left,
+    the others right."""
+    cells = [list(header)] + [[logsafe.safe(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = []
+    for row in cells:
+        out = [
+            f"{c:<{w}}" if i < left else f"{c:>{w}}"
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(out).rstrip())
+    return lines
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
+    data_dir = settings.data
     missing = _no_hub_in(data_dir)
     if missing is not None and not (args.keys_command == "create" and args.create):
         extra = "; or `keys create --create` to start a new hub store there"
         return _fail(missing + (extra if args.keys_command == "create" else ""))
     store = Store(data_dir)
+    within = f"within key_check_interval ({_seconds(settings.key_check_interval)})"
     try:
         if args.keys_command == "create":
             limits = limits_of(*(getattr(args, name) for name in LIMIT_NAMES))
             key = store.create_api_key(args.name, args.project, limits)
             print(
-                f"created API key {args.name!r} for {args.project} (limits: "
-                f"{limits.describe()}); it is shown only now:",
+                f"created API key {logsafe.safe(args.name)!r} for {logsafe.safe(args.project)} "
+                f"(limits: {limits.describe()}); it is shown only now:",
                 file=sys.stderr,
             )
             print(key)
@@ -389,20 +379,25 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
             if not keys:
                 print("no API keys", file=sys.stderr)
                 return 0
-            width = max(len("NAME"), *(len(str(k["name"])) for k in keys))
-            print(f"{'NAME':<{width}}  {'PROJECT':<24}  {'CREATED':<20}  {'STATUS':<7}  LIMITS")
+            rows = []
             for k in keys:
-                project = f"{k['owner']}/{k['project']}"
-                status = "revoked" if k["revoked"] else "active"
                 key_limits = k["limits"]
                 assert isinstance(key_limits, KeyLimits)
-                print(
-                    f"{k['name']!s:<{width}}  {project:<24}  {k['createdAt']!s:<20}  "
-                    f"{status:<7}  {key_limits.describe()}"
+                rows.append(
+                    (
+                        str(k["name"]),
+                        f"{k['owner']}/{k['project']}",
+                        str(k["createdAt"]),
+                        "revoked" if k["revoked"] else "active",
+                        key_limits.describe(),
+                    )
                 )
+            header = ("NAME", "PROJECT", "CREATED", "STATUS", "LIMITS")
+            print("\n".join(_table(header, rows, left=len(header))))
             return 0
+        name = logsafe.safe(args.name)
         if args.keys_command == "update":
-            given = {name: getattr(args, name) for name in LIMIT_NAMES}
+            given = {limit: getattr(args, limit) for limit in LIMIT_NAMES}
             if all(value is None for value in given.values()):
                 raise _UsageError(
                     "keys update needs at least one of --rpm, --tpm, "
@@ -410,33 +405,44 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
                 )
             found = store.key_limits(args.name)
             if found is None:
-                return _fail(f"no active API key named {args.name!r}")
+                return _fail(f"no active API key named {name!r}")
             old = found[1]
             merged = {
-                name: getattr(old, name) if value is None else value
-                for name, value in given.items()
+                limit: getattr(old, limit) if value is None else value
+                for limit, value in given.items()
             }
             limits = limits_of(**merged)
             if not store.set_key_limits(args.name, limits):
-                return _fail(f"no active API key named {args.name!r}")
-            print(f"API key {args.name!r} limits: {limits.describe()}")
+                return _fail(f"no active API key named {name!r}")
+            print(
+                f"API key {name!r} limits: {limits.describe()}; a running hub applies them {within}"
+            )
             return 0
         if store.revoke_api_key(args.name):
-            print(f"revoked API key {args.name!r}")
+            print(
+                f"revoked API key {name!r}; a running hub refuses it and ends its sessions {within}"
+            )
             return 0
-        return _fail(f"no active API key named {args.name!r}")
+        return _fail(f"no active API key named {name!r}")
     finally:
         store.close()
 
 
-def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
+def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
     """``hub usage``: per key and model since ``--since``, from the store (the hub may run)."""
-    span = parse_duration(args.since)
-    missing = _no_hub_in(data_dir)
+    try:
+        span = parse_duration(args.since)
+    except ValueError as exc:
+        raise _UsageError(f"--since {args.since!r} is {exc}") from None
+    missing = _no_hub_in(settings.data)
     if missing is not None:
         return _fail(missing)
-    store = Store(data_dir)
+    store = Store(settings.data)
     try:
+        if args.key is not None and all(k["name"] != args.key for k in store.list_api_keys()):
+            return _fail(
+                f"no API key named {logsafe.safe(args.key)!r} (`hub keys list` lists them)"
+            )
         since = time.time() - span
         totals, exact = store.usage_totals(since, args.key)
     finally:
@@ -446,7 +452,7 @@ def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
         start = start.replace(minute=0, second=0, microsecond=0)
     when = start.strftime("%Y-%m-%d %H:%M:%S UTC")
     note = "" if exact else " (from the hourly totals: the first hour counted whole)"
-    whose = f" of API key {args.key!r}" if args.key else ""
+    whose = f" of API key {logsafe.safe(args.key)!r}" if args.key else ""
     if not totals:
         print(f"no usage{whose} since {when}{note}")
         return 0
@@ -463,49 +469,35 @@ def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
         )
         for t in totals
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-
-    def line(cells: tuple[str, ...]) -> str:
-        left = [f"{c:<{w}}" for c, w in zip(cells[:2], widths[:2], strict=True)]
-        right = [f"{c:>{w}}" for c, w in zip(cells[2:], widths[2:], strict=True)]
-        return "  ".join(left + right).rstrip()
-
-    print(line(header))
-    for row in rows:
-        print(line(row))
+    print("\n".join(_table(header, rows, left=2)))
     return 0
 
 
-def configure_logging() -> None:
-    """The hub's log output: INFO lines on stderr in the runner's format (``gateway.observe``;
-    JSON when ALP_GATEWAY_LOG_FORMAT=json), unless logging is set up already; every handler's
-    lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
+def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
+    """The hub's log output: lines on stderr in the runner's format (``gateway.observe``), every
+    line the hub writes while it serves among them, unless logging is set up already; every
+    handler's lines escaped and capped (``gateway.logsafe``: clients choose some of the values)."""
     root = logging.getLogger()
     if not root.handlers:
-        fmt = "json" if os.environ.get("ALP_GATEWAY_LOG_FORMAT", "").lower() == "json" else "text"
-        setup_logging("INFO", fmt)
+        setup_logging(level, fmt)
     for handler in root.handlers:
         logsafe.install(handler)
     logging.getLogger("gateway.wire.server").setLevel(logging.WARNING)
 
 
-def _serve(
-    data_dir: pathlib.Path,
-    host: str,
-    port: int,
-    certfile: pathlib.Path | None = None,
-    keyfile: pathlib.Path | None = None,
-    settings: HubSettings | None = None,
-) -> int:
-    hub = Hub(data_dir, settings=settings)
+def _serve(settings: HubSettings) -> int:
+    configure_logging(settings.log_format, settings.log_level)  # before the store may log
+    hub = Hub(settings.data, settings=settings)
     if hub.admin_token_created:
+        # the command's one answer, on stdout and never in a log line: a secret shown once
         print(
-            f"admin token (a user credential for runner registration; shown only now, kept in {data_dir / 'admin-token'}):"
+            "admin token (a user credential for runner registration; shown only now, kept in "
+            f"{settings.data / 'admin-token'}):"
         )
         print(f"  {hub.admin_token}", flush=True)
-    configure_logging()
+    host, port = settings.listen
     try:
-        trio.run(_run, hub, host, port, certfile, keyfile)
+        trio.run(_run, hub, settings)
     except KeyboardInterrupt:
         pass
     except BaseExceptionGroup as group:
@@ -531,21 +523,23 @@ def _first_os_error(group: BaseExceptionGroup[BaseException]) -> OSError | None:
     return None
 
 
-async def _run(
-    hub: Hub,
-    host: str,
-    port: int,
-    certfile: pathlib.Path | None = None,
-    keyfile: pathlib.Path | None = None,
-) -> None:
+async def _run(hub: Hub, settings: HubSettings) -> None:
     stop = trio.Event()
+    host, port = settings.listen
     async with trio.open_nursery() as nursery:
         await nursery.start(watch_signals, lambda _signum: stop.set())
-        serve = partial(serve_hub, hub, host=host, port=port, certfile=certfile, keyfile=keyfile)
+        serve = partial(
+            serve_hub,
+            hub,
+            host=host,
+            port=port,
+            certfile=settings.tls_cert,
+            keyfile=settings.tls_key,
+        )
         base_url: str = await nursery.start(serve)
         # "hub listening on" stays the last line of the start (scripts wait for it)
-        print(f"status page: {base_url}/ (sign in with the admin credential)", flush=True)
-        print(f"hub listening on {base_url}", flush=True)
+        log.info("status page: %s/ (sign in with the admin credential)", base_url)
+        log.info("hub listening on %s", base_url)
         await stop.wait()
-        print("hub stopping", flush=True)
+        log.info("hub stopping")
         nursery.cancel_scope.cancel()

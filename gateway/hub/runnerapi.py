@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import trio
 
-from gateway.hub.board import BoardError, Job
+from gateway.hub.board import REPORT_MAX_BYTES, BoardError, Job
 from gateway.hub.frontdoor.shapes import SSE_HEADERS
 from gateway.hub.http import (
     HTTPError,
@@ -131,9 +131,10 @@ class RunnerApi:
         await req.resp.json(200, {})
 
     async def _report(self, req: Request, report: Callable[[Job, dict[str, Any]], None]) -> Job:
-        """A report on the runner's own job (status or progress): the body given to ``report``."""
+        """A report on the runner's own job (status or progress): the body (413 past
+        ``REPORT_MAX_BYTES``) given to ``report``."""
         runner = self._runner(req)  # the credential before the body is read
-        body = await req.body(self.hub.settings.max_body)
+        body = await req.body(min(REPORT_MAX_BYTES, self.hub.settings.max_body))
         p = req.params
         try:
             job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])

@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import trio
 
+from gateway import logsafe
 from gateway.config import Config
 from gateway.hub import Hub, serve_hub
 from gateway.observe import setup_logging
@@ -72,7 +73,7 @@ async def _demo(args: argparse.Namespace) -> int:
                 server_explicit=True,
                 project=PROJECT,
                 state_dir=Path(state),
-                backend=backend_url,
+                backend=(backend_url,),
                 model=model,
                 user_token=hub.admin_token,
                 name="demo-runner",
@@ -92,8 +93,8 @@ async def _demo(args: argparse.Namespace) -> int:
                 await runner.first_poll.wait()
             print(f"hub      {hub_url}  (OpenAI-compatible front door at {hub_url}/v1)", file=out)
             print(f"runner   {config.name}, dialled out to the hub", file=out)
-            print(f"backend  {label}", file=out)
-            print(f"model    {model}", file=out)
+            print(f"backend  {logsafe.escape(label)}", file=out)
+            print(f"model    {logsafe.escape(str(model))}", file=out)
             print(f"\n> {args.prompt}\n", file=out, flush=True)
             code, times, started = await _ask(hub_url, api_key, model, args.prompt)
             runner.begin_shutdown()
@@ -142,7 +143,8 @@ async def _ask(
             if resp.status_code != 200:
                 await resp.aread()
                 print(
-                    f"alp-gateway demo: the hub answered {resp.status_code}: {resp.text}",
+                    f"alp-gateway demo: the hub answered {resp.status_code}: "
+                    f"{logsafe.escape(resp.text)}",
                     file=sys.stderr,
                 )
                 return 1, times, started
@@ -158,8 +160,14 @@ async def _ask(
                     for choice in chunk.choices:
                         if choice.delta is not None and choice.delta.content:
                             times.append(time.perf_counter())
-                            print(choice.delta.content, end="", flush=True)
+                            print(_shown(choice.delta.content), end="", flush=True)
     return 0, times, started
+
+
+def _shown(text: str) -> str:
+    """A model's text as the terminal gets it: its line breaks kept, every other control
+    character escaped as in the logs (``gateway.logsafe``)."""
+    return "\n".join(logsafe.escape(line) for line in text.split("\n"))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import trio
 
+from gateway import logsafe
 from gateway.config import Config, ConfigError, load_config, setting_flags, split_project
 from gateway.observe import Redactor
 from gateway.runner.alp import (
@@ -492,10 +493,10 @@ class Doctor:
 
 def render(checks: Sequence[Check], out: TextIO) -> None:
     width = max((len(c.name) for c in checks), default=0)
-    for check in checks:
-        out.write(f"  {check.mark}  {check.name.ljust(width)}  {check.detail}\n")
+    for check in checks:  # what a Server or a backend said, escaped as in the logs
+        out.write(f"  {check.mark}  {check.name.ljust(width)}  {logsafe.escape(check.detail)}\n")
         if check.hint and check.mark in (FAIL, WARN):
-            out.write(f"     {' ' * width}  → {check.hint}\n")
+            out.write(f"     {' ' * width}  → {logsafe.escape(check.hint)}\n")
     failed = sum(c.failed for c in checks)
     if failed:
         out.write(f"\n{failed} required check{'s' if failed != 1 else ''} failed.\n")

@@ -9,6 +9,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway import logsafe
 from gateway.config import parse_listen
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 
@@ -182,7 +183,9 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
             f"{head}{b.name:<10} {'up' if b.up else 'DOWN':<5} "
             f"{b.in_flight} in flight, {b.waiting} waiting  {b.url}"
         )
-    return "\n".join(lines)
+    # a line each: what the runner's endpoints said escaped as in the logs (a backend's name, its
+    # URL, the health text), so that none can move the cursor or start a line of its own
+    return "\n".join(logsafe.escape(line) for line in lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

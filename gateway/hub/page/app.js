@@ -387,6 +387,7 @@ async function revoke(name, button) {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("signin").addEventListener("submit", signIn);
+  $("signin-fields").disabled = false; // the form can be used once this script handles it
   $("signout").addEventListener("click", () => signOut());
   $("create-key").addEventListener("submit", createKey);
   $("new-key-done").addEventListener("click", () => {
