@@ -143,7 +143,7 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     assert reply.status_code == 503 and models.status_code == 503
     assert error_of(reply) == {
         "message": "no runner is connected for project acme/chat: start one with "
-        "`alp-gateway run --project acme/chat`",
+        f"`alp-gateway run --server {url} --project acme/chat`",
         "type": "service_unavailable",
         "param": None,
         "code": "no_runner",
@@ -282,7 +282,7 @@ async def test_a_backend_refusing_the_request_is_a_4xx_not_a_retried_502(
     }
     async with open_hub(hub_of()) as (hub, url):
         key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
-        async with fake_runner(url, scripts=refusals):
+        async with fake_runner(url, scripts=refusals, models=tuple(refusals)):
             with trio.fail_after(GUARD):
                 missing = await chat(url, key, model="missing-model")
                 bad = await chat(url, key, model="bad-request")
@@ -386,7 +386,7 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
         assert len(listed[jobs[0].id]["reports"]) == 2
     again = Hub(data, admin_token=ADMIN)
     assert list(again.board.jobs) == [live.id]  # a restart loads the live ones only
-    assert again.jobs[jobs[-1].id].conclusion == "success" and len(again.jobs) == len(jobs) + 1
+    assert again.board.all_jobs[jobs[-1].id].conclusion == "success" and len(again.board.all_jobs) == len(jobs) + 1
     again.store.close()
     hub.store.close()
 
@@ -493,18 +493,18 @@ async def test_a_stored_session_of_a_revoked_key_is_not_restored(tmp_path: Path)
     data = tmp_path / "hub"
     first = Hub(data, admin_token=ADMIN)
     key = first.keys.create("carol", f"{OWNER}/{PROJECT}")
-    api_key = first.check_api_key(key)
+    api_key = first.store.check_api_key(key)
     assert api_key is not None and api_key.id and api_key.id not in key
     job = first.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
     job.claimed_by, job.run_id = "runner-1", "run-1"
     first.board.save(job)
     first.store.save_session(StoredSession("carol", "s", OWNER, PROJECT, job.id, api_key.id))
-    assert first.revoke_api_key("carol")
+    assert first.keys.revoke("carol")
     first.store.close()
     second = Hub(data, admin_token=ADMIN)
     async with open_hub(second):
         assert second.sessions.listing() == {}
-        assert second.jobs[job.id].cancelled  # withdrawn: its runner's redial is refused
+        assert second.board.all_jobs[job.id].cancelled  # withdrawn: its runner's redial is refused
     second.store.close()
 
 

@@ -577,11 +577,11 @@ async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
         assert second.sessions.listing() == {("tester", "s"): live.id}
         assert [(s.session_id, s.job_id) for s in second.store.load_sessions()] == [("s", live.id)]
         # a front-door job no session points at lost its client: withdrawn, its redial refused
-        assert second.jobs[orphan.id].cancelled and unclaimed.id not in second.jobs
-        assert not second.jobs[live.id].cancelled and not second.jobs[api_job.id].cancelled
+        assert second.board.all_jobs[orphan.id].cancelled and unclaimed.id not in second.board.all_jobs
+        assert not second.board.all_jobs[live.id].cancelled and not second.board.all_jobs[api_job.id].cancelled
     second.store.close()
     third = Hub(data)
-    assert third.jobs[orphan.id].cancelled and unclaimed.id not in third.jobs
+    assert third.board.all_jobs[orphan.id].cancelled and unclaimed.id not in third.board.all_jobs
     third.store.close()
 
 

@@ -136,7 +136,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             assert len(sim.streams) == 3
             assert counters.get("reconnects") == 1 and counters.get("sessions_started") == 1
             assert list(runner.sessions) == [job.id]  # the same slot, not a second one
-            await server.end_job(job.id, "bye")
+            await server.channels.end_job(job.id, "bye")
             with trio.fail_after(GUARD):
                 await counters.wait("sessions_ended", 1)
             assert len(runner.sessions) == slots_before
@@ -354,7 +354,7 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
             assert list(runner.sessions) == [job.id] and server.channel(job.id) is ch
             # the Server withdraws the job: its chat.end is lost on the forgotten path too, and
             # its heartbeats are still accepted (over HTTP, a live path): the slot stays taken
-            await server.cancel_job(job.id, "given up by the Server")
+            await server.channels.cancel_job(job.id, "given up by the Server")
             beats = counters.get("heartbeats")
             with trio.fail_after(GUARD):
                 await counters.wait("heartbeats", beats + 2)

@@ -199,7 +199,7 @@ async def test_late_reports_are_dropped_counted_and_never_stored(
         error_of(resp, 409, "conflict")
         assert hub.board.late_reports == 22
         assert runner.stored() == [IN_PROGRESS, DONE]
-        job = hub.jobs[runner.job_id]
+        job = hub.board.all_jobs[runner.job_id]
         assert job.reports == [IN_PROGRESS, DONE] and job.last_progress is None
         conn = await RawConn.open(url)
         await conn.send(head("GET", "/api/hub/jobs", [bearer(ADMIN)]))

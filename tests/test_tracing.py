@@ -200,7 +200,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
             spans = await receiver.wait_for(3)
         print_trace(spans)  # the note's example (pytest -s shows it)
 
-    (job,) = hub_.jobs.values()
+    (job,) = hub_.board.all_jobs.values()
     assert job.agent_definition["traceparent"] == PARENT
     by_request = {s.attributes.get("alp.request.id"): s for s in spans}
     session = by_request.pop(None)

@@ -140,6 +140,20 @@ class Catalog:
             if waited.cancelled_caught:
                 return []
 
+    async def refresh(self, owner: str, project: str) -> None:
+        """Ask the project's open channels again (a kept list may be stale: a runner restarted
+        with other models), at once and together, each within ``models_timeout``."""
+        channels = [
+            ch
+            for ch in self.channels.all()
+            if (state := self.board.runners.get(ch.runner_id)) is not None
+            and (state.owner, state.project) == (owner, project)
+        ]
+        by_runner = {ch.runner_id: ch for ch in channels}  # one channel per runner is enough
+        async with trio.open_nursery() as nursery:
+            for ch in by_runner.values():
+                nursery.start_soon(self.ask, ch, self.settings.models_timeout)
+
     # -- asking ------------------------------------------------------------------------
 
     def _opened(self, ch: ServerChannel) -> None:

@@ -106,13 +106,13 @@ def take(
     """The hub as it is now, read from its parts."""
     now = trio.current_time()
     sessions_by_runner: dict[str, int] = {}
-    sessions = []
+    session_list = []
     for (_key_id, sid), session in list(sessions.live.items()):
         job = board.jobs.get(session.job_id) if session.job_id else None
         runner = job.claimed_by if job is not None else None
         if runner is not None:
             sessions_by_runner[runner] = sessions_by_runner.get(runner, 0) + 1
-        sessions.append(
+        session_list.append(
             SessionStatus(
                 session.key_name,
                 sid,
@@ -187,7 +187,7 @@ def take(
     )
     return HubSnapshot(
         tuple(runners),
-        tuple(sessions),
+        tuple(session_list),
         tuple(turns),
         queue,
         asdict(counters),

@@ -164,6 +164,10 @@ class FrontDoor:
             known = self.catalog.known(key.owner, key.project)
         if known is None or model in known:
             return model
+        await self.catalog.refresh(key.owner, key.project)  # before a model is called unknown
+        known = self.catalog.known(key.owner, key.project)
+        if known is None or model in known:
+            return model
         if default:
             return default
         raise model_not_found(model, known)
