@@ -16,7 +16,7 @@ import trio
 from gateway import __version__
 from gateway.config import SETTINGS, Config, ConfigError, Setting, load_config, setting_flags
 from gateway.observe import setup_logging
-from gateway.state import StateError
+from gateway.runner.state import StateError
 
 log = logging.getLogger("gateway")
 

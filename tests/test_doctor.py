@@ -14,9 +14,9 @@ from gateway.config import BackendSpec
 from gateway.hub import Hub
 from gateway.ops import doctor
 from gateway.ops.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
+from gateway.runner.state import Registration, StateStore
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, open_sim
-from gateway.state import Registration, StateStore
 
 
 def table(checks: list[Check]) -> str:

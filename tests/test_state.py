@@ -1,5 +1,5 @@
-"""The persisted registration (gateway.state): owner-only, refused when readable by others; the
-state-directory rule (``gateway.state.private_dir``) for a directory of another user."""
+"""The persisted registration (gateway.runner.state): owner-only, refused when readable by others; the
+state-directory rule (``gateway.runner.state.private_dir``) for a directory of another user."""
 
 import os
 import shutil
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.state import Registration, StateError, StateStore
+from gateway.runner.state import Registration, StateError, StateStore
 
 
 def reg(project: str = "p") -> Registration:

@@ -28,7 +28,7 @@ from gateway.runner.alp import (
 )
 from gateway.runner.backends import Answer, Backend, BackendPool, ProbeFailed, discover_local
 from gateway.runner.snapshot import BackendStatus
-from gateway.state import Registration, StateError, StateStore
+from gateway.runner.state import Registration, StateError, StateStore
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"
 _BODY_LIMIT = 200
@@ -138,7 +138,7 @@ class Doctor:
                 )
             return None
         try:
-            # before load, which makes a directory of ours 0700 (gateway.state.private_dir)
+            # before load, which makes a directory of ours 0700 (gateway.runner.state.private_dir)
             dir_mode = stat.S_IMODE(path.parent.stat().st_mode)
             registration = store.load(config.project)
         except StateError as exc:

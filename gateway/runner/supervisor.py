@@ -33,8 +33,8 @@ from gateway.runner.backoff import backoff_delay
 from gateway.runner.poller import Poller
 from gateway.runner.session import ChatJob, Session, SessionKit
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
+from gateway.runner.state import Registration, StateError, StateStore
 from gateway.signals import watch_signals
-from gateway.state import Registration, StateError, StateStore
 from gateway.wire.protocol import CAPABILITY
 
 if TYPE_CHECKING:  # imported only when tracing is on
