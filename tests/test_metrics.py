@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import ConfigError, load_config
 from gateway.hub import Hub
 from gateway.observe import Counters, Histogram
-from gateway.ops.metrics import CONTENT_TYPE, render
 from gateway.ops.status import Reading, Samples, default_url, summary
+from gateway.runner.metrics import CONTENT_TYPE, render
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator, open_sim

@@ -21,15 +21,15 @@ import trio
 
 from gateway.config import Config
 from gateway.observe import Redactor
-from gateway.ops import tracing
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
+from gateway.wire.traceparent import valid_traceparent
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.ops.otel import SessionTrace, Tracing
+    from gateway.runner.otel import SessionTrace, Tracing
 
 log = logging.getLogger("gateway.runner")
 
@@ -57,7 +57,7 @@ class ChatJob:
             job.id,
             run_id,
             job.channel_url,
-            traceparent=tracing.valid_traceparent(definition.traceparent),
+            traceparent=valid_traceparent(definition.traceparent),
             idle_timeout=_minutes(job.id, "idleTimeoutMinutes", definition.idleTimeoutMinutes),
             max_timeout=_minutes(job.id, "maxTimeoutMinutes", definition.maxTimeoutMinutes),
         )

@@ -14,8 +14,7 @@ import trio
 from gateway import __version__
 from gateway.config import Config, split_project
 from gateway.observe import Counters, Histogram
-from gateway.ops import tracing
-from gateway.ops.metrics import MetricsServer, open_metrics
+from gateway.runner import tracing
 from gateway.runner.alp import (
     AlpClient,
     CertificateRefused,
@@ -30,6 +29,7 @@ from gateway.runner.alp import (
 )
 from gateway.runner.backends import BackendPool
 from gateway.runner.backoff import backoff_delay
+from gateway.runner.metrics import MetricsServer, open_metrics
 from gateway.runner.poller import Poller
 from gateway.runner.session import ChatJob, Session, SessionKit
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
@@ -38,7 +38,7 @@ from gateway.signals import watch_signals
 from gateway.wire.protocol import CAPABILITY
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.ops.otel import Tracing
+    from gateway.runner.otel import Tracing
 
 log = logging.getLogger("gateway.runner")
 
@@ -205,7 +205,7 @@ class Runner:
         )
         fatal: RunnerExit | StateError | None = None
         if self.trace_endpoint is not None:
-            from gateway.ops.otel import Tracing  # only when tracing is on: the SDK is heavy
+            from gateway.runner.otel import Tracing  # only when tracing is on: the SDK is heavy
 
             self.tracing = Tracing.start(self.trace_endpoint, service_version=__version__)
         try:
