@@ -8,6 +8,7 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
 import trio
 from faultproxy import fault_proxy
 from helpers import (
@@ -17,15 +18,18 @@ from helpers import (
     OWNER,
     PROJECT,
     LogCapture,
+    RecordingProxy,
     Turns,
     clean_env,
     open_chat,
     request_frame,
     runner_config,
     runner_env,
+    running,
 )
 
 from gateway.hub import Hub, open_hub
+from gateway.runner.state import StateStore
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator
 
@@ -62,9 +66,7 @@ async def test_register_saves_owner_only_state(hub: tuple[Hub, str], tmp_path: P
         AGENTICS_USER_TOKEN=ADMIN,
     )
     assert result.returncode == 0, result.stderr
-    saved = json.loads((state / "registration.json").read_text())["registrations"][
-        f"{OWNER}/{PROJECT}"
-    ]
+    (saved,) = json.loads((state / "registration.json").read_text())["registrations"]
     assert saved["name"] == "box1" and saved["server"] == hub[1] and saved["token"]
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     assert stat.S_IMODE((state / "registration.json").stat().st_mode) == 0o600
@@ -175,8 +177,8 @@ async def test_run_serves_then_sigterm_drains(
     assert "session start" in text and "session end" in text
     for secret in (BACKEND_KEY, ADMIN):
         assert secret not in text
-    token = json.loads((tmp_path / "s" / "registration.json").read_text())["registrations"]
-    assert all(reg["token"] not in text for reg in token.values())
+    saved = json.loads((tmp_path / "s" / "registration.json").read_text())["registrations"]
+    assert all(reg["token"] not in text for reg in saved)
 
 
 async def test_revoked_token_exits_without_user_credential(
@@ -236,6 +238,43 @@ async def test_a_refused_token_registers_again_at_the_server_it_polls(
         assert runner.registration.server == proxy.url
         assert runner.counters.get("registration_errors") == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_runner_token_goes_only_to_the_server_that_issued_it(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 31 point 5: the same project run against a second Server (behind a recording
+    proxy: what that Server received) registers anew there with the user credential, or says in
+    one line that it needs one; the first Server's token never reaches it, and the first
+    registration is kept and used again at the first Server."""
+    project = f"{OWNER}/{PROJECT}"
+    first = await Runner(runner_config(hub[1], sim.url, tmp_path)).register(wait_for_server=False)
+    async with open_hub(Hub(admin_token=ADMIN)) as (other, other_url), trio.open_nursery() as n:
+        proxy: RecordingProxy = await n.start(
+            RecordingProxy(int(other_url.rsplit(":", 1)[1])).serve
+        )
+        second = f"http://127.0.0.1:{proxy.port}"
+        without = Runner(runner_config(second, sim.url, tmp_path, user_token=None))
+        with pytest.raises(RunnerExit) as refused:
+            await without.run()
+        said = str(refused.value)
+        assert refused.value.code == 2 and "\n" not in said
+        assert said.startswith(f"no registration for {project} on {second} (registered on {hub[1]}")
+        assert "user credential" in said and first.token not in said
+        assert proxy.connections == []  # nothing at all went to the second Server
+        async with running(runner_config(second, sim.url, tmp_path)) as runner:
+            assert runner.registration is not None
+            assert runner.registration.server == second and runner.registration.token != first.token
+            await open_chat(other)  # it serves the second Server
+        n.cancel_scope.cancel()
+    received = proxy.received()
+    assert b"/runners/jobs" in received and runner.registration.token.encode() in received
+    assert first.token.encode() not in received
+    store = StateStore(tmp_path)
+    assert store.load(hub[1], project) == first  # kept as it was
+    assert store.load(second, project) == runner.registration
+    async with running(runner_config(hub[1], sim.url, tmp_path)) as again:
+        assert again.registration == first  # the first Server's, not registered anew
 
 
 async def test_second_signal_stops_at_once(

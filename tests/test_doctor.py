@@ -227,3 +227,20 @@ async def test_an_unreachable_server_is_one_clean_reason(sim: Simulator, tmp_pat
     assert checks["Server"].detail == (
         f"{server} unreachable: connection refused by 127.0.0.1:{port}: nothing listens there"
     )
+
+
+def test_a_registration_on_another_server_is_not_this_ones(tmp_path: Path) -> None:
+    """Issue 31 point 5: doctor picks the registration as ``run`` does, per Server and project."""
+    state = tmp_path / "state"
+    StateStore(state).save(
+        Registration("r-1", "box", "tok-elsewhere", "http://first:8787", OWNER, PROJECT)
+    )
+    check = doctor.Doctor(runner_config("http://second:8787", None, state, user_token=None))
+    assert check.check_state() is None
+    (line,) = check.checks
+    assert line.mark == FAIL
+    assert f"no registration for {OWNER}/{PROJECT} on http://second:8787 (registered on " in (
+        line.detail
+    )
+    assert "--server http://second:8787" in (line.hint or "")
+    assert "tok-elsewhere" not in line.detail

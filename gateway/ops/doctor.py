@@ -28,7 +28,7 @@ from gateway.runner.alp import (
 )
 from gateway.runner.backends import Answer, Backend, BackendPool, ProbeFailed, discover_local
 from gateway.runner.snapshot import BackendStatus
-from gateway.runner.state import Registration, StateError, StateStore
+from gateway.runner.state import Registration, StateError, StateStore, WhichServer
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"
 _BODY_LIMIT = 200
@@ -118,8 +118,9 @@ class Doctor:
         if not config.project:
             self.add(SKIP, "state file", f"{path}: not checked without a project")
             return None
+        server = f" --server {config.server}" if config.server_explicit else ""
         register = (
-            f"run `alp-gateway register --project {config.project} --user-token …` once "
+            f"run `alp-gateway register --project {config.project}{server} --user-token …` once "
             "(a user credential registers the runner)"
         )
         if not path.exists():
@@ -140,7 +141,13 @@ class Doctor:
         try:
             # before load, which makes a directory of ours 0700 (gateway.runner.state.private_dir)
             dir_mode = stat.S_IMODE(path.parent.stat().st_mode)
-            registration = store.load(config.project)
+            registration = store.find(
+                config.server, config.project, server_given=config.server_explicit
+            )
+            missing = store.missing(config.server, config.project)
+        except WhichServer as exc:
+            self.add(FAIL, "state file", str(exc))
+            return None
         except StateError as exc:
             mode = stat.S_IMODE(path.stat().st_mode)
             if mode & 0o077:
@@ -159,16 +166,10 @@ class Doctor:
                 self.add(
                     WARN,
                     "state file",
-                    f"{path} (mode {mode:o}) has no registration for "
-                    f"{config.project}; `run` registers with the user credential",
+                    f"{path} (mode {mode:o}): {missing}; `run` registers with the user credential",
                 )
             else:
-                self.add(
-                    FAIL,
-                    "state file",
-                    f"{path} (mode {mode:o}) has no registration for {config.project}",
-                    register,
-                )
+                self.add(FAIL, "state file", f"{path} (mode {mode:o}): {missing}", register)
             return None
         if dir_mode & 0o077:
             self.add(
@@ -187,14 +188,10 @@ class Doctor:
 
     # -- the Server ------------------------------------------------------------------------
 
-    def _server_for(self, registration: Registration | None) -> str:
-        if registration is not None and not self.config.server_explicit:
-            return registration.server
-        return self.config.server
-
     async def check_server(self, registration: Registration | None) -> None:
         config = self.config
-        server = self._server_for(registration)
+        # the registration's own Server (StateStore.find chose it for config.server)
+        server = config.server if registration is None else registration.server
         ssl_context = make_ssl_context(config.ca_file)
         fix_server = (
             "check --server (or AGENTICS_SERVER) and that the Server is up and reachable from here"

@@ -103,24 +103,20 @@ class Runner:
     # -- registration --------------------------------------------------------------------
 
     async def _ensure_registration(self) -> Registration:
+        """The saved registration for this Server and project (``StateStore.find``), else a new
+        one made with the user credential. A runner token goes only to the Server that issued
+        it: another ``--server`` registers anew there, and the first one's is kept."""
         config = self.config
         assert config.project
-        reg = self.store.load(config.project)
+        store = self.store
+        reg = store.find(config.server, config.project, server_given=config.server_explicit)
         if reg is not None:
-            if reg.server != config.server and config.server_explicit:
-                log.info(
-                    "server changed to %s for %s; updating the saved registration",
-                    config.server,
-                    reg.key,
-                )
-                reg = Registration(**{**reg.__dict__, "server": config.server})
-                self.store.save(reg)
             return reg
         if not config.user_token:
             raise RunnerExit(
-                f"no saved registration for {config.project} on {config.server}: run "
-                "`alp-gateway register` or give a user credential "
-                "(--user-token or AGENTICS_USER_TOKEN)",
+                f"{store.missing(config.server, config.project)}: give a user credential "
+                f"(--user-token or AGENTICS_USER_TOKEN) so that the runner registers with "
+                f"{config.server}, or run `alp-gateway register --server {config.server}` with one",
                 2,
             )
         return await self.register()
