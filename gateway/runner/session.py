@@ -36,6 +36,7 @@ log = logging.getLogger("gateway.runner")
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
 STOPPED_AT_ONCE_REPORT_S = 2.0  # after a second signal, how long a final report may take
+REPORT_GRACE_AT_STOP_S = 1.0  # once the runner stops, how long a final report may still be retried
 
 
 @dataclass
@@ -127,6 +128,22 @@ class Session:
         self.kit = kit
         self._stopping_now = False
         self._report_scope: trio.CancelScope | None = None
+        # why the Server has no final report of this job, unreachable (None: it has one, none was
+        # due yet, or it refused it: that is logged at once)
+        self.report_lost: str | None = None
+        self._report_error: str | None = "no answer in time"
+        self._redial: trio.CancelScope | None = None  # a redial in progress: a stop ends it
+
+    def stopping(self) -> None:
+        """The runner's stop began: a final report being retried gets at most
+        ``REPORT_GRACE_AT_STOP_S`` more (one not begun yet gets as much when it begins). A
+        Server that is gone would otherwise hold the stop for the report's every retry (and
+        for a redial in progress: it is given up)."""
+        if self._redial is not None:
+            self._redial.cancel()
+        scope = self._report_scope
+        if scope is not None:
+            scope.deadline = min(scope.deadline, trio.current_time() + REPORT_GRACE_AT_STOP_S)
 
     def stop_now(self) -> None:
         """The second signal: a final report still being retried is given up at once, and one
@@ -160,14 +177,16 @@ class Session:
             report = self._report_scope = trio.CancelScope(shield=True)
             if self._stopping_now:
                 budget = min(budget or STOPPED_AT_ONCE_REPORT_S, STOPPED_AT_ONCE_REPORT_S)
+            elif kit.shutdown.is_set():
+                budget = min(budget or REPORT_GRACE_AT_STOP_S, REPORT_GRACE_AT_STOP_S)
             recorded = False
             try:
                 with report, trio.move_on_after(budget or math.inf):
                     recorded = await self._report(conclusion, reason)
-                if report.cancelled_caught and not recorded:
-                    log.warning("job %s: final report abandoned (stopped at once)", job.id)
             finally:
                 self._report_scope = None
+            if not recorded:  # the supervisor says it, once for every such job of the stop
+                self.report_lost = self._report_error
             # the Server recorded it (reports_success, reports_failure), or it never will
             kit.counters.inc(f"reports_{conclusion}" if recorded else "reports_lost")
             if job.trace is not None:
@@ -206,6 +225,8 @@ class Session:
             end: ChannelEnd | None = None
             # one deadline on the whole dial: connect, TLS and the upgrade
             dial = trio.CancelScope(deadline=trio.current_time() + config.connect_timeout)
+            if dropped_at is not None and not kit.shutdown.is_set():
+                self._redial = dial
             try:
                 ws: WebSocket | None = None
                 with dial:
@@ -231,7 +252,8 @@ class Session:
                 last_problem = f"channel handshake failed: {exc}"
             except OSError as exc:
                 last_problem = f"channel unreachable: {describe_error(exc, url)}"
-            if dial.cancelled_caught and end is None:
+            self._redial = None
+            if dial.cancelled_caught and end is None and not kit.shutdown.is_set():
                 last_problem = f"channel handshake took over {config.connect_timeout:.0f} s"
             if end is not None:
                 if end.by != "drop":
@@ -290,6 +312,7 @@ class Session:
                 await kit.alp.report(job.run_id, job.id, conclusion, reason[:1000])
                 return True
             except ServerUnavailable as exc:
+                self._report_error = str(exc).partition(": ")[2] or str(exc)  # without the URL
                 if attempt == REPORT_ATTEMPTS:
                     log.error(
                         "job %s: final report lost after %d attempts: %s", job.id, attempt, exc
@@ -301,5 +324,6 @@ class Session:
                     log.info("job %s: final report was already recorded", job.id)
                     return True
                 log.error("job %s: final report refused: %s", job.id, exc)
+                self._report_error = None
                 return False
         return False  # not reached: the last attempt returns

@@ -69,7 +69,9 @@ class Runner:
         self.alp: AlpClient | None = None
         self.sessions: dict[str, Session] = {}  # the open sessions: one slot each
         self._reporting: dict[str, Session] = {}  # ended sessions whose final report is on its way
+        self._lost_at_stop: dict[str, str] = {}  # job id -> why the Server has no final report
         self._stopping_now = False  # a second signal came
+        self._polling: trio.CancelScope | None = None  # the poll request in flight: a stop ends it
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
@@ -244,6 +246,7 @@ class Runner:
                     # shutting down: the sessions drain themselves; events are no longer needed
                 nursery.cancel_scope.cancel()
         finally:
+            self._say_lost_reports()
             with trio.CancelScope(shield=True):
                 await self.alp.aclose()
                 await self.pool.aclose()
@@ -251,6 +254,24 @@ class Runner:
         if fatal is not None:
             raise fatal
         log.info("runner stopped")
+
+    def _say_lost_reports(self) -> None:
+        """One line for every final report the stop left unsent (the Server was unreachable):
+        the Server ends those jobs itself once it counts the runner offline, without knowing
+        how each ended (docs/protocol.md §3)."""
+        lost = self._lost_at_stop
+        if not lost:
+            return
+        shown = ", ".join(list(lost)[:5]) + (", …" if len(lost) > 5 else "")
+        log.warning(
+            "stopped without the final report of %d job(s) (%s): the Server at %s was "
+            "unreachable (%s); it ends them itself once it counts this runner offline, without "
+            "their outcome",
+            len(lost),
+            shown,
+            self.alp.server if self.alp is not None else self.config.server,
+            next(iter(lost.values())),
+        )
 
     async def _stop_tracing(self) -> None:
         """Flush the last spans and stop the exporter, in a thread (it blocks), bounded: a
@@ -293,6 +314,10 @@ class Runner:
     def begin_shutdown(self) -> None:
         self.shutdown.set()
         self._wake.set()
+        if self._polling is not None:
+            self._polling.cancel()
+        for session in [*self.sessions.values(), *self._reporting.values()]:
+            session.stopping()
 
     def capabilities(self) -> list[str]:
         """What can be served right now (recomputed on every poll)."""
@@ -308,7 +333,10 @@ class Runner:
             self._wake = trio.Event()
             delay = interval
             try:
-                jobs = await self.alp.poll(self.capabilities())
+                with trio.CancelScope() as self._polling:  # a Server gone quiet: not waited for
+                    jobs = await self.alp.poll(self.capabilities())
+                if self._polling.cancelled_caught:
+                    break  # stopping: nothing was claimed
                 if failures:
                     log.info("poll works again after %d failure(s)", failures)
                 failures = 0
@@ -388,6 +416,8 @@ class Runner:
         finally:
             self.sessions.pop(job_id, None)  # when it failed before it could free it
             self._reporting.pop(job_id, None)
+            if session.report_lost is not None and self.shutdown.is_set():
+                self._lost_at_stop[job_id] = session.report_lost
 
     async def _claim(self, job_id: str) -> str | None:
         """Claim a job; when the answer is lost on the way, ask once more at once: the claim may
