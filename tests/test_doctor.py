@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config, running
 
 from gateway.config import BackendSpec
 from gateway.hub import Hub
@@ -217,6 +218,35 @@ async def test_a_backend_url_without_v1_fails_and_says_did_you_mean(
     # the right URL still passes
     checks = await diagnose(runner_config(hub[1], sim.url, tmp_path / "state"))
     assert by_name(checks)["backend default"].mark == OK, table(checks)
+
+
+async def test_run_says_at_start_what_doctor_says_of_a_url_without_v1(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 31 point 3: ``run --backend http://host:8789`` (no ``/v1``) used to look healthy
+    and fail every turn; it says at start, in one WARNING line, doctor's words."""
+    plain = sim.url.removesuffix("/v1")
+    config = runner_config(hub[1], plain, tmp_path / "state")
+    said: list[str] = []
+    heard = trio.Event()
+
+    class Hear(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and "/v1" in record.getMessage():
+                said.append(record.getMessage())
+                heard.set()
+
+    hear = Hear()
+    logging.getLogger().addHandler(hear)
+    try:
+        async with running(config):
+            with trio.fail_after(10):
+                await heard.wait()
+    finally:
+        logging.getLogger().removeHandler(hear)
+    backend = by_name(await diagnose(config))["backend default"]
+    assert said == [f"backend default: {backend.detail}: {backend.hint}"]
+    assert f"did you mean {sim.url}?" in said[0] and "--backend / CHAT_LLM_BACKEND_URL" in said[0]
 
 
 async def test_an_unreachable_server_is_one_clean_reason(sim: Simulator, tmp_path: Path) -> None:

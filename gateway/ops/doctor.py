@@ -27,6 +27,7 @@ from gateway.runner.alp import (
     make_ssl_context,
 )
 from gateway.runner.backends import Answer, Backend, BackendPool, ProbeFailed, discover_local
+from gateway.runner.backendurl import missing_v1, where_configured
 from gateway.runner.snapshot import BackendStatus
 from gateway.runner.state import Registration, StateError, StateStore, WhichServer
 
@@ -273,11 +274,7 @@ class Doctor:
 
     async def check_backend(self, backend: Backend, pool: BackendPool) -> None:
         name = f"backend {backend.name}"
-        where = (
-            "--backend / CHAT_LLM_BACKEND_URL"
-            if backend.name == "default"
-            else f"[[backend]] {backend.name}"
-        )
+        where = where_configured(backend)
         reason = await backend.check()
         backend.mark(reason)
         if reason is not None:
@@ -298,18 +295,14 @@ class Doctor:
             listed = await backend.list_models()
         except ProbeFailed as exc:
             problem = exc.reason
-        if listed is None and problem == "answered 404" and not backend.url.endswith("/v1"):
+        if listed is None and problem == "answered 404":
             # Ollama's plain http://127.0.0.1:11434 (and vLLM's, LiteLLM's host) answer 404 on
-            # /models: every chat turn would 404 too. Ask where the API really is.
-            v1 = f"{backend.url}/v1"
-            if await self._lists_models(backend, "/v1"):
-                self.add(
-                    FAIL,
-                    name,
-                    f"{backend.url}/models answered 404, but {v1}/models lists models: "
-                    f"did you mean {v1}?",
-                    f"give the OpenAI-compatible base URL, {v1}, in {where}",
-                )
+            # /models: every chat turn would 404 too. Ask where the API really is (as `run` does).
+            wrong = None
+            with trio.move_on_after(self.probe_timeout):
+                wrong = await missing_v1(backend)
+            if wrong is not None:
+                self.add(FAIL, name, wrong.detail, wrong.fix)
                 return
         if listed is None:
             if backend.declared_models:
@@ -349,17 +342,6 @@ class Doctor:
                 self.add(OK, name, f"{backend.url} reachable; models: {shown}")
         if self.deep:
             await self.deep_check(backend, pool)
-
-    async def _lists_models(self, backend: Backend, path: str) -> bool:
-        """``GET {backend.url}{path}/models`` answers an OpenAI model list (with the backend's key)."""
-        data = None
-        with trio.move_on_after(self.probe_timeout):
-            try:
-                answer = await backend.fetch("GET", f"{path}/models")
-                data = msgspec.json.decode(answer.body) if answer.ok else None
-            except (ProbeFailed, msgspec.DecodeError):
-                return False
-        return isinstance(data, dict) and isinstance(data.get("data"), list)
 
     async def deep_check(self, backend: Backend, pool: BackendPool) -> None:
         name = f"  {backend.name} completion"

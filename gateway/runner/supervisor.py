@@ -28,6 +28,7 @@ from gateway.runner.alp import (
     make_ssl_context,
 )
 from gateway.runner.backends import BackendPool
+from gateway.runner.backendurl import missing_v1
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.metrics import MetricsServer, open_metrics
 from gateway.runner.poller import Poller
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # imported only when tracing is on
 log = logging.getLogger("gateway.runner")
 
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
+BACKEND_URL_CHECK_S = 5.0  # at start, how long asking a backend whether its URL lacks /v1 may take
 
 
 class RunnerExit(Exception):
@@ -221,6 +223,7 @@ class Runner:
                 if self.poller is not None:
                     nursery.start_soon(self.poller.run)
                 await nursery.start(self.pool.run)  # models discovered, backends probed: then poll
+                nursery.start_soon(self._say_missing_v1)
                 if self.metrics is not None:
                     nursery.start_soon(self.metrics.serve)
                 self._kit = SessionKit(
@@ -254,6 +257,17 @@ class Runner:
         if fatal is not None:
             raise fatal
         log.info("runner stopped")
+
+    async def _say_missing_v1(self) -> None:
+        """A backend that lists no model because its URL lacks ``/v1``: said once, at start, in
+        one WARNING line with doctor's words (``gateway.runner.backendurl``)."""
+        for backend in self.pool.backends:
+            if not backend.models:
+                wrong = None
+                with trio.move_on_after(BACKEND_URL_CHECK_S):
+                    wrong = await missing_v1(backend)
+                if wrong is not None:
+                    log.warning("backend %s: %s", backend.name, wrong.line)
 
     def _say_lost_reports(self) -> None:
         """One line for every final report the stop left unsent (the Server was unreachable):
