@@ -5,13 +5,15 @@ from __future__ import annotations
 import io
 import json
 import logging
+import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 import trio
 from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config, running
 
-from gateway.config import BackendSpec
+from gateway.config import BackendSpec, load_config
 from gateway.hub import Hub
 from gateway.ops import doctor
 from gateway.ops.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
@@ -164,7 +166,49 @@ async def test_no_backend_points_at_a_local_server(
     backend = checks["backend"]
     assert backend.mark == FAIL and "found Ollama at http://127.0.0.1:11434/v1" in backend.detail
     assert "--backend http://127.0.0.1:11434/v1" in (backend.hint or "")
-    assert '[[backend]] name = "ollama" url = "http://127.0.0.1:11434/v1"' in (backend.hint or "")
+    assert tomllib.loads(backend.snippet or "") == {
+        "backend": [{"name": "ollama", "url": "http://127.0.0.1:11434/v1"}]
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "url", "name"),
+    [
+        ("alp-gateway sim", "http://127.0.0.1:8789/v1", "sim"),
+        ("LM Studio", "http://127.0.0.1:1234/v1", "lm-studio"),
+        ("llama.cpp", "http://127.0.0.1:8080/v1", "llama-cpp"),
+    ],
+)
+async def test_no_backend_suggests_a_table_that_parses_and_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, url: str, name: str
+) -> None:
+    """Issue 31 point 9: the suggested ``[[backend]]`` table is TOML that parses (it was one
+    line, and named ``alp-gatewaysim``), loads as the runner's configuration, and is printed
+    whole: no pointer to ``config/alp-gateway.example.toml``, which pip and binary installs lack."""
+
+    async def found() -> list[tuple[str, str, list[str]]]:
+        return [(kind, url, ["m"])]
+
+    monkeypatch.setattr(doctor, "discover_local", found)
+    port = await dead_port()
+    checks = await diagnose(runner_config(f"http://127.0.0.1:{port}", None, tmp_path))
+    text = table(checks)
+    lines = text.splitlines()
+    hint = next(i for i, line in enumerate(lines) if "this table in a config file" in line)
+    shown = textwrap.dedent("\n".join(lines[hint + 1 : hint + 4]))  # as printed, under the hint
+    assert tomllib.loads(shown) == {"backend": [{"name": name, "url": url}]}
+    config_file = tmp_path / "gateway.toml"
+    config_file.write_text(shown)
+    (backend,) = load_config({"project": "o/p"}, {}, config_file).backends
+    assert (backend.name, backend.url) == (name, url)
+    assert "example.toml" not in text
+
+
+async def test_a_bad_setting_points_at_the_help_every_install_has(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert run_doctor({"project": "o/p", "poll_interval": "-3"}, {}, None, out=out) == 1
+    assert "`alp-gateway run --help` lists every one" in out.getvalue()
+    assert "example.toml" not in out.getvalue()
 
 
 async def test_cli_exit_codes(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import stat
 import sys
 import time
@@ -45,6 +47,7 @@ class Check:
     name: str
     detail: str
     hint: str | None = None
+    snippet: str | None = None  # lines to copy (a config file's table), shown under the hint
 
     @property
     def failed(self) -> bool:
@@ -74,8 +77,10 @@ class Doctor:
             [config.user_token, config.backend_key, *(b.key for b in config.backends)], limit=None
         )
 
-    def add(self, mark: str, name: str, detail: str, hint: str | None = None) -> Check:
-        check = Check(mark, name, self.redact(detail), self.redact(hint) if hint else None)
+    def add(
+        self, mark: str, name: str, detail: str, hint: str | None = None, snippet: str | None = None
+    ) -> Check:
+        check = Check(mark, name, self.redact(detail), self.redact(hint) if hint else None, snippet)
         self.checks.append(check)
         return check
 
@@ -461,12 +466,18 @@ class Doctor:
         detail = f"none configured; found {kind} at {url} serving {', '.join(models[:5])}"
         if others:
             detail += f" (also: {others})"
-        name = kind.lower().replace(" ", "").replace(".", "")
         hint = (
-            f"use it: --backend {url} (or CHAT_LLM_BACKEND_URL={url}), or in the config file: "
-            f'[[backend]] name = "{name}" url = "{url}"'
+            f"use it: --backend {url} (or CHAT_LLM_BACKEND_URL={url}), or this table in a "
+            "config file (--config FILE):"
         )
-        self.add(FAIL, "backend", detail, hint)
+        self.add(FAIL, "backend", detail, hint, backend_table(kind, url))
+
+
+def backend_table(kind: str, url: str) -> str:
+    """A ``[[backend]]`` table for a model server of ``kind`` at ``url``, as TOML: its name is
+    the kind's (``ollama``, ``lm-studio``, ``llama-cpp``; ``sim`` for our simulator)."""
+    name = re.sub(r"[^a-z0-9]+", "-", kind.lower().removeprefix("alp-gateway ")).strip("-")
+    return f"[[backend]]\nname = {json.dumps(name or 'local')}\nurl = {json.dumps(url)}\n"
 
 
 def render(checks: Sequence[Check], out: TextIO) -> None:
@@ -475,6 +486,8 @@ def render(checks: Sequence[Check], out: TextIO) -> None:
         out.write(f"  {check.mark}  {check.name.ljust(width)}  {check.detail}\n")
         if check.hint and check.mark in (FAIL, WARN):
             out.write(f"     {' ' * width}  → {check.hint}\n")
+            for line in (check.snippet or "").splitlines():
+                out.write(f"     {' ' * width}      {line}\n")
     failed = sum(c.failed for c in checks)
     if failed:
         out.write(f"\n{failed} required check{'s' if failed != 1 else ''} failed.\n")
@@ -509,7 +522,7 @@ def run_doctor(
                     "configuration",
                     str(exc),
                     "fix that setting (flags > environment > config file); "
-                    "config/alp-gateway.example.toml shows every one",
+                    "`alp-gateway run --help` lists every one, with its variable and default",
                 )
             ],
             out,
