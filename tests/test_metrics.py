@@ -328,6 +328,24 @@ async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
     assert code == 2 and "is not answering" in err
 
 
+async def test_status_after_a_turn_answered_whole_says_what_is_timed(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 31 point 12: after a non-streamed turn, ``status`` said ``first token no samples
+    yet`` as if nothing had been served; it says that only streamed turns are timed."""
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
+    async with running(config) as runner:
+        job, ch = await open_chat(hub[0])
+        await ch.send(request_frame(job.id, "whole", sim={"chunks": 3}, stream=False))
+        await Turns(ch).until("whole")
+        with trio.fail_after(5):
+            await runner.counters.wait("turns_done", 1)
+        code, out, err = await status("--metrics-url", metrics_url(runner))
+    assert code == 0, err
+    assert "no samples yet" not in out, out
+    assert "first token timed on streamed turns only: none yet (1 done)" in out, out
+
+
 def test_samples_parser_reads_what_render_writes() -> None:
     text = (
         'alp_gateway_backend_up{backend="a \\"b\\"",url="x"} 1\n'
