@@ -29,6 +29,7 @@ from helpers import (
 )
 
 from gateway.hub import Hub, open_hub
+from gateway.runner.session import RUNNER_STOPPED
 from gateway.runner.state import StateStore
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator
@@ -300,25 +301,39 @@ async def test_second_signal_stops_at_once(
     try:
         with trio.fail_after(20):
             job, ch = await open_chat(hub[0], within=20)
-            await ch.send(request_frame(job.id, "long", sim={"chunks": 1000, "interval": 0.05}))
-            stream = await sim.wait_for_streams(1)
-            await stream.wait_sent(2)
-        proc.send_signal(signal.SIGTERM)  # graceful: would wait up to 60 s for the turn
+            for rid in ("long", "long2"):
+                slow = {"chunks": 1000, "interval": 0.05}
+                await ch.send(request_frame(job.id, rid, sim=slow))
+            streams = [await sim.wait_for_streams(n) for n in (1, 2)]
+            for stream in streams:
+                await stream.wait_sent(2)
+        proc.send_signal(signal.SIGTERM)  # graceful: would wait up to 60 s for the turns
         turns = Turns(ch)
         with trio.fail_after(10):
-            seen = len(stream.payloads)
+            seen = len(turns.chunks("long"))
             while len(turns.chunks("long")) < seen + 3:  # still relaying after the first signal
                 await turns.next()
         proc.send_signal(signal.SIGINT)
+        # issue 31 point 12: each turn in flight is told the runner stopped, then the channel
+        # ends with chat.end (the hub's client used to read that the channel was lost)
+        with trio.fail_after(10):
+            while not (turns.finished("long") and turns.finished("long2") and turns.other):
+                await turns.next()
         with trio.fail_after(10):
             code = await proc.wait()
     finally:
         if proc.returncode is None:
             proc.kill()
     assert code == 130, log_path.read_text()
+    for rid in ("long", "long2"):
+        last = turns.last(rid)
+        assert last["type"] == "chat.completion.error", last
+        assert last["error"] == RUNNER_STOPPED and "stopped" in last["error"]
+    assert [f["type"] for f in turns.other] == ["chat.end"]
     with trio.fail_after(5):
-        await stream.finished.wait()
-    assert stream.client_closed
+        for stream in streams:
+            await stream.finished.wait()
+    assert all(stream.client_closed for stream in streams)
 
 
 async def test_sigterm_while_the_server_is_unreachable(tmp_path: Path) -> None:

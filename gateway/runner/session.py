@@ -24,6 +24,7 @@ from gateway.observe import Redactor
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
+from gateway.runner.turn import Ending, TurnEnd
 from gateway.wire.traceparent import valid_traceparent
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
@@ -37,6 +38,8 @@ PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
 STOPPED_AT_ONCE_REPORT_S = 2.0  # after a second signal, how long a final report may take
 REPORT_GRACE_AT_STOP_S = 1.0  # once the runner stops, how long a final report may still be retried
+RUNNER_STOPPED = "the runner was stopped at once (a second signal): this answer ends here"
+_STOPPED_END = TurnEnd(Ending.SHUTDOWN, RUNNER_STOPPED)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Session:
         self.report_lost: str | None = None
         self._report_error: str | None = "no answer in time"
         self._redial: trio.CancelScope | None = None  # a redial in progress: a stop ends it
+        self._channel: Channel | None = None  # the channel connection being served
 
     def stopping(self) -> None:
         """The runner's stop began: a final report being retried gets at most
@@ -146,9 +150,13 @@ class Session:
             scope.deadline = min(scope.deadline, trio.current_time() + REPORT_GRACE_AT_STOP_S)
 
     def stop_now(self) -> None:
-        """The second signal: a final report still being retried is given up at once, and one
-        not begun yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
+        """The second signal: each turn in flight is stopped with an error frame that says so
+        (``RUNNER_STOPPED``; the supervisor gives the frames a moment before it cancels
+        everything); a final report still being retried is given up at once, and one not begun
+        yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
         self._stopping_now = True
+        if self._channel is not None:
+            self._stop_turns(self._channel)
         if self._report_scope is not None:
             self._report_scope.cancel()
 
@@ -298,10 +306,24 @@ class Session:
         if redial:
             log.info("job %s: channel redialled", job.id)
             kit.counters.inc("reconnects")
-        channel = Channel(
+        channel = self._channel = Channel(
             job.id, ws, kit, frame_log=self._frame_log(), trace=job.trace, limits=limits
         )
-        return await channel.serve()
+        if self._stopping_now:
+            self._stop_turns(channel)
+        try:
+            return await channel.serve()
+        finally:
+            self._channel = None
+
+    @staticmethod
+    def _stop_turns(channel: Channel) -> None:
+        """Stop every turn in flight on ``channel``: each sends its error frame (``RUNNER_STOPPED``)
+        and ends; the channel's wind-down then sends ``chat.end`` and closes it."""
+        # the channel's own turn table: Channel has no public stop-now of its own yet (its
+        # module is being reworked elsewhere); a Channel.stop_now(reason) should replace this
+        for turn in list(channel._turns.values()):
+            turn.stop(_STOPPED_END)
 
     async def _report(self, conclusion: str, reason: str) -> bool:
         """The one final report; retried (bounded) while the Server is unavailable. Whether

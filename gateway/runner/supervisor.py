@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # imported only when tracing is on
 log = logging.getLogger("gateway.runner")
 
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
+STOP_NOW_S = 1.0  # after a second signal, how long the turns in flight have to say they stopped
 BACKEND_URL_CHECK_S = 5.0  # at start, how long asking a backend whether its URL lacks /v1 may take
 
 
@@ -314,13 +315,20 @@ class Runner:
         def again(signum: int) -> None:
             log.warning("second signal: stopping now")
             self.stop_now()
-            done.cancel()
+            # the turns in flight say that the runner stopped, then everything is cancelled
+            done.deadline = min(done.deadline, trio.current_time() + STOP_NOW_S)
 
         await watch_signals(first, again, task_status=task_status)
 
+    @property
+    def stopped_now(self) -> bool:
+        """Whether a second signal came (the command's exit status is 130 then)."""
+        return self._stopping_now
+
     def stop_now(self) -> None:
-        """The second signal: final reports still being retried are given up at once (and a
-        session ending from now on has at most 2 s for its report)."""
+        """The second signal: each turn in flight ends with an error frame saying the runner
+        stopped (and its channel with ``chat.end``), final reports still being retried are
+        given up at once (and a session ending from now on has at most 2 s for its report)."""
         self._stopping_now = True
         for session in [*self.sessions.values(), *self._reporting.values()]:
             session.stop_now()
