@@ -289,7 +289,7 @@ async def test_run_says_at_start_what_doctor_says_of_a_url_without_v1(
     finally:
         logging.getLogger().removeHandler(hear)
     backend = by_name(await diagnose(config))["backend default"]
-    assert said == [f"backend default: {backend.detail}: {backend.hint}"]
+    assert said == [f"backend default: {backend.detail} ({backend.hint})"]
     assert f"did you mean {sim.url}?" in said[0] and "--backend / CHAT_LLM_BACKEND_URL" in said[0]
 
 

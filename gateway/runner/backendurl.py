@@ -26,7 +26,7 @@ class MissingV1:
     @property
     def line(self) -> str:
         """Both, in one line (the runner's warning)."""
-        return f"{self.detail}: {self.fix}"
+        return f"{self.detail} ({self.fix})"
 
 
 def where_configured(backend: Backend) -> str:
