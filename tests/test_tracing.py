@@ -27,10 +27,11 @@ from helpers import (
 from otlp_receiver import ReceivedSpan, open_receiver
 
 from gateway.hub import Hub
-from gateway.ops import tracing
-from gateway.ops.otel import Tracing
+from gateway.runner import tracing
+from gateway.runner.otel import Tracing
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
+from gateway.wire.traceparent import valid_traceparent
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CLIENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -64,7 +65,7 @@ def test_endpoint_from_env() -> None:
     ],
 )
 def test_valid_traceparent(value: object, valid: bool) -> None:
-    assert (tracing.valid_traceparent(value) is not None) is valid
+    assert (valid_traceparent(value) is not None) is valid
 
 
 def test_usage_attributes() -> None:

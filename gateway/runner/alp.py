@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
-from gateway.state import Registration
+from gateway.runner.state import Registration
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.sse import SSESplitter
 

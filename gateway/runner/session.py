@@ -21,21 +21,25 @@ import trio
 
 from gateway.config import Config
 from gateway.observe import Redactor
-from gateway.ops import tracing
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
+from gateway.runner.turn import Ending, TurnEnd
+from gateway.wire.traceparent import valid_traceparent
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.ops.otel import SessionTrace, Tracing
+    from gateway.runner.otel import SessionTrace, Tracing
 
 log = logging.getLogger("gateway.runner")
 
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
 STOPPED_AT_ONCE_REPORT_S = 2.0  # after a second signal, how long a final report may take
+REPORT_GRACE_AT_STOP_S = 1.0  # once the runner stops, how long a final report may still be retried
+RUNNER_STOPPED = "the runner was stopped at once (a second signal): this answer ends here"
+_STOPPED_END = TurnEnd(Ending.SHUTDOWN, RUNNER_STOPPED)
 
 
 @dataclass
@@ -57,7 +61,7 @@ class ChatJob:
             job.id,
             run_id,
             job.channel_url,
-            traceparent=tracing.valid_traceparent(definition.traceparent),
+            traceparent=valid_traceparent(definition.traceparent),
             idle_timeout=_minutes(job.id, "idleTimeoutMinutes", definition.idleTimeoutMinutes),
             max_timeout=_minutes(job.id, "maxTimeoutMinutes", definition.maxTimeoutMinutes),
         )
@@ -127,11 +131,32 @@ class Session:
         self.kit = kit
         self._stopping_now = False
         self._report_scope: trio.CancelScope | None = None
+        # why the Server has no final report of this job, unreachable (None: it has one, none was
+        # due yet, or it refused it: that is logged at once)
+        self.report_lost: str | None = None
+        self._report_error: str | None = "no answer in time"
+        self._redial: trio.CancelScope | None = None  # a redial in progress: a stop ends it
+        self._channel: Channel | None = None  # the channel connection being served
+
+    def stopping(self) -> None:
+        """The runner's stop began: a final report being retried gets at most
+        ``REPORT_GRACE_AT_STOP_S`` more (one not begun yet gets as much when it begins). A
+        Server that is gone would otherwise hold the stop for the report's every retry (and
+        for a redial in progress: it is given up)."""
+        if self._redial is not None:
+            self._redial.cancel()
+        scope = self._report_scope
+        if scope is not None:
+            scope.deadline = min(scope.deadline, trio.current_time() + REPORT_GRACE_AT_STOP_S)
 
     def stop_now(self) -> None:
-        """The second signal: a final report still being retried is given up at once, and one
-        not begun yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
+        """The second signal: each turn in flight is stopped with an error frame that says so
+        (``RUNNER_STOPPED``; the supervisor gives the frames a moment before it cancels
+        everything); a final report still being retried is given up at once, and one not begun
+        yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
         self._stopping_now = True
+        if self._channel is not None:
+            self._stop_turns(self._channel)
         if self._report_scope is not None:
             self._report_scope.cancel()
 
@@ -160,14 +185,16 @@ class Session:
             report = self._report_scope = trio.CancelScope(shield=True)
             if self._stopping_now:
                 budget = min(budget or STOPPED_AT_ONCE_REPORT_S, STOPPED_AT_ONCE_REPORT_S)
+            elif kit.shutdown.is_set():
+                budget = min(budget or REPORT_GRACE_AT_STOP_S, REPORT_GRACE_AT_STOP_S)
             recorded = False
             try:
                 with report, trio.move_on_after(budget or math.inf):
                     recorded = await self._report(conclusion, reason)
-                if report.cancelled_caught and not recorded:
-                    log.warning("job %s: final report abandoned (stopped at once)", job.id)
             finally:
                 self._report_scope = None
+            if not recorded:  # the supervisor says it, once for every such job of the stop
+                self.report_lost = self._report_error
             # the Server recorded it (reports_success, reports_failure), or it never will
             kit.counters.inc(f"reports_{conclusion}" if recorded else "reports_lost")
             if job.trace is not None:
@@ -206,6 +233,8 @@ class Session:
             end: ChannelEnd | None = None
             # one deadline on the whole dial: connect, TLS and the upgrade
             dial = trio.CancelScope(deadline=trio.current_time() + config.connect_timeout)
+            if dropped_at is not None and not kit.shutdown.is_set():
+                self._redial = dial
             try:
                 ws: WebSocket | None = None
                 with dial:
@@ -231,7 +260,8 @@ class Session:
                 last_problem = f"channel handshake failed: {exc}"
             except OSError as exc:
                 last_problem = f"channel unreachable: {describe_error(exc, url)}"
-            if dial.cancelled_caught and end is None:
+            self._redial = None
+            if dial.cancelled_caught and end is None and not kit.shutdown.is_set():
                 last_problem = f"channel handshake took over {config.connect_timeout:.0f} s"
             if end is not None:
                 if end.by != "drop":
@@ -276,10 +306,24 @@ class Session:
         if redial:
             log.info("job %s: channel redialled", job.id)
             kit.counters.inc("reconnects")
-        channel = Channel(
+        channel = self._channel = Channel(
             job.id, ws, kit, frame_log=self._frame_log(), trace=job.trace, limits=limits
         )
-        return await channel.serve()
+        if self._stopping_now:
+            self._stop_turns(channel)
+        try:
+            return await channel.serve()
+        finally:
+            self._channel = None
+
+    @staticmethod
+    def _stop_turns(channel: Channel) -> None:
+        """Stop every turn in flight on ``channel``: each sends its error frame (``RUNNER_STOPPED``)
+        and ends; the channel's wind-down then sends ``chat.end`` and closes it."""
+        # the channel's own turn table: Channel has no public stop-now of its own yet (its
+        # module is being reworked elsewhere); a Channel.stop_now(reason) should replace this
+        for turn in list(channel._turns.values()):
+            turn.stop(_STOPPED_END)
 
     async def _report(self, conclusion: str, reason: str) -> bool:
         """The one final report; retried (bounded) while the Server is unavailable. Whether
@@ -290,6 +334,7 @@ class Session:
                 await kit.alp.report(job.run_id, job.id, conclusion, reason[:1000])
                 return True
             except ServerUnavailable as exc:
+                self._report_error = str(exc).partition(": ")[2] or str(exc)  # without the URL
                 if attempt == REPORT_ATTEMPTS:
                     log.error(
                         "job %s: final report lost after %d attempts: %s", job.id, attempt, exc
@@ -301,5 +346,6 @@ class Session:
                     log.info("job %s: final report was already recorded", job.id)
                     return True
                 log.error("job %s: final report refused: %s", job.id, exc)
+                self._report_error = None
                 return False
         return False  # not reached: the last attempt returns

@@ -47,7 +47,7 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     jobId: str | None = None
     model: str | None = None
     # extension (§6): the W3C trace context of this turn's request; checked only when tracing
-    # is on (``gateway.ops.tracing.valid_traceparent``), so any value is taken, none refused
+    # is on (``gateway.wire.traceparent.valid_traceparent``), so any value is taken, none refused
     traceparent: Any = None
 
 

@@ -45,7 +45,7 @@ from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, Store
 from gateway.hub.turns import TurnRecord
 from gateway.hub.usage import UsageBook
-from gateway.ops.tracing import valid_traceparent
+from gateway.wire.traceparent import valid_traceparent
 
 log = logging.getLogger("gateway.hub.frontdoor")
 

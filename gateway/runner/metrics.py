@@ -65,8 +65,9 @@ _COUNTERS: dict[str, tuple[str, str]] = {
 _TURNS = {"turns_done": "done", "turns_error": "error", "turns_cancelled": "cancelled"}
 _REPORTS = {"reports_success": "success", "reports_failure": "failure", "reports_lost": "lost"}
 _HISTOGRAM_HELP = {
-    "ttft_seconds": "Time from a turn's request to the backend's first bytes.",
-    "relay_seconds": "Time from a read from the backend to its frames queued for the Server.",
+    "ttft_seconds": "Time from a streamed turn's request frame to its first chunk read from the "
+    "backend (a turn answered whole is not timed).",
+    "relay_seconds": "Time from a read of a streamed answer to its frames queued for the Server.",
 }
 _NOT_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
