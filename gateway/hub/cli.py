@@ -10,7 +10,6 @@ import os
 import pathlib
 import re
 import socket
-import sqlite3
 import ssl
 import sys
 import time
@@ -25,8 +24,16 @@ from gateway.config import parse_listen as config_parse_listen
 from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
-from gateway.hub.usage import LIMIT_NAMES, KeyLimits, limits_of
+from gateway.hub.store import (
+    DEFAULT_KEY_PROJECT,
+    LIMIT_NAMES,
+    KeyLimits,
+    Store,
+    StoreError,
+    UsageTotal,
+    limits_of,
+    open_store,
+)
 from gateway.observe import setup_logging
 from gateway.signals import watch_signals
 
@@ -317,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     except _UsageError as exc:
         return _fail(str(exc))
-    except (OSError, sqlite3.Error, ValueError) as exc:
+    except (OSError, StoreError, ValueError) as exc:
         return _fail(str(exc))
 
 
@@ -372,11 +379,14 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
     if missing is not None and not (args.keys_command == "create" and args.create):
         extra = "; or `keys create --create` to start a new hub store there"
         return _fail(missing + (extra if args.keys_command == "create" else ""))
-    store = Store(data_dir)
+    return trio.run(_keys_in, args, open_store(data_dir))
+
+
+async def _keys_in(args: argparse.Namespace, store: Store) -> int:
     try:
         if args.keys_command == "create":
             limits = limits_of(*(getattr(args, name) for name in LIMIT_NAMES))
-            key = store.create_api_key(args.name, args.project, limits)
+            key = await store.create_api_key(args.name, args.project, limits)
             print(
                 f"created API key {args.name!r} for {args.project} (limits: "
                 f"{limits.describe()}); it is shown only now:",
@@ -385,7 +395,7 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
             print(key)
             return 0
         if args.keys_command == "list":
-            keys = store.list_api_keys()
+            keys = await store.list_api_keys()
             if not keys:
                 print("no API keys", file=sys.stderr)
                 return 0
@@ -408,7 +418,7 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
                     "keys update needs at least one of --rpm, --tpm, "
                     "--tokens-per-day, --max-streams"
                 )
-            found = store.key_limits(args.name)
+            found = await store.key_limits(args.name)
             if found is None:
                 return _fail(f"no active API key named {args.name!r}")
             old = found[1]
@@ -417,16 +427,16 @@ def _keys(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
                 for name, value in given.items()
             }
             limits = limits_of(**merged)
-            if not store.set_key_limits(args.name, limits):
+            if not await store.set_key_limits(args.name, limits):
                 return _fail(f"no active API key named {args.name!r}")
             print(f"API key {args.name!r} limits: {limits.describe()}")
             return 0
-        if store.revoke_api_key(args.name):
+        if await store.revoke_api_key(args.name):
             print(f"revoked API key {args.name!r}")
             return 0
         return _fail(f"no active API key named {args.name!r}")
     finally:
-        store.close()
+        await store.close()
 
 
 def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
@@ -435,12 +445,8 @@ def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
     missing = _no_hub_in(data_dir)
     if missing is not None:
         return _fail(missing)
-    store = Store(data_dir)
-    try:
-        since = time.time() - span
-        totals, exact = store.usage_totals(since, args.key)
-    finally:
-        store.close()
+    since = time.time() - span
+    totals, exact = trio.run(_totals, open_store(data_dir), since, args.key)
     start = datetime.datetime.fromtimestamp(since, datetime.UTC)
     if not exact:
         start = start.replace(minute=0, second=0, microsecond=0)
@@ -474,6 +480,13 @@ def _usage(args: argparse.Namespace, data_dir: pathlib.Path) -> int:
     for row in rows:
         print(line(row))
     return 0
+
+
+async def _totals(store: Store, since: float, key: str | None) -> tuple[list[UsageTotal], bool]:
+    try:
+        return await store.usage_totals(since, key)
+    finally:
+        await store.close()
 
 
 def configure_logging() -> None:
@@ -516,7 +529,7 @@ def _serve(
     except OSError as error:
         return _fail(f"cannot listen on {host}:{port}: {error.strerror or error}")
     finally:
-        hub.store.close()
+        trio.run(hub.store.close)  # what the hub's writer left queued, if anything
     return 0
 
 
