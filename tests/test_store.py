@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -517,6 +518,15 @@ def test_a_newer_schema_is_refused_with_one_line(
 
 
 # -- the hub on its store ---------------------------------------------------------------------
+
+
+async def test_a_store_that_fails_answers_503_store_unavailable(tmp_path: Path) -> None:
+    hub = Hub(tmp_path / "hub", admin_token="alpa_admin")
+    async with open_hub(hub) as (_, url), httpx.AsyncClient(base_url=url) as http:
+        await hub.store.close()  # as a database that went away
+        reply = await http.get("/api/hub/keys", headers={"Authorization": "Bearer alpa_admin"})
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "store_unavailable"
 
 
 async def test_turns_that_ended_are_in_the_store_when_the_hub_stops(tmp_path: Path) -> None:
