@@ -31,7 +31,7 @@ async def main() -> None:
     async def hubsink(streams: int, body: dict[str, Any]) -> dict[str, Any]:
         if not sink_job:
             sink_job.append(
-                hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION)).id
+                (await hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION))).id
             )
         job_id = sink_job[0]
         ch = await hub.wait_channel(job_id, 30)
@@ -69,13 +69,17 @@ async def main() -> None:
 
         async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             if cmd["cmd"] == "apikey":
-                return {"key": hub.create_api_key(f"bench-{uuid.uuid4().hex[:8]}")}
+                return {"key": await hub.create_api_key(f"bench-{uuid.uuid4().hex[:8]}")}
             if cmd["cmd"] == "enqueue":
                 definition = dict(DEFINITION)
                 if cmd.get("channel_url"):
                     definition["channelUrl"] = cmd["channel_url"]
                 ids = [
-                    hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(definition)).id
+                    (
+                        await hub.enqueue_job(
+                            OWNER, PROJECT, [protocol.CAPABILITY], dict(definition)
+                        )
+                    ).id
                     for _ in range(cmd["n"])
                 ]
                 return {"ids": ids}
@@ -85,7 +89,7 @@ async def main() -> None:
                 return {"runners": len(hub.last_seen)}
             if cmd["cmd"] == "jobs":
                 states: dict[str, int] = {}
-                for job in hub.jobs.values():
+                for job in await hub.jobs.values():
                     states[job.status] = states.get(job.status, 0) + 1
                 return {"states": states}
             raise ValueError(f"unknown command {cmd['cmd']!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import AsyncIterator, Collection
@@ -13,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import trio
+import trio.testing
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
 
 from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
+from gateway.hub.cli import main as hub_main
 from gateway.runner.supervisor import Runner
 
 ADMIN = "alpa_test_admin_credential"
@@ -57,9 +60,20 @@ async def running(config: Config) -> AsyncIterator[Runner]:
         nursery.cancel_scope.cancel()
 
 
+async def hub_command(clock: trio.testing.MockClock, argv: list[str]) -> int:
+    """``alp-gateway hub ARGV`` as another process on the same store runs it: its own trio run
+    (in a thread), the test's virtual clock held still while it runs (no autojump meanwhile)."""
+    threshold = clock.autojump_threshold
+    clock.autojump_threshold = math.inf
+    try:
+        return await trio.to_thread.run_sync(hub_main, argv)
+    finally:
+        clock.autojump_threshold = threshold
+
+
 async def open_chat(hub: Hub, within: float = 10) -> tuple[Any, ServerChannel]:
     """Queue a Kind B job and wait for the runner's channel."""
-    job = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     channel = await hub.wait_channel(job.id, within)
     assert channel is not None, "the runner did not open the chat channel"
     return job, channel

@@ -403,7 +403,7 @@ async def test_capability_follows_backend_health(
                 await backend.wait_until(lambda b: not b.up)
             assert runner.capabilities() == []
             polls = runner.counters.get("polls")
-            job = hub[0].enqueue_job("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
+            job = await hub[0].enqueue_job("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
             with trio.fail_after(5):
                 await runner.counters.wait("polls", polls + 2)
             assert job.claimed_by is None  # nothing is advertised while no backend is up

@@ -17,10 +17,10 @@ import pytest
 import trio
 import trio.testing
 from fake_runner import FakeRunner, Script
+from helpers import hub_command
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.board import RECENT_ENDED
-from gateway.hub.cli import main as hub_main
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import StoredSession
 
@@ -69,13 +69,21 @@ def error_of(reply: httpx.Response) -> dict[str, Any]:
 class HandRunner:
     """A runner driven step by step over the runner API: poll with chosen capabilities, claim."""
 
-    def __init__(self, hub: Hub, url: str, owner: str = OWNER, project: str = PROJECT) -> None:
-        registration = hub.register_runner(owner, project, "by-hand", ["self-hosted"])
+    def __init__(
+        self, registration: dict[str, Any], url: str, owner: str = OWNER, project: str = PROJECT
+    ) -> None:
         self.id = registration["id"]
         self.base = f"{url}/api/owners/{owner}/projects/{project}"
         self.http = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {registration['token']}"}, timeout=GUARD
         )
+
+    @classmethod
+    async def register(
+        cls, hub: Hub, url: str, owner: str = OWNER, project: str = PROJECT
+    ) -> HandRunner:
+        registration = await hub.register_runner(owner, project, "by-hand", ["self-hosted"])
+        return cls(registration, url, owner, project)
 
     async def poll(self, *capabilities: str) -> list[dict[str, Any]]:
         reply = await self.http.post(
@@ -127,9 +135,9 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         # a runner of another project, alive and capable: "no runner" all the same, unnamed
-        stranger = HandRunner(hub, url, "secret-owner", "secret-project")
+        stranger = await HandRunner.register(hub, url, "secret-owner", "secret-project")
         await stranger.poll("chat-llm:v1")
         with trio.fail_after(GUARD):
             started = trio.current_time()
@@ -149,15 +157,15 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     }
     assert error_of(models)["code"] == "no_runner"
     assert "secret" not in reply.text and "secret" not in models.text
-    assert not [j for j in hub.jobs.values() if j.owner == OWNER]  # no job was ever opened
+    assert not [j for j in await hub.jobs.values() if j.owner == OWNER]  # no job was ever opened
 
 
 async def test_runners_connected_none_advertising_is_answered_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
-        down = [HandRunner(hub, url), HandRunner(hub, url)]
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        down = [await HandRunner.register(hub, url), await HandRunner.register(hub, url)]
         for runner in down:
             assert await runner.poll() == []  # backends down: nothing advertised
         with trio.fail_after(GUARD):
@@ -173,13 +181,13 @@ async def test_runners_connected_none_advertising_is_answered_at_once(
         "param": None,
         "code": "no_capable_runner",
     }
-    assert not [j for j in hub.jobs.values() if j.owner == OWNER]
+    assert not [j for j in await hub.jobs.values() if j.owner == OWNER]
 
 
 async def _busy_runner(hub: Hub, url: str) -> HandRunner:
     """A runner holding one session and advertising nothing: at its capacity."""
-    runner = HandRunner(hub, url)
-    job = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    runner = await HandRunner.register(hub, url)
+    job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     assert [j["id"] for j in await runner.poll("chat-llm:v1")] == [job.id]
     await runner.claim(job.id)
     assert await runner.poll() == []  # at --max-sessions: stops advertising
@@ -190,7 +198,7 @@ async def test_every_runner_busy_waits_queue_wait_then_503_with_retry_after(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(queue_wait=7.0)) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         with trio.fail_after(GUARD):
             started = trio.current_time()
@@ -213,7 +221,7 @@ async def test_every_runner_busy_the_turn_is_served_when_one_frees_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(queue_wait=60.0)) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         replies: list[httpx.Response] = []
         with trio.fail_after(GUARD):
@@ -236,7 +244,7 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, models=("fake-model", "fake-tools")) as (fake, _):
             async with client(url, key) as openai_client:
                 with trio.fail_after(GUARD):
@@ -278,7 +286,7 @@ async def test_a_backend_refusing_the_request_is_a_4xx_not_a_retried_502(
         "broken": Script(error_before="backend returned 500: boom"),
     }
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, scripts=refusals):
             with trio.fail_after(GUARD):
                 missing = await chat(url, key, model="missing-model")
@@ -297,12 +305,12 @@ async def test_a_dead_runners_session_moves_at_once_when_another_runner_is_free(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, name="a") as (a, kill_a):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 (job_id,) = a.claimed
-                job1 = hub.jobs[job_id]
+                job1 = await hub.jobs.get(job_id)
             async with fake_runner(url, name="b") as (b, _):
                 with trio.fail_after(GUARD):
                     while hub.board.runners[str(b.runner_id)].capabilities is None:
@@ -318,7 +326,7 @@ async def test_a_dead_runners_session_moves_at_once_when_another_runner_is_free(
     assert elapsed < NEVER  # the reconnect window was not waited out
     assert hub.counters.failovers_immediate == 1 and hub.counters.redial_waits == 0
     assert hub.counters.failovers == 1
-    job2 = hub.jobs[hub.frontdoor.sessions.listing()[("k", "s")]]
+    job2 = await hub.jobs.get(hub.frontdoor.sessions.listing()[("k", "s")])
     assert job2.id != job1.id and b.claimed == [job2.id]
     assert job1.cancelled and job1.cancel_reason == "channel lost"  # a redial would be refused
 
@@ -327,7 +335,7 @@ async def test_with_no_other_runner_free_the_turn_waits_for_the_redial(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(reconnect_timeout=5.0, runner_wait_timeout=20.0)) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, kill):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
@@ -354,9 +362,9 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
 ) -> None:
     data = tmp_path / "hub"
     async with open_hub(hub_of(data)) as (hub, url):
-        runner = HandRunner(hub, url)
+        runner = await HandRunner.register(hub, url)
         jobs = [
-            hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+            await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
             for _ in range(RECENT_ENDED + 2)
         ]
         done = {"status": "completed", "conclusion": "success", "logs": "ok"}
@@ -364,10 +372,10 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
             run_id = await runner.claim(job.id)
             reply = await runner.http.patch(f"{runner.base}/runs/{run_id}/jobs/{job.id}", json=done)
             assert reply.status_code == 200
-        live = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        live = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
         assert list(hub.board.jobs) == [live.id]  # polls scan only what can still run
         assert len(hub.board.recent) == RECENT_ENDED
-        oldest = hub.jobs[jobs[0].id]  # read back from the store
+        oldest = await hub.jobs.get(jobs[0].id)  # read back from the store
         assert oldest is not jobs[0] and oldest.status == "completed"
         assert oldest.reports == [{"status": "in_progress"}, done]
         # a late report on an ended job is refused as before (409), counted, and not kept
@@ -382,10 +390,13 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
         assert len(listed) == len(jobs) + 1 and listed[jobs[0].id]["status"] == "completed"
         assert len(listed[jobs[0].id]["reports"]) == 2
     again = Hub(data, admin_token=ADMIN)
+    await again.board.load()  # as its start does
     assert list(again.board.jobs) == [live.id]  # a restart loads the live ones only
-    assert again.jobs[jobs[-1].id].conclusion == "success" and len(again.jobs) == len(jobs) + 1
-    again.store.close()
-    hub.store.close()
+    assert (
+        await again.jobs.get(jobs[-1].id)
+    ).conclusion == "success" and await again.jobs.count() == len(jobs) + 1
+    await again.store.close()
+    await hub.store.close()
 
 
 async def test_sessions_per_key_bounded_lru_idle_ended_else_429(
@@ -393,8 +404,8 @@ async def test_sessions_per_key_bounded_lru_idle_ended_else_429(
 ) -> None:
     gate = trio.Event()
     async with open_hub(hub_of(max_sessions_per_key=2)) as (hub, url):
-        key = hub.create_api_key("k", f"{OWNER}/{PROJECT}")
-        other_key = hub.create_api_key("other", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        other_key = await hub.create_api_key("other", f"{OWNER}/{PROJECT}")
         scripts = {"gated": Script(gate=gate)}
         async with fake_runner(url, scripts=scripts) as (fake, _):
             with trio.fail_after(GUARD):
@@ -441,27 +452,30 @@ async def test_a_key_revoked_by_another_process_ends_its_sessions_and_its_name_i
 ) -> None:
     data = tmp_path / "hub"
     async with open_hub(hub_of(data, key_check_interval=3.0)) as (hub, url):
-        key = hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, _):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 (old_job,) = fake.claimed
                 # `alp-gateway hub keys revoke alice` from another process on the same store
-                assert hub_main(["keys", "revoke", "alice", "--data", str(data)]) == 0
+                argv = ["keys", "revoke", "alice", "--data", str(data)]
+                assert await hub_command(autojump_clock, argv) == 0
                 revoked_at = trio.current_time()
                 await fake.wait_until(lambda: bool(fake.ends))
                 noticed = trio.current_time() - revoked_at
-                await hub.jobs[old_job].completed.wait()
+                await (await hub.jobs.get(old_job)).completed.wait()
                 refused = await chat(url, key, "s")
-                new_key = hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+                new_key = await hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
                 fresh = await chat(url, new_key, "s")
     assert fake.ends == [(old_job, "api key revoked")]
     assert noticed <= 3.0  # within key_check_interval
-    assert hub.jobs[old_job].cancelled and hub.jobs[old_job].cancel_reason == "api key revoked"
+    assert (await hub.jobs.get(old_job)).cancelled and (
+        await hub.jobs.get(old_job)
+    ).cancel_reason == "api key revoked"
     assert refused.status_code == 401
     assert fresh.status_code == 200 and len(fake.claimed) == 2  # a new session, a new job
     assert hub.frontdoor.sessions.listing() == {("alice", "s"): fake.claimed[1]}
-    assert [(s.key_name, s.job_id) for s in hub.store.load_sessions()] == [
+    assert [(s.key_name, s.job_id) for s in await hub.store.load_sessions()] == [
         ("alice", fake.claimed[1])
     ]
     assert "revoked API key 'alice'" in capsys.readouterr().out
@@ -471,12 +485,12 @@ async def test_a_key_revoked_in_the_hub_ends_its_sessions_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(key_check_interval=NEVER)) as (hub, url):
-        key = hub.create_api_key("bob", f"{OWNER}/{PROJECT}")
+        key = await hub.create_api_key("bob", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, _):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 revoked_at = trio.current_time()
-                assert hub.revoke_api_key("bob")
+                assert await hub.revoke_api_key("bob")
                 await fake.wait_until(lambda: bool(fake.ends))
                 noticed = trio.current_time() - revoked_at
     assert fake.ends == [(fake.claimed[0], "api key revoked")] and noticed < NEVER
@@ -486,20 +500,22 @@ async def test_a_key_revoked_in_the_hub_ends_its_sessions_at_once(
 async def test_a_stored_session_of_a_revoked_key_is_not_restored(tmp_path: Path) -> None:
     data = tmp_path / "hub"
     first = Hub(data, admin_token=ADMIN)
-    key = first.create_api_key("carol", f"{OWNER}/{PROJECT}")
-    api_key = first.check_api_key(key)
+    key = await first.create_api_key("carol", f"{OWNER}/{PROJECT}")
+    api_key = await first.check_api_key(key)
     assert api_key is not None and api_key.id and api_key.id not in key
-    job = first.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
+    job = await first.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
     job.claimed_by, job.run_id = "runner-1", "run-1"
-    first.save_job(job)
-    first.store.save_session(StoredSession("carol", "s", OWNER, PROJECT, job.id, api_key.id))
-    assert first.revoke_api_key("carol")
-    first.store.close()
+    await first.save_job(job)
+    await first.store.save_session(StoredSession("carol", "s", OWNER, PROJECT, job.id, api_key.id))
+    assert await first.revoke_api_key("carol")
+    await first.store.close()
     second = Hub(data, admin_token=ADMIN)
     async with open_hub(second):
         assert second.frontdoor.sessions.listing() == {}
-        assert second.jobs[job.id].cancelled  # withdrawn: its runner's redial is refused
-    second.store.close()
+        assert (
+            await second.jobs.get(job.id)
+        ).cancelled  # withdrawn: its runner's redial is refused
+    await second.store.close()
 
 
 # -- the settings on the command line ------------------------------------------------------

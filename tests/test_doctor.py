@@ -61,7 +61,9 @@ async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pat
     assert deep["max_tokens"] == 1 and deep["stream"] is False and deep["model"] == "sim-model"
     for secret in (BACKEND_KEY, ADMIN, reg.token):
         assert secret not in text
-    assert hub[0].jobs == {} or all(j.claimed_by is None for j in hub[0].jobs.values())
+    assert await hub[0].jobs.count() == 0 or all(
+        j.claimed_by is None for j in await hub[0].jobs.values()
+    )
 
 
 async def test_broken_setup_names_each_fault_and_its_fix(tmp_path: Path) -> None:

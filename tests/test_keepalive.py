@@ -240,7 +240,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
     clear error, never hangs; the next turn is served on the same session; the runner holds one
     session slot throughout; `status` shows the keepalive's counters."""
     server, url = hub
-    key = server.create_api_key("keepalive", f"{OWNER}/{PROJECT}")
+    key = await server.create_api_key("keepalive", f"{OWNER}/{PROJECT}")
     oc = openai.AsyncOpenAI(
         base_url=url + "/v1",
         api_key=key,
@@ -327,7 +327,9 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
         )
         async with running(config) as runner:
             counters = runner.counters
-            job = server.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy))
+            job = await server.enqueue_job(
+                OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy)
+            )
             with trio.fail_after(GUARD):
                 ch = await server.wait_channel(job.id, GUARD)
                 assert ch is not None

@@ -139,7 +139,7 @@ async def test_soak(tmp_path: Path) -> None:
         )
         async with running(config) as runner:
             jobs = [
-                hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+                await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
                 for _ in range(SESSIONS)
             ]
             for job in jobs:

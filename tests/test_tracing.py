@@ -184,7 +184,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
     child; the first turn span is the session's child, the second (its own traceparent, in its
     frame) the client's child linked to the session; the backend saw each turn span's id."""
     hub_, base = hub
-    key = hub_.create_api_key("tracer", f"{OWNER}/{PROJECT}")
+    key = await hub_.create_api_key("tracer", f"{OWNER}/{PROJECT}")
     async with open_receiver() as receiver:
         runner = Runner(
             runner_config(base, sim.url, tmp_path, otlp_endpoint=receiver.url, grace=1.0)
@@ -200,7 +200,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
             spans = await receiver.wait_for(3)
         print_trace(spans)  # the note's example (pytest -s shows it)
 
-    (job,) = hub_.jobs.values()
+    (job,) = await hub_.jobs.values()
     assert job.agent_definition["traceparent"] == PARENT
     by_request = {s.attributes.get("alp.request.id"): s for s in spans}
     session = by_request.pop(None)

@@ -46,7 +46,7 @@ class AdminApi:
 
     async def jobs(self, req: Request) -> None:
         """Every job with its reports: live ones from memory, ended ones from the store."""
-        jobs = [job.admin_json() for job in self.hub.jobs.values()]
+        jobs = [job.admin_json() for job in await self.hub.jobs.values()]
         await req.resp.json(200, {"jobs": jobs})
 
     async def sessions(self, req: Request) -> None:
@@ -97,7 +97,7 @@ class AdminApi:
         connected = hub.runners_connected
         runners = []
         for runner_id, state in list(board.runners.items()):
-            registration = hub.store.registration(runner_id)
+            registration = await hub.store.registration(runner_id)
             last = board.last_seen.get(runner_id)
             runners.append(
                 {
@@ -109,7 +109,7 @@ class AdminApi:
                     "capabilities": (
                         sorted(state.capabilities) if state.capabilities is not None else None
                     ),
-                    "models": door.models.of_runner(state.owner, state.project, runner_id),
+                    "models": await door.models.of_runner(state.owner, state.project, runner_id),
                     "up": board.alive(runner_id),
                     "connected": runner_id in connected,
                     "lastSeenSeconds": None if last is None else round(max(0.0, now - last), 1),
@@ -161,7 +161,7 @@ class AdminApi:
         else:
             since = time.time() - DAY
         key = (query.get("key") or [None])[0] or None
-        rows = self.hub.frontdoor.usage.hourly(since, key)
+        rows = await self.hub.frontdoor.usage.hourly(since, key)
         usage = [
             {
                 "hour": row.hour,
@@ -179,7 +179,7 @@ class AdminApi:
         """Every API key (never the key itself), with its turns and tokens since the hub started."""
         totals = self.hub.metrics.keys
         keys = []
-        for found in self.hub.list_api_keys():
+        for found in await self.hub.list_api_keys():
             entry = dict(found)
             name = str(entry.get("name"))
             kept = totals.get(name)
@@ -213,7 +213,7 @@ class AdminApi:
         if limits and not limits_supported():
             raise HTTPError(400, "this hub does not support key limits yet", "limits_unsupported")
         try:
-            key = self.hub.create_api_key(name, project, **limits)
+            key = await self.hub.create_api_key(name, project, **limits)
         except ValueError as err:
             status = 409 if "already exists" in str(err) else 400
             raise HTTPError(status, str(err), "invalid_request") from None
@@ -229,6 +229,6 @@ class AdminApi:
             name = body.get("name")
             if not isinstance(name, str) or not name:
                 raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
-        if not self.hub.revoke_api_key(name):
+        if not await self.hub.revoke_api_key(name):
             raise HTTPError(404, f"no active API key is named {name!r}", "unknown_key")
         await req.resp.json(200, {"name": name, "revoked": True}, NO_STORE)

@@ -309,7 +309,7 @@ class Channels:
         if job.claimed_by is not None:
             job.cancel_reason = reason
             await self.end_job(job_id, reason)
-        self.board.withdraw(job_id, reason)
+        await self.board.withdraw(job_id, reason)
 
     async def wait(self, job_id: str, within: float | None = None) -> ServerChannel | None:
         """The job's open channel, waiting ``within`` s for a (re)connect: None after that, and

@@ -20,13 +20,14 @@ from gateway.hub.store import (
     ADMIN_TOKEN_PREFIX,
     DEFAULT_KEY_PROJECT,
     ApiKey,
+    KeyLimits,
     Registration,
-    Store,
+    limits_of,
     load_or_create_admin_token,
     new_token,
+    open_store,
     token_hash,
 )
-from gateway.hub.usage import KeyLimits, limits_of
 
 log = logging.getLogger("gateway.hub")
 
@@ -45,7 +46,7 @@ class Hub:
     ) -> None:
         self.settings = dataclasses.replace(settings or HubSettings(), **overrides)
         self.data_dir = pathlib.Path(data_dir).expanduser() if data_dir is not None else None
-        self.store = Store(self.data_dir)
+        self.store = open_store(self.data_dir, usage_retention=self.settings.usage_retention)
         if admin_token is not None:
             self.admin_token, self.admin_token_created = admin_token, False
         elif self.data_dir is not None:
@@ -65,12 +66,15 @@ class Hub:
         self.frontdoor.usage.observers.append(self.metrics.observe)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Everything the hub does on its own while it serves, until cancelled: the front door's
-        sessions (restored before ``started``), offline runners' jobs force-ended."""
-        self.frontdoor.restore()
+        """Everything the hub does on its own while it serves, until cancelled: the live jobs and
+        the front door's sessions (read back before ``started``), offline runners' jobs
+        force-ended, the store's writer (its queued usage rows written at stop)."""
+        await self.board.load()
+        await self.frontdoor.restore()
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.store.run)
                 nursery.start_soon(self.frontdoor.run)
                 nursery.start_soon(self._watch_offline)
         finally:
@@ -88,7 +92,7 @@ class Hub:
         """Runner id -> trio clock of its last sign of life."""
         return self.board.last_seen
 
-    def enqueue_job(
+    async def enqueue_job(
         self,
         owner: str,
         project: str,
@@ -98,13 +102,13 @@ class Hub:
         origin: str = "api",
     ) -> Job:
         """Queue a Job for ``owner/project`` and tell every events subscriber of that project."""
-        return self.board.enqueue(owner, project, needs, agent_definition, origin=origin)
+        return await self.board.enqueue(owner, project, needs, agent_definition, origin=origin)
 
-    def save_job(self, job: Job) -> None:
-        self.board.save(job)
+    async def save_job(self, job: Job) -> None:
+        await self.board.save(job)
 
-    def withdraw_job(self, job_id: str, reason: str) -> None:
-        self.board.withdraw(job_id, reason)
+    async def withdraw_job(self, job_id: str, reason: str) -> None:
+        await self.board.withdraw(job_id, reason)
 
     def channel(self, job_id: str) -> ServerChannel | None:
         """The job's current open channel, or None."""
@@ -137,7 +141,7 @@ class Hub:
     async def check_offline(self) -> list[Job]:
         """Force-complete the open jobs of runners silent for ``offline_after`` s, close their
         channels; returns those jobs."""
-        forced = self.board.check_offline()
+        forced = await self.board.check_offline()
         for job in forced:
             ch = self.channels.get(job.id)
             if ch is not None:
@@ -151,12 +155,12 @@ class Hub:
 
     # -- registrations and credentials ------------------------------------------------------
 
-    def register_runner(
+    async def register_runner(
         self, owner: str, project: str, name: str, labels: list[str]
     ) -> dict[str, Any]:
         """Register a runner for ``owner/project``: ``{"id","name","token","registeredAt"}``."""
-        registration, token = self.store.add_registration(owner, project, name, list(labels))
-        self.board.seen(registration.id)  # a registration is the runner's first sign of life
+        registration, token = await self.store.add_registration(owner, project, name, list(labels))
+        self.board.seen(registration.id, registration)  # a registration: its first sign of life
         return {
             "id": registration.id,
             "name": registration.name,
@@ -164,13 +168,13 @@ class Hub:
             "registeredAt": registration.registered_at,
         }
 
-    def registration_by_token(self, token: str) -> Registration | None:
-        return self.store.registration_by_token(token)
+    async def registration_by_token(self, token: str) -> Registration | None:
+        return await self.store.registration_by_token(token)
 
     def is_admin_token(self, token: str) -> bool:
         return hmac.compare_digest(token_hash(token), self._admin_hash)
 
-    def create_api_key(
+    async def create_api_key(
         self,
         name: str,
         project: str = DEFAULT_KEY_PROJECT,
@@ -183,34 +187,34 @@ class Hub:
         """Create an API key (returned, shown once) with its limits (None or 0: no limit);
         ValueError on a bad name, project or limit."""
         limits = limits_of(rpm, tpm, tokens_per_day, max_streams)
-        key = self.store.create_api_key(name, project, limits)
+        key = await self.store.create_api_key(name, project, limits)
         self.frontdoor.forget_keys()
         self.frontdoor.usage.forget_limits()
         return key
 
-    def update_api_key_limits(self, name: str, limits: KeyLimits) -> bool:
+    async def update_api_key_limits(self, name: str, limits: KeyLimits) -> bool:
         """Replace the active key ``name``'s limits (None or 0: no limit), applied at once;
         False when there is no such key, ValueError on a bad limit."""
         limits = limits_of(limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams)
-        updated = self.store.set_key_limits(name, limits)
+        updated = await self.store.set_key_limits(name, limits)
         self.frontdoor.usage.forget_limits()
         return updated
 
-    def api_key_limits(self, name: str) -> KeyLimits | None:
+    async def api_key_limits(self, name: str) -> KeyLimits | None:
         """The active key ``name``'s limits, or None when there is no such key."""
-        found = self.store.key_limits(name)
+        found = await self.store.key_limits(name)
         return None if found is None else found[1]
 
-    def list_api_keys(self) -> list[dict[str, Any]]:
-        return self.store.list_api_keys()
+    async def list_api_keys(self) -> list[dict[str, Any]]:
+        return await self.store.list_api_keys()
 
-    def revoke_api_key(self, name: str) -> bool:
+    async def revoke_api_key(self, name: str) -> bool:
         """Revoke the active key ``name``: its chat sessions end at once (``chat.end``)."""
-        revoked = self.store.revoke_api_key(name)
+        revoked = await self.store.revoke_api_key(name)
         self.frontdoor.forget_keys()
         if revoked:
             self.frontdoor.sessions.check_keys()
         return revoked
 
-    def check_api_key(self, token: str) -> ApiKey | None:
-        return self.store.check_api_key(token)
+    async def check_api_key(self, token: str) -> ApiKey | None:
+        return await self.store.check_api_key(token)

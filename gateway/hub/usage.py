@@ -4,98 +4,28 @@ Every ended turn is one row in the store (kept ``usage_retention`` s) and is add
 hourly totals (kept for good). ``admit`` enforces the key's limits: requests a minute (a sliding
 60 s window of admitted turns), tokens a minute (a sliding 60 s window of ended turns' tokens),
 tokens a UTC day (ended turns') and turns in flight at once (from ``admit`` to ``ended``). The
-book is touched once per turn, never per chunk; ``admit`` does not await, so it is exact under
-any number of concurrent turns."""
+book is touched once per turn, never per chunk; ``admit`` reads what it needs from the store
+first and then checks and counts without awaiting, so it is exact under any number of
+concurrent turns. An ended turn's row is queued for the store's writer (``Store.queue_usage``):
+no store write on the turn's path."""
 
 from __future__ import annotations
 
-import logging
 import math
-import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
-from gateway.hub import turns
 from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
+from gateway.hub.store import HourlyUsage, KeyLimits, Store
 from gateway.hub.turns import TurnRecord
-
-if TYPE_CHECKING:
-    from gateway.hub.store import Store
-
-log = logging.getLogger("gateway.hub.usage")
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
 DAY = 86400
-HOUR = 3600
-PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
-PRUNE_EVERY = 60.0  # s (wall clock) between prunes once nothing old is left
-ERROR_OUTCOMES = (turns.ERROR, turns.LOST, turns.REFUSED)  # counted as errors in the totals
-LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "max_streams")
-
-
-@dataclass(frozen=True)
-class KeyLimits:
-    """An API key's limits (None: none): requests and tokens a minute, tokens a day (UTC),
-    turns in flight at once."""
-
-    rpm: int | None = None
-    tpm: int | None = None
-    tokens_per_day: int | None = None
-    max_streams: int | None = None
-
-    def describe(self) -> str:
-        """``rpm=3 tpm=1000 tokens/day=50000 streams=2`` (only the limits set), or ``-``."""
-        parts = [
-            f"{label}={value}"
-            for label, value in (
-                ("rpm", self.rpm),
-                ("tpm", self.tpm),
-                ("tokens/day", self.tokens_per_day),
-                ("streams", self.max_streams),
-            )
-            if value is not None
-        ]
-        return " ".join(parts) or "-"
-
-    def as_json(self) -> dict[str, int | None]:
-        return {name: getattr(self, name) for name in LIMIT_NAMES}
-
-
-def limits_of(
-    rpm: int | None = None,
-    tpm: int | None = None,
-    tokens_per_day: int | None = None,
-    max_streams: int | None = None,
-) -> KeyLimits:
-    """KeyLimits from given values, 0 (or None) meaning no limit; ValueError on a negative or
-    non-integer value."""
-    values: dict[str, int | None] = {}
-    for name, value in zip(LIMIT_NAMES, (rpm, tpm, tokens_per_day, max_streams), strict=True):
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
-        ):
-            raise ValueError(f"the limit {name} must be a whole number, 0 for none, not {value!r}")
-        values[name] = value or None
-    return KeyLimits(**values)
-
-
-@dataclass(frozen=True)
-class HourlyUsage:
-    """One key's use in one hour (UTC, the hour's start as a Unix time)."""
-
-    hour: int
-    key_name: str
-    model: str | None
-    turns: int
-    prompt_tokens: int
-    completion_tokens: int
-    errors: int = 0  # turns that ended in error, lost or refused (by the hub, not its limits)
 
 
 @dataclass(eq=False)
@@ -137,7 +67,7 @@ class UsageBook:
     an HTTPError 429), ``started`` once it is, ``ended`` when it is over, whatever the outcome;
     ``observers`` are told of each ended turn (the metrics).
 
-    With a store, each ended turn is written to it (a row, and its key's hourly totals) and the
+    With a store, each ended turn is queued for it (a row, and its key's hourly totals) and the
     keys' limits are read from it (each key's again after ``key_check_interval`` s). ``clock``:
     the wall clock (Unix time) of the rows and of the UTC day; the windows use trio's clock."""
 
@@ -156,11 +86,10 @@ class UsageBook:
         self._keys: dict[str, _KeyState] = {}  # key id -> its counters
         self._holding: dict[int, _KeyState] = {}  # id(record) of an admitted turn -> its key's
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
-        self._next_prune = -math.inf  # wall clock
 
     # -- limits ----------------------------------------------------------------------
 
-    def limits(self, key_id: str, key_name: str) -> KeyLimits:
+    async def limits(self, key_id: str, key_name: str) -> KeyLimits:
         """The key's limits: read from the store, kept ``key_check_interval`` s (a change by
         another process applies within that; one made through the hub at once)."""
         now = trio.current_time()
@@ -169,10 +98,10 @@ class UsageBook:
             return kept[0]
         limits = KeyLimits()
         if self.store is not None:
-            found = self.store.key_limits(key_name)
+            found = await self.store.key_limits(key_name)
             if found is not None and found[0] == key_id:
                 limits = found[1]
-        self._limits[key_id] = (limits, now + self.settings.key_check_interval)
+        self._limits[key_id] = (limits, trio.current_time() + self.settings.key_check_interval)
         return limits
 
     def forget_limits(self) -> None:
@@ -185,23 +114,30 @@ class UsageBook:
             state = self._keys[key_id] = _KeyState()
         return state
 
-    def _day_tokens(self, state: _KeyState, key_id: str) -> int:
-        """The key's tokens of ended turns this UTC day (read from the store once a day)."""
+    async def _read_day(self, state: _KeyState, key_id: str) -> None:
+        """Bring the key's tokens of ended turns this UTC day up to date (read from the store
+        once a day; the book adds each ended turn's since)."""
         day = int(self.clock()) // DAY * DAY
         if state.day != day:
-            state.day = day
-            state.day_tokens = self.store.tokens_since(key_id, day) if self.store else 0
-        return state.day_tokens
+            used = await self.store.tokens_since(key_id, day) if self.store else 0
+            if state.day != day:  # not read meanwhile by another admit
+                state.day, state.day_tokens = day, used
 
-    def admit(self, record: TurnRecord) -> None:
+    async def admit(self, record: TurnRecord) -> None:
         """Raise HTTPError (429) when the turn would pass one of its key's limits; else count
-        it (a request of the minute, a turn in flight until ``ended``)."""
-        limits = self.limits(record.key_id, record.key_name)
+        it (a request of the minute, a turn in flight until ``ended``). What is read from the
+        store is read first: the checks and the count happen with no await between them."""
+        limits = await self.limits(record.key_id, record.key_name)
         state = self._state(record.key_id)
+        if limits.tokens_per_day is not None:
+            await self._read_day(state, record.key_id)
+        self._admit(record, limits, state)
+
+    def _admit(self, record: TurnRecord, limits: KeyLimits, state: _KeyState) -> None:
         now = trio.current_time()
         state.expire(now)
         if limits.tokens_per_day is not None:
-            used = self._day_tokens(state, record.key_id)
+            used = state.day_tokens
             if used >= limits.tokens_per_day:
                 wait = _retry_after(state.day + DAY - self.clock())
                 raise _refused(
@@ -245,7 +181,7 @@ class UsageBook:
         self.in_flight[id(record)] = record
 
     def ended(self, record: TurnRecord) -> None:
-        """The turn is over: its slot freed, its tokens counted, its row written, observers told."""
+        """The turn is over: its slot freed, its tokens counted, its row queued, observers told."""
         self.in_flight.pop(id(record), None)
         held = self._holding.pop(id(record), None)
         if held is not None:
@@ -258,7 +194,7 @@ class UsageBook:
                 state.window_tokens += tokens
             wall = self.clock()
             if self.store is not None:
-                self._write(record, wall)
+                self.store.queue_usage(record, wall)  # written by the store's writer, batched
             day = int(wall) // DAY * DAY
             if state.day != day and self.store is None:  # nowhere to read the day from
                 state.day, state.day_tokens = day, 0
@@ -268,21 +204,9 @@ class UsageBook:
             for observe in self.observers:
                 observe(record)
 
-    def _write(self, record: TurnRecord, wall: float) -> None:
-        """The turn's row and hourly totals; old rows pruned (bounded: ``PRUNE_BATCH``)."""
-        assert self.store is not None
-        try:
-            self.store.add_usage(record, wall)
-            if wall >= self._next_prune:
-                before = wall - self.settings.usage_retention
-                deleted = self.store.prune_usage(before, PRUNE_BATCH)
-                self._next_prune = wall if deleted >= PRUNE_BATCH else wall + PRUNE_EVERY
-        except sqlite3.Error as exc:  # a busy or broken store must not break serving
-            log.warning("could not record the usage of a turn of key %s: %s", record.key_name, exc)
-
-    def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
+    async def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
         """The hourly totals from ``since`` (a Unix time; the hour it falls in included) on,
-        of one key or of all, oldest first."""
+        of one key or of all, oldest first (every turn that ended counted)."""
         if self.store is None:
             return []
-        return self.store.hourly_usage(since, key_name)
+        return await self.store.hourly_usage(since, key_name)

@@ -90,7 +90,7 @@ class FrontDoor:
         self.sessions.on_key_check = self._keep_active
         self.models = Models(store, settings, board, channels, self.sessions)
 
-    def check_key(self, token: str) -> ApiKey | None:
+    async def check_key(self, token: str) -> ApiKey | None:
         """The active API key ``token`` is, or None: from the store, the answer kept for
         ``key_check_interval`` s (a key revoked by another process is refused within that, as
         its sessions end; one revoked here is refused at once: ``forget_keys``)."""
@@ -98,7 +98,7 @@ class FrontDoor:
         kept = self._keys.get(token)
         if kept is not None and kept[1] > now:
             return kept[0]
-        key = self.store.check_api_key(token)
+        key = await self.store.check_api_key(token)
         if len(self._keys) >= KEY_CACHE:  # bounded: a flood of wrong keys cannot grow it
             self._keys.clear()
         self._keys[token] = (key, now + self.settings.key_check_interval)
@@ -114,19 +114,19 @@ class FrontDoor:
             if key is not None and key.id not in active:
                 del self._keys[token]
 
-    def restore(self) -> None:
+    async def restore(self) -> None:
         """Reload the stored sessions (before serving)."""
-        self.sessions.restore()
+        await self.sessions.restore()
 
     async def run(self) -> None:
         """The front door's background work (idle sessions, draining channels), until cancelled."""
         await self.sessions.run()
 
-    def _key(self, req: Request) -> ApiKey:
+    async def _key(self, req: Request) -> ApiKey:
         if header(req.scope, b"authorization") is None:
             raise no_key()
         token = bearer(req.scope)
-        key = self.check_key(token) if token else None
+        key = await self.check_key(token) if token else None
         if key is None:
             raise invalid_key()
         return key
@@ -134,12 +134,12 @@ class FrontDoor:
     # -- /v1/models --------------------------------------------------------------------
 
     async def list_models(self, req: Request) -> None:
-        key = self._key(req)
+        key = await self._key(req)
         models = await self.models.listing(key.owner, key.project)
         await req.resp.json(200, model_list(models, int(time.time())))
 
     async def retrieve_model(self, req: Request) -> None:
-        key = self._key(req)
+        key = await self._key(req)
         model_id = req.params["model"]
         if model_id not in await self.models.listing(key.owner, key.project):
             raise model_not_found(model_id)
@@ -149,7 +149,7 @@ class FrontDoor:
 
     async def chat(self, req: Request) -> None:
         """One chat turn: cancelled (``chat.completion.cancel`` to the runner) if the client leaves."""
-        key = self._key(req)
+        key = await self._key(req)
         text, stream, model = parse_chat_request(await req.body(self.settings.max_body))
         mapped = await self._model_for(key, model)
         if mapped is not None and mapped != model:  # the hub's default_model for an unknown one
@@ -161,7 +161,7 @@ class FrontDoor:
         """``POST /v1/messages`` (Anthropic Messages): translated to one chat turn, the answer
         translated back; every error in Anthropic's shape."""
         try:
-            key = self._anthropic_key(req)
+            key = await self._anthropic_key(req)
             request = dialects.messages_request(await req.body(self.settings.max_body))
             model = await self._model_for(key, request.model)
             turn = dialects.messages_turn(request, model, request.model or model or "")
@@ -175,7 +175,7 @@ class FrontDoor:
         """``POST /v1/messages/count_tokens``: an estimate (characters / 4, images 1,600 each:
         the hub has no tokenizer of the runners' models)."""
         try:
-            self._anthropic_key(req)
+            await self._anthropic_key(req)
             body = await req.body(self.settings.max_body)
             try:
                 tokens = messages.count_tokens(body)
@@ -189,7 +189,7 @@ class FrontDoor:
     async def responses(self, req: Request) -> None:
         """``POST /v1/responses`` (OpenAI Responses API): translated to one chat turn, the
         answer translated back."""
-        key = self._key(req)
+        key = await self._key(req)
         request = dialects.responses_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, request.model)
         turn = dialects.responses_turn(request, model, request.model or model or "")
@@ -204,14 +204,14 @@ class FrontDoor:
             "unknown_url",
         )
 
-    def _anthropic_key(self, req: Request) -> ApiKey:
+    async def _anthropic_key(self, req: Request) -> ApiKey:
         """The API key of ``x-api-key`` or ``Authorization: Bearer`` (Anthropic's clients send
         the first); HTTPError 401 with Anthropic's ``authentication_error``."""
         raw = header(req.scope, b"x-api-key")
         token = raw.decode("latin-1").strip() if raw else bearer(req.scope)
         if not token:
             raise HTTPError(401, "x-api-key header is required", None, type_="authentication_error")
-        key = self.check_key(token)
+        key = await self.check_key(token)
         if key is None:
             raise HTTPError(401, "invalid x-api-key", None, type_="authentication_error")
         return key
@@ -224,7 +224,7 @@ class FrontDoor:
             return self.settings.default_model
         available = await self.models.unknown(key.owner, key.project, model)
         if available is None and self.settings.default_model:
-            if self.models.known(key.owner, key.project) is None:
+            if await self.models.known(key.owner, key.project) is None:
                 await self.models.listing(key.owner, key.project)  # learn them first
             available = await self.models.unknown(key.owner, key.project, model)
         if available is None:
@@ -246,7 +246,7 @@ class FrontDoor:
             trio.current_time(),
         )
         try:
-            self.usage.admit(record)  # a limit of the key: 429 in the caller's shape
+            await self.usage.admit(record)  # a limit of the key: 429 in the caller's shape
         except HTTPError as err:
             # never in flight nor in the book (no store write per refused request): only the
             # observers are told (the metrics count a 429 as a limit refusal)

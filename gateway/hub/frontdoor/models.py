@@ -52,10 +52,10 @@ class Models:
         # each project's runners' last model lists (read from the store once, then kept here)
         self._lists: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {}
 
-    def known(self, owner: str, project: str) -> list[str] | None:
+    async def known(self, owner: str, project: str) -> list[str] | None:
         """Every model the project's live runners list, when each of them has answered a models
         request (the answer is kept); None when that is not known (then nothing is refused)."""
-        lists = self._lists_of(owner, project)
+        lists = await self._lists_of(owner, project)
         runners = [
             runner_id
             for runner_id, state in self.board.runners.items()
@@ -65,27 +65,29 @@ class Models:
             return None
         return list(dict.fromkeys(m for runner_id in runners for m in lists[runner_id]))
 
-    def of_runner(self, owner: str, project: str, runner_id: str) -> list[str] | None:
+    async def of_runner(self, owner: str, project: str, runner_id: str) -> list[str] | None:
         """The models the runner listed last (None: it has not answered a models request)."""
-        found = self._lists_of(owner, project).get(runner_id)
+        found = (await self._lists_of(owner, project)).get(runner_id)
         return None if found is None else list(found)
 
     async def unknown(self, owner: str, project: str, model: str) -> list[str] | None:
         """The models there are when no live runner of the project lists ``model``, else None
         (also when that is not known). A kept list may be stale (a runner restarted with other
         models): the project's open channels are asked again before a model is called unknown."""
-        known = self.known(owner, project)
+        known = await self.known(owner, project)
         if known is None or model in known:
             return None
         await self._ask_open_channels(owner, project)
-        known = self.known(owner, project)
+        known = await self.known(owner, project)
         return None if known is None or model in known else known
 
-    def _lists_of(self, owner: str, project: str) -> dict[str, tuple[str, ...]]:
+    async def _lists_of(self, owner: str, project: str) -> dict[str, tuple[str, ...]]:
         lists = self._lists.get((owner, project))
         if lists is None:
-            stored = self.store.load_models(owner, project)
-            lists = self._lists[(owner, project)] = {m.runner_id: m.models for m in stored}
+            stored = await self.store.load_models(owner, project)
+            lists = self._lists.setdefault(
+                (owner, project), {m.runner_id: m.models for m in stored}
+            )
         return lists
 
     async def listing(self, owner: str, project: str) -> list[str]:
@@ -94,12 +96,13 @@ class Models:
         answers = await self._ask_open_channels(owner, project)
         if answers is not None:
             return answers
-        known = self._recent(owner, project)
+        known = await self._recent(owner, project)
         if known is not None:
             return known
         lock = self._listing.setdefault((owner, project), trio.Lock())
         async with lock:
-            known = self._recent(owner, project)  # a listing just before ours may have answered
+            # a listing just before ours may have answered
+            known = await self._recent(owner, project)
             if known is not None:
                 return known
             return await self._listing_session(owner, project)
@@ -125,12 +128,12 @@ class Models:
             return None
         return list(dict.fromkeys(m for answer in answers if answer is not None for m in answer))
 
-    def _recent(self, owner: str, project: str) -> list[str] | None:
+    async def _recent(self, owner: str, project: str) -> list[str] | None:
         """The last answers of runners seen within ``offline_after``; None when there are none."""
         now = trio.current_time()
         lists = [
             stored.models
-            for stored in self.store.load_models(owner, project)
+            for stored in await self.store.load_models(owner, project)
             if now - self.board.last_seen.get(stored.runner_id, -float("inf"))
             <= self.settings.offline_after
         ]
@@ -175,8 +178,8 @@ class Models:
                     if reply.type == protocol.MODELS_RESPONSE:
                         models = model_ids(reply.models)
                         listed = ModelList(ch.runner_id, owner, project, tuple(models), time.time())
-                        self.store.save_models(listed)
-                        self._lists_of(owner, project)[ch.runner_id] = listed.models
+                        await self.store.save_models(listed)
+                        (await self._lists_of(owner, project))[ch.runner_id] = listed.models
                         return models
         except Exception as exc:
             log.info("no models from the channel of job %s: %r", ch.job_id, exc)

@@ -133,7 +133,7 @@ class Sessions:
                         )
                         raise too_many_sessions(limit)
                     evicted = min(idle, key=lambda s: (s.last_used, s.used))
-                    self._forget(evicted)
+                    await self._forget(evicted)
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
         session.turns += 1
         if evicted is not None and evicted.job_id is not None:
@@ -214,7 +214,7 @@ class Sessions:
                 self._adopt(ch)
                 return old, ch
         if session.job_id is not None:
-            self._bind(session, None)
+            await self._bind(session, None)
         job_id, ch = await self.open_job(
             session.owner,
             session.project,
@@ -223,7 +223,7 @@ class Sessions:
             lane=session.key[0],
             keepalive=keepalive,
         )
-        self._bind(session, job_id)
+        await self._bind(session, job_id)
         self._adopt(ch)
         if old is not None:
             self.counters.failovers += 1
@@ -314,11 +314,11 @@ class Sessions:
             del self._queues[(owner, project)]
         self.board.changes.notify()
 
-    def _open(self, entry: Entry, owner: str, project: str, traceparent: str | None) -> None:
+    async def _open(self, entry: Entry, owner: str, project: str, traceparent: str | None) -> None:
         definition = dict(CHAT_DEFINITION)
         if traceparent is not None:
             definition["traceparent"] = traceparent
-        entry.job = self.board.enqueue(
+        entry.job = await self.board.enqueue(
             owner,
             project,
             needs=[protocol.CAPABILITY],
@@ -351,7 +351,7 @@ class Sessions:
         now_free = available.free + available.unknown
         if now_free and all(e.job is not None for e in queue.order()):
             queue.join(entry)  # a runner may take it now and nobody waits: no wait
-            self._open(entry, owner, project, traceparent)
+            await self._open(entry, owner, project, traceparent)
         else:
             length = self.settings.queue_length
             if len(queue) >= length:
@@ -388,10 +388,10 @@ class Sessions:
             index = order.index(entry)
             allowed = max(1, free)
             if job is None and index < allowed and all(e.job is not None for e in order[:index]):
-                self._open(entry, owner, project, traceparent)
+                await self._open(entry, owner, project, traceparent)
                 continue
             if job is not None and not free and index > 0:
-                self.board.withdraw(job.id, "queued behind another request")
+                await self.board.withdraw(job.id, "queued behind another request")
                 entry.job = None
                 continue
             if not entry.waited and (job is None or not free):
@@ -461,27 +461,27 @@ class Sessions:
         except Exception as exc:
             log.warning("could not end job %s: %r", job_id, exc)
 
-    def _bind(self, session: Session, job_id: str | None) -> None:
+    async def _bind(self, session: Session, job_id: str | None) -> None:
         """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
         before = session.job_id
         session.job_id = job_id
         if job_id is None:
-            self.store.delete_session(session.key_name, session.key[1], before)
+            await self.store.delete_session(session.key_name, session.key[1], before)
         else:
             key_id = "" if not session.key_checked else session.key[0]
             stored = StoredSession(
                 session.key_name, session.key[1], session.owner, session.project, job_id, key_id
             )
-            self.store.save_session(stored)
+            await self.store.save_session(stored)
 
-    def _forget(self, session: Session) -> None:
+    async def _forget(self, session: Session) -> None:
         if self.live.get(session.key) is session:
             del self.live[session.key]
-        self.store.delete_session(session.key_name, session.key[1], session.job_id)
+        await self.store.delete_session(session.key_name, session.key[1], session.job_id)
 
     # -- across restarts ---------------------------------------------------------------
 
-    def restore(self) -> None:
+    async def restore(self) -> None:
         """Reload the stored sessions whose job can still serve and whose key is active (once,
         before serving).
 
@@ -494,16 +494,18 @@ class Sessions:
         self._restored = True
         now = trio.current_time()
         kept: set[str] = set()
-        active = self.store.active_key_ids()
-        for stored in self.store.load_sessions():
-            key_id = stored.key_id or self.store.active_key_id(stored.key_name)
+        active = await self.store.active_key_ids()
+        for stored in await self.store.load_sessions():
+            key_id = stored.key_id or await self.store.active_key_id(stored.key_name)
             if key_id is None:  # stored before keys had ids, and no active key has its name
                 key_id = LEGACY_KEY + stored.key_name
             key = (key_id, stored.session_id)
             revoked = not key_id.startswith(LEGACY_KEY) and key_id not in active
             if key in self.live or revoked or self.job_over(stored.job_id):
                 if key not in self.live:
-                    self.store.delete_session(stored.key_name, stored.session_id, stored.job_id)
+                    await self.store.delete_session(
+                        stored.key_name, stored.session_id, stored.job_id
+                    )
                 continue
             self.live[key] = Session(
                 key,
@@ -516,7 +518,7 @@ class Sessions:
             kept.add(stored.job_id)
         for job in list(self.board.jobs.values()):
             if job.origin == "frontdoor" and job.id not in kept and not self.job_over(job.id):
-                self.board.withdraw(job.id, "its chat session was lost in a hub restart")
+                await self.board.withdraw(job.id, "its chat session was lost in a hub restart")
         if self.live:
             log.info("restored %d chat session(s)", len(self.live))
 
@@ -553,13 +555,13 @@ class Sessions:
     async def _end_revoked(self) -> None:
         """End every live session whose API key is no longer active (revoked here, or by another
         process on the same store): chat.end "api key revoked", the job withdrawn."""
-        active = self.store.active_key_ids()
+        active = await self.store.active_key_ids()
         if self.on_key_check is not None:
             self.on_key_check(active)
         for key, session in list(self.live.items()):
             if self.live.get(key) is not session or not session.key_checked or key[0] in active:
                 continue
-            self._forget(session)
+            await self._forget(session)
             log.info(
                 "session %s: its API key was revoked: ending job %s", session.name, session.job_id
             )
@@ -583,13 +585,13 @@ class Sessions:
             if session.job_id is None or self.job_over(session.job_id):
                 if session.job_id is not None:
                     self._ended[key] = (session.job_id, now)
-                self._forget(session)
+                await self._forget(session)
                 continue
             due = session.last_used + idle if idle and idle > 0 else math.inf
             if due > now:
                 next_due = min(next_due, due)
                 continue
-            self._forget(session)
+            await self._forget(session)
             log.info("session %s idle for %g s: ending job %s", session.name, idle, session.job_id)
             try:
                 await self.channels.end_job(session.job_id, "idle")
