@@ -497,7 +497,7 @@ async def test_bad_n_or_max_tokens_is_a_400(client: httpx.AsyncClient, bad: dict
 
 
 def test_cli_help_shows_the_defaults_and_its_own_port(capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.runner.backends import LOCAL_SERVERS
+    from gateway.runner.discovery import LOCAL_SERVERS
     from gateway.sim.cli import DEFAULT_LISTEN
 
     with pytest.raises(SystemExit):

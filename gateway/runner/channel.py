@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Literal
 import trio
 
 from gateway.observe import Counters, Histogram, Redactor
-from gateway.runner.backends import Backend, BackendError, BackendPool, BackendUnreachable
+from gateway.runner.backend import Backend, BackendError, BackendUnreachable
+from gateway.runner.backends import BackendPool
 from gateway.runner.poller import Poller
 from gateway.runner.relay import Outlet, Relay
 from gateway.runner.turn import Ending, Turn, TurnEnd
