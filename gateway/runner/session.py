@@ -25,6 +25,7 @@ from gateway.ops import tracing
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
+from gateway.runner.turns import Turns
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
 
@@ -91,6 +92,14 @@ def _minutes(job_id: str, name: str, value: Any) -> float | None:
     return None
 
 
+def _linger(config: Config) -> float:
+    """How long an ended turn's frames are kept while its channel is up: the time a dead path
+    takes to be found (a ping, then its timeout), or the resume window with pings off."""
+    if config.ping_interval > 0:
+        return config.ping_interval + (config.ping_timeout or config.ping_interval)
+    return config.resume_window
+
+
 def channel_url(server: str, job: ChatJob, token: str) -> str:
     """``ws(s)://{authority}/api/lives/chat/channel/ws?jobId=…&token=…`` (or the job's own URL)."""
     if job.channel_url:
@@ -127,6 +136,7 @@ class Session:
         self.kit = kit
         self._stopping_now = False
         self._report_scope: trio.CancelScope | None = None
+        self.turns: Turns | None = None  # the job's turns, while its channel is served
 
     def stop_now(self) -> None:
         """The second signal: a final report still being retried is given up at once, and one
@@ -193,7 +203,26 @@ class Session:
                 log.warning("job %s: heartbeat failed: %s", job.id, exc)
 
     async def _serve_channel(self, limits: SessionLimits | None) -> tuple[str, str]:
-        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason)."""
+        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason).
+        The job's turns live here, across redials (a resume carries them over, §6)."""
+        config = self.kit.config
+        async with trio.open_nursery() as nursery:
+            self.turns = Turns(
+                self.job.id,
+                self.kit,
+                nursery,
+                trace=self.job.trace,
+                limits=limits,
+                resume_buffer=config.resume_buffer,
+                resume_window=config.resume_window,
+                linger=_linger(config),
+            )
+            try:
+                return await self._dial_loop()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _dial_loop(self) -> tuple[str, str]:
         job, kit, config = self.job, self.kit, self.kit.config
         window = config.reconnect_window
         dropped_at: float | None = None
@@ -219,7 +248,7 @@ class Session:
                     )
                 if ws is not None:
                     try:
-                        end = await self._serve_connected(ws, dropped_at is not None, limits)
+                        end = await self._serve_connected(ws, dropped_at is not None)
                     finally:
                         await ws.aclose()
                     failures = 0
@@ -268,16 +297,21 @@ class Session:
         keys = [spec.key for spec in config.backends]
         return Redactor([*keys, config.backend_key, config.user_token, self.kit.alp.token])
 
-    async def _serve_connected(
-        self, ws: WebSocket, redial: bool, limits: SessionLimits | None
-    ) -> ChannelEnd:
+    async def _serve_connected(self, ws: WebSocket, redial: bool) -> ChannelEnd:
         """Serve one open channel connection until it ends."""
-        job, kit = self.job, self.kit
+        job, kit, turns = self.job, self.kit, self.turns
         if redial:
             log.info("job %s: channel redialled", job.id)
             kit.counters.inc("reconnects")
+        assert turns is not None
         channel = Channel(
-            job.id, ws, kit, frame_log=self._frame_log(), trace=job.trace, limits=limits
+            job.id,
+            ws,
+            kit,
+            frame_log=self._frame_log(),
+            trace=job.trace,
+            limits=turns.limits,
+            turns=turns,
         )
         return await channel.serve()
 
