@@ -518,6 +518,8 @@ class _Reply:
 # /v1/chat/completions stream. The sources each shape follows are named above each one.
 
 _ALNUM = string.ascii_letters + string.digits
+# what each imitated server says owns its models in /v1/models (a runner tells the kind from it)
+_OWNED_BY = {"vllm": "vllm", "llamacpp": "llamacpp", "ollama": "library", "litellm": "openai"}
 _LLAMACPP_BUILD = "b6000-sim0000"
 
 
@@ -835,8 +837,9 @@ class _Exchange:
             await self._send_unauthorized()
         elif path == _MODELS_PATH and method == "GET":
             created = int(time.time())
+            owner = _OWNED_BY.get(sim.options.dialect, "sim")  # as the imitated server says
             data = [
-                {"id": m, "object": "model", "created": created, "owned_by": "sim"}
+                {"id": m, "object": "model", "created": created, "owned_by": owner}
                 for m in sim.models
             ]
             await self.resp.whole(200, _encode({"object": "list", "data": data}))
