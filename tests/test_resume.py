@@ -102,12 +102,14 @@ async def test_a_dropped_channel_resumes_byte_for_byte(tmp_path: Path) -> None:
         assert r.runner.counters.get("reconnects") == 1
 
 
-async def test_a_frozen_path_resumes_what_it_swallowed(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+@pytest.mark.parametrize("fault", ["frozen", "cut"])
+async def test_a_broken_path_resumes_what_it_swallowed(
+    fault: str, autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    """The path between runner and Server freezes mid-answer (``tests/pathproxy.py``): what the
-    runner writes into it is lost, unknown to either end, until its ping goes unanswered. The
-    redial (through the proxy, on a new path) names what arrived; the runner sends the rest."""
+    """The path between runner and Server breaks mid-answer (``tests/pathproxy.py``). Frozen:
+    what the runner writes into it is lost, unknown to either end, until its ping goes
+    unanswered. Cut: both ends are reset at once. The redial (through the proxy, on a new path)
+    names what arrived; the runner sends the rest."""
     async with (
         open_hub(Hub(admin_token=ADMIN)) as (hub, url),
         channel_server() as server,
@@ -124,16 +126,21 @@ async def test_a_frozen_path_resumes_what_it_swallowed(
                 conn = await server.conn(1)
                 await server.request(conn, job.id, "t", body(chunks=3000, interval=0.005))
                 await server.until_chunks("t", 20)
-                proxy.freeze()
-                await runner.counters.wait("channels_dead", 1)
-                relayed_by_then = len(sim.streams[0].payloads)
-                got_frozen = server.chunk_count("t")
+                if fault == "frozen":
+                    proxy.freeze()
+                    await runner.counters.wait("channels_dead", 1)
+                    relayed_by_then = len(sim.streams[0].payloads)
+                    got_frozen = server.chunk_count("t")
+                else:
+                    assert proxy.cut_all() == 1
                 last = await server.until_finished("t")
         sent = [p for p in sim.streams[0].payloads if p != b"[DONE]"]
         assert last["type"] == protocol.COMPLETION_DONE
         assert server.chunks("t") == sent
-        assert got_frozen + 100 < relayed_by_then  # written into the frozen path, lost there
+        if fault == "frozen":
+            assert got_frozen + 100 < relayed_by_then  # written into the frozen path, lost there
         assert runner.counters.get("turns_resumed") == 1 and len(sim.streams) == 1
+        assert runner.counters.get("reconnects") == 1
 
 
 def _naming(*turns: str, ghost: int | None = None) -> Callable[..., dict[str, Any] | None]:
@@ -375,3 +382,18 @@ def test_a_batch_is_one_entry_and_resumes_from_its_middle() -> None:
     assert buffer.frames_from(a, 2) == frames[2:]
     buffer.release(a)
     assert buffer.bytes == 0 and buffer.frames_from(a, 0) is None
+
+
+def test_frames_let_go_are_dropped_before_they_hold_an_eighth_of_the_bound() -> None:
+    """Released turns' entries are skipped, and purged once they hold an eighth of the bound:
+    the memory referenced stays within resume_buffer and an eighth of it."""
+    buffer = ResumeBuffer(16_000, lambda: None)
+    live = _turn("live")
+    for n in range(200):  # short turns end one after another beside a long one
+        short = _turn(f"short{n}")
+        _add(buffer, short, [_frame(short, i) for i in range(3)])
+        _add(buffer, live, [_frame(live, n)])
+        buffer.release(short)
+        held = sum(e[3] for e in buffer.entries)
+        assert buffer.bytes <= 16_000 and held <= 16_000 + 16_000 // 8
+    assert buffer.frames_from(live, live.kept_from) is not None

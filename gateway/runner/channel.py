@@ -191,8 +191,10 @@ class Channel:
         if isinstance(frame, protocol.Unknown):
             log.debug("job %s: ignored a frame of unknown type %r", self.job_id, frame.type)
             return
-        if isinstance(frame, protocol.Hello):
-            log.warning("job %s: ignored a chat.channel.hello that was not first", self.job_id)
+        if isinstance(frame, protocol.Hello):  # not the first frame, or another job's
+            log.warning(
+                "job %s: ignored a chat.channel.hello (for job %s)", self.job_id, frame.jobId
+            )
             return
         if frame.jobId is not None and frame.jobId != self.job_id:
             log.warning("job %s: ignored a frame for job %s", self.job_id, frame.jobId)

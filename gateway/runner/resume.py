@@ -9,7 +9,9 @@ frames, never sent, are kept whole: past the bound the frames that were sent go 
 turn that needs more is stopped (``Ending.UNRESUMED``) and its frames let go.
 
 A turn's frames are let go (``release``) when it no longer needs them; entries of released
-turns are skipped, and dropped in one pass once they are most of the buffer.
+turns are skipped, and dropped in one pass once they hold an eighth of the bound (or are most of
+the entries): the memory held is at most ``limit`` bytes of kept frames and an eighth of it of
+frames let go.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _PURGE_AT = 256  # dead entries tolerated before a pass drops them (when they ar
 class ResumeBuffer:
     """The kept frames of one Chat Job's channel: ``limit`` bytes at most while it is up."""
 
-    __slots__ = ("entries", "bytes", "limit", "sent", "dead", "on_lost")
+    __slots__ = ("entries", "bytes", "limit", "sent", "dead", "dead_bytes", "on_lost")
 
     def __init__(self, limit: int, on_lost: Callable[[], None]) -> None:
         self.entries: deque[Entry] = deque()
@@ -39,6 +41,7 @@ class ResumeBuffer:
         # (those may be trimmed; the rest never left); None while it is up
         self.sent: int | None = None
         self.dead = 0  # entries of released turns still in ``entries``
+        self.dead_bytes = 0  # and their bytes
         self.on_lost = on_lost  # a send found the channel closed: it is down from now on
 
     # -- adding (the per-read path: one append, one length) --------------------------------
@@ -92,6 +95,7 @@ class ResumeBuffer:
             turn, first, frames, size = entries.popleft()
             if turn.released:
                 self.dead -= 1
+                self.dead_bytes -= size
                 continue
             self.bytes -= size
             turn.kept_bytes -= size
@@ -118,8 +122,11 @@ class ResumeBuffer:
         turn.released = True
         self.bytes -= turn.kept_bytes
         self.dead += turn.kept_entries
+        self.dead_bytes += turn.kept_bytes
         turn.kept_bytes = turn.kept_entries = 0
-        if self.dead > _PURGE_AT and self.dead * 2 > len(self.entries):
+        if self.dead_bytes > self.limit // 8 or (
+            self.dead > _PURGE_AT and self.dead * 2 > len(self.entries)
+        ):
             self._purge()
 
     def _purge(self) -> None:
@@ -127,7 +134,7 @@ class ResumeBuffer:
         if self.sent is not None:
             self.sent -= sum(1 for i in range(self.sent) if entries[i][0].released)
         self.entries = deque(e for e in entries if not e[0].released)
-        self.dead = 0
+        self.dead = self.dead_bytes = 0
 
     # -- a resume ------------------------------------------------------------------------
 
