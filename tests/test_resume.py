@@ -343,7 +343,7 @@ def _add(buffer: ResumeBuffer, turn: Turn, frames: list[bytes]) -> None:
 
 def test_the_buffer_trims_the_oldest_frames_of_the_channel_first() -> None:
     lost: list[int] = []
-    buffer = ResumeBuffer(4000, lambda: lost.append(1))
+    buffer = ResumeBuffer(4000, lambda out: lost.append(1))
     a, b = _turn("a"), _turn("b")
     a_frames = [_frame(a, i) for i in range(20)]
     b_frames = [_frame(b, i) for i in range(20)]
@@ -359,7 +359,7 @@ def test_the_buffer_trims_the_oldest_frames_of_the_channel_first() -> None:
 
 
 def test_while_down_sent_frames_go_first_then_the_turn_that_needs_more_is_stopped() -> None:
-    buffer = ResumeBuffer(4000, lambda: None)
+    buffer = ResumeBuffer(4000, lambda out: None)
     a = _turn("a")
     _add(buffer, a, [_frame(a, i) for i in range(10)])  # ~1.5 KB, sent
     buffer.down()
@@ -371,7 +371,7 @@ def test_while_down_sent_frames_go_first_then_the_turn_that_needs_more_is_stoppe
 
 
 def test_a_batch_is_one_entry_and_resumes_from_its_middle() -> None:
-    buffer = ResumeBuffer(1 << 20, lambda: None)
+    buffer = ResumeBuffer(1 << 20, lambda out: None)
     a = _turn("a")
     frames = [_frame(a, i) for i in range(6)]
     batch = frames[:4]
@@ -387,7 +387,7 @@ def test_a_batch_is_one_entry_and_resumes_from_its_middle() -> None:
 def test_frames_let_go_are_dropped_before_they_hold_an_eighth_of_the_bound() -> None:
     """Released turns' entries are skipped, and purged once they hold an eighth of the bound:
     the memory referenced stays within resume_buffer and an eighth of it."""
-    buffer = ResumeBuffer(16_000, lambda: None)
+    buffer = ResumeBuffer(16_000, lambda out: None)
     live = _turn("live")
     for n in range(200):  # short turns end one after another beside a long one
         short = _turn(f"short{n}")

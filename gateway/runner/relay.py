@@ -146,13 +146,14 @@ class Relay:
 
     async def _send(self, turn: Turn, frame: bytes) -> None:
         keep = turn.keep
+        out = self.out
         if keep is None:
-            await self.out.send(frame)
+            await out.send(frame)
             return
         try:
-            await self.out.send(frame)
+            await out.send(frame)
         except ChannelClosed:  # kept: a redial may resume it
-            keep.lost()
+            keep.lost(out)
 
 
 class Pump:
@@ -169,6 +170,7 @@ class Pump:
         "_response",
         "_recv",
         "_template",
+        "_out",
         "_offer",
         "_offer_batch",
         "_wait_room",
@@ -271,14 +273,14 @@ class Pump:
             try:
                 return self._offer(frame)
             except ChannelClosed:
-                keep.lost(unsent=1)
+                keep.lost(self._out, unsent=1)
                 return True
         frames = [template % p for p in payloads]
         keep.add_batch(self._turn, frames)
         try:
             return self._offer_batch(frames)
         except ChannelClosed:
-            keep.lost(unsent=1)
+            keep.lost(self._out, unsent=1)
             return True
 
     def _offer_done(self, done: bytes) -> None:
@@ -288,10 +290,11 @@ class Pump:
         try:
             self._offer(done)
         except ChannelClosed:
-            self._keep.lost()
+            self._keep.lost(self._out)
 
     def bind(self, out: Outlet) -> None:
         """Send through ``out`` from now on: the channel's socket, or ``DOWN`` while it is down."""
+        self._out = out
         self._offer = out.offer
         self._offer_batch = out.offer_batch
         self._wait_room = out.wait_room
@@ -344,7 +347,8 @@ class Pump:
         if self._keep is None:
             await self._wait_room()
             return
+        out = self._out
         try:
             await self._wait_room()
         except ChannelClosed:  # kept: a redial may resume it
-            self._keep.lost()
+            self._keep.lost(out)

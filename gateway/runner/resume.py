@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from gateway.runner.turn import Ending, Turn, TurnEnd
 
@@ -33,7 +34,7 @@ class ResumeBuffer:
 
     __slots__ = ("entries", "bytes", "limit", "sent", "dead", "dead_bytes", "on_lost")
 
-    def __init__(self, limit: int, on_lost: Callable[[], None]) -> None:
+    def __init__(self, limit: int, on_lost: Callable[[Any], None]) -> None:
         self.entries: deque[Entry] = deque()
         self.bytes = 0
         self.limit = limit
@@ -42,7 +43,7 @@ class ResumeBuffer:
         self.sent: int | None = None
         self.dead = 0  # entries of released turns still in ``entries``
         self.dead_bytes = 0  # and their bytes
-        self.on_lost = on_lost  # a send found the channel closed: it is down from now on
+        self.on_lost = on_lost  # a send found this outlet closed: the channel is down, if it was
 
     # -- adding (the per-read path: one append, one length) --------------------------------
 
@@ -66,9 +67,9 @@ class ResumeBuffer:
         if self.bytes > self.limit:
             self.over(turn)
 
-    def lost(self, unsent: int = 0) -> None:
-        """A send found the channel closed (the last ``unsent`` entries were not sent)."""
-        self.on_lost()
+    def lost(self, out: Any, unsent: int = 0) -> None:
+        """A send to ``out`` found it closed (the last ``unsent`` entries were not sent)."""
+        self.on_lost(out)
         if self.sent is not None and unsent:
             self.sent = max(0, self.sent - unsent)
 

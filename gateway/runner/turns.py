@@ -169,6 +169,8 @@ class Turns:
                     out.offer(frame)
                 if turn.end_frame is not None:
                     out.offer(turn.end_frame)
+                if turn.ended_at is not None:  # its linger starts again: just sent again
+                    turn.ended_at = trio.current_time()
                 self.counters.inc("turns_resumed")
                 log.info(
                     "job %s request %s: resumed from chunk %d (%d sent again)",
@@ -207,9 +209,10 @@ class Turns:
             self._down()
         self._start_expiry()
 
-    def _link_lost(self) -> None:
-        """A send of a turn that keeps its frames found the connection closed."""
-        if self.link is not None:
+    def _link_lost(self, out: object) -> None:
+        """A send of a turn that keeps its frames found ``out`` closed: when that is the
+        connection attached, it is down from now on (its reader will say so too)."""
+        if self.link is not None and self.link is out:
             self._down()
             self._start_expiry()
 
