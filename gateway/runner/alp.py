@@ -249,7 +249,7 @@ class Deadlines:
 
     request: float = 20.0  # poll, claim, status, progress, report: a live Server answers at once
     register: float = 30.0  # once per runner, and a person may be waiting
-    events: float = 40.0  # the push stream's longest silence: the Server sends keepalives on it
+    events: float = 60.0  # the push stream's longest silence: the Server sends keepalives on it
 
     @classmethod
     def of(cls, ping_interval: float, ping_timeout: float | None) -> Deadlines:
