@@ -25,7 +25,8 @@ from helpers import (
 
 from gateway.config import SETTINGS, BackendSpec, Config, ConfigError, load_config
 from gateway.hub import Hub
-from gateway.runner.backends import Backend, BackendBusy, BackendError, BackendPool
+from gateway.runner.backend import Backend, BackendBusy, BackendError
+from gateway.runner.backends import BackendPool
 from gateway.sim import SimOptions, Simulator, open_sim, serve_sim
 from gateway.wire.protocol import CAPABILITY
 

@@ -18,7 +18,7 @@ from gateway import logsafe
 from gateway.config import Config
 from gateway.hub import Hub, serve_hub
 from gateway.observe import setup_logging
-from gateway.runner.backends import discover_local
+from gateway.runner.discovery import discover_local
 from gateway.runner.supervisor import Runner
 from gateway.sim import SimOptions, Simulator, serve_sim
 from gateway.wire.sse import SSESplitter

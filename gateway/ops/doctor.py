@@ -29,8 +29,10 @@ from gateway.runner.alp import (
     describe_error,
     make_ssl_context,
 )
-from gateway.runner.backends import Answer, Backend, BackendPool, ProbeFailed, discover_local
+from gateway.runner.backend import Answer, Backend, ProbeFailed
+from gateway.runner.backends import BackendPool
 from gateway.runner.backendurl import missing_v1, where_configured
+from gateway.runner.discovery import discover_local
 from gateway.runner.snapshot import BackendStatus
 from gateway.runner.state import Registration, StateError, StateStore, WhichServer
 

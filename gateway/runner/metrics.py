@@ -57,6 +57,14 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "channels_dead",
         "Chat Channels declared dead by the keepalive (dropped, then redialled).",
     ),
+    "turns_resumed": (
+        "turns_resumed",
+        "Turns of a dropped Chat Channel resumed on its redial (the resume extension).",
+    ),
+    "turns_continued": (
+        "turns_continued",
+        "Answers continued on another backend after theirs died mid-answer.",
+    ),
     "registration_errors": (
         "registration_errors",
         "Registration attempts that failed on an unreachable or failing Server (retried).",

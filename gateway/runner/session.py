@@ -25,6 +25,7 @@ from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, descr
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
 from gateway.runner.turn import Ending, TurnEnd
+from gateway.runner.turns import Turns
 from gateway.wire.traceparent import valid_traceparent
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
@@ -95,6 +96,14 @@ def _minutes(job_id: str, name: str, value: Any) -> float | None:
     return None
 
 
+def _linger(config: Config) -> float:
+    """How long an ended turn's frames are kept while its channel is up: the time a dead path
+    takes to be found (a ping, then its timeout), or the resume window with pings off."""
+    if config.ping_interval > 0:
+        return config.ping_interval + (config.ping_timeout or config.ping_interval)
+    return config.resume_window
+
+
 def channel_url(server: str, job: ChatJob, token: str) -> str:
     """``ws(s)://{authority}/api/lives/chat/channel/ws?jobId=…&token=…`` (or the job's own URL)."""
     if job.channel_url:
@@ -137,6 +146,7 @@ class Session:
         self._report_error: str | None = "no answer in time"
         self._redial: trio.CancelScope | None = None  # a redial in progress: a stop ends it
         self._channel: Channel | None = None  # the channel connection being served
+        self.turns: Turns | None = None  # the job's turns, while its channel is served
 
     def stopping(self) -> None:
         """The runner's stop began: a final report being retried gets at most
@@ -155,8 +165,8 @@ class Session:
         everything); a final report still being retried is given up at once, and one not begun
         yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
         self._stopping_now = True
-        if self._channel is not None:
-            self._stop_turns(self._channel)
+        if self.turns is not None:
+            self.turns.stop_all(_STOPPED_END)
         if self._report_scope is not None:
             self._report_scope.cancel()
 
@@ -220,7 +230,26 @@ class Session:
                 log.warning("job %s: heartbeat failed: %s", job.id, exc)
 
     async def _serve_channel(self, limits: SessionLimits | None) -> tuple[str, str]:
-        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason)."""
+        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason).
+        The job's turns live here, across redials (a resume carries them over, §6)."""
+        config = self.kit.config
+        async with trio.open_nursery() as nursery:
+            self.turns = Turns(
+                self.job.id,
+                self.kit,
+                nursery,
+                trace=self.job.trace,
+                limits=limits,
+                resume_buffer=config.resume_buffer,
+                resume_window=config.resume_window,
+                linger=_linger(config),
+            )
+            try:
+                return await self._dial_loop()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _dial_loop(self) -> tuple[str, str]:
         job, kit, config = self.job, self.kit, self.kit.config
         window = config.reconnect_window
         dropped_at: float | None = None
@@ -248,7 +277,7 @@ class Session:
                     )
                 if ws is not None:
                     try:
-                        end = await self._serve_connected(ws, dropped_at is not None, limits)
+                        end = await self._serve_connected(ws, dropped_at is not None)
                     finally:
                         await ws.aclose()
                     failures = 0
@@ -298,32 +327,28 @@ class Session:
         keys = [spec.key for spec in config.backends]
         return Redactor([*keys, config.backend_key, config.user_token, self.kit.alp.token])
 
-    async def _serve_connected(
-        self, ws: WebSocket, redial: bool, limits: SessionLimits | None
-    ) -> ChannelEnd:
+    async def _serve_connected(self, ws: WebSocket, redial: bool) -> ChannelEnd:
         """Serve one open channel connection until it ends."""
-        job, kit = self.job, self.kit
+        job, kit, turns = self.job, self.kit, self.turns
         if redial:
             log.info("job %s: channel redialled", job.id)
             kit.counters.inc("reconnects")
+        assert turns is not None
         channel = self._channel = Channel(
-            job.id, ws, kit, frame_log=self._frame_log(), trace=job.trace, limits=limits
+            job.id,
+            ws,
+            kit,
+            frame_log=self._frame_log(),
+            trace=job.trace,
+            limits=turns.limits,
+            turns=turns,
         )
         if self._stopping_now:
-            self._stop_turns(channel)
+            turns.stop_all(_STOPPED_END)
         try:
             return await channel.serve()
         finally:
             self._channel = None
-
-    @staticmethod
-    def _stop_turns(channel: Channel) -> None:
-        """Stop every turn in flight on ``channel``: each sends its error frame (``RUNNER_STOPPED``)
-        and ends; the channel's wind-down then sends ``chat.end`` and closes it."""
-        # the channel's own turn table: Channel has no public stop-now of its own yet (its
-        # module is being reworked elsewhere); a Channel.stop_now(reason) should replace this
-        for turn in list(channel._turns.values()):
-            turn.stop(_STOPPED_END)
 
     async def _report(self, conclusion: str, reason: str) -> bool:
         """The one final report; retried (bounded) while the Server is unavailable. Whether

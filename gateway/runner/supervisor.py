@@ -18,11 +18,13 @@ from gateway.runner import tracing
 from gateway.runner.alp import (
     AlpClient,
     CertificateRefused,
+    Deadlines,
     EventsUnavailable,
     Job,
     MalformedReply,
     Refused,
     RegistrationRefused,
+    ServerSilent,
     ServerUnavailable,
     TokenRefused,
     make_ssl_context,
@@ -146,6 +148,7 @@ class Runner:
             *split_project(config.project),
             ssl_context=self.ssl_context,
             connect_timeout=config.connect_timeout,
+            deadlines=Deadlines.of(config.ping_interval, config.ping_timeout),
         )
         try:
             failures = 0
@@ -195,6 +198,7 @@ class Runner:
             reg.project,
             ssl_context=self.ssl_context,
             connect_timeout=self.config.connect_timeout,
+            deadlines=Deadlines.of(self.config.ping_interval, self.config.ping_timeout),
         )
         self.alp.token = reg.token
         log.info(
@@ -367,6 +371,8 @@ class Runner:
             except ServerUnavailable as exc:
                 failures += 1
                 delay = backoff_delay(failures, interval, interval * 6)
+                if isinstance(exc, ServerSilent) and failures == 1:
+                    delay = 0.0  # a dead kept-alive connection, dropped: at once, on a new one
                 log.warning("poll failed: %s; next try in %.1f s", exc, delay)
                 self.counters.inc("poll_errors")
                 self.last_poll_error = str(exc)
@@ -472,4 +478,5 @@ class Runner:
             except (ServerUnavailable, TokenRefused) as exc:
                 failures += 1
                 log.debug("events subscription: %s", exc)
+                self._wake.set()  # a job_available may have been lost: poll now
             await trio.sleep(backoff_delay(failures + 1, 1.0, self.config.poll_interval * 6))
