@@ -78,13 +78,8 @@ def _imports(name: str, *, type_checking: bool = False) -> set[str]:
 GRAPH = {name: _imports(name) for name in MODULES}
 
 
-# (module, what it imports of ops/): type-checking-only imports of ``gateway.ops.otel`` (a shim that
-# re-exports ``gateway.runner.otel``) in two files being reworked for issue 27. Each goes when its
-# file names ``gateway.runner.otel``; with the last, delete ``gateway/ops/otel.py``.
-_UPWARD_PENDING = {
-    ("gateway.runner.channel", "gateway.ops.otel"),
-    ("gateway.runner.turn", "gateway.ops.otel"),
-}
+# (module, what it imports of ops/) allowed for now: none
+_UPWARD_PENDING: set[tuple[str, str]] = set()
 _BELOW_OPS = ("gateway.runner", "gateway.hub", "gateway.wire")
 
 

@@ -17,8 +17,10 @@ from gateway.runner.turns import HELLO_WAIT, SESSION_END, SHUTTING_DOWN, Channel
 from gateway.wire import protocol
 from gateway.wire.wsclient import ChannelClosed, WebSocket
 
-if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
-    from gateway.ops.otel import SessionTrace
+if (
+    TYPE_CHECKING
+):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
+    from gateway.runner.otel import SessionTrace
     from gateway.runner.relay import Relay
 
 __all__ = ["SHUTTING_DOWN", "Channel", "ChannelEnd", "ChannelKit", "SessionLimits"]

@@ -14,8 +14,10 @@ import trio
 
 from gateway.wire.protocol import TurnFrames
 
-if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
-    from gateway.ops.otel import TurnTrace
+if (
+    TYPE_CHECKING
+):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
+    from gateway.runner.otel import TurnTrace
     from gateway.runner.relay import Pump
     from gateway.runner.resume import ResumeBuffer
     from gateway.wire.stream import EventStream

@@ -37,9 +37,11 @@ from gateway.runner.turn import Ending, Turn, TurnEnd
 from gateway.wire import protocol
 from gateway.wire.wsclient import ChannelClosed
 
-if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
-    from gateway.ops.otel import SessionTrace
+if (
+    TYPE_CHECKING
+):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
     from gateway.runner.channel import SessionLimits
+    from gateway.runner.otel import SessionTrace
 
 log = logging.getLogger("gateway.channel")
 
