@@ -30,18 +30,16 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from gateway.hub.store import BATCH_INTERVAL, BATCH_ROWS, Store, StoredSession
+from gateway.hub.store import BATCH_INTERVAL, BATCH_ROWS, Store, StoredSession, UsageRecord
 from gateway.hub.store.sqlite import SqliteStore
-from gateway.hub.turns import TurnRecord
 
 KEYS = 10  # active API keys in the store (check_api_key compares against each)
 
 
-def _record(n: int) -> TurnRecord:
-    record = TurnRecord("id-alice", "alice", f"s{n % 8}", "chat", "m", True, 0.0, "r-1", "j-1")
-    record.first_token, record.ended, record.outcome = 0.1, 1.0, "ok"
-    record.prompt_tokens, record.completion_tokens = 12, 34
-    return record
+def _record(n: int) -> UsageRecord:
+    return UsageRecord(
+        "id-alice", "alice", f"s{n % 8}", "chat", "m", True, "ok", "r-1", "j-1", 12, 34, 0.1, 1.0
+    )
 
 
 async def _per_call(call: Callable[[int], Awaitable[object]], n: int) -> tuple[float, float]:

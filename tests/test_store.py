@@ -34,6 +34,7 @@ from gateway.hub.store import (
     StoredSession,
     StoreError,
     StoreUnavailable,
+    UsageRecord,
     key_id_of,
     open_store,
     token_hash,
@@ -72,11 +73,22 @@ async def other(opener: Callable[..., Store]) -> AsyncIterator[Store]:
     await opened.close()
 
 
-def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> TurnRecord:
-    record = TurnRecord(f"id-{name}", name, "s", "chat", model, True, 0.0, "r-1", "j-1")
-    record.first_token, record.ended, record.outcome = 0.25, 1.0, outcome
-    record.prompt_tokens, record.completion_tokens = 2, 3
-    return record
+def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> UsageRecord:
+    return UsageRecord(
+        f"id-{name}",
+        name,
+        "s",
+        "chat",
+        model or "",
+        True,
+        outcome,
+        prompt_tokens=2,
+        completion_tokens=3,
+        runner_id="r-1",
+        job_id="j-1",
+        ttft=0.25,
+        duration=1.0,
+    )
 
 
 # -- jobs ------------------------------------------------------------------------------------
@@ -237,6 +249,7 @@ async def test_usage_rows_hourly_totals_and_tokens(store: Store) -> None:
         "ttft": 0.25,
         "duration": 1.0,
         "outcome": "ok",
+        "estimated": 0,
     }
     assert len(await store.usage_rows(hour + 25)) == 2
     assert await store.hourly_usage(hour, "alice") == [
@@ -360,11 +373,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [SCHEMA_VERSION] == [1]
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2] and SCHEMA_VERSION == 2
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1]
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2]
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -469,7 +482,16 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     _store_from_before(path)
     before = _shape(path)
     store = open_store(tmp_path)
-    assert _shape(path) == before and _versions(path) == [1]  # migration 1 is that schema
+    # migration 1 is that schema; migration 2 adds the usage's ``estimated`` columns (0: said)
+    after = _shape(path)
+    assert _versions(path) == [1, 2] and after.keys() == before.keys()
+    for table in ("usage_turns", "usage_hourly"):
+        columns, rows = after[table]
+        assert columns[:-1] == before[table][0] and columns[-1][1] == "estimated"
+        assert [row[:-1] for row in rows] == before[table][1] and {row[-1] for row in rows} == {0}
+    assert {t: v for t, v in after.items() if not t.startswith("usage_")} == {
+        t: v for t, v in before.items() if not t.startswith("usage_")
+    }
     key = await store.check_api_key(KEY)
     assert key is not None and await store.key_limits("alice") == (
         key.id,
@@ -491,7 +513,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1]
+    assert _versions(path) == [1, 2]
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -513,7 +535,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [1, 2, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 
@@ -533,7 +555,9 @@ async def test_turns_that_ended_are_in_the_store_when_the_hub_stops(tmp_path: Pa
     hub = Hub(tmp_path / "hub")
     async with open_hub(hub):
         for n in range(3):
-            hub.frontdoor.usage.ended(_record(f"key{n}"))
+            turn = TurnRecord(f"id-key{n}", f"key{n}", "s", "chat", "m", True, 0.0)
+            turn.ended, turn.outcome = 1.0, "ok"
+            hub.frontdoor.usage.ended(turn)
     reopened = open_store(tmp_path / "hub")
     assert [r["key_name"] for r in await reopened.usage_rows()] == ["key0", "key1", "key2"]
     await reopened.close()

@@ -25,7 +25,7 @@ from helpers import ADMIN, OWNER, PROJECT, runner_config, running
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
-from gateway.hub.store import PRUNE_BATCH, HourlyUsage, KeyLimits, open_store
+from gateway.hub.store import PRUNE_BATCH, HourlyUsage, KeyLimits, UsageRecord, open_store
 from gateway.hub.turns import TurnRecord
 from gateway.sim import Simulator
 
@@ -216,11 +216,18 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
     await hub.store.close()
 
 
-def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> TurnRecord:
-    record = TurnRecord(f"id-{name}", name, "s", "chat", model, False, 0.0)
-    record.ended, record.outcome = 1.0, outcome
-    record.prompt_tokens, record.completion_tokens = 2, 3
-    return record
+def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> UsageRecord:
+    return UsageRecord(
+        f"id-{name}",
+        name,
+        "s",
+        "chat",
+        model or "",
+        False,
+        outcome,
+        prompt_tokens=2,
+        completion_tokens=3,
+    )
 
 
 async def test_pruning_is_bounded_work_and_totals_say_whether_they_are_exact(

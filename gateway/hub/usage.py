@@ -21,7 +21,7 @@ import trio
 
 from gateway.hub.http import HTTPError
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import HourlyUsage, KeyLimits, Store
+from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
 from gateway.hub.turns import TurnRecord
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
@@ -194,7 +194,7 @@ class UsageBook:
                 state.window_tokens += tokens
             wall = self.clock()
             if self.store is not None:
-                self.store.queue_usage(record, wall)  # written by the store's writer, batched
+                self.store.queue_usage(_row(record), wall)  # written by the store's writer, batched
             day = int(wall) // DAY * DAY
             if state.day != day and self.store is None:  # nowhere to read the day from
                 state.day, state.day_tokens = day, 0
@@ -210,3 +210,22 @@ class UsageBook:
         if self.store is None:
             return []
         return await self.store.hourly_usage(since, key_name)
+
+
+def _row(record: TurnRecord) -> UsageRecord:
+    """The ledger's row of an ended turn."""
+    return UsageRecord(
+        record.key_id,
+        record.key_name,
+        record.session,
+        record.api,
+        record.model or "",
+        record.stream,
+        record.outcome or "",
+        record.runner_id,
+        record.job_id,
+        record.prompt_tokens,
+        record.completion_tokens,
+        record.ttft,
+        record.duration,
+    )

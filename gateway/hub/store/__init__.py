@@ -38,6 +38,7 @@ from gateway.hub.store.records import (
     Registration,
     StoredJob,
     StoredSession,
+    UsageRecord,
     UsageTotal,
     limits_of,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "StoreUnavailable",
     "StoredJob",
     "StoredSession",
+    "UsageRecord",
     "UsageTotal",
     "ensure_private_dir",
     "key_id_of",

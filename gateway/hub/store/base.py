@@ -28,9 +28,9 @@ from gateway.hub.store.records import (
     Registration,
     StoredJob,
     StoredSession,
+    UsageRecord,
     UsageTotal,
 )
-from gateway.hub.turns import TurnRecord
 
 log = logging.getLogger("gateway.hub.store")
 
@@ -39,7 +39,7 @@ BATCH_ROWS = 256  # ...or as soon as this many rows wait
 PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
 PRUNE_EVERY = 60.0  # s (of the rows' time) between prunes once nothing old is left
 
-UsageRow = tuple[TurnRecord, float]  # an ended turn and when it ended (Unix time)
+UsageRow = tuple[UsageRecord, float]  # an ended turn and when it ended (Unix time)
 
 
 class StoreError(Exception):
@@ -74,7 +74,7 @@ class Store(abc.ABC):
 
     # -- the write-behind batch of usage rows ----------------------------------------------
 
-    def queue_usage(self, record: TurnRecord, at: float) -> None:
+    def queue_usage(self, record: UsageRecord, at: float) -> None:
         """An ended turn (``at``: when, Unix time), written by the writer with the next batch:
         its row, and its key's hourly totals. No I/O: this is what the turn's path calls."""
         self._pending.append((record, at))
@@ -83,7 +83,7 @@ class Store(abc.ABC):
         if len(self._pending) >= self.batch_rows:
             self._full.set()
 
-    async def add_usage(self, record: TurnRecord, at: float) -> None:
+    async def add_usage(self, record: UsageRecord, at: float) -> None:
         """An ended turn written now (with any queued before it); StoreError when it cannot be."""
         self._pending.append((record, at))
         rows, self._pending = self._pending, []

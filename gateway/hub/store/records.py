@@ -98,6 +98,30 @@ class HourlyUsage:
     prompt_tokens: int
     completion_tokens: int
     errors: int = 0  # turns that ended in error, lost or refused (by the hub, not its limits)
+    estimated: int = 0  # turns whose tokens are the hub's estimate (ended before the backend said)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One ended front-door turn as the usage ledger keeps it (a row; its key's hourly totals).
+
+    ``model`` is the ledger's name of the model (``""``: the runner's default); ``estimated``:
+    the tokens are the hub's estimate (the turn ended before the backend said its usage)."""
+
+    key_id: str
+    key_name: str
+    session: str
+    api: str
+    model: str
+    stream: bool
+    outcome: str
+    runner_id: str | None = None
+    job_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft: float | None = None
+    duration: float | None = None
+    estimated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +135,7 @@ class UsageTotal:
     prompt_tokens: int
     completion_tokens: int
     errors: int
+    estimated: int = 0  # turns whose tokens are the hub's estimate
 
 
 @dataclass(slots=True)

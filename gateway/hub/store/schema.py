@@ -140,6 +140,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             ("api_keys", "max_streams", "INTEGER"),
         ),
     ),
+    Migration(
+        2,
+        "usage marked estimated: a turn that ended before its backend said its tokens",
+        (),
+        columns=(
+            ("usage_turns", "estimated", "INTEGER NOT NULL DEFAULT 0"),
+            ("usage_hourly", "estimated", "INTEGER NOT NULL DEFAULT 0"),
+        ),
+    ),
 )
 LATEST = MIGRATIONS[-1].version
 

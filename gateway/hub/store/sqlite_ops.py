@@ -34,11 +34,11 @@ from gateway.hub.store.records import (
     Registration,
     StoredJob,
     StoredSession,
+    UsageRecord,
     UsageTotal,
     hour_of,
 )
 from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, too_new
-from gateway.hub.turns import TurnRecord
 
 Db = sqlite3.Connection
 _KEY_LIMIT_COLUMNS = ", ".join(LIMIT_NAMES)
@@ -49,7 +49,7 @@ _JOB_COLUMNS = (
 _RUNNER_COLUMNS = "id, name, owner, project, labels, registered_at, token_hash"
 _USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
-    " completion_tokens ttft duration outcome"
+    " completion_tokens ttft duration outcome estimated"
 ).split()
 
 
@@ -413,25 +413,26 @@ def active_key_id(db: Db, name: str) -> str | None:
 # -- usage ----------------------------------------------------------------------------------
 
 
-def write_usage(db: Db, rows: list[tuple[TurnRecord, float]]) -> None:
+def write_usage(db: Db, rows: list[tuple[UsageRecord, float]]) -> None:
     """The turns' rows and their keys' hourly totals (summed per hour, key and model first)."""
     hourly: dict[tuple[int, str, str], list[Any]] = {}
     for record, at in rows:
-        model = record.model or ""
+        model = record.model
         group = (int(at) // HOUR * HOUR, record.key_id, model)
         totals = hourly.get(group)
         if totals is None:
-            totals = hourly[group] = [record.key_name, 0, 0, 0, 0]
+            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0]
         totals[0] = record.key_name  # the latest name of the key
         totals[1] += 1
         totals[2] += record.prompt_tokens or 0
         totals[3] += record.completion_tokens or 0
         totals[4] += int(record.outcome in ERROR_OUTCOMES)
+        totals[5] += int(record.estimated)
     with transaction(db):
         db.executemany(
             "INSERT INTO usage_turns (at, key_id, key_name, session, runner_id, job_id, model,"
-            " api, stream, prompt_tokens, completion_tokens, ttft, duration, outcome)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " api, stream, prompt_tokens, completion_tokens, ttft, duration, outcome, estimated)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     at,
@@ -440,25 +441,27 @@ def write_usage(db: Db, rows: list[tuple[TurnRecord, float]]) -> None:
                     record.session,
                     record.runner_id,
                     record.job_id,
-                    record.model or "",
+                    record.model,
                     record.api,
                     int(record.stream),
                     record.prompt_tokens,
                     record.completion_tokens,
                     record.ttft,
                     record.duration,
-                    record.outcome or "",
+                    record.outcome,
+                    int(record.estimated),
                 )
                 for record, at in rows
             ],
         )
         db.executemany(
             "INSERT INTO usage_hourly (hour, key_id, key_name, model, turns, prompt_tokens,"
-            " completion_tokens, errors) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " completion_tokens, errors, estimated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(hour, key_id, model) DO UPDATE SET turns = turns + excluded.turns,"
             " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
             " completion_tokens = completion_tokens + excluded.completion_tokens,"
-            " errors = errors + excluded.errors, key_name = excluded.key_name",
+            " errors = errors + excluded.errors, estimated = estimated + excluded.estimated,"
+            " key_name = excluded.key_name",
             [(hour, key_id, t[0], model, *t[1:]) for (hour, key_id, model), t in hourly.items()],
         )
 
@@ -500,7 +503,7 @@ def usage_rows(db: Db, since: float, key_name: str | None) -> list[dict[str, Any
 def hourly_usage(db: Db, since: float, key_name: str | None) -> list[HourlyUsage]:
     query = (
         "SELECT hour, key_name, model, SUM(turns), SUM(prompt_tokens), SUM(completion_tokens),"
-        " SUM(errors) FROM usage_hourly WHERE hour >= ?"
+        " SUM(errors), SUM(estimated) FROM usage_hourly WHERE hour >= ?"
     )
     args: tuple[Any, ...] = (hour_of(since),)
     if key_name is not None:
@@ -508,7 +511,7 @@ def hourly_usage(db: Db, since: float, key_name: str | None) -> list[HourlyUsage
         args = (*args, key_name)
     query += " GROUP BY hour, key_name, model ORDER BY hour, key_name, model"
     return [
-        HourlyUsage(r[0], r[1], r[2] or None, r[3], r[4], r[5], r[6])
+        HourlyUsage(r[0], r[1], r[2] or None, r[3], r[4], r[5], r[6], r[7])
         for r in db.execute(query, args)
     ]
 
@@ -519,14 +522,14 @@ def usage_totals(db: Db, since: float, key_name: str | None) -> tuple[list[Usage
         query = (
             "SELECT key_name, model, COUNT(*), SUM(COALESCE(prompt_tokens, 0)),"
             " SUM(COALESCE(completion_tokens, 0)),"
-            f" SUM(outcome IN ({', '.join('?' * len(ERROR_OUTCOMES))}))"
+            f" SUM(outcome IN ({', '.join('?' * len(ERROR_OUTCOMES))})), SUM(estimated)"
             " FROM usage_turns WHERE at >= ?"
         )
         args: tuple[Any, ...] = (*ERROR_OUTCOMES, since)
     else:
         query = (
             "SELECT key_name, model, SUM(turns), SUM(prompt_tokens), SUM(completion_tokens),"
-            " SUM(errors) FROM usage_hourly WHERE hour >= ?"
+            " SUM(errors), SUM(estimated) FROM usage_hourly WHERE hour >= ?"
         )
         args = (hour_of(since),)
     if key_name is not None:
