@@ -16,7 +16,7 @@ import trio
 from gateway import __version__, logsafe
 from gateway.config import SETTINGS, Config, ConfigError, add_flags, load_config, setting_flags
 from gateway.observe import setup_logging
-from gateway.state import StateError
+from gateway.runner.state import StateError
 
 log = logging.getLogger("gateway")
 
@@ -175,7 +175,7 @@ def _run(config: Config) -> int:
 
             await nursery.start(runner.watch_signals, stop)
             nursery.start_soon(serve)
-        return 130 if stop.cancel_called else 0
+        return 130 if stop.cancel_called or runner.stopped_now else 0
 
     # The latency tail (issue 21, point 7): a full garbage collection walks every tracked object,
     # and the ~40,000 of the imported modules are most of them: 15-20 ms of CPU here, 70 ms and

@@ -493,6 +493,24 @@ class Config:
         metavar="S",
         sample=20,
     )
+    resume_buffer: int = setting(
+        MiB,
+        env="ALP_GATEWAY_RESUME_BUFFER",
+        parse=_non_negative_int,
+        help="bytes of recent frames kept per chat channel, so that a Server with the resume "
+        "extension gets an answer whole across a dropped channel (0: no resume)",
+        group="sessions",
+        metavar="BYTES",
+    )
+    resume_window: float = setting(
+        30.0,
+        env="ALP_GATEWAY_RESUME_WINDOW",
+        parse=_positive_float,
+        help="seconds the turns of a dropped chat channel go on for a redial that resumes them "
+        "(the resume extension); then they are cancelled",
+        group="sessions",
+        metavar="S",
+    )
     max_frame_size: int = setting(
         16 * MiB,
         env="ALP_GATEWAY_MAX_FRAME_SIZE",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import trio
+import trio.testing
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
 
 from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
+from gateway.hub.cli import main as hub_main
 from gateway.runner.supervisor import Runner
 from gateway.wire.wsframes import OP_BINARY
 
@@ -60,12 +63,12 @@ async def running(config: Config) -> AsyncIterator[Runner]:
         nursery.cancel_scope.cancel()
 
 
-def register_runner(
+async def register_runner(
     hub: Hub, owner: str, project: str, name: str, labels: list[str]
 ) -> dict[str, Any]:
     """Register a runner straight in the hub's store (as ``POST {base}/runners`` does)."""
-    registration, token = hub.store.add_registration(owner, project, name, list(labels))
-    hub.board.seen(registration.id)
+    registration, token = await hub.store.add_registration(owner, project, name, list(labels))
+    hub.board.seen(registration.id, registration)
     return {
         "id": registration.id,
         "name": registration.name,
@@ -113,9 +116,20 @@ async def send(channel: ServerChannel, frame: dict[str, Any] | str | bytes) -> N
     await channel.send(data.encode())
 
 
+async def hub_command(clock: trio.testing.MockClock, argv: list[str]) -> int:
+    """``alp-gateway hub ARGV`` as another process on the same store runs it: its own trio run
+    (in a thread), the test's virtual clock held still while it runs (no autojump meanwhile)."""
+    threshold = clock.autojump_threshold
+    clock.autojump_threshold = math.inf
+    try:
+        return await trio.to_thread.run_sync(hub_main, argv)
+    finally:
+        clock.autojump_threshold = threshold
+
+
 async def open_chat(hub: Hub, within: float = 10) -> tuple[Any, ServerChannel]:
     """Queue a Kind B job and wait for the runner's channel (its inbox in place)."""
-    job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     channel = await hub.channels.wait(job.id, within)
     assert channel is not None, "the runner did not open the chat channel"
     inbox(channel)

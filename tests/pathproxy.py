@@ -8,12 +8,18 @@
   forgotten, as a NAT or CGNAT forgets an idle mapping: from then on its bytes are dropped, and
   neither end is told.
 
+- ``cut()``: every connection open at that moment is reset at both ends (a router that drops
+  its state and answers with RSTs): both ends see it broken at once.
+
 Nothing is ever closed by the proxy while a path is dead: both ends see a live, silent socket.
-Counters (``connections``, ``frozen``, ``forgotten``) are there to wait on, with ``changed``.
+Counters (``connections``, ``frozen``, ``forgotten``, ``cut``) are there to wait on, with
+``changed``.
 """
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ class _Path:
 
     last_byte: float
     dead: bool = False
+    streams: tuple[trio.SocketStream, ...] = ()  # its two sockets, once both are open
 
 
 @dataclass(eq=False)
@@ -39,6 +46,7 @@ class PathProxy:
     connections: int = 0
     frozen: int = 0
     forgotten: int = 0
+    cut: int = 0
     changed: trio.Event = field(default_factory=trio.Event)
     _paths: set[_Path] = field(default_factory=set)
     _freeze_new: bool = False
@@ -55,6 +63,19 @@ class PathProxy:
                 path.dead = True
                 count += 1
         self.frozen += count
+        self._notify()
+        return count
+
+    def cut_all(self) -> int:
+        """Reset every open path at both ends (RST, no FIN); returns how many were cut."""
+        count = 0
+        for path in list(self._paths):
+            if path.streams and not path.dead:
+                path.dead = True
+                for stream in path.streams:
+                    _reset(stream)
+                count += 1
+        self.cut += count
         self._notify()
         return count
 
@@ -82,6 +103,7 @@ class PathProxy:
         self._paths.add(path)
         try:
             async with client, await trio.open_tcp_stream(self.target_host, self.target_port) as up:
+                path.streams = (client, up)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, client, up, path, nursery.cancel_scope)
                     nursery.start_soon(self._pump, up, client, path, nursery.cancel_scope)
@@ -108,9 +130,9 @@ class PathProxy:
                     continue  # dropped on the floor; neither end hears of it
                 path.last_byte = trio.current_time()
                 await sink.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-        if path.dead:
+        if path.dead and path.streams and path.streams[0].socket.fileno() != -1:
             await trio.sleep_forever()  # a dead path never delivers the close either
         scope.cancel()
 
@@ -124,6 +146,14 @@ class PathProxy:
                 self._notify()
                 return
             await trio.sleep_until(idle_until)
+
+
+def _reset(stream: trio.SocketStream) -> None:
+    try:
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    stream.socket.close()
 
 
 @asynccontextmanager

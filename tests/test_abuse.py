@@ -102,8 +102,8 @@ async def exchange(url: str, data: bytes) -> Any:
 async def claimed(hub: Hub, url: str) -> tuple[str, str]:
     """(job id, runner token): a Kind B job claimed through the runner API by a runner
     registered for it."""
-    runner = register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
-    job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    runner = await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     body = {"jobId": job.id, "name": "box"}
     resp = await exchange(
         url, request("POST", f"{BASE}/runners/generate-jitconfig", [bearer(runner["token"])], body)
@@ -116,11 +116,11 @@ def _channel_target(job_id: str, token: str) -> str:
     return f"{CHANNEL}?jobId={job_id}&token={token}"
 
 
-def _credential(hub: Hub, route: str) -> str:
+async def _credential(hub: Hub, route: str) -> str:
     """A valid credential for ``route``: a runner token, or an API key for the chat route."""
     if route == "chat":
-        return hub.keys.create("k")
-    return register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
+        return await hub.keys.create("k")
+    return (await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"]))["token"]
 
 
 def _target(route: str) -> tuple[str, str]:
@@ -251,7 +251,7 @@ async def test_a_body_not_complete_within_body_timeout_gets_408_and_is_closed(
     settings = {} if body_timeout is None else {"body_timeout": body_timeout}
     method, path = _target(route)
     async with open_hub(_hub(**settings)) as (hub, url):
-        token = _credential(hub, route)
+        token = await _credential(hub, route)
         body = b'{"capabilities": ["chat-llm:v1"], "model": "m", "messages": []}'.ljust(100)
         headers = [bearer(token), ("Content-Type", "application/json"), ("Content-Length", "100")]
         with trio.fail_after(200):
@@ -275,7 +275,7 @@ async def test_a_declared_body_over_max_body_gets_413_at_once_and_is_closed(
 ) -> None:
     method, path = _target(route)
     async with open_hub(_hub(max_body=1000)) as (hub, url):
-        headers = [bearer(_credential(hub, route)), ("Content-Length", "2000")]
+        headers = [bearer(await _credential(hub, route)), ("Content-Length", "2000")]
         with trio.fail_after(120):
             conn = await RawConn.open(url)
             start = trio.current_time()
@@ -382,7 +382,7 @@ async def test_refusals_warn_at_most_once_a_minute(
     (The four held connections are event streams: busy, never idle-closed.)"""
     hub = _hub(max_connections=4, offline_after=1e6, keepalive_interval=1e6)
     async with open_hub(hub) as (hub, url):
-        token = register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
+        token = (await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"]))["token"]
         with trio.fail_after(300):
             held = []
             for _ in range(4):
@@ -413,7 +413,7 @@ async def test_content_length_with_chunked_is_400_and_the_connection_closed(
     """RFC 9112 §6.1: the framing is ambiguous, so the connection closes after the 400; the
     request pipelined behind it is never answered."""
     async with open_hub(_hub()) as (hub, url):
-        key = hub.keys.create("k")
+        key = await hub.keys.create("k")
         smuggled = head(
             "POST",
             CHAT,
@@ -435,7 +435,7 @@ async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(
     autojump_clock: trio.testing.MockClock, records: Records, size_line: bytes
 ) -> None:
     async with open_hub(_hub()) as (hub, url):
-        key = hub.keys.create("k")
+        key = await hub.keys.create("k")
         chunked = head("POST", CHAT, [bearer(key), ("Transfer-Encoding", "chunked")])
         with trio.fail_after(120):
             conn = await RawConn.open(url)
@@ -455,7 +455,7 @@ async def test_json_nested_100000_deep_is_invalid_json_not_a_500(
     body = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
     method, path = _target(route)
     async with open_hub(_hub()) as (hub, url):
-        credential = _credential(hub, route)
+        credential = await _credential(hub, route)
         with trio.fail_after(120):
             resp = await exchange(url, request(method, path, [bearer(credential)], body))
     assert resp.status == 400, resp
@@ -475,7 +475,7 @@ async def test_a_client_leaving_mid_upload_is_one_debug_line_at_most(
 ) -> None:
     method, path = _target(route)
     async with open_hub(_hub()) as (hub, url):
-        headers = [bearer(_credential(hub, route)), ("Content-Length", "1000")]
+        headers = [bearer(await _credential(hub, route)), ("Content-Length", "1000")]
         with trio.fail_after(120):
             since = len(records.records)
             conn = await RawConn.open(url)
@@ -592,7 +592,7 @@ async def _chat_with_session(session: bytes) -> int:
     from fake_runner import CONTENT_MODEL, FakeRunner
 
     async with open_hub(_hub()) as (hub, url):
-        key = hub.keys.create("k")
+        key = await hub.keys.create("k")
         runner = FakeRunner(url, ADMIN)
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)

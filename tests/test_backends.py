@@ -26,7 +26,8 @@ from helpers import (
 
 from gateway.config import SETTINGS, BackendSpec, Config, ConfigError, load_config
 from gateway.hub import Hub
-from gateway.runner.backends import Backend, BackendBusy, BackendError, BackendPool
+from gateway.runner.backend import Backend, BackendBusy, BackendError
+from gateway.runner.backends import BackendPool
 from gateway.sim import SimOptions, Simulator, open_sim, serve_sim
 from gateway.wire.protocol import CAPABILITY
 
@@ -404,7 +405,9 @@ async def test_capability_follows_backend_health(
                 await backend.wait_until(lambda b: not b.up)
             assert runner.capabilities() == []
             polls = runner.counters.get("polls")
-            job = hub[0].board.enqueue("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
+            job = await hub[0].board.enqueue(
+                "acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"}
+            )
             with trio.fail_after(5):
                 await runner.counters.wait("polls", polls + 2)
             assert job.claimed_by is None  # nothing is advertised while no backend is up

@@ -17,11 +17,10 @@ import pytest
 import trio
 import trio.testing
 from fake_runner import FakeRunner, Script
-from helpers import register_runner
+from helpers import hub_command, register_runner
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.board import RECENT_ENDED
-from gateway.hub.cli import main as hub_main
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import StoredSession
 
@@ -70,13 +69,21 @@ def error_of(reply: httpx.Response) -> dict[str, Any]:
 class HandRunner:
     """A runner driven step by step over the runner API: poll with chosen capabilities, claim."""
 
-    def __init__(self, hub: Hub, url: str, owner: str = OWNER, project: str = PROJECT) -> None:
-        registration = register_runner(hub, owner, project, "by-hand", ["self-hosted"])
+    def __init__(
+        self, registration: dict[str, Any], url: str, owner: str = OWNER, project: str = PROJECT
+    ) -> None:
         self.id = registration["id"]
         self.base = f"{url}/api/owners/{owner}/projects/{project}"
         self.http = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {registration['token']}"}, timeout=GUARD
         )
+
+    @classmethod
+    async def register(
+        cls, hub: Hub, url: str, owner: str = OWNER, project: str = PROJECT
+    ) -> HandRunner:
+        registration = await register_runner(hub, owner, project, "by-hand", ["self-hosted"])
+        return cls(registration, url, owner, project)
 
     async def poll(self, *capabilities: str) -> list[dict[str, Any]]:
         reply = await self.http.post(
@@ -128,9 +135,9 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         # a runner of another project, alive and capable: "no runner" all the same, unnamed
-        stranger = HandRunner(hub, url, "secret-owner", "secret-project")
+        stranger = await HandRunner.register(hub, url, "secret-owner", "secret-project")
         await stranger.poll("chat-llm:v1")
         with trio.fail_after(GUARD):
             started = trio.current_time()
@@ -151,7 +158,7 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     assert error_of(models)["code"] == "no_runner"
     assert "secret" not in reply.text and "secret" not in models.text
     assert not [
-        j for j in hub.board.all_jobs.values() if j.owner == OWNER
+        j for j in await hub.board.all_jobs.values() if j.owner == OWNER
     ]  # no job was ever opened
 
 
@@ -159,8 +166,8 @@ async def test_runners_connected_none_advertising_is_answered_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
-        down = [HandRunner(hub, url), HandRunner(hub, url)]
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        down = [await HandRunner.register(hub, url), await HandRunner.register(hub, url)]
         for runner in down:
             assert await runner.poll() == []  # backends down: nothing advertised
         with trio.fail_after(GUARD):
@@ -176,13 +183,13 @@ async def test_runners_connected_none_advertising_is_answered_at_once(
         "param": None,
         "code": "no_capable_runner",
     }
-    assert not [j for j in hub.board.all_jobs.values() if j.owner == OWNER]
+    assert not [j for j in await hub.board.all_jobs.values() if j.owner == OWNER]
 
 
 async def _busy_runner(hub: Hub, url: str) -> HandRunner:
     """A runner holding one session and advertising nothing: at its capacity."""
-    runner = HandRunner(hub, url)
-    job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    runner = await HandRunner.register(hub, url)
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     assert [j["id"] for j in await runner.poll("chat-llm:v1")] == [job.id]
     await runner.claim(job.id)
     assert await runner.poll() == []  # at --max-sessions: stops advertising
@@ -193,7 +200,7 @@ async def test_every_runner_busy_waits_queue_wait_then_503_with_retry_after(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(queue_wait=7.0)) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         with trio.fail_after(GUARD):
             started = trio.current_time()
@@ -216,7 +223,7 @@ async def test_every_runner_busy_the_turn_is_served_when_one_frees_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(queue_wait=60.0)) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         replies: list[httpx.Response] = []
         with trio.fail_after(GUARD):
@@ -239,7 +246,7 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, models=("fake-model", "fake-tools")) as (fake, _):
             async with client(url, key) as openai_client:
                 with trio.fail_after(GUARD):
@@ -281,7 +288,7 @@ async def test_a_backend_refusing_the_request_is_a_4xx_not_a_retried_502(
         "broken": Script(error_before="backend returned 500: boom"),
     }
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, scripts=refusals, models=tuple(refusals)):
             with trio.fail_after(GUARD):
                 missing = await chat(url, key, model="missing-model")
@@ -300,12 +307,12 @@ async def test_a_dead_runners_session_moves_at_once_when_another_runner_is_free(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, name="a") as (a, kill_a):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 (job_id,) = a.claimed
-                job1 = hub.board.all_jobs[job_id]
+                job1 = await hub.board.all_jobs.get(job_id)
             async with fake_runner(url, name="b") as (b, _):
                 with trio.fail_after(GUARD):
                     while hub.board.runners[str(b.runner_id)].capabilities is None:
@@ -321,7 +328,7 @@ async def test_a_dead_runners_session_moves_at_once_when_another_runner_is_free(
     assert elapsed < NEVER  # the reconnect window was not waited out
     assert hub.counters.failovers_immediate == 1 and hub.counters.redial_waits == 0
     assert hub.counters.failovers == 1
-    job2 = hub.board.all_jobs[hub.sessions.listing()[("k", "s")]]
+    job2 = await hub.board.all_jobs.get(hub.sessions.listing()[("k", "s")])
     assert job2.id != job1.id and b.claimed == [job2.id]
     assert job1.cancelled and job1.cancel_reason == "channel lost"  # a redial would be refused
 
@@ -330,7 +337,7 @@ async def test_with_no_other_runner_free_the_turn_waits_for_the_redial(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(reconnect_timeout=5.0, runner_wait_timeout=20.0)) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, kill):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
@@ -357,9 +364,9 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
 ) -> None:
     data = tmp_path / "hub"
     async with open_hub(hub_of(data)) as (hub, url):
-        runner = HandRunner(hub, url)
+        runner = await HandRunner.register(hub, url)
         jobs = [
-            hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+            await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
             for _ in range(RECENT_ENDED + 2)
         ]
         done = {"status": "completed", "conclusion": "success", "logs": "ok"}
@@ -367,10 +374,10 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
             run_id = await runner.claim(job.id)
             reply = await runner.http.patch(f"{runner.base}/runs/{run_id}/jobs/{job.id}", json=done)
             assert reply.status_code == 200
-        live = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        live = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
         assert list(hub.board.jobs) == [live.id]  # polls scan only what can still run
         assert len(hub.board.recent) == RECENT_ENDED
-        oldest = hub.board.all_jobs[jobs[0].id]  # read back from the store
+        oldest = await hub.board.all_jobs.get(jobs[0].id)  # read back from the store
         assert oldest is not jobs[0] and oldest.status == "completed"
         assert oldest.reports == [{"status": "in_progress"}, done]
         # a late report on an ended job is refused as before (409), counted, and not kept
@@ -385,10 +392,13 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
         assert len(listed) == len(jobs) + 1 and listed[jobs[0].id]["status"] == "completed"
         assert len(listed[jobs[0].id]["reports"]) == 2
     again = Hub(data, admin_token=ADMIN)
+    await again.board.load()  # as its start does
     assert list(again.board.jobs) == [live.id]  # a restart loads the live ones only
-    assert again.board.all_jobs[jobs[-1].id].conclusion == "success" and len(again.board.all_jobs) == len(jobs) + 1
-    again.store.close()
-    hub.store.close()
+    assert (
+        await again.board.all_jobs.get(jobs[-1].id)
+    ).conclusion == "success" and await again.board.all_jobs.count() == len(jobs) + 1
+    await again.store.close()
+    await hub.store.close()
 
 
 async def test_sessions_per_key_bounded_lru_idle_ended_else_429(
@@ -396,8 +406,8 @@ async def test_sessions_per_key_bounded_lru_idle_ended_else_429(
 ) -> None:
     gate = trio.Event()
     async with open_hub(hub_of(max_sessions_per_key=2)) as (hub, url):
-        key = hub.keys.create("k", f"{OWNER}/{PROJECT}")
-        other_key = hub.keys.create("other", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        other_key = await hub.keys.create("other", f"{OWNER}/{PROJECT}")
         scripts = {"gated": Script(gate=gate)}
         async with fake_runner(url, scripts=scripts) as (fake, _):
             with trio.fail_after(GUARD):
@@ -444,30 +454,30 @@ async def test_a_key_revoked_by_another_process_ends_its_sessions_and_its_name_i
 ) -> None:
     data = tmp_path / "hub"
     async with open_hub(hub_of(data, key_check_interval=3.0)) as (hub, url):
-        key = hub.keys.create("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, _):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 (old_job,) = fake.claimed
                 # `alp-gateway hub keys revoke alice` from another process on the same store
-                assert hub_main(["keys", "revoke", "alice", "--data", str(data)]) == 0
+                argv = ["keys", "revoke", "alice", "--data", str(data)]
+                assert await hub_command(autojump_clock, argv) == 0
                 revoked_at = trio.current_time()
                 await fake.wait_until(lambda: bool(fake.ends))
                 noticed = trio.current_time() - revoked_at
-                await hub.board.all_jobs[old_job].completed.wait()
+                await (await hub.board.all_jobs.get(old_job)).completed.wait()
                 refused = await chat(url, key, "s")
-                new_key = hub.keys.create("alice", f"{OWNER}/{PROJECT}")
+                new_key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
                 fresh = await chat(url, new_key, "s")
     assert fake.ends == [(old_job, "api key revoked")]
     assert noticed <= 3.0  # within key_check_interval
-    assert (
-        hub.board.all_jobs[old_job].cancelled
-        and hub.board.all_jobs[old_job].cancel_reason == "api key revoked"
-    )
+    assert (await hub.board.all_jobs.get(old_job)).cancelled and (
+        await hub.board.all_jobs.get(old_job)
+    ).cancel_reason == "api key revoked"
     assert refused.status_code == 401
     assert fresh.status_code == 200 and len(fake.claimed) == 2  # a new session, a new job
     assert hub.sessions.listing() == {("alice", "s"): fake.claimed[1]}
-    assert [(s.key_name, s.job_id) for s in hub.store.load_sessions()] == [
+    assert [(s.key_name, s.job_id) for s in await hub.store.load_sessions()] == [
         ("alice", fake.claimed[1])
     ]
     assert "revoked API key 'alice'" in capsys.readouterr().out
@@ -477,12 +487,12 @@ async def test_a_key_revoked_in_the_hub_ends_its_sessions_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(key_check_interval=NEVER)) as (hub, url):
-        key = hub.keys.create("bob", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("bob", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, _):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 revoked_at = trio.current_time()
-                assert hub.keys.revoke("bob")
+                assert await hub.keys.revoke("bob")
                 await fake.wait_until(lambda: bool(fake.ends))
                 noticed = trio.current_time() - revoked_at
     assert fake.ends == [(fake.claimed[0], "api key revoked")] and noticed < NEVER
@@ -492,20 +502,22 @@ async def test_a_key_revoked_in_the_hub_ends_its_sessions_at_once(
 async def test_a_stored_session_of_a_revoked_key_is_not_restored(tmp_path: Path) -> None:
     data = tmp_path / "hub"
     first = Hub(data, admin_token=ADMIN)
-    key = first.keys.create("carol", f"{OWNER}/{PROJECT}")
-    api_key = first.store.check_api_key(key)
+    key = await first.keys.create("carol", f"{OWNER}/{PROJECT}")
+    api_key = await first.store.check_api_key(key)
     assert api_key is not None and api_key.id and api_key.id not in key
-    job = first.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
+    job = await first.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
     job.claimed_by, job.run_id = "runner-1", "run-1"
-    first.board.save(job)
-    first.store.save_session(StoredSession("carol", "s", OWNER, PROJECT, job.id, api_key.id))
-    assert first.keys.revoke("carol")
-    first.store.close()
+    await first.board.save(job)
+    await first.store.save_session(StoredSession("carol", "s", OWNER, PROJECT, job.id, api_key.id))
+    assert await first.keys.revoke("carol")
+    await first.store.close()
     second = Hub(data, admin_token=ADMIN)
     async with open_hub(second):
         assert second.sessions.listing() == {}
-        assert second.board.all_jobs[job.id].cancelled  # withdrawn: its runner's redial is refused
-    second.store.close()
+        assert (
+            await second.board.all_jobs.get(job.id)
+        ).cancelled  # withdrawn: its runner's redial is refused
+    await second.store.close()
 
 
 # -- the settings on the command line ------------------------------------------------------

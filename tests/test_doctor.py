@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 import trio
-from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config, running
 
-from gateway.config import BackendSpec
+from gateway.config import BackendSpec, load_config
 from gateway.hub import Hub
 from gateway.ops import doctor
 from gateway.ops.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
+from gateway.runner.state import Registration, StateStore
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, open_sim
-from gateway.state import Registration, StateStore
 
 
 def table(checks: list[Check]) -> str:
@@ -58,7 +61,9 @@ async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pat
     assert deep["max_tokens"] == 1 and deep["stream"] is False and deep["model"] == "sim-model"
     for secret in (BACKEND_KEY, ADMIN, reg.token):
         assert secret not in text
-    assert hub[0].board.all_jobs == {} or all(j.claimed_by is None for j in hub[0].board.all_jobs.values())
+    assert await hub[0].board.all_jobs.count() == 0 or all(
+        j.claimed_by is None for j in await hub[0].board.all_jobs.values()
+    )
 
 
 async def test_broken_setup_names_each_fault_and_its_fix(tmp_path: Path) -> None:
@@ -163,7 +168,49 @@ async def test_no_backend_points_at_a_local_server(
     backend = checks["backend"]
     assert backend.mark == FAIL and "found Ollama at http://127.0.0.1:11434/v1" in backend.detail
     assert "--backend http://127.0.0.1:11434/v1" in (backend.hint or "")
-    assert '[[backend]] name = "ollama" url = "http://127.0.0.1:11434/v1"' in (backend.hint or "")
+    assert tomllib.loads(backend.snippet or "") == {
+        "backend": [{"name": "ollama", "url": "http://127.0.0.1:11434/v1"}]
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "url", "name"),
+    [
+        ("alp-gateway sim", "http://127.0.0.1:8789/v1", "sim"),
+        ("LM Studio", "http://127.0.0.1:1234/v1", "lm-studio"),
+        ("llama.cpp", "http://127.0.0.1:8080/v1", "llama-cpp"),
+    ],
+)
+async def test_no_backend_suggests_a_table_that_parses_and_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, url: str, name: str
+) -> None:
+    """Issue 31 point 9: the suggested ``[[backend]]`` table is TOML that parses (it was one
+    line, and named ``alp-gatewaysim``), loads as the runner's configuration, and is printed
+    whole: no pointer to ``config/alp-gateway.example.toml``, which pip and binary installs lack."""
+
+    async def found() -> list[tuple[str, str, list[str]]]:
+        return [(kind, url, ["m"])]
+
+    monkeypatch.setattr(doctor, "discover_local", found)
+    port = await dead_port()
+    checks = await diagnose(runner_config(f"http://127.0.0.1:{port}", None, tmp_path))
+    text = table(checks)
+    lines = text.splitlines()
+    hint = next(i for i, line in enumerate(lines) if "this table in a config file" in line)
+    shown = textwrap.dedent("\n".join(lines[hint + 1 : hint + 4]))  # as printed, under the hint
+    assert tomllib.loads(shown) == {"backend": [{"name": name, "url": url}]}
+    config_file = tmp_path / "gateway.toml"
+    config_file.write_text(shown)
+    (backend,) = load_config({"project": "o/p"}, {}, config_file).backends
+    assert (backend.name, backend.url) == (name, url)
+    assert "example.toml" not in text
+
+
+async def test_a_bad_setting_points_at_the_help_every_install_has(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert run_doctor({"project": "o/p", "poll_interval": "-3"}, {}, None, out=out) == 1
+    assert "`alp-gateway run --help` lists every one" in out.getvalue()
+    assert "example.toml" not in out.getvalue()
 
 
 async def test_cli_exit_codes(tmp_path: Path) -> None:
@@ -219,6 +266,35 @@ async def test_a_backend_url_without_v1_fails_and_says_did_you_mean(
     assert by_name(checks)["backend default"].mark == OK, table(checks)
 
 
+async def test_run_says_at_start_what_doctor_says_of_a_url_without_v1(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 31 point 3: ``run --backend http://host:8789`` (no ``/v1``) used to look healthy
+    and fail every turn; it says at start, in one WARNING line, doctor's words."""
+    plain = sim.url.removesuffix("/v1")
+    config = runner_config(hub[1], plain, tmp_path / "state")
+    said: list[str] = []
+    heard = trio.Event()
+
+    class Hear(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and "/v1" in record.getMessage():
+                said.append(record.getMessage())
+                heard.set()
+
+    hear = Hear()
+    logging.getLogger().addHandler(hear)
+    try:
+        async with running(config):
+            with trio.fail_after(10):
+                await heard.wait()
+    finally:
+        logging.getLogger().removeHandler(hear)
+    backend = by_name(await diagnose(config))["backend default"]
+    assert said == [f"backend default: {backend.detail} ({backend.hint})"]
+    assert f"did you mean {sim.url}?" in said[0] and "--backend / CHAT_LLM_BACKEND_URL" in said[0]
+
+
 async def test_an_unreachable_server_is_one_clean_reason(sim: Simulator, tmp_path: Path) -> None:
     port = await dead_port()
     server = f"http://127.0.0.1:{port}"
@@ -242,3 +318,20 @@ def test_the_table_prints_what_servers_and_backends_said_escaped() -> None:
     assert all(line.isprintable() for line in lines), out
     assert "serving evil\\x1b]0;pwned\\x07\\r\\n  ✓  forged" in lines[0]
     assert lines[1].endswith("said \\x1b[2J") and lines[2].endswith("→ fix\\x1b[31m it")
+
+
+def test_a_registration_on_another_server_is_not_this_ones(tmp_path: Path) -> None:
+    """Issue 31 point 5: doctor picks the registration as ``run`` does, per Server and project."""
+    state = tmp_path / "state"
+    StateStore(state).save(
+        Registration("r-1", "box", "tok-elsewhere", "http://first:8787", OWNER, PROJECT)
+    )
+    check = doctor.Doctor(runner_config("http://second:8787", None, state, user_token=None))
+    assert check.check_state() is None
+    (line,) = check.checks
+    assert line.mark == FAIL
+    assert f"no registration for {OWNER}/{PROJECT} on http://second:8787 (registered on " in (
+        line.detail
+    )
+    assert "--server http://second:8787" in (line.hint or "")
+    assert "tok-elsewhere" not in line.detail

@@ -36,7 +36,7 @@ from helpers import (
 )
 
 from gateway.hub import Hub, open_hub
-from gateway.hub.store import Store, load_or_create_admin_token
+from gateway.hub.store import load_or_create_admin_token, open_store
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
@@ -243,7 +243,7 @@ async def test_channel_handshake_faults_are_redialled(
     proxy.faults["channel"] = [503, RESET, Hold(2.0)]
     config = runner_config(url, sim.url, tmp_path, connect_timeout=1.0, reconnect_window=30.0)
     async with running(config) as runner:
-        job = server.board.enqueue("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
+        job = await server.board.enqueue("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
         ch = await server.channels.wait(job.id, 30)
         assert ch is not None
         await serve_turn(server, job.id)
@@ -355,9 +355,9 @@ async def test_hub_restart_mid_session_same_job_goes_on(
     hub_process: HubProcess, sim: Simulator, tmp_path: Path
 ) -> None:
     admin, _ = load_or_create_admin_token(hub_process.data)
-    store = Store(hub_process.data)
-    key = store.create_api_key("faults", "acme/chat")
-    store.close()
+    store = open_store(hub_process.data)
+    key = await store.create_api_key("faults", "acme/chat")
+    await store.close()
     await hub_process.start()
     url = hub_process.url
     client = openai.AsyncOpenAI(

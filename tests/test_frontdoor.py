@@ -69,7 +69,7 @@ LISTED = [
 async def env() -> AsyncIterator[Env]:
     hub = Hub(runner_wait_timeout=5.0, keepalive_interval=5.0)
     async with open_hub(hub) as (hub, base):
-        key = hub.keys.create("tester")
+        key = await hub.keys.create("tester")
         runner = FakeRunner(
             base,
             hub.admin_token,
@@ -330,7 +330,7 @@ async def test_concurrent_first_requests_open_one_job(env: Env) -> None:
                     nursery.start_soon(turn)
     assert results == ["tok0tok1tok2"] * 3
     assert len(env.runner.claimed) == 1
-    assert len([j for j in env.hub.board.all_jobs.values() if j.owner == "local"]) == 1
+    assert len([j for j in await env.hub.board.all_jobs.values() if j.owner == "local"]) == 1
 
 
 async def test_idle_session_gets_chat_end(env: Env) -> None:
@@ -352,7 +352,7 @@ async def test_session_ended_by_runner_is_forgotten(env: Env) -> None:
             await _stream(client)
             (job_id,) = env.runner.claimed
             await env.runner.end_session(job_id)
-            await env.hub.board.all_jobs[job_id].completed.wait()
+            await (await env.hub.board.all_jobs.get(job_id)).completed.wait()
             chunks = await _stream(client)
     assert _text(chunks) == "tok0tok1tok2"
     assert len(env.runner.claimed) == 2 and env.runner.claimed[0] == job_id
@@ -377,7 +377,7 @@ async def test_client_disconnect_cancels_the_turn(env: Env) -> None:
 async def test_no_runner_is_503(env: Env) -> None:
     # no runner of the key's project at all: answered at once (tests/test_causes.py has the rest)
     env.hub.settings.runner_wait_timeout = 30
-    lonely = env.hub.keys.create("lonely", "nobody/here")
+    lonely = await env.hub.keys.create("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT):
             started = trio.current_time()
@@ -407,7 +407,7 @@ async def test_no_runner_is_503(env: Env) -> None:
             elapsed = trio.current_time() - started
     assert statuses == [503] * 3 and elapsed < 3
     assert not [
-        j for j in env.hub.board.all_jobs.values() if j.owner == "nobody"
+        j for j in await env.hub.board.all_jobs.values() if j.owner == "nobody"
     ]  # the job was withdrawn
 
 
@@ -446,8 +446,8 @@ async def test_models_without_a_session_open_a_listing_session(env: Env) -> None
     assert missing.value.body["code"] == "model_not_found"
     assert env.runner.models_requests == 1  # one listing session; the rest came from the store
     assert env.runner.ends == [(job_id, "models listed")]
-    assert env.hub.board.all_jobs[job_id].cancelled and env.hub.sessions.listing() == {}
-    (stored,) = env.hub.store.load_models("local", "chat")
+    assert (await env.hub.board.all_jobs.get(job_id)).cancelled and env.hub.sessions.listing() == {}
+    (stored,) = await env.hub.store.load_models("local", "chat")
     assert stored.runner_id == env.runner.runner_id
     assert stored.models == tuple(LISTED)
 
@@ -456,7 +456,7 @@ async def test_models_forget_runners_not_seen_recently(env: Env) -> None:
     from gateway.hub.store import ModelList
 
     # the last answer of a runner this hub has not seen (gone, or before a restart) is not used
-    env.hub.store.save_models(ModelList("gone-runner", "local", "chat", ("old-model",), 1.0))
+    await env.hub.store.save_models(ModelList("gone-runner", "local", "chat", ("old-model",), 1.0))
     async with env.client() as client:
         with trio.fail_after(LIMIT):
             listed = await client.models.list()
@@ -466,7 +466,7 @@ async def test_models_forget_runners_not_seen_recently(env: Env) -> None:
 
 async def test_models_with_no_runner_is_an_error_naming_the_cause(env: Env) -> None:
     env.hub.settings.models_wait = 30
-    lonely = env.hub.keys.create("lonely", "nobody/here")
+    lonely = await env.hub.keys.create("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT), pytest.raises(openai.APIStatusError) as caught:
             await client.models.list()
@@ -478,7 +478,9 @@ async def test_models_with_no_runner_is_an_error_naming_the_cause(env: Env) -> N
         "param": None,
         "code": "no_runner",
     }
-    assert not [j for j in env.hub.board.all_jobs.values() if j.owner == "nobody"]  # withdrawn
+    assert not [
+        j for j in await env.hub.board.all_jobs.values() if j.owner == "nobody"
+    ]  # withdrawn
 
 
 # -- request errors -------------------------------------------------------------------
@@ -556,46 +558,55 @@ async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
     first = Hub(data)
     caps = ["chat-llm:v1"]
 
-    def claimed(origin: str) -> Any:
-        job = first.board.enqueue("local", "chat", caps, origin=origin)
+    async def claimed(origin: str) -> Any:
+        job = await first.board.enqueue("local", "chat", caps, origin=origin)
         job.claimed_by, job.run_id = "runner-1", "run-1"
-        first.board.save(job)
+        await first.board.save(job)
         return job
 
-    live, orphan, done, api_job = (
-        claimed(o) for o in ("frontdoor", "frontdoor", "frontdoor", "api")
-    )
-    unclaimed = first.board.enqueue("local", "chat", caps, origin="frontdoor")
+    live, orphan, done, api_job = [
+        await claimed(o) for o in ("frontdoor", "frontdoor", "frontdoor", "api")
+    ]
+    unclaimed = await first.board.enqueue("local", "chat", caps, origin="frontdoor")
     done.status, done.conclusion = "completed", "success"
-    first.board.save(done)
-    first.store.save_session(StoredSession("tester", "s", "local", "chat", live.id))
-    first.store.save_session(StoredSession("tester", "old", "local", "chat", done.id))
-    first.store.close()
+    await first.board.save(done)
+    await first.store.save_session(StoredSession("tester", "s", "local", "chat", live.id))
+    await first.store.save_session(StoredSession("tester", "old", "local", "chat", done.id))
+    await first.store.close()
 
     second = Hub(data)
     async with open_hub(second):
         assert second.sessions.listing() == {("tester", "s"): live.id}
-        assert [(s.session_id, s.job_id) for s in second.store.load_sessions()] == [("s", live.id)]
+        assert [(s.session_id, s.job_id) for s in await second.store.load_sessions()] == [
+            ("s", live.id)
+        ]
         # a front-door job no session points at lost its client: withdrawn, its redial refused
-        assert second.board.all_jobs[orphan.id].cancelled and unclaimed.id not in second.board.all_jobs
-        assert not second.board.all_jobs[live.id].cancelled and not second.board.all_jobs[api_job.id].cancelled
-    second.store.close()
+        assert (
+            await second.board.all_jobs.get(orphan.id)
+        ).cancelled and unclaimed.id not in await second.board.all_jobs.ids()
+        assert (
+            not (await second.board.all_jobs.get(live.id)).cancelled
+            and not (await second.board.all_jobs.get(api_job.id)).cancelled
+        )
+    await second.store.close()
     third = Hub(data)
-    assert third.board.all_jobs[orphan.id].cancelled and unclaimed.id not in third.board.all_jobs
-    third.store.close()
+    assert (
+        await third.board.all_jobs.get(orphan.id)
+    ).cancelled and unclaimed.id not in await third.board.all_jobs.ids()
+    await third.store.close()
 
 
 async def test_session_mapping_is_stored_and_follows_the_job(env: Env) -> None:
-    def stored() -> list[tuple[str, str, str]]:
-        return [(s.key_name, s.session_id, s.job_id) for s in env.hub.store.load_sessions()]
+    async def stored() -> list[tuple[str, str, str]]:
+        return [(s.key_name, s.session_id, s.job_id) for s in await env.hub.store.load_sessions()]
 
     async with env.client("persisted") as client:
         with trio.fail_after(LIMIT):
             await _stream(client)
             (first,) = env.runner.claimed
-            assert stored() == [("tester", "persisted", first)]
+            assert await stored() == [("tester", "persisted", first)]
             await env.runner.end_session(first)  # the runner ends it: the next turn opens a job
-            await env.hub.board.all_jobs[first].completed.wait()
+            await (await env.hub.board.all_jobs.get(first)).completed.wait()
             await _stream(client)
     second = env.runner.claimed[1]
-    assert second != first and stored() == [("tester", "persisted", second)]
+    assert second != first and await stored() == [("tester", "persisted", second)]

@@ -49,7 +49,9 @@ from gateway.hub.frontdoor import relay
 from gateway.runner.backends import BackendPool
 from gateway.runner.channel import Channel, ChannelKit
 from gateway.runner.poller import Poller
+from gateway.runner.resume import ResumeBuffer
 from gateway.runner.turn import Turn
+from gateway.runner.turns import Turns
 from gateway.wire import http1, netio, protocol, wsclient
 from gateway.wire.sse import SSESplitter
 
@@ -217,6 +219,7 @@ class Rig:
         self.server = server
         self.log = log
         self.turns: dict[str, Turn] = {}  # the turns in flight: a test may stop one
+        self.keep: ResumeBuffer | None = None  # where turns keep their frames (a resume)
 
     def backend(self, name: str) -> tuple[http1.Response, BackendSocket, socket.socket]:
         near, far = socket.socketpair()
@@ -244,6 +247,7 @@ class Rig:
         task runs it; the turn's error (as it would be framed), or None."""
         frames = protocol.TurnFrames(JOB, request_id)
         self.turns[request_id] = turn = Turn(request_id, frames, trio.current_time())
+        turn.keep = self.keep
         try:
             with trio.fail_after(WAIT), turn.scope:  # a chunk held back for more deadlocks here
                 await response.read_head()
@@ -258,9 +262,12 @@ class Rig:
         return None
 
 
-async def _rig(nursery: trio.Nursery, log: Log | None = None, poller: bool = True) -> Rig:
+async def _rig(
+    nursery: trio.Nursery, log: Log | None = None, poller: bool = True, resume: bool = False
+) -> Rig:
     """A channel as the runner has it: its backend reads in the runner's poller (``poller``
-    False: each turn's own task reads its socket, as where there is no epoll)."""
+    False: each turn's own task reads its socket, as where there is no epoll); ``resume``: its
+    turns keep their frames for a resume (docs/protocol.md §6), in a 1 MiB buffer."""
     near, far = socket.socketpair()
     sock = ChannelSocket(fileno=near.detach())
     sock.log = log = log or Log()
@@ -270,13 +277,15 @@ async def _rig(nursery: trio.Nursery, log: Log | None = None, poller: bool = Tru
     the_poller = Poller.open() if poller else None
     if the_poller is not None:
         nursery.start_soon(the_poller.run)
-    channel = Channel(
-        JOB, ws, ChannelKit(pool=BackendPool([], None), shutdown=trio.Event(), poller=the_poller)
-    )
+    kit = ChannelKit(pool=BackendPool([], None), shutdown=trio.Event(), poller=the_poller)
+    turns = Turns(JOB, kit, nursery, resume_buffer=1 << 20) if resume else None
+    channel = Channel(JOB, ws, kit, turns=turns)
     nursery.start_soon(channel.serve)
     await trio.testing.wait_all_tasks_blocked()
     sock.writes = 0  # from here on count only the channel's own writes
-    return Rig(channel, sock, server, log)
+    rig = Rig(channel, sock, server, log)
+    rig.keep = turns.buffer if turns is not None else None
+    return rig
 
 
 @pytest.mark.parametrize("poller", [True, False], ids=["poller", "own-task"])
@@ -311,9 +320,12 @@ async def test_one_write_per_backend_read_and_frames_verbatim(poller: bool) -> N
         nursery.cancel_scope.cancel()
 
 
-async def test_python_calls_per_chunk() -> None:
+@pytest.mark.parametrize("resume", [False, True], ids=["plain", "frames-kept"])
+async def test_python_calls_per_chunk(resume: bool) -> None:
+    """``resume``: the turn keeps its frames for a resume (one entry a read, by reference):
+    within the same bounds."""
     async with trio.open_nursery() as nursery:
-        rig = await _rig(nursery)
+        rig = await _rig(nursery, resume=resume)
         await rig.relay("warm", script(reads=2))  # first-use costs stay out of the count
         calls = made_by_gateway = 0
 

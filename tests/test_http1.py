@@ -19,7 +19,7 @@ import trustme
 from helpers import BACKEND_KEY
 
 from gateway.config import ConfigError
-from gateway.runner.backends import Backend, BackendUnreachable
+from gateway.runner.backend import Backend, BackendUnreachable
 from gateway.sim import Simulator, open_sim
 from gateway.wire import http1
 

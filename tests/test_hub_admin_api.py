@@ -70,18 +70,18 @@ async def test_every_data_route_needs_the_admin_credential(env: Env) -> None:
         ("GET", "/metrics"),
         ("POST", "/metrics"),  # no 405 either without the credential
     ]
-    key = env.hub.keys.create("tester", PROJECT)
+    key = await env.hub.keys.create("tester", PROJECT)
     async with httpx.AsyncClient(base_url=env.base, timeout=LIMIT) as client:
         for method, path in routes:
             r = await client.request(method, path)
             assert r.status_code == 401, (method, path)
             r = await client.request(method, path, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 403, (method, path)
-    assert [k["revoked"] for k in env.hub.keys.listing()] == [False]
+    assert [k["revoked"] for k in await env.hub.keys.listing()] == [False]
 
 
 async def test_runners_sessions_turns_and_keys(env: Env) -> None:
-    key = env.hub.keys.create("tester", PROJECT)
+    key = await env.hub.keys.create("tester", PROJECT)
     client = env.client(key)
     with trio.fail_after(LIMIT):
         await client.models.list()  # the runner lists its models
@@ -165,7 +165,7 @@ async def test_create_and_revoke_keys(env: Env) -> None:
 
 
 async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = env.hub.keys.create("tester", PROJECT)
+    key = await env.hub.keys.create("tester", PROJECT)
     client = env.client(key)
     with trio.fail_after(LIMIT):
         stream = await client.chat.completions.create(

@@ -75,8 +75,8 @@ async def claim(client: httpx.AsyncClient, token: str, job_id: str) -> str:
 
 async def claimed_job(hub: Hub, client: httpx.AsyncClient) -> tuple[dict[str, Any], str, str]:
     """A registered runner (its record), a job it claimed, and the run id."""
-    runner = register_runner(hub, OWNER, PROJECT, "box", [])
-    job = hub.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    runner = await register_runner(hub, OWNER, PROJECT, "box", [])
+    job = await hub.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
     run_id = await claim(client, runner["token"], job.id)
     return runner, job.id, run_id
 
@@ -95,7 +95,7 @@ async def test_register_both_paths(served: tuple[Hub, httpx.AsyncClient], path: 
     assert set(body) == {"id", "name", "token", "registeredAt"}
     assert body["name"] == "box"
     assert body["token"].startswith("alpr_")
-    runner = hub.store.registration_by_token(body["token"])
+    runner = await hub.store.registration_by_token(body["token"])
     assert runner is not None and runner.labels == ("linux",)
     assert (runner.owner, runner.project) == (OWNER, PROJECT)
 
@@ -117,11 +117,11 @@ async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> No
     body = {"name": "box", "labels": []}
     assert (await client.post(url, json=body)).status_code == 401
     assert (await client.post(url, json=body, headers=bearer("alpa_wrong"))).status_code == 401
-    runner = register_runner(hub, OWNER, PROJECT, "box", [])
+    runner = await register_runner(hub, OWNER, PROJECT, "box", [])
     r = await client.post(url, json=body, headers=bearer(runner["token"]))
     assert r.status_code == 403
     assert "only a user credential registers a runner" in r.json()["error"]["message"]
-    key = hub.keys.create("k")
+    key = await hub.keys.create("k")
     assert (await client.post(url, json=body, headers=bearer(key))).status_code == 403
     assert (await client.post(url, content=b"not json", headers=bearer(ADMIN))).status_code == 400
     assert (await client.post(url, json={"labels": []}, headers=bearer(ADMIN))).status_code == 400
@@ -133,15 +133,15 @@ async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> No
 
 async def test_poll_matches_capabilities(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+    token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
     url = f"{BASE}/runners/jobs"
     r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
     assert r.status_code == 204 and r.content == b""
 
-    chat = hub.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
-    hub.board.enqueue(OWNER, PROJECT, [*CAPS, "gpu"])
-    anyone = hub.board.enqueue(OWNER, PROJECT, [])
-    hub.board.enqueue(OWNER, "elsewhere", CAPS)
+    chat = await hub.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    await hub.board.enqueue(OWNER, PROJECT, [*CAPS, "gpu"])
+    anyone = await hub.board.enqueue(OWNER, PROJECT, [])
+    await hub.board.enqueue(OWNER, "elsewhere", CAPS)
 
     for _ in range(2):  # polling never claims
         r = await client.post(url, json={"capabilities": CAPS}, headers=bearer(token))
@@ -154,8 +154,8 @@ async def test_poll_matches_capabilities(served: tuple[Hub, httpx.AsyncClient]) 
         "needs": CAPS,
         "agentDefinition": {"jobType": "chat_llm"},
     }
-    assert all(job.claimed_by is None for job in hub.board.all_jobs.values())
-    assert hub.board.last_seen[hub.store.registration_by_token(token).id] > 0  # type: ignore[union-attr]
+    assert all(job.claimed_by is None for job in await hub.board.all_jobs.values())
+    assert hub.board.last_seen[(await hub.store.registration_by_token(token)).id] > 0  # type: ignore[union-attr]
 
 
 async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -165,9 +165,9 @@ async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
     assert (await client.post(url, json=body)).status_code == 401
     assert (await client.post(url, json=body, headers=bearer("alpr_nope"))).status_code == 401
     assert (await client.post(url, json=body, headers=bearer(ADMIN))).status_code == 401
-    foreign = register_runner(hub, OWNER, "other", "box", [])["token"]
+    foreign = (await register_runner(hub, OWNER, "other", "box", []))["token"]
     assert (await client.post(url, json=body, headers=bearer(foreign))).status_code == 403
-    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+    token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
     assert (await client.post(url, content=b"{", headers=bearer(token))).status_code == 400
     assert (
         await client.post(url, json={"capabilities": "x"}, headers=bearer(token))
@@ -176,9 +176,9 @@ async def test_poll_auth(served: tuple[Hub, httpx.AsyncClient]) -> None:
 
 async def test_claim_once(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    first = register_runner(hub, OWNER, PROJECT, "one", [])
-    second = register_runner(hub, OWNER, PROJECT, "two", [])
-    job = hub.board.enqueue(OWNER, PROJECT, CAPS)
+    first = await register_runner(hub, OWNER, PROJECT, "one", [])
+    second = await register_runner(hub, OWNER, PROJECT, "two", [])
+    job = await hub.board.enqueue(OWNER, PROJECT, CAPS)
     url = f"{BASE}/runners/generate-jitconfig"
     run_id = await claim(client, first["token"], job.id)
     assert job.claimed.is_set() and job.claimed_by == first["id"] and job.run_id == run_id
@@ -201,9 +201,9 @@ async def test_claim_once(served: tuple[Hub, httpx.AsyncClient]) -> None:
 async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
     runner, job_id, run_id = await claimed_job(hub, client)
-    job = hub.board.all_jobs[job_id]
+    job = await hub.board.all_jobs.get(job_id)
     token = runner["token"]
-    other = register_runner(hub, OWNER, PROJECT, "other", [])["token"]
+    other = (await register_runner(hub, OWNER, PROJECT, "other", []))["token"]
     url = f"{BASE}/runs/{run_id}/jobs/{job_id}"
 
     r = await client.patch(url, json={"status": "in_progress"}, headers=bearer(other))
@@ -246,13 +246,13 @@ async def test_status_and_progress(served: tuple[Hub, httpx.AsyncClient]) -> Non
 
 async def test_events_deliver_job_available(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+    token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
     with trio.fail_after(10):
         async with client.stream("GET", f"{BASE}/runners/events", headers=bearer(token)) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
-            hub.board.enqueue(OWNER, "elsewhere", CAPS)  # another project's subscribers only
-            job = hub.board.enqueue(OWNER, PROJECT, CAPS)
+            await hub.board.enqueue(OWNER, "elsewhere", CAPS)  # another project's subscribers only
+            job = await hub.board.enqueue(OWNER, PROJECT, CAPS)
             buf = ""
             async for text in r.aiter_text():
                 buf += text
@@ -269,7 +269,7 @@ async def test_events_keepalive_and_auth() -> None:
     async with open_hub(Hub(admin_token=ADMIN, keepalive_interval=0.05)) as (hub, url):
         async with httpx.AsyncClient(base_url=url) as client:
             assert (await client.get(f"{BASE}/runners/events")).status_code == 401
-            token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+            token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
             with trio.fail_after(10):
                 async with client.stream(
                     "GET", f"{BASE}/runners/events", headers=bearer(token)
@@ -281,7 +281,7 @@ async def test_events_keepalive_and_auth() -> None:
 
 async def test_events_disabled() -> None:
     async with open_hub(Hub(admin_token=ADMIN, events=False)) as (hub, url):
-        token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+        token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
         async with httpx.AsyncClient(base_url=url) as client:
             assert (
                 await client.get(f"{BASE}/runners/events", headers=bearer(token))
@@ -294,8 +294,8 @@ async def test_events_disabled() -> None:
 async def test_channel_handshake_rejections(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
     runner, job_id, run_id = await claimed_job(hub, client)
-    other = register_runner(hub, OWNER, PROJECT, "other", [])["token"]
-    unclaimed = hub.board.enqueue(OWNER, PROJECT, CAPS)
+    other = (await register_runner(hub, OWNER, PROJECT, "other", []))["token"]
+    unclaimed = await hub.board.enqueue(OWNER, PROJECT, CAPS)
     for jid, token in [
         (job_id, "alpr_wrong"),
         (job_id, other),
@@ -470,10 +470,10 @@ async def test_channel_message_limit() -> None:
 
 async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
     hub, client = served
-    runner = register_runner(hub, OWNER, PROJECT, "box", [])
-    queued = hub.board.enqueue(OWNER, PROJECT, CAPS)
+    runner = await register_runner(hub, OWNER, PROJECT, "box", [])
+    queued = await hub.board.enqueue(OWNER, PROJECT, CAPS)
     await hub.channels.cancel_job(queued.id, "no runner")
-    assert queued.id not in hub.board.all_jobs and queued.cancelled
+    assert queued.id not in await hub.board.all_jobs.ids() and queued.cancelled
     r = await client.post(
         f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(runner["token"])
     )
@@ -485,7 +485,7 @@ async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
     )
     assert r.status_code == 404
 
-    job = hub.board.enqueue(OWNER, PROJECT, CAPS)
+    job = await hub.board.enqueue(OWNER, PROJECT, CAPS)
     await claim(client, runner["token"], job.id)
     with trio.fail_after(10):
         async with trio_websocket.open_websocket_url(ws_url(client, job.id, runner["token"])) as ws:
@@ -504,7 +504,7 @@ async def test_cancel_job(served: tuple[Hub, httpx.AsyncClient]) -> None:
 
 async def test_fault_injection(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
     hub, proxy, client = proxied
-    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+    token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
     proxy.faults["poll"] = [503, 500]
     url = f"{BASE}/runners/jobs"
     for expected in (503, 500, 204):
@@ -552,8 +552,8 @@ async def test_offline_runner_jobs_force_completed() -> None:
     async with open_hub(Hub(admin_token=ADMIN, offline_after=0.5)) as (hub, url):
         async with httpx.AsyncClient(base_url=url) as client:
             runner, job_id, run_id = await claimed_job(hub, client)
-            job = hub.board.all_jobs[job_id]
-            assert hub.check_offline() == []  # just seen: alive
+            job = await hub.board.all_jobs.get(job_id)
+            assert await hub.check_offline() == []  # just seen: alive
             with trio.fail_after(10):
                 async with trio_websocket.open_websocket_url(
                     ws_url(client, job_id, runner["token"])
@@ -596,12 +596,12 @@ async def test_persistence_across_restart(tmp_path: pathlib.Path) -> None:
                 f"{BASE}/runners", json={"name": "box"}, headers=bearer(first.admin_token)
             )
             token = r.json()["token"]
-    key = first.keys.create("alice", "acme/chat")
-    first.store.close()
+    key = await first.keys.create("alice", "acme/chat")
+    await first.store.close()
 
     second = Hub(data)
     assert second.admin_token == first.admin_token and not second.admin_token_created
-    found = second.store.check_api_key(key)
+    found = await second.store.check_api_key(key)
     assert found is not None and (found.name, found.owner, found.project) == (
         "alice",
         "acme",
@@ -617,21 +617,21 @@ async def test_persistence_across_restart(tmp_path: pathlib.Path) -> None:
     assert token.encode() not in raw and key.encode() not in raw
 
 
-def test_api_keys() -> None:
+async def test_api_keys() -> None:
     hub = Hub()
-    key = hub.keys.create("bob")
+    key = await hub.keys.create("bob")
     assert key.startswith("alpk_")
-    found = hub.store.check_api_key(key)
+    found = await hub.store.check_api_key(key)
     assert found is not None and (found.owner, found.project) == ("local", "chat")
-    assert hub.store.check_api_key(key + "x") is None
+    assert await hub.store.check_api_key(key + "x") is None
     with pytest.raises(ValueError):
-        hub.keys.create("bob")
+        await hub.keys.create("bob")
     with pytest.raises(ValueError):
-        hub.keys.create("carol", "no-slash")
-    assert [k["name"] for k in hub.keys.listing()] == ["bob"]
-    assert hub.keys.revoke("bob") and not hub.keys.revoke("bob")
-    assert hub.store.check_api_key(key) is None
-    assert hub.keys.listing()[0]["revoked"] is True
+        await hub.keys.create("carol", "no-slash")
+    assert [k["name"] for k in await hub.keys.listing()] == ["bob"]
+    assert await hub.keys.revoke("bob") and not await hub.keys.revoke("bob")
+    assert await hub.store.check_api_key(key) is None
+    assert (await hub.keys.listing())[0]["revoked"] is True
 
 
 # -- the hub CLI ---------------------------------------------------------------------------
@@ -658,7 +658,7 @@ def test_cli_keys(
     monkeypatch.setenv("ALP_GATEWAY_HUB_KEY_CHECK_INTERVAL", "30")  # as the hub was started
     assert main(["keys", "update", "bob", "--rpm", "5", "--data", data]) == 0
     assert "a running hub applies them within key_check_interval (30 s)" in capsys.readouterr().out
-    assert Hub(tmp_path / "state").store.check_api_key(key) is None
+    assert trio.run(Hub(tmp_path / "state").check_api_key, key) is None
     assert main(["keys", "create", "x", "--project", "bad", "--data", data]) == 2
     assert main(["--listen", "nonsense", "--data", data]) == 2
     assert "Traceback" not in capsys.readouterr().err
@@ -669,7 +669,7 @@ def test_cli_keys_refuse_a_data_directory_with_no_hub(
 ) -> None:
     """A mistyped --data made a new empty store and a key the running hub rejects."""
     hub = Hub(tmp_path / "hub")  # the hub that runs
-    hub.store.close()
+    trio.run(hub.store.close)
     wrong = tmp_path / "hbu"
     for command in (["create", "alice"], ["list"], ["update", "alice", "--rpm", "1"]):
         assert main(["keys", *command, "--data", str(wrong)]) == 2
@@ -742,7 +742,7 @@ async def _raw_poll(url: str, token: str) -> bytes:
 
 async def test_fault_kinds(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -> None:
     hub, proxy, client = proxied
-    token = register_runner(hub, OWNER, PROJECT, "box", [])["token"]
+    token = (await register_runner(hub, OWNER, PROJECT, "box", []))["token"]
     url = f"{BASE}/runners/jobs"
     body = {"capabilities": CAPS}
     proxy.faults["poll"] = [RESET]
@@ -759,7 +759,7 @@ async def test_fault_kinds(proxied: tuple[Hub, FaultProxy, httpx.AsyncClient]) -
     assert await proxy.wait_hits("poll", 5) == proxy.hits and proxy.hit_counts["poll"] == 5
 
     # LOST: the claim takes effect, the answer never comes
-    job = hub.board.enqueue(OWNER, PROJECT, CAPS)
+    job = await hub.board.enqueue(OWNER, PROJECT, CAPS)
     proxy.faults["claim"] = [LOST]
     with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):  # reset, no answer
         await client.post(
@@ -805,7 +805,7 @@ async def test_unstarted_claim_is_reoffered_to_its_runner_only() -> None:
     async with open_hub(Hub(admin_token=ADMIN, reoffer_after=3600)) as (hub, url):
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             runner, job_id, run_id = await claimed_job(hub, client)
-            other = register_runner(hub, OWNER, PROJECT, "other", [])
+            other = await register_runner(hub, OWNER, PROJECT, "other", [])
             poll = f"{BASE}/runners/jobs"
 
             async def offered(token: str) -> list[str]:
@@ -856,6 +856,7 @@ async def test_paused_channel_reads_nothing_until_resumed(
         ):
             ch = await hub.channels.wait(job_id, 5)
             assert ch is not None
+            unrouted = inbox(ch)
             proxy.pause_channels()
             nursery.start_soon(sender, ws)
             last = -1
@@ -868,7 +869,7 @@ async def test_paused_channel_reads_nothing_until_resumed(
             assert await message(ws) == "the Server can still send"
             proxy.resume_channels()
             for i in range(total):
-                assert (await inbox(ch).recv())[0] == f"{i:06d}{pad}"
+                assert (await unrouted.recv())[0] == f"{i:06d}{pad}"
 
 
 async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> None:
@@ -889,20 +890,20 @@ async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> Non
             )
             assert r.status_code == 200
             _, finished_id, finished_run = await claimed_job(first, client)
-    queued = first.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
-    withdrawn = first.board.enqueue(OWNER, PROJECT, CAPS)
+    queued = await first.board.enqueue(OWNER, PROJECT, CAPS, {"jobType": "chat_llm"})
+    withdrawn = await first.board.enqueue(OWNER, PROJECT, CAPS)
     await first.channels.cancel_job(withdrawn.id)
-    first.store.close()
+    await first.store.close()
 
     second = Hub(data, offline_after=60)
-    assert set(second.board.all_jobs) == {job_id, finished_id, queued.id}
-    job = second.board.all_jobs[job_id]
+    assert set(await second.board.all_jobs.ids()) == {job_id, finished_id, queued.id}
+    job = await second.board.all_jobs.get(job_id)
     assert (job.status, job.run_id, job.claimed_by) == ("in_progress", run_id, runner["id"])
     assert job.claimed.is_set() and not job.completed.is_set()
     assert job.reports == [{"status": "in_progress"}]
-    assert second.board.all_jobs[queued.id].agent_definition == {"jobType": "chat_llm"}
+    assert (await second.board.all_jobs.get(queued.id)).agent_definition == {"jobType": "chat_llm"}
     async with open_hub(second) as (_, url):
-        assert second.check_offline() == []  # reloaded jobs get offline_after to show up
+        assert await second.check_offline() == []  # reloaded jobs get offline_after to show up
         async with httpx.AsyncClient(base_url=url) as client:
             with trio.fail_after(10):  # the runner's redial of the same job is accepted
                 async with trio_websocket.open_websocket_url(
@@ -916,15 +917,15 @@ async def test_jobs_and_reports_survive_a_restart(tmp_path: pathlib.Path) -> Non
                 f"{BASE}/runners/jobs", json={"capabilities": CAPS}, headers=bearer(runner["token"])
             )
             assert [j["id"] for j in r.json()["jobs"]] == [queued.id]
-    second.store.close()
+    await second.store.close()
 
     third = Hub(data)
-    job = third.board.all_jobs[job_id]
+    job = await third.board.all_jobs.get(job_id)
     assert job.status == "completed" and job.conclusion == "success" and job.final_reported
     assert job.completed.is_set()
     assert [r["status"] for r in job.reports] == ["in_progress", "completed"]
-    assert third.board.all_jobs[finished_id].run_id == finished_run
-    third.store.close()
+    assert (await third.board.all_jobs.get(finished_id)).run_id == finished_run
+    await third.store.close()
 
 
 def test_tls_needs_cert_and_key(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:

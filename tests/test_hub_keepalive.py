@@ -87,8 +87,8 @@ async def dial(
 
 async def claimed(hub: Hub, client: httpx.AsyncClient) -> tuple[str, str]:
     """(job id, runner token) of a chat job a freshly registered runner claimed."""
-    runner = register_runner(hub, OWNER, PROJECT, "box", [])
-    job = hub.board.enqueue(OWNER, PROJECT, [protocol.CAPABILITY], {"jobType": "chat_llm"})
+    runner = await register_runner(hub, OWNER, PROJECT, "box", [])
+    job = await hub.board.enqueue(OWNER, PROJECT, [protocol.CAPABILITY], {"jobType": "chat_llm"})
     r = await client.post(
         f"{BASE}/runners/generate-jitconfig",
         json={"jobId": job.id, "name": "box"},
@@ -205,7 +205,7 @@ async def test_with_pings_off_a_silent_channel_is_bounded(stream: bool) -> None:
         reconnect_timeout=10.0,
     )
     async with open_hub(hub) as (hub, url):
-        key = hub.keys.create("k")  # the fake runner serves the default project
+        key = await hub.keys.create("k")  # the fake runner serves the default project
         runner = FakeRunner(url, ADMIN, scripts={"silent": Script(gate=trio.Event())})
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)

@@ -121,7 +121,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
                 await counters.wait("reconnects", 1)
                 await ch.closed.wait()  # the redial replaced the hub's old channel
                 redialled = trio.current_time()
-                new = server.channel(job.id)
+                new = server.channels.get(job.id)
                 assert new is not None and new is not ch
                 # both turns of the old channel end there, at the redial: none hangs
                 assert [t async for t, _ in long_rx if "chat.completion.done" in t] == []
@@ -241,7 +241,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
     clear error, never hangs; the next turn is served on the same session; the runner holds one
     session slot throughout; `status` shows the keepalive's counters."""
     server, url = hub
-    key = server.keys.create("keepalive", f"{OWNER}/{PROJECT}")
+    key = await server.keys.create("keepalive", f"{OWNER}/{PROJECT}")
     oc = openai.AsyncOpenAI(
         base_url=url + "/v1",
         api_key=key,
@@ -259,7 +259,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
                 metrics = line.split("health and metrics on ", 1)[1].split("/healthz", 1)[0]
                 assert (await _chat(oc, 5))[0] == whole
                 ((_, job_id),) = server.sessions.listing().items()
-                ch = server.channel(job_id)
+                ch = server.channels.get(job_id)
                 assert ch is not None
                 frozen_at = trio.current_time()
                 assert proxy.freeze() >= 1
@@ -328,7 +328,9 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
         )
         async with running(config) as runner:
             counters = runner.counters
-            job = server.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy))
+            job = await server.board.enqueue(
+                OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy)
+            )
             with trio.fail_after(GUARD):
                 ch = await server.channels.wait(job.id, GUARD)
                 assert ch is not None
@@ -339,7 +341,7 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
                     await serve_turn(ch, job.id, "after-idle")
                 assert proxy.forgotten == 0 and proxy.connections == 1  # the same connection
                 assert counters.get("pings_sent") >= 1 and counters.get("channels_dead") == 0
-                assert counters.get("reconnects") == 0 and server.channel(job.id) is ch
+                assert counters.get("reconnects") == 0 and server.channels.get(job.id) is ch
                 return
             with trio.fail_after(GUARD):  # forgotten T after the first turn's last byte
                 await proxy.wait_until(lambda: proxy.forgotten == 1)
@@ -351,7 +353,7 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
             assert len(sim.streams) == 1  # the backend never saw the turn
             assert counters.get("pings_sent") == 0 and counters.get("channels_dead") == 0
             assert counters.get("reconnects") == 0 and proxy.connections == 1
-            assert list(runner.sessions) == [job.id] and server.channel(job.id) is ch
+            assert list(runner.sessions) == [job.id] and server.channels.get(job.id) is ch
             # the Server withdraws the job: its chat.end is lost on the forgotten path too, and
             # its heartbeats are still accepted (over HTTP, a live path): the slot stays taken
             await server.channels.cancel_job(job.id, "given up by the Server")

@@ -1,6 +1,7 @@
-"""The package's layout holds: no import cycles between our modules, a module that calls itself
-pure (or sans-IO) in its docstring imports no trio (nor anything that does), every module says
-its job in a docstring, and ``docs/layout.md`` is the tree those docstrings make.
+"""The package's layout holds: no import cycles between our modules, nothing under ``runner/``,
+``hub/`` or ``wire/`` imports ``ops/`` (the operator's tools sit on top of them), a module that
+calls itself pure (or sans-IO) in its docstring imports no trio (nor anything that does), every
+module says its job in a docstring, and ``docs/layout.md`` is the tree those docstrings make.
 
 ``python tests/test_layout.py`` writes ``docs/layout.md`` again after a module is added, moved or
 its docstring changed.
@@ -40,16 +41,17 @@ def _type_checking(node: ast.AST) -> bool:
     )
 
 
-def _imports(name: str) -> set[str]:
-    """The modules ``name`` imports, at any depth of its code (lazy imports included), except
-    those under ``if TYPE_CHECKING:``; ours by their module name, others by their top package."""
+def _imports(name: str, *, type_checking: bool = False) -> set[str]:
+    """The modules ``name`` imports, at any depth of its code (lazy imports included), and those
+    under ``if TYPE_CHECKING:`` only when ``type_checking``; ours by their module name, others by
+    their top package."""
     tree = ast.parse(MODULES[name].read_text())
     package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
-        if _type_checking(node):
+        if _type_checking(node) and not type_checking:
             continue
         stack.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
@@ -76,6 +78,15 @@ def _imports(name: str) -> set[str]:
 GRAPH = {name: _imports(name) for name in MODULES}
 
 
+# (module, what it imports of ops/) allowed for now: none
+_UPWARD_PENDING: set[tuple[str, str]] = set()
+_BELOW_OPS = ("gateway.runner", "gateway.hub", "gateway.wire")
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
 def _docstring(name: str) -> str:
     return ast.get_docstring(ast.parse(MODULES[name].read_text())) or ""
 
@@ -100,6 +111,21 @@ def test_no_import_cycles() -> None:
         if name not in state:
             visit(name, [name])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_nothing_below_ops_imports_ops() -> None:
+    """``ops/`` (doctor, status, the demo) is built on the runner, the hub and ``wire/``; an import
+    the other way (type-checking ones included) makes the packages a loop."""
+    upward = {
+        (name, dep)
+        for name in MODULES
+        if _under(name, _BELOW_OPS)
+        for dep in _imports(name, type_checking=True)
+        if _under(dep, ("gateway.ops",))
+    }
+    assert upward <= _UPWARD_PENDING, f"imports of gateway.ops: {sorted(upward - _UPWARD_PENDING)}"
+    gone = _UPWARD_PENDING - upward
+    assert not gone, f"no longer there, take them out of _UPWARD_PENDING: {sorted(gone)}"
 
 
 def _reaches(name: str, target: str) -> list[str] | None:

@@ -33,7 +33,7 @@ def runner_config(server: str, backend: str | None, state_dir: Path, **overrides
 
 
 async def _chat(hub: Hub, **definition: Any) -> tuple[Any, Any]:
-    job = hub.board.enqueue(
+    job = await hub.board.enqueue(
         OWNER,
         PROJECT,
         ["chat-llm:v1"],

@@ -122,7 +122,8 @@ async def test_runner_process_logs_json_lines(
     assert any(m.startswith("session end") for m in messages)
     assert messages[-1] == "runner stopped"
     saved = json.loads((tmp_path / "s" / "registration.json").read_text())
-    token = saved["registrations"][f"{OWNER}/{PROJECT}"]["token"]
+    (registration,) = saved["registrations"]
+    token = registration["token"]
     for secret in (BACKEND_KEY, ADMIN, token):
         assert secret not in text
 

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import ConfigError, load_config
 from gateway.hub import Hub
 from gateway.observe import Counters, Histogram
-from gateway.ops.metrics import CONTENT_TYPE, render
 from gateway.ops.status import Reading, Samples, default_url, summary
+from gateway.runner.metrics import CONTENT_TYPE, render
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator, open_sim
@@ -326,6 +326,24 @@ async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
         runner.pool.backends[0].mark(None)
     code, _, err = await status("--metrics-url", url)  # runner gone: nothing answers
     assert code == 2 and "is not answering" in err
+
+
+async def test_status_after_a_turn_answered_whole_says_what_is_timed(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 31 point 12: after a non-streamed turn, ``status`` said ``first token no samples
+    yet`` as if nothing had been served; it says that only streamed turns are timed."""
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
+    async with running(config) as runner:
+        job, ch = await open_chat(hub[0])
+        await ch.send(request_frame(job.id, "whole", sim={"chunks": 3}, stream=False))
+        await Turns(ch).until("whole")
+        with trio.fail_after(5):
+            await runner.counters.wait("turns_done", 1)
+        code, out, err = await status("--metrics-url", metrics_url(runner))
+    assert code == 0, err
+    assert "no samples yet" not in out, out
+    assert "first token timed on streamed turns only: none yet (1 done)" in out, out
 
 
 def test_samples_parser_reads_what_render_writes() -> None:

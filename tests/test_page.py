@@ -226,7 +226,7 @@ async def test_status_page(
     # first turn through and refuses the next one with 429.
     with trio.fail_after(STEP):
         alice = await run(create_key, "alice", 1 if LIMITS_EXIST else None)
-    assert [k["name"] for k in the_hub.list_api_keys()] == ["alice"]
+    assert [k["name"] for k in await the_hub.keys.listing()] == ["alice"]
 
     def turn_in_flight(key_name: str) -> None:
         row = page.locator(f'#turns tbody tr[data-key="{key_name}"]')
@@ -265,7 +265,7 @@ async def test_status_page(
             await run(counted, "alice", 2 + SLOW["chunks"], 1)
 
     # -- the usage chart: the hourly book's rows as bars (none while the book keeps none) ----
-    hourly = the_hub.accounting.hourly(0)
+    hourly = await the_hub.accounting.hourly(0)
 
     def chart() -> None:
         bars = page.locator('#usage-chart svg rect[data-key="alice"]')
@@ -278,7 +278,7 @@ async def test_status_page(
     with trio.fail_after(STEP):
         await run(chart)
 
-    bob = the_hub.keys.create("bob", PROJECT)
+    bob = await the_hub.keys.create("bob", PROJECT)
     with trio.fail_after(STEP):
         await _client(base, bob).models.list()  # the runner lists its models: the page shows them
 
@@ -307,7 +307,7 @@ async def test_status_page(
 
     # -- whatever a name holds is shown as text, never run as HTML ------------------------
     odd = '<img src=x onerror="document.title=1">'
-    the_hub.keys.create(odd, PROJECT)
+    await the_hub.keys.create(odd, PROJECT)
 
     def literal() -> None:
         expect(page.locator("#keys tbody")).to_contain_text(odd)

@@ -19,6 +19,7 @@ import trio
 import trio.testing
 import trio_websocket
 from gateway.hub.dispatch import FairQueue, Waiter
+from helpers import register_runner
 from test_causes import (
     CHAT_DEFINITION,
     GUARD,
@@ -42,8 +43,8 @@ class SlotRunner(HandRunner):
     chat-llm:v1 once, claims the one job offered, serves it on a channel (every turn answered
     with one chunk naming the turn's message), and is at capacity again."""
 
-    def __init__(self, hub: Hub, url: str, nursery: trio.Nursery) -> None:
-        super().__init__(hub, url)
+    def __init__(self, registration: dict[str, Any], url: str, nursery: trio.Nursery) -> None:
+        super().__init__(registration, url)
         self.token = self.http.headers["Authorization"].removeprefix("Bearer ")
         self.url = url
         self.nursery = nursery
@@ -51,7 +52,7 @@ class SlotRunner(HandRunner):
 
     async def fill(self, hub: Hub) -> None:
         """Hold one session (a job claimed, never served) and advertise nothing."""
-        job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
         assert [j["id"] for j in await self.poll("chat-llm:v1")] == [job.id]
         await self.claim(job.id)
         assert await self.poll() == []
@@ -96,7 +97,8 @@ class SlotRunner(HandRunner):
 async def busy_hub(**settings: Any) -> AsyncIterator[tuple[Hub, str, SlotRunner, trio.Nursery]]:
     """A hub whose project's only runner holds one session and is at capacity."""
     async with open_hub(hub_of(**settings)) as (hub, url), trio.open_nursery() as nursery:
-        runner = SlotRunner(hub, url, nursery)
+        registration = await register_runner(hub, OWNER, PROJECT, "by-hand", ["self-hosted"])
+        runner = SlotRunner(registration, url, nursery)
         await runner.fill(hub)
         yield hub, url, runner, nursery
         nursery.cancel_scope.cancel()
@@ -160,8 +162,8 @@ async def test_a_burst_of_one_key_does_not_starve_another(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
-        key_a = hub.keys.create("a", DEPTH)
-        key_b = hub.keys.create("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         replies: dict[str, httpx.Response] = {}
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:
@@ -192,8 +194,8 @@ async def test_past_the_bound_503_queue_full_at_once_with_the_position(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_length=2, queue_wait=NEVER) as (hub, url, _runner, _):
-        key_a = hub.keys.create("a", DEPTH)
-        key_b = hub.keys.create("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:
                 for n, text in enumerate(["A1", "A2"], 1):
@@ -222,7 +224,7 @@ async def test_a_streamed_client_gets_keepalives_while_queued_then_its_answer(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER, keepalive_interval=5.0) as (hub, url, runner, _):
-        key = hub.keys.create("a", DEPTH)
+        key = await hub.keys.create("a", DEPTH)
         received = b""
         with trio.fail_after(GUARD):
             async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
@@ -259,7 +261,7 @@ async def test_a_queued_streamed_turn_that_times_out_ends_its_stream_with_queue_
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=12.0, keepalive_interval=5.0) as (hub, url, _runner, _):
-        key = hub.keys.create("a", DEPTH)
+        key = await hub.keys.create("a", DEPTH)
         with trio.fail_after(GUARD):
             async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
                 reply = await http.post(
@@ -289,8 +291,8 @@ async def test_a_client_that_leaves_the_queue_is_removed_at_once_and_the_next_is
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
-        key_a = hub.keys.create("a", DEPTH)
-        key_b = hub.keys.create("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         replies: dict[str, httpx.Response] = {}
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:
@@ -321,8 +323,8 @@ async def test_a_job_no_runner_claims_costs_its_waiter_no_place(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
-        key_a = hub.keys.create("a", DEPTH)
-        key_b = hub.keys.create("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         replies: dict[str, httpx.Response] = {}
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 import trio.testing
-from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT
+from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner
 from rawclient import RawConn, bearer, head, request
 
 from gateway.hub import Hub, open_hub
@@ -49,10 +49,19 @@ class Runner:
 
     def __init__(self, hub: Hub, url: str) -> None:
         self.hub, self.url = hub, url
-        self.token = hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])["token"]
-        self.job_id = hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION)).id
+        self.token = ""
+        self.job_id = ""
         self.run_id = ""
         self.conn: RawConn | None = None
+
+    @classmethod
+    async def open(cls, hub: Hub, url: str) -> Runner:
+        runner = cls(hub, url)
+        registered = await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
+        runner.token = registered["token"]
+        job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        runner.job_id = job.id
+        return runner
 
     async def send(self, method: str, path: str, body: Any) -> Any:
         """One request on the kept-alive connection (a new one after the hub closed it)."""
@@ -79,9 +88,9 @@ class Runner:
     async def progress(self, report: dict[str, Any]) -> Any:
         return await self.send("POST", f"{self.job_path}/progress", report)
 
-    def stored(self) -> list[dict[str, Any]]:
+    async def stored(self) -> list[dict[str, Any]]:
         """The job's reports as the store has them."""
-        job = self.hub.store.load_job(self.job_id)
+        job = await self.hub.store.load_job(self.job_id)
         assert job is not None
         return list(job.reports)
 
@@ -103,7 +112,7 @@ async def test_refused_progress_and_status_reports_are_not_kept(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     async with open_hub(_hub(tmp_path / "hub")) as (hub, url):
-        runner = Runner(hub, url)
+        runner = await Runner.open(hub, url)
         await runner.claim()
         assert (await runner.status(IN_PROGRESS)).status == 200
         beat = {"stage": "chat_llm_active", "message": None}
@@ -124,7 +133,7 @@ async def test_refused_progress_and_status_reports_are_not_kept(
             resp = await runner.status(padded(report, size))
             error_of(resp, 400, "invalid")
         assert job.last_progress == beat and job.heartbeats == 1
-        assert job.reports == [IN_PROGRESS] and runner.stored() == [IN_PROGRESS]
+        assert job.reports == [IN_PROGRESS] and await runner.stored() == [IN_PROGRESS]
         assert job.status == "in_progress" and hub.board.late_reports == 0
         await runner.aclose()
 
@@ -133,7 +142,7 @@ async def test_a_report_over_the_bound_is_refused_413_before_it_is_read(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(_hub()) as (hub, url):
-        runner = Runner(hub, url)
+        runner = await Runner.open(hub, url)
         await runner.claim()
         for path, method in ((f"{runner.job_path}/progress", "POST"), (runner.job_path, "PATCH")):
             conn = await RawConn.open(url)
@@ -157,7 +166,7 @@ async def test_forty_refused_one_mib_progress_reports_leave_the_hub_its_size(
     """Today's probe: 40 x 1 MiB progress reports grew the hub by 39 MB. The Python heap is
     measured (tracemalloc), not RSS: the same bytes, without the allocator's noise."""
     async with open_hub(_hub()) as (hub, url):
-        runner = Runner(hub, url)
+        runner = await Runner.open(hub, url)
         await runner.claim()
         report = request("POST", f"{runner.job_path}/progress", [bearer(runner.token)])
         body = json.dumps({"stage": "s" * MiB}).encode()
@@ -184,7 +193,7 @@ async def test_late_reports_are_dropped_counted_and_never_stored(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     async with open_hub(_hub(tmp_path / "hub")) as (hub, url):
-        runner = Runner(hub, url)
+        runner = await Runner.open(hub, url)
         await runner.claim()
         assert (await runner.status(IN_PROGRESS)).status == 200
         assert (await runner.status(DONE)).status == 200
@@ -198,8 +207,8 @@ async def test_late_reports_are_dropped_counted_and_never_stored(
         resp = await runner.status(IN_PROGRESS)
         error_of(resp, 409, "conflict")
         assert hub.board.late_reports == 22
-        assert runner.stored() == [IN_PROGRESS, DONE]
-        job = hub.board.all_jobs[runner.job_id]
+        assert await runner.stored() == [IN_PROGRESS, DONE]
+        job = await hub.board.all_jobs.get(runner.job_id)
         assert job.reports == [IN_PROGRESS, DONE] and job.last_progress is None
         conn = await RawConn.open(url)
         await conn.send(head("GET", "/api/hub/jobs", [bearer(ADMIN)]))
@@ -216,7 +225,7 @@ async def test_a_job_keeps_its_first_in_progress_and_its_last_heartbeat_only(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     async with open_hub(_hub(tmp_path / "hub")) as (hub, url):
-        runner = Runner(hub, url)
+        runner = await Runner.open(hub, url)
         await runner.claim()
         size = REPORT_MAX_BYTES - 256
         first = padded(IN_PROGRESS, size)
@@ -226,11 +235,11 @@ async def test_a_job_keeps_its_first_in_progress_and_its_last_heartbeat_only(
             resp = await runner.progress(padded({"stage": f"beat {n}"}, size))
             assert resp.status == 200
         job = hub.board.jobs[runner.job_id]
-        assert job.reports == [first] and runner.stored() == [first]
+        assert job.reports == [first] and await runner.stored() == [first]
         assert job.last_progress is not None and job.last_progress["stage"] == "beat 49"
         assert job.heartbeats == 50
         final = padded(DONE, size)
         assert (await runner.status(final)).status == 200
-        assert runner.stored() == [first, final]
+        assert await runner.stored() == [first, final]
         assert hub.board.late_reports == 0
         await runner.aclose()

@@ -248,8 +248,8 @@ async def test_reconnect_window_gives_up_with_failure(
 async def test_foreign_job_never_claimed(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
-    foreign = hub[0].board.enqueue(OWNER, PROJECT, [], {"jobType": "dispatch_worker"})
-    other = hub[0].board.enqueue(OWNER, PROJECT, ["docker"], {})
+    foreign = await hub[0].board.enqueue(OWNER, PROJECT, [], {"jobType": "dispatch_worker"})
+    other = await hub[0].board.enqueue(OWNER, PROJECT, ["docker"], {})
     job, _ = await open_chat(hub[0])
     assert job.claimed_by is not None
     assert foreign.claimed_by is None and foreign.status == "queued"
@@ -282,7 +282,7 @@ async def test_max_sessions_stops_advertising(
     async with running(config) as r:
         job1, ch1 = await open_chat(hub[0])
         assert r.capabilities() == []
-        job2 = hub[0].board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
+        job2 = await hub[0].board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
         with trio.fail_after(5):
             await r.counters.wait("polls", r.counters.get("polls") + 3)
         assert job2.claimed_by is None

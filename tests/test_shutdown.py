@@ -1,17 +1,35 @@
-"""Graceful shutdown under load: `alp-gateway run` gets SIGTERM while 20 turns stream in 4 sessions."""
+"""Graceful shutdown under load: `alp-gateway run` gets SIGTERM while 20 turns stream in 4 sessions;
+a stop with the Server gone is short and says once what it lost."""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
-from helpers import EXE, OWNER, PROJECT, inbox, open_chat, request_frame, runner_env, send
+import trio.testing
+from helpers import (
+    ADMIN,
+    EXE,
+    OWNER,
+    PROJECT,
+    inbox,
+    open_chat,
+    request_frame,
+    runner_config,
+    runner_env,
+    send,
+)
 
-from gateway.hub import Hub, ServerChannel
+from gateway.hub import Hub, ServerChannel, open_hub
+from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
 SESSIONS, TURNS, CHUNKS, INTERVAL = 4, 5, 30, 0.1
@@ -121,3 +139,63 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
         ]
         finals = [r for r in job.reports if r.get("status") == "completed"]
         assert len(finals) == 1 and finals[0]["conclusion"] == "success", job.reports
+
+
+@contextmanager
+def records(level: int) -> Iterator[list[logging.LogRecord]]:
+    """The log records of ``level`` and above while the block runs."""
+    kept: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = kept.append  # type: ignore[method-assign]
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield kept
+    finally:
+        root.removeHandler(handler)
+
+
+@pytest.mark.parametrize("when", ["redialling", "reporting"])
+async def test_a_stop_with_the_server_gone_is_short_and_says_once_what_it_lost(
+    autojump_clock: trio.testing.MockClock, sim: Simulator, tmp_path: Path, when: str
+) -> None:
+    """Issue 31 point 6: three sessions, no turn in flight, then the Server goes away. The stop
+    comes while their channels are being redialled, or once they gave up and their final
+    reports are being retried: either way it takes at most 2 s and logs one WARNING line (it
+    used to take about 31 s: eight report attempts each, and an ERROR line per job)."""
+    window = 60.0 if when == "redialling" else 1.0
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async with open_hub(Hub(admin_token=ADMIN)) as (hub, url):
+            runner = Runner(runner_config(url, sim.url, tmp_path, reconnect_window=window))
+
+            async def run() -> None:
+                await runner.run()
+                stopped.set()
+
+            nursery.start_soon(run)
+            with trio.fail_after(10):
+                await runner.first_poll.wait()
+            for _ in range(3):
+                await open_chat(hub)
+        # the hub is gone: its listener and every connection closed
+        runner._wake.set()  # poll now
+        with trio.fail_after(10):
+            await runner.counters.wait("poll_errors", 1)
+        if when == "reporting":  # past the reconnect window (the clock's time, not real time)
+            await trio.sleep(window + 0.2)
+            assert len(runner._reporting) == 3 and not runner.sessions
+        else:
+            assert len(runner.sessions) == 3 and not runner._reporting
+        began = trio.current_time()
+        with records(logging.WARNING) as said:
+            runner.begin_shutdown()
+            with trio.fail_after(30):
+                await stopped.wait()
+        took = trio.current_time() - began
+    assert took <= 2.0, took
+    assert [r.levelname for r in said] == ["WARNING"], [r.getMessage() for r in said]
+    line = said[0].getMessage()
+    assert line.startswith("stopped without the final report of 3 job(s) ("), line
+    assert "was unreachable (connection refused" in line and "ends them itself" in line
+    assert runner.counters.get("reports_lost") == 3

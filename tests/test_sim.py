@@ -497,7 +497,7 @@ async def test_bad_n_or_max_tokens_is_a_400(client: httpx.AsyncClient, bad: dict
 
 
 def test_cli_help_shows_the_defaults_and_its_own_port(capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.runner.backends import LOCAL_SERVERS
+    from gateway.runner.discovery import LOCAL_SERVERS
     from gateway.sim.cli import DEFAULT_LISTEN
 
     with pytest.raises(SystemExit):
@@ -516,3 +516,75 @@ def test_cli_help_shows_the_defaults_and_its_own_port(capsys: pytest.CaptureFixt
     assert port == "8789"
     others = [kind for kind, url in LOCAL_SERVERS if f":{port}/" in url]
     assert others == ["alp-gateway sim"]  # doctor names it as what it is, not as vLLM
+
+
+# -- the deterministic continuation mode ----------------------------------------------------
+
+
+async def _answer(client: httpx.AsyncClient, messages: list[Any], stream: bool, **sim: Any) -> str:
+    payload = {"model": MODEL, "messages": messages, "stream": stream, "sim": sim}
+    if not stream:
+        whole = await client.post("/chat/completions", json=payload)
+        return str(whole.json()["choices"][0]["message"]["content"])
+    _, raw = await stream_raw(client, payload)
+    chunks = chunks_of(split_events(raw))
+    roles = [c for ch in chunks for c in ch["choices"] if "role" in c["delta"]]
+    assert len(roles) == 1  # a continuation is an answer of its own: one role delta
+    return content_of(chunks)
+
+
+@pytest.mark.parametrize("words", ["tok", "conversation"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_answer_so_far_plus_continuation_is_the_undisturbed_answer(
+    client: httpx.AsyncClient, words: str, stream: bool
+) -> None:
+    """A request ending with the start of its answer as an assistant message gets exactly the
+    rest, wherever the cut (mid-token included), so the two parts make the undisturbed answer."""
+    conversation = [{"role": "user", "content": "hello there"}]
+    whole = await _answer(client, conversation, stream, chunks=7, words=words)
+    assert whole == await _answer(client, conversation, stream, chunks=7, words=words)
+    for cut in range(len(whole) + 1):
+        so_far = [*conversation, {"role": "assistant", "content": whole[:cut]}]
+        rest = await _answer(client, so_far, stream, chunks=7, words=words)
+        assert whole[:cut] + rest == whole, cut
+
+
+async def test_conversation_words_are_the_conversations_own(client: httpx.AsyncClient) -> None:
+    one = [{"role": "user", "content": "hello there"}]
+    two = [{"role": "user", "content": "something else"}]
+    a = await _answer(client, one, True, chunks=12, words="conversation")
+    b = await _answer(client, two, True, chunks=12, words="conversation")
+    assert a != b and len(a.split()) == len(b.split()) == 12
+    assert a == await _answer(client, one, False, chunks=12, words="conversation")
+
+
+async def test_a_prefill_that_is_not_the_answer_is_followed_by_the_whole_answer(
+    client: httpx.AsyncClient,
+) -> None:
+    other = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+    assert await _answer(client, other, True, chunks=3) == "tok0 tok1 tok2 "
+
+
+async def test_max_tokens_cuts_a_continuation_too(client: httpx.AsyncClient) -> None:
+    so_far = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "tok0 to"}]
+    payload = {"model": MODEL, "messages": so_far, "max_tokens": 2, "sim": {"chunks": 6}}
+    choice = (await client.post("/chat/completions", json=payload)).json()["choices"][0]
+    assert choice["message"]["content"] == "k1 tok2 " and choice["finish_reason"] == "length"
+
+
+async def test_max_tokens_whole_reply_waits_only_for_its_own_tokens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 31 point 12: ``max_tokens: 2`` non-streamed waits for 2 tokens, not all 50."""
+    async with open_sim() as sim, httpx.AsyncClient(base_url=sim.url, trust_env=False) as client:
+        started = trio.current_time()
+        payload = body(max_tokens=2, sim={"chunks": 50, "interval": 1.0})
+        reply = await client.post("/chat/completions", json=payload)
+        took = trio.current_time() - started
+    assert reply.json()["choices"][0]["message"]["content"] == "tok0 tok1 "
+    assert took == pytest.approx(2.0, abs=0.5)  # 2 tokens of 1 s each; all 50 would be 50 s
+
+
+def test_bad_words_option_is_refused() -> None:
+    with pytest.raises(ValueError, match="words"):
+        SimOptions(words="lorem")

@@ -149,7 +149,7 @@ async def test_soak(tmp_path: Path) -> None:
         )
         async with running(config) as runner:
             jobs = [
-                hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+                await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
                 for _ in range(SESSIONS)
             ]
             for job in jobs:

@@ -1,6 +1,8 @@
-"""The persisted registration (gateway.state): owner-only, refused when readable by others; the
-state-directory rule (``gateway.state.private_dir``) for a directory of another user."""
+"""The persisted registrations (gateway.runner.state): one per Server and project, the first file
+form migrated; owner-only, refused when readable by others; the state-directory rule
+(``gateway.runner.state.private_dir``) for a directory of another user."""
 
+import json
 import os
 import shutil
 import stat
@@ -10,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.state import Registration, StateError, StateStore
+from gateway.runner.state import Registration, StateError, StateStore, WhichServer, same_server
 
 
-def reg(project: str = "p") -> Registration:
-    return Registration("id1", "box", "alpr_secret", "http://h", "o", project)
+def reg(project: str = "p", server: str = "http://h", token: str = "alpr_secret") -> Registration:
+    return Registration("id1", "box", token, server, "o", project)
 
 
 def test_save_is_owner_only_and_round_trips(tmp_path: Path) -> None:
@@ -23,10 +25,69 @@ def test_save_is_owner_only_and_round_trips(tmp_path: Path) -> None:
     store.save(reg("q"))
     assert stat.S_IMODE(os.stat(tmp_path / "state").st_mode) == 0o700
     assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o600
-    assert store.load("o/p") == reg()
-    assert store.load("o/q") == reg("q")
-    assert store.load("o/none") is None
-    assert "alpr_secret" not in repr(store.load("o/p"))
+    assert store.load("http://h", "o/p") == reg()
+    assert store.load("http://h", "o/q") == reg("q")
+    assert store.load("http://h", "o/none") is None
+    assert "alpr_secret" not in repr(store.load("http://h", "o/p"))
+
+
+def test_one_registration_per_server_and_project(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    first, second = reg(token="alpr_first"), reg(server="https://other:8443", token="alpr_second")
+    store.save(first)
+    store.save(second)
+    assert store.load("http://h", "o/p") == first  # the second Server's left the first's as it was
+    assert store.load("https://other:8443", "o/p") == second
+    assert store.load("https://elsewhere", "o/p") is None
+    assert store.registrations("o/p") == [first, second]
+    again = reg(token="alpr_again")
+    store.save(again)  # registering again on a Server replaces only that Server's
+    assert store.load("http://h", "o/p") == again
+    assert store.load("https://other:8443", "o/p") == second
+    assert len(json.loads(store.path.read_text())["registrations"]) == 2
+    missing = store.missing("https://elsewhere", "o/p")
+    assert missing.startswith("no registration for o/p on https://elsewhere (registered on ")
+    assert "alpr_" not in missing
+
+
+def test_a_server_is_found_however_its_url_is_written(tmp_path: Path) -> None:
+    assert same_server("http://H:80/", "http://h")
+    assert same_server("https://agentics.dk", "HTTPS://agentics.dk:443")
+    assert not same_server("http://h", "https://h")
+    assert not same_server("http://h:8787", "http://h:8788")
+    assert not same_server("http://h/a", "http://h/b")
+    store = StateStore(tmp_path)
+    store.save(reg(server="http://127.0.0.1:8787/"))
+    assert store.load("http://127.0.0.1:8787", "o/p") is not None
+
+
+def test_without_a_server_given_the_projects_only_registration_is_used(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.save(reg(server="http://hub:8787"))
+    default = "https://agentics.dk"
+    assert store.find(default, "o/p", server_given=False) == reg(server="http://hub:8787")
+    assert store.find(default, "o/p", server_given=True) is None
+    store.save(reg(server="http://other:8787"))
+    with pytest.raises(WhichServer, match="registrations for o/p on http://hub:8787, http://other"):
+        store.find(default, "o/p", server_given=False)
+    store.save(reg(server=default))  # one at the default Server: that one, without asking
+    assert store.find(default, "o/p", server_given=False) == reg(server=default)
+
+
+def test_the_first_file_form_is_read_and_migrated_at_the_next_save(tmp_path: Path) -> None:
+    """``{"registrations": {"OWNER/PROJECT": {...}}}``: one registration per project."""
+    store = StateStore(tmp_path)
+    old = reg(token="alpr_old")
+    body = {"registrations": {"o/p": {**old.__dict__}}}
+    store.path.write_text(json.dumps(body))
+    os.chmod(store.path, 0o600)
+    assert store.load("http://h", "o/p") == old
+    assert store.load("http://other", "o/p") is None
+    store.save(reg(server="http://other", token="alpr_new"))
+    data = json.loads(store.path.read_text())
+    assert data["version"] == 2 and isinstance(data["registrations"], list)
+    assert store.load("http://h", "o/p") == old  # kept, with its token
+    assert store.load("http://other", "o/p") == reg(server="http://other", token="alpr_new")
 
 
 def test_readable_by_others_is_refused(tmp_path: Path) -> None:
@@ -34,7 +95,7 @@ def test_readable_by_others_is_refused(tmp_path: Path) -> None:
     store.save(reg())
     os.chmod(store.path, 0o644)
     with pytest.raises(StateError, match="readable by others"):
-        store.load("o/p")
+        store.load("http://h", "o/p")
 
 
 def test_garbage_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -42,7 +103,7 @@ def test_garbage_file_is_a_clear_error(tmp_path: Path) -> None:
     store.path.write_text("{")
     os.chmod(store.path, 0o600)
     with pytest.raises(StateError, match="not a registration file"):
-        store.load("o/p")
+        store.load("http://h", "o/p")
 
 
 NOBODY = 65532  # the image's and the Kubernetes manifest's uid
@@ -90,7 +151,7 @@ def test_an_emptydir_owned_by_root_gets_a_private_subdirectory(shared_dir: Path)
     def save_and_load() -> str:
         store = StateStore(shared_dir)
         store.save(reg())
-        assert store.load("o/p") == reg()
+        assert store.load("http://h", "o/p") == reg()
         return str(store.path)
 
     assert as_user(NOBODY, save_and_load) == f"{shared_dir}/uid-{NOBODY}/registration.json"
@@ -103,7 +164,9 @@ def test_an_emptydir_owned_by_root_gets_a_private_subdirectory(shared_dir: Path)
     st = os.stat(shared_dir)
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o777)
     # a restarted runner (a new container in the same pod) finds its registration again
-    assert as_user(NOBODY, lambda: repr(StateStore(shared_dir).load("o/p"))) == repr(reg())
+    assert as_user(NOBODY, lambda: repr(StateStore(shared_dir).load("http://h", "o/p"))) == repr(
+        reg()
+    )
 
 
 @needs_root
@@ -126,7 +189,7 @@ def test_an_own_0777_directory_is_made_0700_when_loaded(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state")
     store.save(reg())
     os.chmod(store.dir, 0o777)
-    assert store.load("o/p") == reg()
+    assert store.load("http://h", "o/p") == reg()
     assert stat.S_IMODE(os.stat(store.dir).st_mode) == 0o700
     assert store.path == tmp_path / "state" / "registration.json"
 
@@ -137,4 +200,4 @@ def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
     store.save(reg())
     os.chown(store.path, NOBODY, NOBODY)
     with pytest.raises(StateError, match=f"belongs to uid {NOBODY}, not to this runner"):
-        store.load("o/p")
+        store.load("http://h", "o/p")

@@ -65,7 +65,7 @@ async def test_untrusted_server_certificate_is_refused(
 ) -> None:
     hub, url, requests = tls_hub
     assert url.startswith("https://")
-    job = hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
     runner = Runner(runner_config(url, sim.url, tmp_path))  # no ca_file: system CAs only
     with trio.fail_after(20), pytest.raises(RunnerExit) as info:
         await runner.run()  # a certificate failure is not retried: it will not fix itself

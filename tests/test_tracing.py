@@ -28,10 +28,11 @@ from helpers import (
 from otlp_receiver import ReceivedSpan, open_receiver
 
 from gateway.hub import Hub
-from gateway.ops import tracing
-from gateway.ops.otel import Tracing
+from gateway.runner import tracing
+from gateway.runner.otel import Tracing
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
+from gateway.wire.traceparent import valid_traceparent
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CLIENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -65,7 +66,7 @@ def test_endpoint_from_env() -> None:
     ],
 )
 def test_valid_traceparent(value: object, valid: bool) -> None:
-    assert (tracing.valid_traceparent(value) is not None) is valid
+    assert (valid_traceparent(value) is not None) is valid
 
 
 def test_usage_attributes() -> None:
@@ -184,7 +185,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
     child; the first turn span is the session's child, the second (its own traceparent, in its
     frame) the client's child linked to the session; the backend saw each turn span's id."""
     hub_, base = hub
-    key = hub_.keys.create("tracer", f"{OWNER}/{PROJECT}")
+    key = await hub_.keys.create("tracer", f"{OWNER}/{PROJECT}")
     async with open_receiver() as receiver:
         runner = Runner(
             runner_config(base, sim.url, tmp_path, otlp_endpoint=receiver.url, grace=1.0)
@@ -200,7 +201,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
             spans = await receiver.wait_for(3)
         print_trace(spans)  # the note's example (pytest -s shows it)
 
-    (job,) = hub_.board.all_jobs.values()
+    (job,) = await hub_.board.all_jobs.values()
     assert job.agent_definition["traceparent"] == PARENT
     by_request = {s.attributes.get("alp.request.id"): s for s in spans}
     session = by_request.pop(None)

@@ -22,12 +22,11 @@ import trio
 import trio.testing
 from fake_runner import FakeRunner, Script
 from gateway.hub.turns import TurnRecord
-from gateway.hub.usage import PRUNE_BATCH, HourlyUsage, KeyLimits
 from helpers import ADMIN, OWNER, PROJECT, runner_config, running
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
-from gateway.hub.store import Store
+from gateway.hub.store import PRUNE_BATCH, HourlyUsage, KeyLimits, UsageRecord, open_store
 from gateway.sim import Simulator
 
 LIMIT = 15.0  # s: no step of a real-time test may take longer
@@ -76,10 +75,10 @@ async def served(
     data = tmp_path / "hub"
     async with open_hub(Hub(data, admin_token=ADMIN, runner_wait_timeout=LIMIT)) as (hub, url):
         ended = Ended(hub)
-        key = hub.keys.create("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         async with running(runner_config(url, sim.url, tmp_path / "state")):
             yield hub, url, key, ended, data
-    hub.store.close()
+    await hub.store.close()
 
 
 async def test_turns_streamed_and_not_are_rows_and_hourly_totals_with_the_backends_tokens(
@@ -128,30 +127,32 @@ async def test_turns_streamed_and_not_are_rows_and_hourly_totals_with_the_backen
     tokens = [(u["prompt_tokens"], u["completion_tokens"]) for u in told]
     assert [(r.prompt_tokens, r.completion_tokens) for r in records] == tokens
 
-    (registration,) = hub.store.list_registrations()
-    rows = hub.store.usage_rows()
+    async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as http:
+        listed = await http.get("/api/hub/runners", headers={"Authorization": f"Bearer {ADMIN}"})
+    (runner,) = listed.json()["runners"]
+    rows = await hub.store.usage_rows()
     assert [(r["api"], r["stream"]) for r in rows] == [
         ("chat", False),
         ("chat", True),
         ("chat", True),
         ("messages", False),
     ]
-    api_key = hub.keys.check(key)
+    api_key = await hub.store.check_api_key(key)
     assert api_key is not None
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == tokens
     for row in rows:
         assert row["key_name"] == "alice" and row["key_id"] == api_key.id
         assert row["model"] == "sim-model" and row["session"] == "default"
-        assert row["runner_id"] == registration.id and row["job_id"]
+        assert row["runner_id"] == runner["id"] and row["job_id"]
         assert row["outcome"] == "ok"
         assert row["ttft"] is not None and 0 <= row["ttft"] <= row["duration"]
         assert abs(row["at"] - time.time()) < 3600
-    hourly = hub.accounting.hourly(time.time() - 3600, "alice")
+    hourly = await hub.accounting.hourly(time.time() - 3600, "alice")
     assert {(h.key_name, h.model) for h in hourly} == {("alice", "sim-model")}
     assert sum(h.turns for h in hourly) == 4 and sum(h.errors for h in hourly) == 0
     assert sum(h.prompt_tokens for h in hourly) == sum(p for p, _ in tokens)
     assert sum(h.completion_tokens for h in hourly) == sum(c for _, c in tokens)
-    assert hub.accounting.hourly(0, "bob") == []
+    assert await hub.accounting.hourly(0, "bob") == []
     assert hub.accounting.in_flight == {}
 
 
@@ -167,8 +168,8 @@ async def test_a_failed_turn_is_an_error_in_the_totals(
             )
         await oc.chat.completions.create(model="sim-model", messages=PROMPT)
         await ended.count(2)
-    assert [r["outcome"] for r in hub.store.usage_rows()] == ["error", "ok"]
-    (total,) = hub.store.usage_totals(time.time() - 60)[0]
+    assert [r["outcome"] for r in await hub.store.usage_rows()] == ["error", "ok"]
+    (total,) = (await hub.store.usage_totals(time.time() - 60))[0]
     assert (total.turns, total.errors, total.prompt_tokens) == (2, 1, 4)
 
 
@@ -180,7 +181,7 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
     hub.accounting.clock = lambda: wall[0]
     async with open_hub(hub) as (hub, url):
         ended = Ended(hub)
-        key = hub.keys.create("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         runner = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, default=Script(usage=True))
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -198,54 +199,66 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
                     await turn()
                     await turn()
                     await ended.count(2)
-                    first_rows = hub.store.usage_rows()
+                    first_rows = await hub.store.usage_rows()
                     wall[0] += 8 * DAY  # past the retention
                     await turn()
                     await ended.count(3)
             nursery.cancel_scope.cancel()
-    rows = hub.store.usage_rows()
+    rows = await hub.store.usage_rows()
     assert len(first_rows) == 2 and [r["at"] for r in rows] == [wall[0]]
-    hourly = hub.accounting.hourly(0)
+    hourly = await hub.accounting.hourly(0)
     assert [(h.hour, h.turns, h.prompt_tokens, h.completion_tokens) for h in hourly] == [
         (1_699_999_200, 2, 10, 6),  # the hour of the first two turns, kept
         (1_699_999_200 + 8 * 24 * 3600, 1, 5, 3),
     ]
     assert all(isinstance(h, HourlyUsage) and h.key_name == "alice" for h in hourly)
-    assert hub.store.usage_turns_from() == wall[0] - 7 * DAY
-    hub.store.close()
+    assert await hub.store.usage_turns_from() == wall[0] - 7 * DAY
+    await hub.store.close()
 
 
-def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> TurnRecord:
-    record = TurnRecord(f"id-{name}", name, "s", "chat", model, False, 0.0)
-    record.ended, record.outcome = 1.0, outcome
-    record.prompt_tokens, record.completion_tokens = 2, 3
-    return record
+def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> UsageRecord:
+    return UsageRecord(
+        f"id-{name}",
+        name,
+        "s",
+        "chat",
+        model or "",
+        False,
+        outcome,
+        prompt_tokens=2,
+        completion_tokens=3,
+    )
 
 
-def test_pruning_is_bounded_work_and_totals_say_whether_they_are_exact(tmp_path: Path) -> None:
-    store = Store(tmp_path)
+async def test_pruning_is_bounded_work_and_totals_say_whether_they_are_exact(
+    tmp_path: Path,
+) -> None:
+    store = open_store(tmp_path)
     now = time.time()
     for i in range(PRUNE_BATCH + 20):
-        store.add_usage(_record(), now - 10 * DAY + i)
-    store.add_usage(_record("bob", None, "lost"), now)
+        await store.add_usage(_record(), now - 10 * DAY + i)
+    await store.add_usage(_record("bob", None, "lost"), now)
     before = now - 7 * DAY
-    assert store.prune_usage(before, PRUNE_BATCH) == PRUNE_BATCH  # at most a batch at a time
-    assert store.usage_turns_from() == now - 10 * DAY + PRUNE_BATCH - 1
-    assert store.prune_usage(before, PRUNE_BATCH) == 20
-    assert store.usage_turns_from() == before and store.prune_usage(before, PRUNE_BATCH) == 0
-    assert [r["key_name"] for r in store.usage_rows()] == ["bob"]
-    totals, exact = store.usage_totals(now - 3600)
+    assert await store.prune_usage(before, PRUNE_BATCH) == PRUNE_BATCH  # at most a batch at a time
+    assert await store.usage_turns_from() == now - 10 * DAY + PRUNE_BATCH - 1
+    assert await store.prune_usage(before, PRUNE_BATCH) == 20
+    assert (
+        await store.usage_turns_from() == before
+        and await store.prune_usage(before, PRUNE_BATCH) == 0
+    )
+    assert [r["key_name"] for r in await store.usage_rows()] == ["bob"]
+    totals, exact = await store.usage_totals(now - 3600)
     assert exact and [(t.key_name, t.model, t.turns, t.errors) for t in totals] == [
         ("bob", "", 1, 1)
     ]
-    totals, exact = store.usage_totals(now - 30 * DAY)  # older than the rows kept
+    totals, exact = await store.usage_totals(now - 30 * DAY)  # older than the rows kept
     assert not exact
     assert [(t.key_name, t.turns, t.prompt_tokens, t.completion_tokens) for t in totals] == [
         ("alice", PRUNE_BATCH + 20, 2 * (PRUNE_BATCH + 20), 3 * (PRUNE_BATCH + 20)),
         ("bob", 1, 2, 3),
     ]
-    assert store.tokens_since("id-alice", 0) == 5 * (PRUNE_BATCH + 20)
-    store.close()
+    assert await store.tokens_since("id-alice", 0) == 5 * (PRUNE_BATCH + 20)
+    await store.close()
 
 
 class _Taken:
@@ -328,16 +341,20 @@ def test_hub_usage_prints_per_key_and_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = tmp_path / "hub"
-    store = Store(data)
-    store.create_api_key("alice")
-    store.create_api_key("dave")  # a key that chatted not at all
     now = time.time()
-    store.add_usage(_record("alice", "m1"), now - 10)
-    store.add_usage(_record("alice", "m1", "error"), now - 20)
-    store.add_usage(_record("alice", None), now - 30)
-    store.add_usage(_record("bob", "m2"), now - 2 * 3600)
-    store.add_usage(_record("carol", "m1"), now - 3 * DAY)
-    store.close()
+
+    async def add() -> None:
+        store = open_store(data)
+        await store.create_api_key("alice")
+        await store.create_api_key("dave")  # a key that chatted not at all
+        await store.add_usage(_record("alice", "m1"), now - 10)
+        await store.add_usage(_record("alice", "m1", "error"), now - 20)
+        await store.add_usage(_record("alice", None), now - 30)
+        await store.add_usage(_record("bob", "m2"), now - 2 * 3600)
+        await store.add_usage(_record("carol", "m1"), now - 3 * DAY)
+        await store.close()
+
+    trio.run(add)
 
     assert hub_main(["usage", "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -366,9 +383,12 @@ def test_hub_usage_prints_per_key_and_model(
     assert capsys.readouterr().out.startswith("no usage of API key 'dave' since ")
 
     # rows pruned after a day: a longer span is answered from the hourly totals, and says so
-    store = Store(data)
-    store.prune_usage(now - DAY, PRUNE_BATCH)
-    store.close()
+    async def prune() -> None:
+        store = open_store(data)
+        await store.prune_usage(now - DAY, PRUNE_BATCH)
+        await store.close()
+
+    trio.run(prune)
     assert hub_main(["usage", "--since", "7d", "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "from the hourly totals" in out[0] and out[-1].split()[:3] == ["carol", "m1", "1"]
@@ -391,12 +411,16 @@ def test_what_clients_chose_is_printed_escaped_as_in_the_logs(
     """``hub usage`` and ``hub keys list`` pass every name through ``gateway.logsafe`` (issue 30,
     row 6): no control character reaches the terminal and no row is forged."""
     data = tmp_path / "hub"
-    store = Store(data)
-    store.create_api_key("alice")
-    store.create_api_key(EVIL_KEY)
-    store.add_usage(_record("alice", EVIL_MODEL), time.time() - 10)
-    store.add_usage(_record(EVIL_KEY, "m1"), time.time() - 10)
-    store.close()
+
+    async def add() -> None:
+        store = open_store(data)
+        await store.create_api_key("alice")
+        await store.create_api_key(EVIL_KEY)
+        await store.add_usage(_record("alice", EVIL_MODEL), time.time() - 10)
+        await store.add_usage(_record(EVIL_KEY, "m1"), time.time() - 10)
+        await store.close()
+
+    trio.run(add)
 
     def printed(*args: str) -> list[str]:
         assert hub_main([*args, "--data", str(data)]) == 0
@@ -417,7 +441,7 @@ def test_what_clients_chose_is_printed_escaped_as_in_the_logs(
     assert err.count("\n") == 1 and "\x1b" not in err and "\\x1b[31m" in err
 
 
-def test_an_old_store_gains_the_usage_tables_and_key_limits(tmp_path: Path) -> None:
+async def test_an_old_store_gains_the_usage_tables_and_key_limits(tmp_path: Path) -> None:
     data = tmp_path / "hub"
     data.mkdir()
     db = sqlite3.connect(data / "hub.sqlite3")
@@ -429,13 +453,13 @@ def test_an_old_store_gains_the_usage_tables_and_key_limits(tmp_path: Path) -> N
     )
     db.commit()
     db.close()
-    store = Store(data)
-    (old,) = store.list_api_keys()
+    store = open_store(data)
+    (old,) = await store.list_api_keys()
     assert old["name"] == "old" and old["limits"] == KeyLimits()
-    assert store.usage_rows() == [] and store.hourly_usage(0) == []
-    store.add_usage(_record(), time.time())
-    assert len(store.usage_rows()) == 1
-    store.close()
+    assert await store.usage_rows() == [] and await store.hourly_usage(0) == []
+    await store.add_usage(_record(), time.time())
+    assert len(await store.usage_rows()) == 1
+    await store.close()
 
 
 def test_usage_retention_flag(

@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 import trio
 
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import HourlyUsage, KeyLimits, Store, StoreError
+from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
 from gateway.hub.turn import Turn
 
 log = logging.getLogger("gateway.hub.accounting")
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
 DAY = 86400
-PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
-PRUNE_EVERY = 60.0  # s (wall clock) between prunes once nothing old is left
 
 
 class LimitExceeded(Exception):
@@ -95,11 +93,10 @@ class Accounting:
         self.observers: list[Callable[[Turn], None]] = []
         self._keys: dict[str, _KeyState] = {}  # key id -> its counters
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
-        self._next_prune = -math.inf  # wall clock
 
     # -- limits ----------------------------------------------------------------------
 
-    def limits(self, key_id: str, key_name: str) -> KeyLimits:
+    async def limits(self, key_id: str, key_name: str) -> KeyLimits:
         """The key's limits: read from the store, kept ``key_check_interval`` s (a change by
         another process applies within that; one made through the hub at once)."""
         now = trio.current_time()
@@ -108,7 +105,7 @@ class Accounting:
             return kept[0]
         limits = KeyLimits()
         if self.store is not None:
-            found = self.store.key_limits(key_name)
+            found = await self.store.key_limits(key_name)
             if found is not None and found[0] == key_id:
                 limits = found[1]
         self._limits[key_id] = (limits, now + self.settings.key_check_interval)
@@ -124,29 +121,33 @@ class Accounting:
             state = self._keys[key_id] = _KeyState()
         return state
 
-    def _day_tokens(self, state: _KeyState, key_id: str) -> int:
-        """The key's tokens of ended turns this UTC day (read from the store once a day)."""
+    async def _read_day(self, state: _KeyState, key_id: str) -> None:
+        """The key's tokens of ended turns this UTC day, read from the store once a day."""
         day = int(self.clock()) // DAY * DAY
         if state.day != day:
-            state.day = day
-            state.day_tokens = self.store.tokens_since(key_id, day) if self.store else 0
-        return state.day_tokens
+            used = await self.store.tokens_since(key_id, day) if self.store else 0
+            if state.day != day:  # nobody read it meanwhile
+                state.day, state.day_tokens = day, used
 
     def reservation(self, max_tokens: int | None) -> int:
         """The tokens a turn holds against its key's token limits while in flight."""
         return max_tokens if max_tokens is not None else self.settings.token_reservation
 
-    def admit(self, turn: Turn) -> None:
+    async def admit(self, turn: Turn) -> None:
         """LimitExceeded when the turn would pass one of its key's limits; else count it (a
-        request of the minute, a turn in flight and its reservation until ``ended``)."""
-        limits = self.limits(turn.key_id, turn.key_name)
+        request of the minute, a turn in flight and its reservation until ``ended``). What the
+        store has is read first; the check and the count then run with no await between, so
+        they are exact under any number of concurrent turns."""
+        limits = await self.limits(turn.key_id, turn.key_name)
         state = self._state(turn.key_id)
+        if limits.tokens_per_day is not None:
+            await self._read_day(state, turn.key_id)
         now = trio.current_time()
         state.expire(now)
         if not (limits.tpm or limits.tokens_per_day):
             turn.reserved = 0  # nothing to hold tokens against
         if limits.tokens_per_day is not None:
-            used = self._day_tokens(state, turn.key_id)
+            used = state.day_tokens
             if used + state.reserved >= limits.tokens_per_day:
                 wait = _retry_after(state.day + DAY - self.clock())
                 raise LimitExceeded(
@@ -232,21 +233,32 @@ class Accounting:
                 observe(turn)
 
     def _write(self, turn: Turn, wall: float) -> None:
-        """The turn's row and hourly totals; old rows pruned (bounded: ``PRUNE_BATCH``)."""
+        """The turn's row, queued for the store's writer (written in a batch, off the turn's
+        path; old rows pruned there)."""
         assert self.store is not None
-        try:
-            self.store.add_usage(turn, wall)
-            if wall >= self._next_prune:
-                before = wall - self.settings.usage_retention
-                deleted = self.store.prune_usage(before, PRUNE_BATCH)
-                self._next_prune = wall if deleted >= PRUNE_BATCH else wall + PRUNE_EVERY
-        except StoreError as exc:  # a busy or broken store must not break serving
-            log.warning("could not record the usage of a turn of key %s: %s", turn.key_name, exc)
+        self.store.queue_usage(
+            UsageRecord(
+                turn.key_id,
+                turn.key_name,
+                turn.session,
+                turn.api,
+                turn.model_label,
+                turn.stream,
+                turn.outcome or "",
+                turn.runner_id,
+                turn.job_id,
+                turn.prompt_tokens,
+                turn.completion_tokens,
+                turn.ttft,
+                turn.duration,
+                turn.estimated,
+            ),
+            wall,
+        )
 
-    def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
+    async def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
         """The hourly totals from ``since`` (a Unix time; the hour it falls in included) on,
         of one key or of all, oldest first."""
         if self.store is None:
             return []
-        return self.store.hourly_usage(since, key_name)
-
+        return await self.store.hourly_usage(since, key_name)

@@ -39,7 +39,7 @@ class AdminApi:
 
     async def jobs(self, req: Request) -> None:
         """Every job with its reports: live ones from memory, ended ones from the store."""
-        jobs = [job.admin_json() for job in JobsView(self.hub.board).values()]
+        jobs = [job.admin_json() for job in await JobsView(self.hub.board).values()]
         await req.resp.json(200, {"jobs": jobs})
 
     async def sessions(self, req: Request) -> None:
@@ -89,7 +89,7 @@ class AdminApi:
         else:
             since = time.time() - DAY
         key = (query.get("key") or [None])[0] or None
-        rows = self.hub.accounting.hourly(since, key)
+        rows = await self.hub.accounting.hourly(since, key)
         usage = [
             {
                 "hour": row.hour,
@@ -107,7 +107,7 @@ class AdminApi:
         """Every API key (never the key itself), with its turns and tokens since the hub started."""
         totals = self.hub.metrics.keys
         keys = []
-        for found in self.hub.keys.listing():
+        for found in await self.hub.keys.listing():
             entry = dict(found)
             name = str(entry.get("name"))
             kept = totals.get(name)
@@ -139,7 +139,7 @@ class AdminApi:
                 )
             limits[keyword] = value
         try:
-            key = self.hub.keys.create(name, project, **limits)
+            key = await self.hub.keys.create(name, project, **limits)
         except ValueError as err:
             status = 409 if "already exists" in str(err) else 400
             raise HTTPError(status, str(err), "invalid_request") from None
@@ -155,6 +155,6 @@ class AdminApi:
             name = body.get("name")
             if not isinstance(name, str) or not name:
                 raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
-        if not self.hub.keys.revoke(name):
+        if not await self.hub.keys.revoke(name):
             raise HTTPError(404, f"no active API key is named {name!r}", "unknown_key")
         await req.resp.json(200, {"name": name, "revoked": True}, NO_STORE)

@@ -19,6 +19,7 @@ from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
+from gateway.hub.store import StoreUnavailable
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
@@ -26,6 +27,7 @@ from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
 log = logging.getLogger("gateway.hub")
 
 Handler = Callable[[Request], Awaitable[None]]
+_STORE_UNAVAILABLE = "the hub's store is unavailable: retry shortly"
 _BASE = r"/api/owners/(?P<owner>[^/]+)/projects/(?P<project>[^/]+)/"
 
 
@@ -155,7 +157,13 @@ class App:
         scope = req.scope
         try:
             handler = self._resolve(req)
-            await handler(req)
+            try:
+                await handler(req)
+            except StoreUnavailable as exc:  # the database went away or is locked: try later
+                log.warning("%s %.200r: %s", scope.get("method"), scope.get("path"), exc)
+                raise HTTPError(
+                    503, _STORE_UNAVAILABLE, "store_unavailable", headers=[(b"retry-after", b"1")]
+                ) from None
         except HTTPError as err:
             if not resp.started and not resp.gone:
                 try:

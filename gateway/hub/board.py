@@ -6,7 +6,7 @@ import logging
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
@@ -14,7 +14,7 @@ from typing import Any, Literal, NoReturn
 import trio
 
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import Store, StoredJob
+from gateway.hub.store import Registration, Store, StoredJob
 
 log = logging.getLogger("gateway.hub")
 
@@ -176,6 +176,8 @@ class RunnerState:
     capabilities: frozenset[str] | None = None
     polled_at: float | None = None  # trio clock
     models: frozenset[str] | None = None  # the models it listed last (None: not known yet)
+    name: str | None = None  # its registration's (known once it was seen with it)
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -193,24 +195,28 @@ class Availability:
         return self.free + self.unknown + self.busy + self.down
 
 
-class JobsView(Mapping[str, "Job"]):
+class JobsView:
     """Every job the hub knows, by id: the live ones from memory, ended ones read from the store
-    (a fresh copy each time); iterating reads the store."""
+    (a fresh copy each time)."""
 
     def __init__(self, board: JobBoard) -> None:
         self._board = board
 
-    def __getitem__(self, job_id: str) -> Job:
-        job = self._board.lookup(job_id)
-        if job is None:
-            raise KeyError(job_id)
-        return job
+    async def get(self, job_id: str) -> Job | None:
+        """The job, or None when the hub knows no such job."""
+        return await self._board.lookup(job_id)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._board.store.job_ids())
+    async def ids(self) -> list[str]:
+        """Every job's id, oldest first."""
+        return await self._board.store.job_ids()
 
-    def __len__(self) -> int:
-        return self._board.store.count_jobs()
+    async def values(self) -> list[Job]:
+        """Every job, oldest first."""
+        found = [await self._board.lookup(job_id) for job_id in await self.ids()]
+        return [job for job in found if job is not None]
+
+    async def count(self) -> int:
+        return await self._board.store.count_jobs()
 
 
 class JobBoard:
@@ -225,32 +231,34 @@ class JobBoard:
         self.store = store
         self.settings = settings
         self.changes = changes
-        self.jobs: dict[str, Job] = {
-            job.id: Job.from_record(job) for job in store.load_jobs(live_only=True)
-        }
+        self.jobs: dict[str, Job] = {}  # the live ones: ``load`` reads them back at start
         self.last_seen: dict[str, float] = {}  # runner id -> trio clock of its last sign of life
         self.runners: dict[str, RunnerState] = {}  # runner id -> its project and last poll
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
-        self.late_reports = 0  # reports that came after their job's final one (dropped)
 
     @property
     def all_jobs(self) -> JobsView:
         """Every job by id: live ones from memory, ended ones from the store."""
         return JobsView(self)
 
-    def lookup(self, job_id: str) -> Job | None:
+    async def load(self) -> None:
+        """Read the live jobs back from the store (at start; a job already on the board stays)."""
+        for stored in await self.store.load_jobs(live_only=True):
+            self.jobs.setdefault(stored.id, Job.from_record(stored))
+
+    async def lookup(self, job_id: str) -> Job | None:
         """The job, live (the board's own object) or ended (a copy read from the store)."""
         job = self.jobs.get(job_id) or self.recent.get(job_id)
         if job is not None:
             return job
-        stored = self.store.load_job(job_id)
+        stored = await self.store.load_job(job_id)
         return Job.from_record(stored) if stored is not None else None
 
-    def _ended(self, job: Job) -> None:
+    async def _ended(self, job: Job) -> None:
         """A job completed: saved, then out of memory (the store keeps it)."""
-        self.save(job)
+        await self.save(job)
         if self.jobs.get(job.id) is job:
             del self.jobs[job.id]
             self.recent[job.id] = job
@@ -259,7 +267,7 @@ class JobBoard:
 
     # -- jobs in ----------------------------------------------------------------
 
-    def enqueue(
+    async def enqueue(
         self,
         owner: str,
         project: str,
@@ -278,7 +286,7 @@ class JobBoard:
             origin=origin,
         )
         self.jobs[job.id] = job
-        self.save(job)
+        await self.save(job)
         self.changes.notify()
         subscribers = self._subscribers.get((owner, project), set())
         for send_ch in list(subscribers):
@@ -304,20 +312,24 @@ class JobBoard:
                 del self._subscribers[(owner, project)]
             send_ch.close()
 
-    def save(self, job: Job) -> None:
+    async def save(self, job: Job) -> None:
         """Write the job's state to the store (after every change)."""
-        self.store.save_job(job.record())
+        await self.store.save_job(job.record())
 
     # -- what runners do --------------------------------------------------------
 
-    def seen(self, runner_id: str) -> None:
-        """The runner gave a sign of life (the first one wakes whoever waits on the board)."""
+    def seen(self, runner_id: str, registration: Registration | None = None) -> None:
+        """The runner gave a sign of life (the first one wakes whoever waits on the board);
+        its ``registration``, when the caller has it, tells the board its project."""
         first = runner_id not in self.last_seen
         self.last_seen[runner_id] = trio.current_time()
-        if runner_id not in self.runners:
-            registration = self.store.registration(runner_id)
-            if registration is not None:
-                self.runners[runner_id] = RunnerState(registration.owner, registration.project)
+        if registration is not None:
+            state = self.runners.get(runner_id)
+            if state is None:
+                state = self.runners[runner_id] = RunnerState(
+                    registration.owner, registration.project
+                )
+            state.name, state.labels = registration.name, registration.labels
         if first:
             self.changes.notify()
 
@@ -399,10 +411,10 @@ class JobBoard:
             and offer(job)
         ]
 
-    def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
+    async def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
         """Claim a job for ``runner_id``: its run id. The same runner again before starting it
         gets the same run id (it lost the answer); anyone else a conflict."""
-        job = self.lookup(job_id)
+        job = await self.lookup(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
         if self.unstarted_claim(job, runner_id):
@@ -418,13 +430,15 @@ class JobBoard:
         job.run_id = str(uuid.uuid4())
         job.claimed_at = trio.current_time()
         job.claimed.set()
-        self.save(job)
+        await self.save(job)
         self.changes.notify()
         return job.run_id
 
-    def own_job(self, runner_id: str, owner: str, project: str, run_id: str, job_id: str) -> Job:
+    async def own_job(
+        self, runner_id: str, owner: str, project: str, run_id: str, job_id: str
+    ) -> Job:
         """The job a runner reports on, if it is that runner's claim under that run."""
-        job = self.lookup(job_id)
+        job = await self.lookup(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
         if job.claimed_by != runner_id:
@@ -433,7 +447,7 @@ class JobBoard:
             raise BoardError("not_found", "no such run for this job")
         return job
 
-    def report_status(self, job: Job, report: dict[str, Any]) -> None:
+    async def report_status(self, job: Job, report: dict[str, Any]) -> None:
         """A status report (``in_progress`` or the one ``completed``), validated before anything
         is kept. Kept: the first ``in_progress`` (a repeated one changes nothing) and the final
         report. Not kept: a refused report, or one after the job's final report (a conflict,
@@ -446,8 +460,8 @@ class JobBoard:
         if status == "in_progress":
             if job.status != "in_progress":
                 job.status = "in_progress"
-                self._keep_report(job, report)
-                self.save(job)
+                await self._keep_report(job, report)
+                await self.save(job)
             return
         conclusion = report.get("conclusion")
         if conclusion not in ("success", "failure"):
@@ -455,12 +469,12 @@ class JobBoard:
         for key in ("logs", "completionReason"):
             if report.get(key) is not None and not isinstance(report[key], str):
                 raise BoardError("invalid", f'"{key}" must be a string')
-        self._keep_report(job, report)
+        await self._keep_report(job, report)
         job.status = "completed"
         job.conclusion = conclusion
         job.final_reported = True
         job.completed.set()
-        self._ended(job)
+        await self._ended(job)
         self.changes.notify()
 
     def report_progress(self, job: Job, report: dict[str, Any]) -> None:
@@ -490,7 +504,7 @@ class JobBoard:
 
     # -- the Server's own decisions -------------------------------------------------
 
-    def withdraw(self, job_id: str, reason: str) -> None:
+    async def withdraw(self, job_id: str, reason: str) -> None:
         """Mark a job cancelled (without telling its runner: the caller sends chat.end first).
 
         A queued job is forgotten; a claimed one stays, cancelled: its channel is refused from
@@ -503,12 +517,12 @@ class JobBoard:
         job.cancelled = True
         if job.claimed_by is None:
             del self.jobs[job_id]
-            self.store.delete_job(job_id)
+            await self.store.delete_job(job_id)
         else:
-            self.save(job)
+            await self.save(job)
         self.changes.notify()
 
-    def check_offline(self) -> list[Job]:
+    async def check_offline(self) -> list[Job]:
         """Force-complete (as failure, one report each) the open jobs of runners silent for
         ``offline_after`` s; returns them."""
         now = trio.current_time()
@@ -528,17 +542,17 @@ class JobBoard:
                 "logs": "runner offline",
                 "forced": True,
             }
-            self._keep_report(job, report)
+            await self._keep_report(job, report)
             job.status = "completed"
             job.conclusion = "failure"
             job.completed.set()
-            self._ended(job)
+            await self._ended(job)
             forced.append(job)
             log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
         if forced:
             self.changes.notify()
         return forced
 
-    def _keep_report(self, job: Job, report: dict[str, Any]) -> None:
+    async def _keep_report(self, job: Job, report: dict[str, Any]) -> None:
         job.reports.append(report)
-        self.store.add_job_report(job.id, report)
+        await self.store.add_job_report(job.id, report)

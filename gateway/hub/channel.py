@@ -330,7 +330,7 @@ class Channels:
         if job.claimed_by is not None:
             job.cancel_reason = reason
             await self.end_job(job_id, reason)
-        self.board.withdraw(job_id, reason)
+        await self.board.withdraw(job_id, reason)
 
     def close_runner(self, runner_id: str, code: int, reason: str) -> None:
         """Close every open channel of a runner (declared offline)."""

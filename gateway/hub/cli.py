@@ -18,7 +18,6 @@ import os
 import pathlib
 import re
 import socket
-import sqlite3
 import ssl
 import sys
 import time
@@ -41,8 +40,16 @@ from gateway.config import (
 )
 from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
-from gateway.hub.store import DEFAULT_KEY_PROJECT, Store
-from gateway.hub.store import LIMIT_NAMES, KeyLimits, limits_of
+from gateway.hub.store import (
+    DEFAULT_KEY_PROJECT,
+    LIMIT_NAMES,
+    KeyLimits,
+    Store,
+    StoreError,
+    UsageTotal,
+    limits_of,
+    open_store,
+)
 from gateway.observe import setup_logging
 from gateway.signals import watch_signals
 
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     except (_UsageError, ConfigError) as exc:
         return _fail(str(exc))
-    except (OSError, sqlite3.Error, ValueError) as exc:
+    except (OSError, StoreError, ValueError) as exc:
         return _fail(str(exc))
 
 
@@ -361,12 +368,15 @@ def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
     if missing is not None and not (args.keys_command == "create" and args.create):
         extra = "; or `keys create --create` to start a new hub store there"
         return _fail(missing + (extra if args.keys_command == "create" else ""))
-    store = Store(data_dir)
     within = f"within key_check_interval ({_seconds(settings.key_check_interval)})"
+    return trio.run(_keys_in, args, open_store(data_dir), within)
+
+
+async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
     try:
         if args.keys_command == "create":
             limits = limits_of(*(getattr(args, name) for name in LIMIT_NAMES))
-            key = store.create_api_key(args.name, args.project, limits)
+            key = await store.create_api_key(args.name, args.project, limits)
             print(
                 f"created API key {logsafe.safe(args.name)!r} for {logsafe.safe(args.project)} "
                 f"(limits: {limits.describe()}); it is shown only now:",
@@ -375,7 +385,7 @@ def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
             print(key)
             return 0
         if args.keys_command == "list":
-            keys = store.list_api_keys()
+            keys = await store.list_api_keys()
             if not keys:
                 print("no API keys", file=sys.stderr)
                 return 0
@@ -403,7 +413,7 @@ def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
                     "keys update needs at least one of --rpm, --tpm, "
                     "--tokens-per-day, --max-streams"
                 )
-            found = store.key_limits(args.name)
+            found = await store.key_limits(args.name)
             if found is None:
                 return _fail(f"no active API key named {name!r}")
             old = found[1]
@@ -412,20 +422,20 @@ def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
                 for limit, value in given.items()
             }
             limits = limits_of(**merged)
-            if not store.set_key_limits(args.name, limits):
+            if not await store.set_key_limits(args.name, limits):
                 return _fail(f"no active API key named {name!r}")
             print(
                 f"API key {name!r} limits: {limits.describe()}; a running hub applies them {within}"
             )
             return 0
-        if store.revoke_api_key(args.name):
+        if await store.revoke_api_key(args.name):
             print(
                 f"revoked API key {name!r}; a running hub refuses it and ends its sessions {within}"
             )
             return 0
         return _fail(f"no active API key named {name!r}")
     finally:
-        store.close()
+        await store.close()
 
 
 def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
@@ -437,16 +447,11 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
     missing = _no_hub_in(settings.data)
     if missing is not None:
         return _fail(missing)
-    store = Store(settings.data)
-    try:
-        if args.key is not None and all(k["name"] != args.key for k in store.list_api_keys()):
-            return _fail(
-                f"no API key named {logsafe.safe(args.key)!r} (`hub keys list` lists them)"
-            )
-        since = time.time() - span
-        totals, exact = store.usage_totals(since, args.key)
-    finally:
-        store.close()
+    since = time.time() - span
+    found = trio.run(_totals, open_store(settings.data), since, args.key)
+    if found is None:
+        return _fail(f"no API key named {logsafe.safe(args.key)!r} (`hub keys list` lists them)")
+    totals, exact = found
     start = datetime.datetime.fromtimestamp(since, datetime.UTC)
     if not exact:
         start = start.replace(minute=0, second=0, microsecond=0)
@@ -471,6 +476,18 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
     ]
     print("\n".join(_table(header, rows, left=2)))
     return 0
+
+
+async def _totals(
+    store: Store, since: float, key: str | None
+) -> tuple[list[UsageTotal], bool] | None:
+    """The usage totals since ``since`` (of ``key``), None when there is no key of that name."""
+    try:
+        if key is not None and all(k["name"] != key for k in await store.list_api_keys()):
+            return None
+        return await store.usage_totals(since, key)
+    finally:
+        await store.close()
 
 
 def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
@@ -508,7 +525,7 @@ def _serve(settings: HubSettings) -> int:
     except OSError as error:
         return _fail(f"cannot listen on {host}:{port}: {error.strerror or error}")
     finally:
-        hub.store.close()
+        trio.run(hub.store.close)  # what the hub's writer left queued, if anything
     return 0
 
 

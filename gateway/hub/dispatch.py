@@ -375,9 +375,7 @@ def _queue(
     for waiter in seeking:  # newcomers: served at once, or waiting (within the queue's bound)
         if waiter in queue:
             continue
-        ahead_hold = all(
-            e.job_id is not None for e in queue.order() if e.model == waiter.model
-        )
+        ahead_hold = all(e.job_id is not None for e in queue.order() if e.model == waiter.model)
         if not (free_of[waiter.model] and ahead_hold) and len(queue) >= limits.queue_length:
             position, of = queue.position(waiter)
             out.actions.append(

@@ -27,8 +27,8 @@ from gateway.hub.dispatch import (
     Limits,
     Move,
     Open,
-    Refuse,
     Refusal,
+    Refuse,
     Retarget,
     RunnerView,
     Waiter,
@@ -151,7 +151,8 @@ class Dispatcher:
             try:
                 await self._wait(waiting, conn)
             finally:
-                self._leave(waiting)
+                with trio.CancelScope(shield=True):
+                    await self._leave(waiting)
             if waiting.refusal is not None:
                 raise Unplaced(waiting.refusal)
             if waiting.job_id is None:  # the client left
@@ -187,7 +188,7 @@ class Dispatcher:
                 turn.keepalive()
                 next_keepalive = trio.current_time() + interval
 
-    def _leave(self, waiting: _Waiting) -> None:
+    async def _leave(self, waiting: _Waiting) -> None:
         """The turn stops waiting (decided for, or its client left): out of its project's
         lists; a job opened for it and never given is taken back."""
         key = (waiting.session.owner, waiting.session.project)
@@ -205,10 +206,10 @@ class Dispatcher:
             job = self.board.jobs.get(view.job_id)
             if job is not None and not job.over:
                 if job.claimed_by is None:
-                    self.board.withdraw(view.job_id, "its turn is no longer waiting")
+                    await self.board.withdraw(view.job_id, "its turn is no longer waiting")
                 elif waiting.session.job_id is None and self.channels.get(job.id) is None:
                     # claimed, its channel not there yet: the session keeps it for its next turn
-                    self.sessions.bind(waiting.session, job.id)
+                    await self.sessions.bind(waiting.session, job.id)
         self.changes.notify()
 
     # -- the dispatcher's task -------------------------------------------------------------
@@ -252,7 +253,9 @@ class Dispatcher:
             if job is None:
                 continue
             over = job.over or job_id in self.channels.runner_ended
-            out[job_id] = JobView(job_id, job.claimed_by, over, self.channels.get(job_id) is not None)
+            out[job_id] = JobView(
+                job_id, job.claimed_by, over, self.channels.get(job_id) is not None
+            )
         return out
 
     async def step(self) -> float:
@@ -266,7 +269,9 @@ class Dispatcher:
                     view.job_id = waiting.session.job_id
             now = trio.current_time()
             views = [w.view for w in project.waiting if w.job_id is None and w.refusal is None]
-            decided = plan(project.queue, views, self._runners(key), self._jobs(project), limits, now)
+            decided = plan(
+                project.queue, views, self._runners(key), self._jobs(project), limits, now
+            )
             self.counters.queued += len(decided.newly_queued)
             self.counters.redial_waits += len(decided.redialling)
             by_view = {id(w.view): w for w in project.waiting}
@@ -290,29 +295,29 @@ class Dispatcher:
         session = waiting.session
         if isinstance(action, Assign):
             if view.opened:
-                self._bind_new(session, action.job_id)
+                await self._bind_new(session, action.job_id)
             waiting.job_id = action.job_id
             waiting.turn.wake()
         elif isinstance(action, Open):
             definition = dict(CHAT_DEFINITION)
             if waiting.traceparent is not None:
                 definition["traceparent"] = waiting.traceparent
-            job = self.board.enqueue(
+            job = await self.board.enqueue(
                 key[0], key[1], [protocol.CAPABILITY], definition, origin="frontdoor"
             )
             job.runners = action.runners
             view.job_id, view.opened = job.id, True
         elif isinstance(action, Withdraw):
-            self.board.withdraw(action.job_id, "queued behind another request")
+            await self.board.withdraw(action.job_id, "queued behind another request")
         elif isinstance(action, Move):
             await self._move(session, action)
         elif isinstance(action, Refuse):
             self._refuse(project, waiting, action)
 
-    def _bind_new(self, session: Session, job_id: str) -> None:
+    async def _bind_new(self, session: Session, job_id: str) -> None:
         """The session's new job (a failover when it had one)."""
         old = session.job_id or session.had_job
-        self.sessions.bind(session, job_id)
+        await self.sessions.bind(session, job_id)
         self.changes.notify()  # its session's other waiting turns take the job too
         job = self.board.jobs.get(job_id)
         runner = job.claimed_by if job is not None else None
@@ -343,7 +348,7 @@ class Dispatcher:
             log.warning("session %s leaves job %s: %s", session.name, action.job_id, action.reason)
         if session.job_id == action.job_id:
             session.had_job = action.job_id
-            self.sessions.bind(session, None)
+            await self.sessions.bind(session, None)
         with trio.move_on_after(CANCEL_WITHIN) as scope:
             scope.shield = True
             await self.channels.cancel_job(action.job_id, action.reason)
@@ -355,9 +360,7 @@ class Dispatcher:
         elif action.why is Refusal.QUEUE_TIMEOUT:
             counters.queue_timeouts += 1
         for other in project.waiting:  # the turns of its session behind it share its answer
-            if other is waiting or (
-                other.view.follows is waiting.view and other.refusal is None
-            ):
+            if other is waiting or (other.view.follows is waiting.view and other.refusal is None):
                 other.refusal = action
                 other.turn.wake()
 
@@ -376,4 +379,3 @@ class Dispatcher:
     def depth(self) -> dict[str, int]:
         """Turns waiting in each project's queue now (projects with any)."""
         return {f"{o}/{p}": len(q.queue) for (o, p), q in self._projects.items() if len(q.queue)}
-

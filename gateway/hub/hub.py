@@ -25,9 +25,9 @@ from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
 from gateway.hub.store import (
     ADMIN_TOKEN_PREFIX,
-    Store,
     load_or_create_admin_token,
     new_token,
+    open_store,
 )
 
 log = logging.getLogger("gateway.hub")
@@ -47,7 +47,7 @@ class Hub:
     ) -> None:
         self.settings = settings = dataclasses.replace(settings or HubSettings(), **overrides)
         self.data_dir = pathlib.Path(data_dir).expanduser() if data_dir is not None else None
-        self.store = store = Store(self.data_dir)
+        self.store = store = open_store(self.data_dir, usage_retention=settings.usage_retention)
         if admin_token is not None:
             self.admin_token, self.admin_token_created = admin_token, False
         elif self.data_dir is not None:
@@ -87,7 +87,6 @@ class Hub:
     def snapshot(self) -> HubSnapshot:
         """What the admin routes, ``/metrics`` and the status page read."""
         return take(
-            store=self.store,
             board=self.board,
             channels=self.channels,
             sessions=self.sessions,
@@ -97,22 +96,25 @@ class Hub:
             counters=self.counters,
         )
 
-    def restore(self) -> None:
-        """The stored sessions back (before serving); a front-door job no stored session points
-        at lost its client in the restart (or its key was revoked): withdrawn, so its runner's
-        redial is refused and the runner reports the job's outcome."""
-        kept = self.sessions.restore()
+    async def restore(self) -> None:
+        """The live jobs and the stored sessions back (before serving); a front-door job no
+        stored session points at lost its client in the restart (or its key was revoked):
+        withdrawn, so its runner's redial is refused and the runner reports the job's outcome."""
+        await self.board.load()
+        kept = await self.sessions.restore()
         for job in list(self.board.jobs.values()):
             if job.origin in ("frontdoor", "listing") and job.id not in kept and not job.over:
-                self.board.withdraw(job.id, "its chat session was lost in a hub restart")
+                await self.board.withdraw(job.id, "its chat session was lost in a hub restart")
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Everything the hub does on its own while it serves, until cancelled: its sessions
-        (restored before ``started``), the dispatcher, the model catalog, offline runners."""
-        self.restore()
+        """Everything the hub does on its own while it serves, until cancelled: its jobs and
+        sessions (read back before ``started``), the dispatcher, the model catalog, offline
+        runners, the store's writer (its queued usage rows written at stop)."""
+        await self.restore()
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.store.run)
                 nursery.start_soon(self.sessions.run)
                 nursery.start_soon(self.dispatcher.run)
                 nursery.start_soon(self.catalog.run)
@@ -123,10 +125,10 @@ class Hub:
                 ", ".join(f"{k} {v}" for k, v in self.counters.as_json().items() if v) or "none",
             )
 
-    def check_offline(self) -> list[Job]:
+    async def check_offline(self) -> list[Job]:
         """Force-complete the open jobs of runners silent for ``offline_after`` s, and close
         their channels; returns those jobs."""
-        forced = self.board.check_offline()
+        forced = await self.board.check_offline()
         for job in forced:
             ch = self.channels.get(job.id)
             if ch is not None:
@@ -136,4 +138,4 @@ class Hub:
     async def _watch_offline(self) -> None:
         while True:
             await trio.sleep(min(max(self.settings.offline_after / 5, 0.02), 5.0))
-            self.check_offline()
+            await self.check_offline()

@@ -39,7 +39,7 @@ class Keys:
         """Whether ``token`` is the admin credential (compared in constant time)."""
         return hmac.compare_digest(token_hash(token), self._admin_hash)
 
-    def check(self, token: str) -> ApiKey | None:
+    async def check(self, token: str) -> ApiKey | None:
         """The active API key ``token`` is, or None: from the store, the answer kept for
         ``key_check_interval`` s (a key revoked by another process is refused within that, as
         its sessions end; one revoked here is refused at once)."""
@@ -47,7 +47,7 @@ class Keys:
         kept = self._answers.get(token)
         if kept is not None and kept[1] > now:
             return kept[0]
-        key = self.store.check_api_key(token)
+        key = await self.store.check_api_key(token)
         if len(self._answers) >= KEY_CACHE:
             self._answers.clear()
         self._answers[token] = (key, now + self.settings.key_check_interval)
@@ -59,7 +59,7 @@ class Keys:
             if key is not None and key.id not in active:
                 del self._answers[token]
 
-    def create(
+    async def create(
         self,
         name: str,
         project: str = DEFAULT_KEY_PROJECT,
@@ -72,30 +72,30 @@ class Keys:
         """Create an API key (returned, shown once) with its limits (None or 0: no limit);
         ValueError on a bad name, project or limit."""
         limits = limits_of(rpm, tpm, tokens_per_day, max_streams)
-        key = self.store.create_api_key(name, project, limits)
+        key = await self.store.create_api_key(name, project, limits)
         self._changed(self.on_limits)
         return key
 
-    def update_limits(self, name: str, limits: KeyLimits) -> bool:
+    async def update_limits(self, name: str, limits: KeyLimits) -> bool:
         """Replace the active key ``name``'s limits (None or 0: no limit), applied at once;
         False when there is no such key, ValueError on a bad limit."""
         limits = limits_of(limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams)
-        updated = self.store.set_key_limits(name, limits)
+        updated = await self.store.set_key_limits(name, limits)
         self._changed(self.on_limits)
         return updated
 
-    def limits(self, name: str) -> KeyLimits | None:
+    async def limits(self, name: str) -> KeyLimits | None:
         """The active key ``name``'s limits, or None when there is no such key."""
-        found = self.store.key_limits(name)
+        found = await self.store.key_limits(name)
         return None if found is None else found[1]
 
-    def listing(self) -> list[dict[str, Any]]:
+    async def listing(self) -> list[dict[str, Any]]:
         """Every key (revoked ones too, never the key itself), with its limits."""
-        return self.store.list_api_keys()
+        return await self.store.list_api_keys()
 
-    def revoke(self, name: str) -> bool:
+    async def revoke(self, name: str) -> bool:
         """Revoke the active key ``name``: refused at once, its chat sessions ended."""
-        revoked = self.store.revoke_api_key(name)
+        revoked = await self.store.revoke_api_key(name)
         self._answers.clear()
         if revoked:
             self._changed(self.on_revoked)

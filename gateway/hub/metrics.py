@@ -161,7 +161,9 @@ class HubMetrics:
             "Runners with an open Chat Channel.",
             sum(1 for r in runners if r.connected),
         )
-        yield GaugeMetricFamily(PREFIX + "channels_open", "Chat Channels open now.", snap.channels_open)
+        yield GaugeMetricFamily(
+            PREFIX + "channels_open", "Chat Channels open now.", snap.channels_open
+        )
         yield GaugeMetricFamily(
             PREFIX + "sessions", "Front-door chat sessions live now.", len(snap.sessions)
         )
@@ -170,7 +172,9 @@ class HubMetrics:
         )
         queue = snap.queue
         depth = GaugeMetricFamily(
-            PREFIX + "queue_depth", "The front door's queues: turns waiting now.", labels=["project"]
+            PREFIX + "queue_depth",
+            "The front door's queues: turns waiting now.",
+            labels=["project"],
         )
         for project, n in sorted(queue.depth.items()):
             depth.add_metric([project], n)

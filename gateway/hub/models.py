@@ -73,11 +73,12 @@ class Catalog:
 
     # -- what is known ---------------------------------------------------------------------
 
-    def _load(self, owner: str, project: str) -> None:
+    async def load(self, owner: str, project: str) -> None:
+        """The project's runners' stored lists (once: what a runner lists later is kept here)."""
         if (owner, project) in self._loaded:
             return
         self._loaded.add((owner, project))
-        for stored in self.store.load_models(owner, project):
+        for stored in await self.store.load_models(owner, project):
             self._lists.setdefault(stored.runner_id, stored.models)
             state = self.board.runners.get(stored.runner_id)
             if state is not None and state.models is None:
@@ -102,7 +103,6 @@ class Catalog:
     def live_lists(self, owner: str, project: str) -> tuple[list[str], int]:
         """(every model the project's live runners listed, in order; how many live runners have
         not listed theirs)."""
-        self._load(owner, project)
         board = self.board
         models: dict[str, None] = {}
         unknown = 0
@@ -129,12 +129,13 @@ class Catalog:
     async def listing(self, owner: str, project: str) -> list[str] | None:
         """The models for ``/v1/models``: the live runners' lists; when none is known yet but
         runners are live, waits (``models_wait``) for a first one. None: no runner is live."""
+        await self.load(owner, project)
         deadline = trio.current_time() + self.settings.models_wait
         while True:
             models, unknown = self.live_lists(owner, project)
             if models or not unknown:
                 return models if models or unknown else None
-            self._want(owner, project)
+            await self._want(owner, project)
             with trio.move_on_at(deadline) as waited:
                 await self.answered.wait()
             if waited.cancelled_caught:
@@ -165,7 +166,7 @@ class Catalog:
             except trio.WouldBlock:
                 self._asking.discard(ch.runner_id)
 
-    def _want(self, owner: str, project: str) -> None:
+    async def _want(self, owner: str, project: str) -> None:
         """Offer a listing job to each live capable runner of the project whose models are not
         known and that has no channel open to ask."""
         board = self.board
@@ -180,12 +181,14 @@ class Catalog:
                 continue
             if state.capabilities is not None and protocol.CAPABILITY not in state.capabilities:
                 continue
-            job = board.enqueue(
+            job = await board.enqueue(
                 owner, project, [protocol.CAPABILITY], dict(LISTING_DEFINITION), origin="listing"
             )
             job.runners = frozenset({runner_id})
             self._listing[runner_id] = (job, now)
-            log.info("runner %s: its models are not known: offered listing job %s", runner_id, job.id)
+            log.info(
+                "runner %s: its models are not known: offered listing job %s", runner_id, job.id
+            )
 
     async def ask(self, ch: ServerChannel, within: float) -> list[str] | None:
         """``chat.models.request`` on ``ch``: its answer (kept and stored), or None."""
@@ -194,7 +197,9 @@ class Catalog:
         ch.open(rid, answer)
         try:
             with trio.move_on_after(within):
-                sent = await ch.send(protocol.encode_frame(protocol.ModelsRequestFrame(ch.job_id, rid)))
+                sent = await ch.send(
+                    protocol.encode_frame(protocol.ModelsRequestFrame(ch.job_id, rid))
+                )
                 if sent:
                     await answer.done.wait()
         finally:
@@ -203,10 +208,10 @@ class Catalog:
         if models is None:
             log.info("no models from the channel of job %s (runner %s)", ch.job_id, ch.runner_id)
             return None
-        self._keep(ch, models)
+        await self._keep(ch, models)
         return models
 
-    def _keep(self, ch: ServerChannel, models: list[str]) -> None:
+    async def _keep(self, ch: ServerChannel, models: list[str]) -> None:
         job = self.board.jobs.get(ch.job_id)
         state = self.board.runners.get(ch.runner_id)
         owner, project = (job.owner, job.project) if job is not None else ("", "")
@@ -218,11 +223,13 @@ class Catalog:
             changed = True
         self._lists[ch.runner_id] = tuple(models)
         self._failed.pop(ch.runner_id, None)
-        self.store.save_models(ModelList(ch.runner_id, owner, project, tuple(models), time.time()))
         event, self.answered = self.answered, trio.Event()
         event.set()
         if changed:
             self.board.changes.notify()  # the dispatcher places by model
+        await self.store.save_models(
+            ModelList(ch.runner_id, owner, project, tuple(models), time.time())
+        )
 
     async def _serve(self, ch: ServerChannel) -> None:
         try:
@@ -252,7 +259,9 @@ class Catalog:
             await trio.sleep(max(self.settings.models_wait / 2, 0.05))
             now = trio.current_time()
             for runner_id, (job, offered) in list(self._listing.items()):
-                if job.over or (job.claimed_by is None and now - offered > self.settings.models_wait):
-                    self.board.withdraw(job.id, "its runner did not take it")
+                if job.over or (
+                    job.claimed_by is None and now - offered > self.settings.models_wait
+                ):
+                    await self.board.withdraw(job.id, "its runner did not take it")
                     del self._listing[runner_id]
                     self._failed[runner_id] = now + RETRY_LISTING

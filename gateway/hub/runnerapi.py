@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -44,14 +44,14 @@ class RunnerApi:
         self.hub = hub
         self.board = hub.board
 
-    def _runner(self, req: Request) -> Registration:
+    async def _runner(self, req: Request) -> Registration:
         """The registration of the runner token presented, in the route's project."""
         token = bearer(req.scope)
-        runner = self.hub.store.registration_by_token(token) if token else None
+        runner = await self.hub.store.registration_by_token(token) if token else None
         if runner is None:
             message = "a runner token is required" if token is None else "unknown runner token"
             raise HTTPError(401, message, "invalid_runner_token")
-        self.board.seen(runner.id)
+        self.board.seen(runner.id, runner)
         owner, project = req.params["owner"], req.params["project"]
         if (runner.owner, runner.project) != (owner, project):
             raise HTTPError(
@@ -65,13 +65,13 @@ class RunnerApi:
             raise HTTPError(401, "a user credential is required to register a runner")
         if not self.hub.keys.is_admin(token):
             store = self.hub.store
-            if store.registration_by_token(token) is not None:
+            if await store.registration_by_token(token) is not None:
                 raise HTTPError(
                     403,
                     "a runner token was presented: only a user credential registers a runner "
                     "(on this hub: its admin credential, alpa_…)",
                 )
-            if store.check_api_key(token) is not None:
+            if await store.check_api_key(token) is not None:
                 raise HTTPError(
                     403,
                     "an API key (alpk_…) was presented: a runner registers with the hub's admin "
@@ -84,8 +84,12 @@ class RunnerApi:
             raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
         labels = string_list(obj, "labels", required=False)
         owner, project = req.params["owner"], req.params["project"]
-        registration, runner_token = self.hub.store.add_registration(owner, project, name, labels)
-        self.board.seen(registration.id)  # a registration is the runner's first sign of life
+        registration, runner_token = await self.hub.store.add_registration(
+            owner, project, name, labels
+        )
+        self.board.seen(
+            registration.id, registration
+        )  # a registration is the runner's first sign of life
         answer = {
             "id": registration.id,
             "name": registration.name,
@@ -95,7 +99,7 @@ class RunnerApi:
         await req.resp.json(201, answer)
 
     async def poll(self, req: Request) -> None:
-        runner = self._runner(req)  # the credential before the body is read
+        runner = await self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
         capabilities = set(string_list(json_object(body), "capabilities", required=True))
         owner, project = req.params["owner"], req.params["project"]
@@ -108,14 +112,14 @@ class RunnerApi:
         await req.resp.json(200, {"jobs": jobs})
 
     async def claim(self, req: Request) -> None:
-        runner = self._runner(req)  # the credential before the body is read
+        runner = await self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
         obj = json_object(body)
         job_id, name = obj.get("jobId"), obj.get("name")
         if not isinstance(job_id, str) or not isinstance(name, str):
             raise HTTPError(400, '"jobId" and "name" must be strings', "invalid_request")
         try:
-            run_id = self.board.claim(
+            run_id = await self.board.claim(
                 runner.id, req.params["owner"], req.params["project"], job_id, name
             )
         except BoardError as exc:
@@ -127,18 +131,25 @@ class RunnerApi:
         await req.resp.json(200, {"id": job.id, "runId": job.run_id, "status": job.status})
 
     async def progress(self, req: Request) -> None:
-        await self._report(req, self.board.report_progress)
+        await self._report(req, self._progress)
         await req.resp.json(200, {})
 
-    async def _report(self, req: Request, report: Callable[[Job, dict[str, Any]], None]) -> Job:
+    async def _progress(self, job: Job, report: dict[str, Any]) -> None:
+        self.board.report_progress(job, report)
+
+    async def _report(
+        self, req: Request, report: Callable[[Job, dict[str, Any]], Awaitable[None]]
+    ) -> Job:
         """A report on the runner's own job (status or progress): the body (413 past
         ``REPORT_MAX_BYTES``) given to ``report``."""
-        runner = self._runner(req)  # the credential before the body is read
+        runner = await self._runner(req)  # the credential before the body is read
         body = await req.body(min(REPORT_MAX_BYTES, self.hub.settings.max_body))
         p = req.params
         try:
-            job = self.board.own_job(runner.id, p["owner"], p["project"], p["run_id"], p["job_id"])
-            report(job, json_object(body))
+            job = await self.board.own_job(
+                runner.id, p["owner"], p["project"], p["run_id"], p["job_id"]
+            )
+            await report(job, json_object(body))
         except BoardError as exc:
             raise refused(exc) from None
         return job
@@ -146,7 +157,7 @@ class RunnerApi:
     async def events(self, req: Request) -> None:
         """``job_available`` events for the runner's project until it disconnects; a keepalive
         comment after each quiet ``keepalive_interval``."""
-        self._runner(req)
+        await self._runner(req)
         resp = req.resp
         with self.board.subscribe(req.params["owner"], req.params["project"]) as queued:
             await resp.start(200, list(SSE_HEADERS))
@@ -176,9 +187,9 @@ class RunnerApi:
         query = urllib.parse.parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         job_id = (query.get("jobId") or [""])[0]
         token = (query.get("token") or [""])[0]
-        runner = self.hub.store.registration_by_token(token) if token else None
+        runner = await self.hub.store.registration_by_token(token) if token else None
         if runner is not None:
-            self.board.seen(runner.id)
+            self.board.seen(runner.id, runner)
         job = self.board.may_open_channel(runner.id, job_id) if runner is not None else None
         if runner is None or job is None:
             await req.refuse(403, "no channel for this job and token", "forbidden")

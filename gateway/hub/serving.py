@@ -95,7 +95,7 @@ class Serving:
             now=trio.current_time(),
         )
         try:
-            self.accounting.admit(turn)
+            await self.accounting.admit(turn)
         except LimitExceeded as exc:
             turn.refuse(limit_error(exc))
             self.accounting.refused(turn)
@@ -103,7 +103,7 @@ class Serving:
         turn.on_end = self.accounting.ended
         try:
             try:
-                session, evicted = self.sessions.enter(key, turn.session)
+                session, evicted = await self.sessions.enter(key, turn.session)
             except TooManySessions as exc:
                 turn.refuse(too_many_sessions(exc.limit))
                 return
@@ -142,7 +142,9 @@ class Serving:
                 attempt,
                 MAX_ATTEMPTS,
             )
-        turn.refuse(channel_lost(f"the chat channel was lost {MAX_ATTEMPTS} times before an answer"))
+        turn.refuse(
+            channel_lost(f"the chat channel was lost {MAX_ATTEMPTS} times before an answer")
+        )
 
     async def _on(
         self, req: Request, turn: Turn, ch: ServerChannel, traceparent: str | None
@@ -195,7 +197,9 @@ class Serving:
                 refusal.position,
                 refusal.of,
             )
-            return queue_full(refusal.busy, s.queue_length, refusal.position, refusal.of, s.queue_wait)
+            return queue_full(
+                refusal.busy, s.queue_length, refusal.position, refusal.of, s.queue_wait
+            )
         if why is Refusal.QUEUE_TIMEOUT:
             log.warning(
                 "%s/%s: every runner busy for %g s: a turn gave up at position %d of %d",

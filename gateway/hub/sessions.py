@@ -100,7 +100,7 @@ class Sessions:
 
     # -- one session's turns ----------------------------------------------------------
 
-    def enter(self, key: ApiKey, session_id: str) -> tuple[Session, Session | None]:
+    async def enter(self, key: ApiKey, session_id: str) -> tuple[Session, Session | None]:
         """The session ``session_id`` of ``key`` (created if new), counted busy until ``leave``,
         and the session ended to make room for it, if one was (its job is the caller's to end).
         A key holds at most ``max_sessions_per_key``: a new one past it ends the key's least
@@ -123,7 +123,7 @@ class Sessions:
                         )
                         raise TooManySessions(limit)
                     evicted = min(idle, key=lambda s: (s.last_used, s.used))
-                    self.forget(evicted)
+                    del self.live[evicted.key]  # out of the table at once (no await before)
                     log.info(
                         "API key %s at %d sessions: ending its least recently used session %s",
                         key.name,
@@ -132,6 +132,8 @@ class Sessions:
                     )
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
         session.turns += 1
+        if evicted is not None:  # then out of the store
+            await self.store.delete_session(evicted.key_name, evicted.key[1], evicted.job_id)
         return session, evicted
 
     def leave(self, session: Session) -> None:
@@ -143,31 +145,31 @@ class Sessions:
             del self.live[session.key]
         self.poke()
 
-    def bind(self, session: Session, job_id: str | None) -> None:
+    async def bind(self, session: Session, job_id: str | None) -> None:
         """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
         before = session.job_id
         if before == job_id:
             return
         session.job_id = job_id
         if job_id is None:
-            self.store.delete_session(session.key_name, session.key[1], before)
+            await self.store.delete_session(session.key_name, session.key[1], before)
         else:
             session.had_job = None
             key_id = "" if not session.key_checked else session.key[0]
             stored = StoredSession(
                 session.key_name, session.key[1], session.owner, session.project, job_id, key_id
             )
-            self.store.save_session(stored)
+            await self.store.save_session(stored)
 
-    def forget(self, session: Session) -> None:
-        """The session leaves the table and the store."""
+    async def forget(self, session: Session) -> None:
+        """The session leaves the table (at once) and the store."""
         if self.live.get(session.key) is session:
             del self.live[session.key]
-        self.store.delete_session(session.key_name, session.key[1], session.job_id)
+        await self.store.delete_session(session.key_name, session.key[1], session.job_id)
 
     # -- across restarts ---------------------------------------------------------------
 
-    def restore(self) -> set[str]:
+    async def restore(self) -> set[str]:
         """Reload the stored sessions whose job can still serve and whose key is active (once,
         before serving); the jobs they point at."""
         if self._restored:
@@ -175,16 +177,18 @@ class Sessions:
         self._restored = True
         now = trio.current_time()
         kept: set[str] = set()
-        active = self.store.active_key_ids()
-        for stored in self.store.load_sessions():
-            key_id = stored.key_id or self.store.active_key_id(stored.key_name)
+        active = await self.store.active_key_ids()
+        for stored in await self.store.load_sessions():
+            key_id = stored.key_id or await self.store.active_key_id(stored.key_name)
             if key_id is None:  # stored before keys had ids, and no active key has its name
                 key_id = LEGACY_KEY + stored.key_name
             key = (key_id, stored.session_id)
             revoked = not key_id.startswith(LEGACY_KEY) and key_id not in active
             if key in self.live or revoked or self._job_over(stored.job_id):
                 if key not in self.live:
-                    self.store.delete_session(stored.key_name, stored.session_id, stored.job_id)
+                    await self.store.delete_session(
+                        stored.key_name, stored.session_id, stored.job_id
+                    )
                 continue
             self.live[key] = Session(
                 key,
@@ -216,13 +220,13 @@ class Sessions:
     async def _end_revoked(self) -> None:
         """End every live session whose API key is no longer active (revoked here, or by another
         process on the same store): chat.end "api key revoked", the job withdrawn."""
-        active = self.store.active_key_ids()
+        active = await self.store.active_key_ids()
         for observe in self.on_key_check:
             observe(active)
         for key, session in list(self.live.items()):
             if self.live.get(key) is not session or not session.key_checked or key[0] in active:
                 continue
-            self.forget(session)
+            await self.forget(session)
             log.info(
                 "session %s: its API key was revoked: ending job %s", session.name, session.job_id
             )
@@ -244,16 +248,16 @@ class Sessions:
             if self.live.get(key) is not session or session.turns:
                 continue  # replaced while we awaited, or busy
             if session.job_id is None and session.had_job is None:
-                self.forget(session)
+                await self.forget(session)
                 continue
             if session.job_id is not None and self._job_over(session.job_id):
                 session.had_job = session.job_id  # its next turn is a failover
-                self.bind(session, None)
+                await self.bind(session, None)
             due = session.last_used + idle if idle and idle > 0 else math.inf
             if due > now:
                 next_due = min(next_due, due)
                 continue
-            self.forget(session)
+            await self.forget(session)
             if session.job_id is None:
                 continue
             log.info("session %s idle for %g s: ending job %s", session.name, idle, session.job_id)

@@ -19,7 +19,6 @@ from gateway.hub.counters import HubCounters
 from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.models import Catalog
 from gateway.hub.sessions import Sessions
-from gateway.hub.store import Store
 
 FORGET_DOWN_AFTER = 3600.0  # s: a runner silent this long leaves the runners listed
 
@@ -94,7 +93,6 @@ class HubSnapshot:
 
 def take(
     *,
-    store: Store,
     board: JobBoard,
     channels: Channels,
     sessions: Sessions,
@@ -158,13 +156,12 @@ def take(
         silent = None if last is None else max(0.0, now - last)
         if silent is not None and silent > FORGET_DOWN_AFTER and runner_id not in connected:
             continue
-        registration = store.registration(runner_id)
         models = catalog.of_runner(runner_id)
         runners.append(
             RunnerStatus(
                 runner_id,
-                registration.name if registration else None,
-                tuple(registration.labels) if registration else (),
+                state.name,
+                tuple(state.labels),
                 state.owner,
                 state.project,
                 None if state.capabilities is None else tuple(sorted(state.capabilities)),

@@ -406,7 +406,9 @@ class Turn:
     def _overrun(self) -> None:
         """The client fell ``bound`` bytes behind: its turn ends (the runner is told by the
         serving loop's cancel), and its connection closes after an error event, if it fits."""
-        message = f"the client read too slowly: more than {self.bound} bytes of the stream were waiting"
+        message = (
+            f"the client read too slowly: more than {self.bound} bytes of the stream were waiting"
+        )
         log.warning("turn %s (job %s): %s; ending it", self.id, self.job_id, message)
         translation = self.translation
         if translation is not None and not self.resp.finished:
@@ -526,4 +528,3 @@ class Turn:
             if trio.current_time() >= first_by:
                 raise TurnLost()
             self.keepalive()
-

@@ -1,1 +1,1 @@
-"""The operator's tools: doctor, status, the runner's metrics endpoint, traces, the demo, the settings' docs."""
+"""The operator's tools, on top of the runner: doctor, status, the demo, the settings' docs."""

@@ -18,7 +18,7 @@ from gateway import logsafe
 from gateway.config import Config
 from gateway.hub import Hub, serve_hub
 from gateway.observe import setup_logging
-from gateway.runner.backends import discover_local
+from gateway.runner.discovery import discover_local
 from gateway.runner.supervisor import Runner
 from gateway.sim import SimOptions, Simulator, serve_sim
 from gateway.wire.sse import SSESplitter
@@ -66,7 +66,7 @@ async def _demo(args: argparse.Namespace) -> int:
             label = f"built-in simulator at {backend_url} (numbered tokens, 100 ms to the first, 30 ms apart)"
         hub = Hub(None)
         hub_url: str = await nursery.start(partial(serve_hub, hub))
-        api_key = hub.keys.create("demo", PROJECT)
+        api_key = await hub.keys.create("demo", PROJECT)
         with tempfile.TemporaryDirectory(prefix="alp-gateway-demo-") as state:
             config = Config(
                 server=hub_url,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import stat
 import sys
 import time
@@ -27,9 +29,12 @@ from gateway.runner.alp import (
     describe_error,
     make_ssl_context,
 )
-from gateway.runner.backends import Answer, Backend, BackendPool, ProbeFailed, discover_local
+from gateway.runner.backend import Answer, Backend, ProbeFailed
+from gateway.runner.backends import BackendPool
+from gateway.runner.backendurl import missing_v1, where_configured
+from gateway.runner.discovery import discover_local
 from gateway.runner.snapshot import BackendStatus
-from gateway.state import Registration, StateError, StateStore
+from gateway.runner.state import Registration, StateError, StateStore, WhichServer
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"
 _BODY_LIMIT = 200
@@ -45,6 +50,7 @@ class Check:
     name: str
     detail: str
     hint: str | None = None
+    snippet: str | None = None  # lines to copy (a config file's table), shown under the hint
 
     @property
     def failed(self) -> bool:
@@ -74,8 +80,10 @@ class Doctor:
             [config.user_token, config.backend_key, *(b.key for b in config.backends)], limit=None
         )
 
-    def add(self, mark: str, name: str, detail: str, hint: str | None = None) -> Check:
-        check = Check(mark, name, self.redact(detail), self.redact(hint) if hint else None)
+    def add(
+        self, mark: str, name: str, detail: str, hint: str | None = None, snippet: str | None = None
+    ) -> Check:
+        check = Check(mark, name, self.redact(detail), self.redact(hint) if hint else None, snippet)
         self.checks.append(check)
         return check
 
@@ -119,8 +127,9 @@ class Doctor:
         if not config.project:
             self.add(SKIP, "state file", f"{path}: not checked without a project")
             return None
+        server = f" --server {config.server}" if config.server_explicit else ""
         register = (
-            f"run `alp-gateway register --project {config.project} --user-token …` once "
+            f"run `alp-gateway register --project {config.project}{server} --user-token …` once "
             "(a user credential registers the runner)"
         )
         if not path.exists():
@@ -139,9 +148,15 @@ class Doctor:
                 )
             return None
         try:
-            # before load, which makes a directory of ours 0700 (gateway.state.private_dir)
+            # before load, which makes a directory of ours 0700 (gateway.runner.state.private_dir)
             dir_mode = stat.S_IMODE(path.parent.stat().st_mode)
-            registration = store.load(config.project)
+            registration = store.find(
+                config.server, config.project, server_given=config.server_explicit
+            )
+            missing = store.missing(config.server, config.project)
+        except WhichServer as exc:
+            self.add(FAIL, "state file", str(exc))
+            return None
         except StateError as exc:
             mode = stat.S_IMODE(path.stat().st_mode)
             if mode & 0o077:
@@ -160,16 +175,10 @@ class Doctor:
                 self.add(
                     WARN,
                     "state file",
-                    f"{path} (mode {mode:o}) has no registration for "
-                    f"{config.project}; `run` registers with the user credential",
+                    f"{path} (mode {mode:o}): {missing}; `run` registers with the user credential",
                 )
             else:
-                self.add(
-                    FAIL,
-                    "state file",
-                    f"{path} (mode {mode:o}) has no registration for {config.project}",
-                    register,
-                )
+                self.add(FAIL, "state file", f"{path} (mode {mode:o}): {missing}", register)
             return None
         if dir_mode & 0o077:
             self.add(
@@ -188,14 +197,10 @@ class Doctor:
 
     # -- the Server ------------------------------------------------------------------------
 
-    def _server_for(self, registration: Registration | None) -> str:
-        if registration is not None and not self.config.server_explicit:
-            return registration.server
-        return self.config.server
-
     async def check_server(self, registration: Registration | None) -> None:
         config = self.config
-        server = self._server_for(registration)
+        # the registration's own Server (StateStore.find chose it for config.server)
+        server = config.server if registration is None else registration.server
         ssl_context = make_ssl_context(config.ca_file)
         fix_server = (
             "check --server (or AGENTICS_SERVER) and that the Server is up and reachable from here"
@@ -277,11 +282,7 @@ class Doctor:
 
     async def check_backend(self, backend: Backend, pool: BackendPool) -> None:
         name = f"backend {backend.name}"
-        where = (
-            "--backend / CHAT_LLM_BACKEND_URL"
-            if backend.name == "default"
-            else f"[[backend]] {backend.name}"
-        )
+        where = where_configured(backend)
         reason = await backend.check()
         backend.mark(reason)
         if reason is not None:
@@ -302,18 +303,14 @@ class Doctor:
             listed = await backend.list_models()
         except ProbeFailed as exc:
             problem = exc.reason
-        if listed is None and problem == "answered 404" and not backend.url.endswith("/v1"):
+        if listed is None and problem == "answered 404":
             # Ollama's plain http://127.0.0.1:11434 (and vLLM's, LiteLLM's host) answer 404 on
-            # /models: every chat turn would 404 too. Ask where the API really is.
-            v1 = f"{backend.url}/v1"
-            if await self._lists_models(backend, "/v1"):
-                self.add(
-                    FAIL,
-                    name,
-                    f"{backend.url}/models answered 404, but {v1}/models lists models: "
-                    f"did you mean {v1}?",
-                    f"give the OpenAI-compatible base URL, {v1}, in {where}",
-                )
+            # /models: every chat turn would 404 too. Ask where the API really is (as `run` does).
+            wrong = None
+            with trio.move_on_after(self.probe_timeout):
+                wrong = await missing_v1(backend)
+            if wrong is not None:
+                self.add(FAIL, name, wrong.detail, wrong.fix)
                 return
         if listed is None:
             if backend.declared_models:
@@ -353,17 +350,6 @@ class Doctor:
                 self.add(OK, name, f"{backend.url} reachable; models: {shown}")
         if self.deep:
             await self.deep_check(backend, pool)
-
-    async def _lists_models(self, backend: Backend, path: str) -> bool:
-        """``GET {backend.url}{path}/models`` answers an OpenAI model list (with the backend's key)."""
-        data = None
-        with trio.move_on_after(self.probe_timeout):
-            try:
-                answer = await backend.fetch("GET", f"{path}/models")
-                data = msgspec.json.decode(answer.body) if answer.ok else None
-            except (ProbeFailed, msgspec.DecodeError):
-                return False
-        return isinstance(data, dict) and isinstance(data.get("data"), list)
 
     async def deep_check(self, backend: Backend, pool: BackendPool) -> None:
         name = f"  {backend.name} completion"
@@ -483,12 +469,18 @@ class Doctor:
         detail = f"none configured; found {kind} at {url} serving {', '.join(models[:5])}"
         if others:
             detail += f" (also: {others})"
-        name = kind.lower().replace(" ", "").replace(".", "")
         hint = (
-            f"use it: --backend {url} (or CHAT_LLM_BACKEND_URL={url}), or in the config file: "
-            f'[[backend]] name = "{name}" url = "{url}"'
+            f"use it: --backend {url} (or CHAT_LLM_BACKEND_URL={url}), or this table in a "
+            "config file (--config FILE):"
         )
-        self.add(FAIL, "backend", detail, hint)
+        self.add(FAIL, "backend", detail, hint, backend_table(kind, url))
+
+
+def backend_table(kind: str, url: str) -> str:
+    """A ``[[backend]]`` table for a model server of ``kind`` at ``url``, as TOML: its name is
+    the kind's (``ollama``, ``lm-studio``, ``llama-cpp``; ``sim`` for our simulator)."""
+    name = re.sub(r"[^a-z0-9]+", "-", kind.lower().removeprefix("alp-gateway ")).strip("-")
+    return f"[[backend]]\nname = {json.dumps(name or 'local')}\nurl = {json.dumps(url)}\n"
 
 
 def render(checks: Sequence[Check], out: TextIO) -> None:
@@ -497,6 +489,8 @@ def render(checks: Sequence[Check], out: TextIO) -> None:
         out.write(f"  {check.mark}  {check.name.ljust(width)}  {logsafe.escape(check.detail)}\n")
         if check.hint and check.mark in (FAIL, WARN):
             out.write(f"     {' ' * width}  → {logsafe.escape(check.hint)}\n")
+            for line in (check.snippet or "").splitlines():
+                out.write(f"     {' ' * width}      {line}\n")
     failed = sum(c.failed for c in checks)
     if failed:
         out.write(f"\n{failed} required check{'s' if failed != 1 else ''} failed.\n")
@@ -531,7 +525,7 @@ def run_doctor(
                     "configuration",
                     str(exc),
                     "fix that setting (flags > environment > config file); "
-                    "config/alp-gateway.example.toml shows every one",
+                    "`alp-gateway run --help` lists every one, with its variable and default",
                 )
             ],
             out,

@@ -166,10 +166,14 @@ def summary(url: str, now: Reading, before: Reading | None = None) -> str:
         f"keepalive   {keepalive}: {count('pings_sent', 0)} pings sent, "
         f"{count('pong_timeouts', 0)} pong timeouts, {count('channels_dead', 0)} channels dead"
     )
+    done = count("turns_done", 0)
     for name, title in (("ttft_seconds", "first token"), ("relay_seconds", "relay")):
         hist = status.histograms.get(name)
         p50, p95 = (hist.quantile(0.5), hist.quantile(0.95)) if hist else (None, None)
-        if hist is None or p50 is None or p95 is None:
+        if (hist is None or p50 is None or p95 is None) and done:
+            # both are timed on streamed answers: the turns so far were answered whole
+            lines.append(f"{title:<12}timed on streamed turns only: none yet ({done} done)")
+        elif hist is None or p50 is None or p95 is None:
             lines.append(f"{title:<12}no samples yet")
         else:
             lines.append(

@@ -1,4 +1,14 @@
-"""The ALP REST client (docs/protocol.md §1–§4): register, poll, claim, status, progress, report, events."""
+"""The ALP REST client (docs/protocol.md §1–§4): register, poll, claim, status, progress, report, events.
+
+Every request has a deadline sized for it (``Deadlines``): the answer to a poll, a claim, a
+status, a heartbeat or a report must come within the time the runner gives a silent path on the
+channel (its ping timeout), a registration gets longer, and the push-events stream may stay
+silent for a ping interval and a ping timeout (the Server sends keepalive comments on it). A
+request that meets its deadline, or a stream that stays silent past it, means the path to the
+Server may be dead: every kept-alive connection is dropped then (a new pool; the old one is
+closed once its requests are done), so the next request dials afresh instead of waiting on a
+connection a NAT or a frozen path has killed.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +17,16 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 import msgspec
+import trio
 
-from gateway.state import Registration
+from gateway.runner.state import Registration
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.sse import SSESplitter
 
@@ -25,6 +37,11 @@ CHAT_JOB_TYPE = "chat_llm"
 
 class ServerUnavailable(Exception):
     """The Server could not be reached, timed out or answered 5xx: worth retrying later."""
+
+
+class ServerSilent(ServerUnavailable):
+    """No answer within the request's deadline: the path may be dead (kept-alive connections
+    were dropped, so the next request dials afresh)."""
 
 
 class TokenRefused(Exception):
@@ -226,6 +243,35 @@ def _check_certificate(exc: BaseException, url: str) -> None:
         ) from None
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each exchange with the Server may take before its path counts as dead."""
+
+    request: float = 20.0  # poll, claim, status, progress, report: a live Server answers at once
+    register: float = 30.0  # once per runner, and a person may be waiting
+    events: float = 60.0  # the push stream's longest silence: the Server sends keepalives on it
+
+    @classmethod
+    def of(cls, ping_interval: float, ping_timeout: float | None) -> Deadlines:
+        """From the channel's dead-path settings: a request gets the ping timeout, the events
+        stream a ping interval and a ping timeout of silence (pings off: the defaults)."""
+        if ping_interval <= 0:
+            return cls()
+        timeout = ping_timeout or ping_interval
+        return cls(
+            request=timeout, register=max(cls.register, timeout), events=ping_interval + timeout
+        )
+
+
+class _Pool:
+    """One HTTP client (its kept-alive connections) and the requests in flight on it."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self.busy = 0
+        self.retired = False  # replaced: closed once its last request is done
+
+
 class AlpClient:
     """Talks to one ALP Server for one project; every call is one HTTP request."""
 
@@ -236,8 +282,9 @@ class AlpClient:
         project: str,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        timeout: float = 30.0,
+        timeout: float | None = None,
         connect_timeout: float = 10.0,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.server = server
         self.owner = owner
@@ -245,28 +292,75 @@ class AlpClient:
         self.base = f"{server}/api/owners/{owner}/projects/{project}"
         self.token: str | None = None
         self._said: set[str] = set()  # the skipped jobs already warned about
-        self._client = httpx.AsyncClient(
-            verify=ssl_context if ssl_context is not None else True,
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+        deadlines = deadlines or Deadlines()
+        if timeout is not None:  # one deadline for every request (doctor's probes)
+            deadlines = Deadlines(timeout, timeout, deadlines.events)
+        self.deadlines = deadlines
+        self._ssl_context = ssl_context
+        self._connect_timeout = connect_timeout
+        self._pool = _Pool(self._client())
+        self.pools_dropped = 0  # times every kept-alive connection was dropped (a dead path)
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            verify=self._ssl_context if self._ssl_context is not None else True,
+            timeout=httpx.Timeout(self.deadlines.request, connect=self._connect_timeout),
             headers={"user-agent": "alp-gateway"},
         )
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        self._pool.retired = True
+        await self._pool.client.aclose()
+
+    async def drop_connections(self) -> None:
+        """The path to the Server may be dead: every kept-alive connection goes (a new pool for
+        the next request; the old one is closed once its requests in flight are done)."""
+        old, self._pool = self._pool, _Pool(self._client())
+        old.retired = True
+        self.pools_dropped += 1
+        if not old.busy:
+            with trio.CancelScope(shield=True):
+                await old.client.aclose()
+
+    async def _done(self, pool: _Pool) -> None:
+        """A request on ``pool`` is done: a retired pool is closed after its last one."""
+        pool.busy -= 1
+        if pool.retired and not pool.busy:
+            with trio.CancelScope(shield=True):
+                await pool.client.aclose()
 
     def _auth(self, token: str | None = None) -> dict[str, str]:
         token = token or self.token
         return {"authorization": f"Bearer {token}"} if token else {}
 
     async def _request(
-        self, method: str, path: str, *, token: str | None = None, json: Any = None
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None = None,
+        json: Any = None,
+        deadline: float | None = None,
     ) -> httpx.Response:
         url = f"{self.base}/{path}"
+        pool = self._pool
+        pool.busy += 1
         try:
-            resp = await self._client.request(method, url, json=json, headers=self._auth(token))
+            timeout = httpx.Timeout(
+                deadline or self.deadlines.request, connect=self._connect_timeout
+            )
+            resp = await pool.client.request(
+                method, url, json=json, headers=self._auth(token), timeout=timeout
+            )
+        except httpx.TimeoutException as exc:
+            if pool is self._pool:
+                await self.drop_connections()
+            raise ServerSilent(f"{method} {url}: {describe_error(exc, url)}") from None
         except httpx.HTTPError as exc:
             _check_certificate(exc, self.server)
             raise ServerUnavailable(f"{method} {url}: {describe_error(exc, url)}") from None
+        finally:
+            await self._done(pool)
         if resp.status_code >= 500:
             raise ServerUnavailable(f"{method} {url}: Server answered {resp.status_code}")
         return resp
@@ -274,10 +368,15 @@ class AlpClient:
     async def register(self, user_token: str, name: str, labels: list[str]) -> Registration:
         """``POST {base}/runners``, falling back to ``{base}/runners/register`` on 404/405."""
         body = {"name": name, "labels": labels}
-        resp = await self._request("POST", "runners", token=user_token, json=body)
+        deadline = self.deadlines.register
+        resp = await self._request(
+            "POST", "runners", token=user_token, json=body, deadline=deadline
+        )
         tried = [f"{self.base}/runners"]
         if resp.status_code in (404, 405):
-            resp = await self._request("POST", "runners/register", token=user_token, json=body)
+            resp = await self._request(
+                "POST", "runners/register", token=user_token, json=body, deadline=deadline
+            )
             tried.append(f"{self.base}/runners/register")
         if resp.status_code in (401, 403):
             raise RegistrationRefused(self._refused_because(resp.status_code, user_token))
@@ -406,10 +505,14 @@ class AlpClient:
         the jobId of every ``job_available`` event. The stream is closed when the block exits,
         however it exits (a cancelled consumer included), never left to the garbage collector."""
         url = f"{self.base}/runners/events"
-        timeout = httpx.Timeout(10.0, read=60.0)  # the Server sends a keepalive every 15 s
+        # the Server sends a keepalive comment while it has no event: a read that waits longer
+        # than the silence allowed means the stream's path is dead
+        timeout = httpx.Timeout(self.deadlines.events, connect=self._connect_timeout)
         headers = {**self._auth(), "accept": "text/event-stream"}
+        pool = self._pool
+        pool.busy += 1
         try:
-            async with self._client.stream("GET", url, headers=headers, timeout=timeout) as resp:
+            async with pool.client.stream("GET", url, headers=headers, timeout=timeout) as resp:
                 if resp.status_code in (404, 405):
                     raise EventsUnavailable(f"{url}: {resp.status_code}")
                 if resp.status_code in (401, 403):
@@ -419,8 +522,16 @@ class AlpClient:
                 if not resp.is_success:
                     raise ServerUnavailable(f"GET {url}: Server answered {resp.status_code}")
                 yield _job_ids(resp, url)
+        except (httpx.TimeoutException, ServerSilent) as exc:
+            if pool is self._pool:
+                await self.drop_connections()
+            if isinstance(exc, ServerSilent):
+                raise
+            raise ServerSilent(f"GET {url}: {describe_error(exc, url)}") from None
         except httpx.HTTPError as exc:
             raise ServerUnavailable(f"GET {url}: {describe_error(exc, url)}") from None
+        finally:
+            await self._done(pool)
 
 
 async def _job_ids(resp: httpx.Response, url: str) -> AsyncIterator[str]:
@@ -434,5 +545,7 @@ async def _job_ids(resp: httpx.Response, url: str) -> AsyncIterator[str]:
                 except msgspec.DecodeError:
                     job_id = None
                 yield job_id or ""
+    except httpx.TimeoutException as exc:
+        raise ServerSilent(f"GET {url}: silent for too long ({describe_error(exc, url)})") from None
     except httpx.HTTPError as exc:
         raise ServerUnavailable(f"GET {url}: {describe_error(exc, url)}") from None

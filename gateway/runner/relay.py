@@ -10,11 +10,18 @@ runner's ``Poller`` calls it for every streaming turn whose socket is ready; ``P
 the turn's own side: it pumps what came with the head, hands the turn to the poller, and does
 every wait (room in the channel, or readability where there is no poller) in the turn's task,
 under its cancel scopes.
+
+A turn whose channel negotiated a resume (docs/protocol.md §6) also keeps each read's frames,
+by reference, in the channel's ``ResumeBuffer`` (one append per read, nothing per chunk), and
+goes on when its channel drops: its outlet is then one that takes every frame and sends none,
+until a redialled channel resumes it (``Pump.bind``). After a backend's fault, a turn continued
+on another backend has its payloads stitched (``stitch``) before they are framed.
 """
 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -25,9 +32,13 @@ from gateway.runner.turn import Turn
 from gateway.wire import http1
 from gateway.wire.netio import RECV_SIZE
 from gateway.wire.stream import BadPayload, EventStream, HTTPError, lost, payload_problem
+from gateway.wire.wsclient import ChannelClosed
+
+Stitch = Callable[[list[bytes]], list[bytes]]  # a continuation's payloads as the turn's own
 
 _CHECKPOINT_EVERY = 16  # reads in a row that filled the buffer before a checkpoint of our own
 _DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
+CONTINUE_KEEP_CHUNKS = 32768  # chunks a turn keeps for a continuation; past them, none
 
 
 class Outlet(Protocol):
@@ -42,6 +53,28 @@ class Outlet(Protocol):
     async def wait_room(self) -> None: ...
 
     async def send(self, message: bytes | str) -> None: ...
+
+
+class Down:
+    """The outlet of a channel that is down while its turns go on to be resumed: every frame
+    taken (their ``ResumeBuffer`` keeps them), none sent, never a wait."""
+
+    __slots__ = ()
+
+    def offer(self, message: bytes) -> bool:
+        return True
+
+    def offer_batch(self, messages: list[bytes]) -> bool:
+        return True
+
+    async def wait_room(self) -> None:
+        return
+
+    async def send(self, message: bytes | str) -> None:
+        return
+
+
+DOWN = Down()
 
 
 class Relay:
@@ -59,10 +92,13 @@ class Relay:
         self.ttft = ttft
         self.seconds = seconds
 
-    async def answer(self, turn: Turn, response: http1.Response) -> None:
+    async def answer(
+        self, turn: Turn, response: http1.Response, stitch: Stitch | None = None
+    ) -> None:
         """Relay a 2xx answer whose head is in to ``turn``'s chunk frames, then its done
         frame. ``BadPayload`` or ``HTTPError`` (the backend's fault) when it cannot; what was
-        relayed is on ``turn`` (``chunks``, ``last_payload``) whatever happens."""
+        relayed is on ``turn`` (``chunks``, ``last_payload``) whatever happens. ``stitch``: the
+        payloads are a continuation's, made the turn's own before they are framed."""
         frames = turn.frames
         if b"text/event-stream" not in (response.header(b"content-type") or b""):
             payload = (await response.read_body()).strip()
@@ -72,12 +108,11 @@ class Relay:
             turn.first_token = trio.current_time()
             if turn.span is not None:
                 turn.span.first_token()
-            turn.chunks, turn.last_payload = 1, payload
-            await self.out.send(frames.chunk(payload))
-            await self.out.send(frames.done)
+            await self.chunks(turn, [payload], stitch)
+            await self.end(turn, frames.done)
             return
         turn.stream = stream = EventStream(response.parser)
-        await Pump(turn, response, self).run()
+        await Pump(turn, response, self, stitch).run()
         if stream.done:  # the rest of the response is read (briefly), so the connection is reused
             with trio.move_on_after(_DRAIN_AFTER_DONE):
                 try:
@@ -85,11 +120,40 @@ class Relay:
                 except HTTPError:
                     pass  # the turn is done; the connection is just not kept
             return
-        for payload in stream.finish():  # a last event without its blank line
-            await self.out.send(frames.chunk(payload))
+        await self.chunks(turn, stream.finish(), stitch)  # a last event without its blank line
+        await self.end(turn, frames.done)
+
+    async def chunks(self, turn: Turn, payloads: list[bytes], stitch: Stitch | None) -> None:
+        """Send chunk frames off the per-read path (a whole answer, a last event), each waiting
+        for room: kept, stitched and counted as the pump does."""
+        if stitch is not None:
+            payloads = stitch(payloads)
+        if turn.relayed is not None:
+            turn.relayed.append(payloads)
+        for payload in payloads:
+            frame = turn.frames.chunk(payload)
+            keep = turn.keep
+            if keep is not None:
+                keep.add(turn, frame)
             turn.chunks += 1
             turn.last_payload = payload
-        await self.out.send(frames.done)
+            await self._send(turn, frame)
+
+    async def end(self, turn: Turn, frame: bytes) -> None:
+        """Send a turn's done or error frame (kept as its end frame when it keeps frames)."""
+        turn.end_frame = frame
+        await self._send(turn, frame)
+
+    async def _send(self, turn: Turn, frame: bytes) -> None:
+        keep = turn.keep
+        out = self.out
+        if keep is None:
+            await out.send(frame)
+            return
+        try:
+            await out.send(frame)
+        except ChannelClosed:  # kept: a redial may resume it
+            keep.lost(out)
 
 
 class Pump:
@@ -106,15 +170,22 @@ class Pump:
         "_response",
         "_recv",
         "_template",
+        "_out",
         "_offer",
         "_offer_batch",
+        "_wait_room",
+        "_keep",
+        "_relayed",
+        "_stitch",
         "_relay",
         "_observe",
         "_now",
         "_move_at",
     )
 
-    def __init__(self, turn: Turn, response: http1.Response, relay: Relay) -> None:
+    def __init__(
+        self, turn: Turn, response: http1.Response, relay: Relay, stitch: Stitch | None = None
+    ) -> None:
         assert turn.stream is not None
         self.fd = response.fileno()
         self.handback: trio.Event | None = None  # set by the poller when it gives the turn back
@@ -125,8 +196,11 @@ class Pump:
         self._response = response
         self._recv = response.recv
         self._template = turn.frames.template
-        self._offer = relay.out.offer
-        self._offer_batch = relay.out.offer_batch
+        self.bind(relay.out)
+        self._keep = turn.keep  # where its frames are kept for a resume (None: they are not)
+        self._relayed = turn.relayed  # where its payloads are kept for a continuation
+        self._stitch = stitch
+        turn.pump = self
         self._relay = relay
         self._observe = relay.seconds.observe
         self._now = trio.lowlevel.current_clock().current_time
@@ -158,23 +232,72 @@ class Pump:
         if payloads:
             if turn.first_token is None:
                 self._first_token(read_at)
+            if self._stitch is not None:  # a continuation after a backend's fault
+                payloads = self._stitch(payloads)
+            relayed = self._relayed
+            if relayed is not None:  # kept (by reference) for a continuation, bounded
+                relayed.append(payloads)
+                if turn.chunks >= CONTINUE_KEEP_CHUNKS:
+                    self._relayed = turn.relayed = None
             n = len(payloads)
-            if n == 1:  # written now, unless a write is in progress
+            if self._keep is not None:  # kept (by reference) for a resume
+                room = self._kept(payloads)
+            elif n == 1:  # written now, unless a write is in progress
                 room = self._offer(self._template % payloads[0])
-            else:  # ready together: one write
+            elif n:  # ready together: one write
                 template = self._template
                 room = self._offer_batch([template % p for p in payloads])
-            turn.chunks += n
-            turn.last_payload = payloads[-1]
+            if n:
+                turn.chunks += n
+                turn.last_payload = payloads[-1]
             self._observe(self._now() - read_at)  # backend read -> frames written
         if stream.done:
-            self._offer(turn.frames.done)
+            turn.end_frame = done = turn.frames.done
+            self._offer_done(done)
             return END
         if stream.ended:
             return END
         if not room:
             return ROOM
         return MORE if data is not None and len(data) == RECV_SIZE else IDLE
+
+    def _kept(self, payloads: list[bytes]) -> bool:
+        """``pump``'s offer for a turn that keeps its frames: one entry in the resume buffer
+        for the read, then the offer; a channel found closed here is not the turn's end."""
+        keep = self._keep
+        assert keep is not None
+        template = self._template
+        if len(payloads) == 1:
+            frame = template % payloads[0]
+            keep.add(self._turn, frame)
+            try:
+                return self._offer(frame)
+            except ChannelClosed:
+                keep.lost(self._out, unsent=1)
+                return True
+        frames = [template % p for p in payloads]
+        keep.add_batch(self._turn, frames)
+        try:
+            return self._offer_batch(frames)
+        except ChannelClosed:
+            keep.lost(self._out, unsent=1)
+            return True
+
+    def _offer_done(self, done: bytes) -> None:
+        if self._keep is None:
+            self._offer(done)
+            return
+        try:
+            self._offer(done)
+        except ChannelClosed:
+            self._keep.lost(self._out)
+
+    def bind(self, out: Outlet) -> None:
+        """Send through ``out`` from now on: the channel's socket, or ``DOWN`` while it is down."""
+        self._out = out
+        self._offer = out.offer
+        self._offer_batch = out.offer_batch
+        self._wait_room = out.wait_room
 
     def _first_token(self, read_at: float) -> None:
         turn = self._turn
@@ -188,7 +311,6 @@ class Pump:
         else here (a lone stream saves the poller's extra epoll round per read). Waits for
         room in the channel when too much is waiting there."""
         poller = self._relay.poller
-        wait_room = self._relay.out.wait_room
         streak = 0
         if poller is not None:
             poller.enter()
@@ -208,7 +330,7 @@ class Pump:
                         await trio.lowlevel.checkpoint()  # this raises Cancelled
                     return  # whole (a stop that came after its done frame is too late)
                 if state == ROOM:
-                    await wait_room()
+                    await self._room()
                     streak = 0
                 elif state == MORE:
                     streak += 1
@@ -219,3 +341,14 @@ class Pump:
         finally:
             if poller is not None:
                 poller.leave()
+            self._turn.pump = None
+
+    async def _room(self) -> None:
+        if self._keep is None:
+            await self._wait_room()
+            return
+        out = self._out
+        try:
+            await self._wait_room()
+        except ChannelClosed:  # kept: a redial may resume it
+            self._keep.lost(out)

@@ -21,21 +21,26 @@ import trio
 
 from gateway.config import Config
 from gateway.observe import Redactor
-from gateway.ops import tracing
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
+from gateway.runner.turn import Ending, TurnEnd
+from gateway.runner.turns import Turns
+from gateway.wire.traceparent import valid_traceparent
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.ops.otel import SessionTrace, Tracing
+    from gateway.runner.otel import SessionTrace, Tracing
 
 log = logging.getLogger("gateway.runner")
 
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
 STOPPED_AT_ONCE_REPORT_S = 2.0  # after a second signal, how long a final report may take
+REPORT_GRACE_AT_STOP_S = 1.0  # once the runner stops, how long a final report may still be retried
+RUNNER_STOPPED = "the runner was stopped at once (a second signal): this answer ends here"
+_STOPPED_END = TurnEnd(Ending.SHUTDOWN, RUNNER_STOPPED)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class ChatJob:
             job.id,
             run_id,
             job.channel_url,
-            traceparent=tracing.valid_traceparent(definition.traceparent),
+            traceparent=valid_traceparent(definition.traceparent),
             idle_timeout=_minutes(job.id, "idleTimeoutMinutes", definition.idleTimeoutMinutes),
             max_timeout=_minutes(job.id, "maxTimeoutMinutes", definition.maxTimeoutMinutes),
         )
@@ -89,6 +94,14 @@ def _minutes(job_id: str, name: str, value: Any) -> float | None:
         value,
     )
     return None
+
+
+def _linger(config: Config) -> float:
+    """How long an ended turn's frames are kept while its channel is up: the time a dead path
+    takes to be found (a ping, then its timeout), or the resume window with pings off."""
+    if config.ping_interval > 0:
+        return config.ping_interval + (config.ping_timeout or config.ping_interval)
+    return config.resume_window
 
 
 def channel_url(server: str, job: ChatJob, token: str) -> str:
@@ -127,11 +140,33 @@ class Session:
         self.kit = kit
         self._stopping_now = False
         self._report_scope: trio.CancelScope | None = None
+        # why the Server has no final report of this job, unreachable (None: it has one, none was
+        # due yet, or it refused it: that is logged at once)
+        self.report_lost: str | None = None
+        self._report_error: str | None = "no answer in time"
+        self._redial: trio.CancelScope | None = None  # a redial in progress: a stop ends it
+        self._channel: Channel | None = None  # the channel connection being served
+        self.turns: Turns | None = None  # the job's turns, while its channel is served
+
+    def stopping(self) -> None:
+        """The runner's stop began: a final report being retried gets at most
+        ``REPORT_GRACE_AT_STOP_S`` more (one not begun yet gets as much when it begins). A
+        Server that is gone would otherwise hold the stop for the report's every retry (and
+        for a redial in progress: it is given up)."""
+        if self._redial is not None:
+            self._redial.cancel()
+        scope = self._report_scope
+        if scope is not None:
+            scope.deadline = min(scope.deadline, trio.current_time() + REPORT_GRACE_AT_STOP_S)
 
     def stop_now(self) -> None:
-        """The second signal: a final report still being retried is given up at once, and one
-        not begun yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
+        """The second signal: each turn in flight is stopped with an error frame that says so
+        (``RUNNER_STOPPED``; the supervisor gives the frames a moment before it cancels
+        everything); a final report still being retried is given up at once, and one not begun
+        yet gets at most ``STOPPED_AT_ONCE_REPORT_S``."""
         self._stopping_now = True
+        if self.turns is not None:
+            self.turns.stop_all(_STOPPED_END)
         if self._report_scope is not None:
             self._report_scope.cancel()
 
@@ -160,14 +195,16 @@ class Session:
             report = self._report_scope = trio.CancelScope(shield=True)
             if self._stopping_now:
                 budget = min(budget or STOPPED_AT_ONCE_REPORT_S, STOPPED_AT_ONCE_REPORT_S)
+            elif kit.shutdown.is_set():
+                budget = min(budget or REPORT_GRACE_AT_STOP_S, REPORT_GRACE_AT_STOP_S)
             recorded = False
             try:
                 with report, trio.move_on_after(budget or math.inf):
                     recorded = await self._report(conclusion, reason)
-                if report.cancelled_caught and not recorded:
-                    log.warning("job %s: final report abandoned (stopped at once)", job.id)
             finally:
                 self._report_scope = None
+            if not recorded:  # the supervisor says it, once for every such job of the stop
+                self.report_lost = self._report_error
             # the Server recorded it (reports_success, reports_failure), or it never will
             kit.counters.inc(f"reports_{conclusion}" if recorded else "reports_lost")
             if job.trace is not None:
@@ -193,7 +230,26 @@ class Session:
                 log.warning("job %s: heartbeat failed: %s", job.id, exc)
 
     async def _serve_channel(self, limits: SessionLimits | None) -> tuple[str, str]:
-        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason)."""
+        """Dial, serve, redial on drops within the reconnect window; the (conclusion, reason).
+        The job's turns live here, across redials (a resume carries them over, §6)."""
+        config = self.kit.config
+        async with trio.open_nursery() as nursery:
+            self.turns = Turns(
+                self.job.id,
+                self.kit,
+                nursery,
+                trace=self.job.trace,
+                limits=limits,
+                resume_buffer=config.resume_buffer,
+                resume_window=config.resume_window,
+                linger=_linger(config),
+            )
+            try:
+                return await self._dial_loop()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _dial_loop(self) -> tuple[str, str]:
         job, kit, config = self.job, self.kit, self.kit.config
         window = config.reconnect_window
         dropped_at: float | None = None
@@ -206,6 +262,8 @@ class Session:
             end: ChannelEnd | None = None
             # one deadline on the whole dial: connect, TLS and the upgrade
             dial = trio.CancelScope(deadline=trio.current_time() + config.connect_timeout)
+            if dropped_at is not None and not kit.shutdown.is_set():
+                self._redial = dial
             try:
                 ws: WebSocket | None = None
                 with dial:
@@ -219,7 +277,7 @@ class Session:
                     )
                 if ws is not None:
                     try:
-                        end = await self._serve_connected(ws, dropped_at is not None, limits)
+                        end = await self._serve_connected(ws, dropped_at is not None)
                     finally:
                         await ws.aclose()
                     failures = 0
@@ -231,7 +289,8 @@ class Session:
                 last_problem = f"channel handshake failed: {exc}"
             except OSError as exc:
                 last_problem = f"channel unreachable: {describe_error(exc, url)}"
-            if dial.cancelled_caught and end is None:
+            self._redial = None
+            if dial.cancelled_caught and end is None and not kit.shutdown.is_set():
                 last_problem = f"channel handshake took over {config.connect_timeout:.0f} s"
             if end is not None:
                 if end.by != "drop":
@@ -268,18 +327,28 @@ class Session:
         keys = [spec.key for spec in config.backends]
         return Redactor([*keys, config.backend_key, config.user_token, self.kit.alp.token])
 
-    async def _serve_connected(
-        self, ws: WebSocket, redial: bool, limits: SessionLimits | None
-    ) -> ChannelEnd:
+    async def _serve_connected(self, ws: WebSocket, redial: bool) -> ChannelEnd:
         """Serve one open channel connection until it ends."""
-        job, kit = self.job, self.kit
+        job, kit, turns = self.job, self.kit, self.turns
         if redial:
             log.info("job %s: channel redialled", job.id)
             kit.counters.inc("reconnects")
-        channel = Channel(
-            job.id, ws, kit, frame_log=self._frame_log(), trace=job.trace, limits=limits
+        assert turns is not None
+        channel = self._channel = Channel(
+            job.id,
+            ws,
+            kit,
+            frame_log=self._frame_log(),
+            trace=job.trace,
+            limits=turns.limits,
+            turns=turns,
         )
-        return await channel.serve()
+        if self._stopping_now:
+            turns.stop_all(_STOPPED_END)
+        try:
+            return await channel.serve()
+        finally:
+            self._channel = None
 
     async def _report(self, conclusion: str, reason: str) -> bool:
         """The one final report; retried (bounded) while the Server is unavailable. Whether
@@ -290,6 +359,7 @@ class Session:
                 await kit.alp.report(job.run_id, job.id, conclusion, reason[:1000])
                 return True
             except ServerUnavailable as exc:
+                self._report_error = str(exc).partition(": ")[2] or str(exc)  # without the URL
                 if attempt == REPORT_ATTEMPTS:
                     log.error(
                         "job %s: final report lost after %d attempts: %s", job.id, attempt, exc
@@ -301,5 +371,6 @@ class Session:
                     log.info("job %s: final report was already recorded", job.id)
                     return True
                 log.error("job %s: final report refused: %s", job.id, exc)
+                self._report_error = None
                 return False
         return False  # not reached: the last attempt returns

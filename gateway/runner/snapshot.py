@@ -18,7 +18,7 @@ from gateway import __version__
 
 if TYPE_CHECKING:
     from gateway.observe import Histogram
-    from gateway.runner.backends import Backend
+    from gateway.runner.backend import Backend
 
 HEALTHY_WITHIN_POLLS = 3  # healthy wants a successful poll within this many poll intervals
 

@@ -14,35 +14,40 @@ import trio
 from gateway import __version__
 from gateway.config import Config, split_project
 from gateway.observe import Counters, Histogram
-from gateway.ops import tracing
-from gateway.ops.metrics import MetricsServer, open_metrics
+from gateway.runner import tracing
 from gateway.runner.alp import (
     AlpClient,
     CertificateRefused,
+    Deadlines,
     EventsUnavailable,
     Job,
     MalformedReply,
     Refused,
     RegistrationRefused,
+    ServerSilent,
     ServerUnavailable,
     TokenRefused,
     make_ssl_context,
 )
 from gateway.runner.backends import BackendPool
+from gateway.runner.backendurl import missing_v1
 from gateway.runner.backoff import backoff_delay
+from gateway.runner.metrics import MetricsServer, open_metrics
 from gateway.runner.poller import Poller
 from gateway.runner.session import ChatJob, Session, SessionKit
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
+from gateway.runner.state import Registration, StateError, StateStore
 from gateway.signals import watch_signals
-from gateway.state import Registration, StateError, StateStore
 from gateway.wire.protocol import CAPABILITY
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.ops.otel import Tracing
+    from gateway.runner.otel import Tracing
 
 log = logging.getLogger("gateway.runner")
 
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
+STOP_NOW_S = 1.0  # after a second signal, how long the turns in flight have to say they stopped
+BACKEND_URL_CHECK_S = 5.0  # at start, how long asking a backend whether its URL lacks /v1 may take
 
 
 class RunnerExit(Exception):
@@ -69,7 +74,9 @@ class Runner:
         self.alp: AlpClient | None = None
         self.sessions: dict[str, Session] = {}  # the open sessions: one slot each
         self._reporting: dict[str, Session] = {}  # ended sessions whose final report is on its way
+        self._lost_at_stop: dict[str, str] = {}  # job id -> why the Server has no final report
         self._stopping_now = False  # a second signal came
+        self._polling: trio.CancelScope | None = None  # the poll request in flight: a stop ends it
         self.shutdown = trio.Event()
         self._wake = trio.Event()
         self.counters = Counters()
@@ -103,24 +110,20 @@ class Runner:
     # -- registration --------------------------------------------------------------------
 
     async def _ensure_registration(self) -> Registration:
+        """The saved registration for this Server and project (``StateStore.find``), else a new
+        one made with the user credential. A runner token goes only to the Server that issued
+        it: another ``--server`` registers anew there, and the first one's is kept."""
         config = self.config
         assert config.project
-        reg = self.store.load(config.project)
+        store = self.store
+        reg = store.find(config.server, config.project, server_given=config.server_explicit)
         if reg is not None:
-            if reg.server != config.server and config.server_explicit:
-                log.info(
-                    "server changed to %s for %s; updating the saved registration",
-                    config.server,
-                    reg.key,
-                )
-                reg = Registration(**{**reg.__dict__, "server": config.server})
-                self.store.save(reg)
             return reg
         if not config.user_token:
             raise RunnerExit(
-                f"no saved registration for {config.project} on {config.server}: run "
-                "`alp-gateway register` or give a user credential "
-                "(--user-token or AGENTICS_USER_TOKEN)",
+                f"{store.missing(config.server, config.project)}: give a user credential "
+                f"(--user-token or AGENTICS_USER_TOKEN) so that the runner registers with "
+                f"{config.server}, or run `alp-gateway register --server {config.server}` with one",
                 2,
             )
         return await self.register()
@@ -145,6 +148,7 @@ class Runner:
             *split_project(config.project),
             ssl_context=self.ssl_context,
             connect_timeout=config.connect_timeout,
+            deadlines=Deadlines.of(config.ping_interval, config.ping_timeout),
         )
         try:
             failures = 0
@@ -194,6 +198,7 @@ class Runner:
             reg.project,
             ssl_context=self.ssl_context,
             connect_timeout=self.config.connect_timeout,
+            deadlines=Deadlines.of(self.config.ping_interval, self.config.ping_timeout),
         )
         self.alp.token = reg.token
         log.info(
@@ -205,7 +210,7 @@ class Runner:
         )
         fatal: RunnerExit | StateError | None = None
         if self.trace_endpoint is not None:
-            from gateway.ops.otel import Tracing  # only when tracing is on: the SDK is heavy
+            from gateway.runner.otel import Tracing  # only when tracing is on: the SDK is heavy
 
             self.tracing = Tracing.start(self.trace_endpoint, service_version=__version__)
         try:
@@ -223,6 +228,7 @@ class Runner:
                 if self.poller is not None:
                     nursery.start_soon(self.poller.run)
                 await nursery.start(self.pool.run)  # models discovered, backends probed: then poll
+                nursery.start_soon(self._say_missing_v1)
                 if self.metrics is not None:
                     nursery.start_soon(self.metrics.serve)
                 self._kit = SessionKit(
@@ -248,6 +254,7 @@ class Runner:
                     # shutting down: the sessions drain themselves; events are no longer needed
                 nursery.cancel_scope.cancel()
         finally:
+            self._say_lost_reports()
             with trio.CancelScope(shield=True):
                 await self.alp.aclose()
                 await self.pool.aclose()
@@ -255,6 +262,35 @@ class Runner:
         if fatal is not None:
             raise fatal
         log.info("runner stopped")
+
+    async def _say_missing_v1(self) -> None:
+        """A backend that lists no model because its URL lacks ``/v1``: said once, at start, in
+        one WARNING line with doctor's words (``gateway.runner.backendurl``)."""
+        for backend in self.pool.backends:
+            if not backend.models:
+                wrong = None
+                with trio.move_on_after(BACKEND_URL_CHECK_S):
+                    wrong = await missing_v1(backend)
+                if wrong is not None:
+                    log.warning("backend %s: %s", backend.name, wrong.line)
+
+    def _say_lost_reports(self) -> None:
+        """One line for every final report the stop left unsent (the Server was unreachable):
+        the Server ends those jobs itself once it counts the runner offline, without knowing
+        how each ended (docs/protocol.md §3)."""
+        lost = self._lost_at_stop
+        if not lost:
+            return
+        shown = ", ".join(list(lost)[:5]) + (", …" if len(lost) > 5 else "")
+        log.warning(
+            "stopped without the final report of %d job(s) (%s): the Server at %s was "
+            "unreachable (%s); it ends them itself once it counts this runner offline, without "
+            "their outcome",
+            len(lost),
+            shown,
+            self.alp.server if self.alp is not None else self.config.server,
+            next(iter(lost.values())),
+        )
 
     async def _stop_tracing(self) -> None:
         """Flush the last spans and stop the exporter, in a thread (it blocks), bounded: a
@@ -283,13 +319,20 @@ class Runner:
         def again(signum: int) -> None:
             log.warning("second signal: stopping now")
             self.stop_now()
-            done.cancel()
+            # the turns in flight say that the runner stopped, then everything is cancelled
+            done.deadline = min(done.deadline, trio.current_time() + STOP_NOW_S)
 
         await watch_signals(first, again, task_status=task_status)
 
+    @property
+    def stopped_now(self) -> bool:
+        """Whether a second signal came (the command's exit status is 130 then)."""
+        return self._stopping_now
+
     def stop_now(self) -> None:
-        """The second signal: final reports still being retried are given up at once (and a
-        session ending from now on has at most 2 s for its report)."""
+        """The second signal: each turn in flight ends with an error frame saying the runner
+        stopped (and its channel with ``chat.end``), final reports still being retried are
+        given up at once (and a session ending from now on has at most 2 s for its report)."""
         self._stopping_now = True
         for session in [*self.sessions.values(), *self._reporting.values()]:
             session.stop_now()
@@ -297,6 +340,10 @@ class Runner:
     def begin_shutdown(self) -> None:
         self.shutdown.set()
         self._wake.set()
+        if self._polling is not None:
+            self._polling.cancel()
+        for session in [*self.sessions.values(), *self._reporting.values()]:
+            session.stopping()
 
     def capabilities(self) -> list[str]:
         """What can be served right now (recomputed on every poll)."""
@@ -312,7 +359,10 @@ class Runner:
             self._wake = trio.Event()
             delay = interval
             try:
-                jobs = await self.alp.poll(self.capabilities())
+                with trio.CancelScope() as self._polling:  # a Server gone quiet: not waited for
+                    jobs = await self.alp.poll(self.capabilities())
+                if self._polling.cancelled_caught:
+                    break  # stopping: nothing was claimed
                 if failures:
                     log.info("poll works again after %d failure(s)", failures)
                 failures = 0
@@ -321,6 +371,8 @@ class Runner:
             except ServerUnavailable as exc:
                 failures += 1
                 delay = backoff_delay(failures, interval, interval * 6)
+                if isinstance(exc, ServerSilent) and failures == 1:
+                    delay = 0.0  # a dead kept-alive connection, dropped: at once, on a new one
                 log.warning("poll failed: %s; next try in %.1f s", exc, delay)
                 self.counters.inc("poll_errors")
                 self.last_poll_error = str(exc)
@@ -392,6 +444,8 @@ class Runner:
         finally:
             self.sessions.pop(job_id, None)  # when it failed before it could free it
             self._reporting.pop(job_id, None)
+            if session.report_lost is not None and self.shutdown.is_set():
+                self._lost_at_stop[job_id] = session.report_lost
 
     async def _claim(self, job_id: str) -> str | None:
         """Claim a job; when the answer is lost on the way, ask once more at once: the claim may
@@ -424,4 +478,5 @@ class Runner:
             except (ServerUnavailable, TokenRefused) as exc:
                 failures += 1
                 log.debug("events subscription: %s", exc)
+                self._wake.set()  # a job_available may have been lost: poll now
             await trio.sleep(backoff_delay(failures + 1, 1.0, self.config.poll_interval * 6))

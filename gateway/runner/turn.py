@@ -14,8 +14,12 @@ import trio
 
 from gateway.wire.protocol import TurnFrames
 
-if TYPE_CHECKING:  # imported only when tracing is on (Runner.run: gateway.ops.otel.Tracing.start)
-    from gateway.ops.otel import TurnTrace
+if (
+    TYPE_CHECKING
+):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
+    from gateway.runner.otel import TurnTrace
+    from gateway.runner.relay import Pump
+    from gateway.runner.resume import ResumeBuffer
     from gateway.wire.stream import EventStream
 
 
@@ -28,6 +32,9 @@ class Ending(enum.Enum):
     CANCELLED = ("turns_cancelled", True, False)  # the Server asked (chat.completion.cancel)
     SHUTDOWN = ("turns_cancelled", True, True)  # the runner is shutting down
     SESSION_ENDED = ("turns_cancelled", False, False)  # chat.end or the channel is gone
+    # its channel dropped and it was not resumed (docs/protocol.md §6): no redial in time, a
+    # redial that did not name it, its kept frames past the bound; any frame is the resume's
+    UNRESUMED = ("turns_cancelled", False, True)
 
     def __init__(self, counter: str, framed: bool, logged: bool) -> None:
         self.counter = counter
@@ -58,6 +65,17 @@ class Turn:
     first_token: float | None = None  # trio clock: when its first chunk was read (None: not yet)
     chunks: int = 0  # chunk frames offered
     last_payload: bytes = b""  # the last of them (the usage chunk, if any)
+    # -- a resume (docs/protocol.md §6), when its channel negotiated one --
+    keep: ResumeBuffer | None = None  # where its frames are kept (None: they are not)
+    pump: Pump | None = None  # its stream's pump while it streams (its outlet is swapped)
+    kept_from: int = 0  # the index of its first chunk frame still kept
+    kept_bytes: int = 0  # the bytes of its frames kept
+    kept_entries: int = 0  # the entries (one backend read's frames each) kept
+    released: bool = False  # its kept frames are let go (those left in the buffer are dead)
+    end_frame: bytes | None = None  # its done or error frame, once it has one
+    ended_at: float | None = None  # trio clock: when its task ended (None: it runs)
+    # -- a continuation on another backend after a fault (None: its payloads are not kept) --
+    relayed: list[list[bytes]] | None = None  # the payloads relayed, one list per read
 
     def stop(self, end: TurnEnd) -> None:
         """Stop the turn (the first reason given is kept): its relay sends nothing more, and

@@ -3,6 +3,7 @@
 from gateway.sim.server import (
     DIALECTS,
     FAULTS,
+    WORDS,
     RecordedRequest,
     SimOptions,
     Simulator,
@@ -15,6 +16,7 @@ from gateway.sim.server import (
 __all__ = [
     "DIALECTS",
     "FAULTS",
+    "WORDS",
     "RecordedRequest",
     "SimOptions",
     "Simulator",

@@ -10,7 +10,7 @@ import trio
 
 from gateway.config import parse_listen
 from gateway.signals import watch_signals
-from gateway.sim.server import DIALECTS, FAULTS, SimOptions, Simulator, serve_sim
+from gateway.sim.server import DIALECTS, FAULTS, WORDS, SimOptions, Simulator, serve_sim
 
 # The simulator's own port: next to the hub's 8787, and no model server's (vLLM has 8000,
 # llama.cpp 8080, LM Studio 1234, LiteLLM 4000, Ollama 11434; 8788 is `wrangler pages dev`'s), so
@@ -56,7 +56,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--fault", choices=sorted(FAULTS), default=None, help="inject a fault (default: none)"
     )
     parser.add_argument(
-        "--fault-after", type=int, default=2, help="chunks before the fault (default %(default)s)"
+        "--fault-after",
+        type=int,
+        default=2,
+        help="chunks before the fault (default %(default)s); --fault disconnect then resets the "
+        "connection: a backend that dies mid-answer",
     )
     parser.add_argument(
         "--tool-calls", action="store_true", help="stream a tool call (default: content)"
@@ -71,6 +75,14 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=sorted(DIALECTS),
         default="openai",
         help="whose streaming chunk shape to imitate (default %(default)s)",
+    )
+    parser.add_argument(
+        "--words",
+        choices=sorted(WORDS),
+        default="tok",
+        help="tok: tok0 tok1 …; conversation: words drawn from the messages, the same for the "
+        "same conversation (default %(default)s). Either way a request ending with the start of "
+        "its answer as an assistant message gets the rest of it",
     )
     return parser
 
@@ -124,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             fault_after=args.fault_after,
             chunk_size=args.chunk_size,
             dialect=args.dialect,
+            words=args.words,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import logging
 import math
@@ -27,6 +28,7 @@ from gateway.wire.server import Limits, Server
 __all__ = [
     "DIALECTS",
     "FAULTS",
+    "WORDS",
     "RecordedRequest",
     "SimOptions",
     "Simulator",
@@ -43,6 +45,15 @@ FAULTS: frozenset[str] = frozenset({"500", "stall", "disconnect", "malformed"})
 
 DIALECTS: frozenset[str] = frozenset({"openai", "ollama", "vllm", "llamacpp", "litellm"})
 """The streaming shapes ``SimOptions.dialect`` can imitate (see ``_Reply`` for their sources)."""
+
+WORDS: frozenset[str] = frozenset({"tok", "conversation"})
+"""What ``SimOptions.words`` accepts: ``tok<i>`` tokens, or words drawn from the conversation."""
+
+_VOCABULARY = (
+    "the a of and to in is it that for on with as was at by be this from or an are not but "
+    "model token answer stream chunk runner channel hub backend session turn frame resume "
+    "continue fault path socket keep bound window hello server client reply words same again"
+).split()
 
 _MAX_BODY = 64 * 1024 * 1024  # bytes: a larger request body is refused (413)
 # no deadline (a test may hold a connection idle as long as it likes), no connection cap
@@ -81,7 +92,14 @@ class SimOptions:
     the first event and ``interval`` seconds before every later one (``[DONE]`` included).
     A non-streamed reply waits ``ttft + interval * chunks``. ``fault`` is one of ``FAULTS``;
     stream faults fire after ``fault_after`` events (at the latest just before ``[DONE]``).
-    ``dialect`` picks whose chunk shape to imitate: one of ``DIALECTS``.
+    ``dialect`` picks whose chunk shape to imitate: one of ``DIALECTS``. ``words``: ``"tok"``
+    (``tok0 tok1 …``, whatever the conversation) or ``"conversation"`` (words drawn from a hash
+    of the messages, so each conversation has its own answer, always the same).
+
+    A request whose messages end with an assistant message is continued from there, as llama.cpp
+    or Ollama continue a prefill: when that message is a prefix of the conversation's answer,
+    only the rest is sent, so the answer so far plus the continuation is the answer a request
+    without it gets (streamed or not); otherwise the whole answer follows it.
     """
 
     chunks: int = 8
@@ -93,6 +111,7 @@ class SimOptions:
     fault_after: int = 2
     chunk_size: int = 0
     dialect: str = "openai"
+    words: str = "tok"
 
     def __post_init__(self) -> None:
         for name in ("chunks", "fault_after", "chunk_size"):
@@ -113,6 +132,8 @@ class SimOptions:
             raise ValueError(f"sim option 'fault' must be null or one of {sorted(FAULTS)}")
         if self.dialect not in DIALECTS:
             raise ValueError(f"sim option 'dialect' must be one of {sorted(DIALECTS)}")
+        if self.words not in WORDS:
+            raise ValueError(f"sim option 'words' must be one of {sorted(WORDS)}")
 
     def override(self, overrides: Mapping[str, Any]) -> SimOptions:
         """A copy with ``overrides`` applied; ``ValueError`` on unknown names or bad values."""
@@ -277,6 +298,46 @@ def _prompt_tokens(data: Mapping[str, Any]) -> int:
     return count
 
 
+def _prefill(data: Mapping[str, Any]) -> tuple[list[Any], str | None]:
+    """The conversation (the messages before a trailing assistant message) and that message's
+    text (None when the messages do not end with an assistant message with text)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return [], None
+    last = messages[-1] if messages else None
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        content = last.get("content")
+        if isinstance(content, str):
+            return messages[:-1], content
+    return messages, None
+
+
+def _words(opts: SimOptions, conversation: list[Any]) -> list[str]:
+    """The whole answer's tokens (``opts.chunks`` of them, before ``max_tokens``)."""
+    size = opts.chunk_size
+    if opts.words == "tok":
+        return [token_text(i, size) for i in range(opts.chunks)]
+    digest = hashlib.blake2b(_encode(conversation), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))
+    words = [rng.choice(_VOCABULARY) + " " for _ in range(opts.chunks)]
+    return [w + "." * (size - len(w)) if size > len(w) else w for w in words]
+
+
+def _rest(words: list[str], so_far: str) -> list[str]:
+    """The tokens that continue ``so_far`` into the answer ``words`` (the end of a token cut in
+    the middle first); the whole answer when ``so_far`` is not a prefix of it."""
+    whole = "".join(words)
+    if not whole.startswith(so_far):
+        return words
+    done = len(so_far)
+    at = 0
+    for i, word in enumerate(words):
+        if at + len(word) > done:
+            return [word[done - at :], *words[i + 1 :]]
+        at += len(word)
+    return []
+
+
 def _tool_name(data: Mapping[str, Any]) -> str:
     tools = data.get("tools")
     if isinstance(tools, list) and tools and isinstance(tools[0], dict):
@@ -310,14 +371,26 @@ class _Reply:
         "n",
         "count",
         "stop_reason",
+        "pieces",
     )
 
     def __init__(self, sim: Simulator, model: str, opts: SimOptions, data: dict[str, Any]) -> None:
         # the request's own n and max_tokens (checked by request_limits): ``n`` choices, each
         # of ``count`` tokens, cut at max_tokens with finish_reason "length" as a server does
         self.n, max_tokens = request_limits(data)
-        self.count = opts.chunks if max_tokens is None else min(opts.chunks, max_tokens)
-        self.stop_reason = "length" if self.count < opts.chunks else "stop"
+        # the tokens, when not the plain tok0 tok1 … of the fast path (None): other words, or
+        # the rest of an answer whose beginning the request ends with
+        self.pieces: list[str] | None = None
+        full = opts.chunks
+        conversation, so_far = _prefill(data)
+        if so_far is not None or opts.words != "tok":
+            words = _words(opts, conversation)
+            self.pieces = words if so_far is None else _rest(words, so_far)
+            full = len(self.pieces)
+        self.count = full if max_tokens is None else min(full, max_tokens)
+        self.stop_reason = "length" if self.count < full else "stop"
+        if self.pieces is not None:
+            del self.pieces[self.count :]
         number = next(sim._ids)
         self.id = _dialect_id(opts.dialect, number)
         self.created = int(time.time())
@@ -371,7 +444,10 @@ class _Reply:
             prefix = self.head + b'[{"index":0,"delta":{"content":"tok'
             suffix = b' "},"finish_reason":null}]}'
             size = opts.chunk_size
-            if self.n > 1:
+            if self.pieces is not None:
+                for text in self.pieces:
+                    yield self._choice({"content": text})
+            elif self.n > 1:
                 for i in range(n):
                     yield self._choice({"content": token_text(i, size)})
             elif size == 0:
@@ -404,7 +480,7 @@ class _Reply:
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
             finish = "tool_calls"
         else:
-            text = "".join(token_text(i, opts.chunk_size) for i in range(self.count))
+            text = "".join(self.texts())
             message = {"role": "assistant", "content": text}
             finish = self.stop_reason
         completion: dict[str, Any] = {
@@ -427,6 +503,8 @@ class _Reply:
     # -- what the dialects share -----------------------------------------------------------
 
     def texts(self) -> list[str]:
+        if self.pieces is not None:
+            return list(self.pieces)
         return [token_text(i, self.opts.chunk_size) for i in range(self.count)]
 
     @property
@@ -440,6 +518,8 @@ class _Reply:
 # /v1/chat/completions stream. The sources each shape follows are named above each one.
 
 _ALNUM = string.ascii_letters + string.digits
+# what each imitated server says owns its models in /v1/models (a runner tells the kind from it)
+_OWNED_BY = {"vllm": "vllm", "llamacpp": "llamacpp", "ollama": "library", "litellm": "openai"}
 _LLAMACPP_BUILD = "b6000-sim0000"
 
 
@@ -757,8 +837,9 @@ class _Exchange:
             await self._send_unauthorized()
         elif path == _MODELS_PATH and method == "GET":
             created = int(time.time())
+            owner = _OWNED_BY.get(sim.options.dialect, "sim")  # as the imitated server says
             data = [
-                {"id": m, "object": "model", "created": created, "owned_by": "sim"}
+                {"id": m, "object": "model", "created": created, "owned_by": owner}
                 for m in sim.models
             ]
             await self.resp.whole(200, _encode({"object": "list", "data": data}))
@@ -934,7 +1015,7 @@ class _Exchange:
 
     async def _complete(self, rec: StreamRecord, reply: _Reply) -> str:
         opts = reply.opts
-        delay = opts.ttft + opts.interval * opts.chunks
+        delay = opts.ttft + opts.interval * reply.count  # the tokens it has (max_tokens)
         if delay > 0:
             await trio.sleep(delay)
         if opts.fault == "stall":

@@ -2,4 +2,4 @@
 (``netio``), the HTTP/1.1 and WebSocket server core (``server``, ``http``, ``errors``), the
 HTTP/1.1 client (``http1``, ``proxy``) and a backend's answer read sans-IO (``stream``, ``sse``),
 the WebSocket client (``wsclient``) and frames for both ends (``wsframes``), the Chat Channel's
-frames (``protocol``)."""
+frames (``protocol``) and the W3C trace context they carry (``traceparent``)."""

@@ -11,7 +11,7 @@ chunk frames come from its ``TurnFrames`` (the encoder's frame, made once per tu
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -22,6 +22,7 @@ COMPLETION_REQUEST = "chat.completion.request"
 COMPLETION_CANCEL = "chat.completion.cancel"
 MODELS_REQUEST = "chat.models.request"
 END = "chat.end"
+HELLO = "chat.channel.hello"  # extension (§6): the first frame of a Server that has extensions
 # Frame types, Runner -> Server.
 COMPLETION_CHUNK = "chat.completion.chunk"
 COMPLETION_DONE = "chat.completion.done"
@@ -29,6 +30,11 @@ COMPLETION_ERROR = "chat.completion.error"
 MODELS_RESPONSE = "chat.models.response"
 
 CANCELLED = "cancelled"
+# The extensions of §6 a Server names in its hello, and the errors they add.
+RESUME = "resume"  # a dropped channel's turns go on on its redial, from the counts named
+CONTINUE = "continue"  # ``continuation: true`` on a request: continue its final assistant message
+RESUME_UNAVAILABLE = "resume_unavailable"  # a named turn's frames from its count are not kept
+CONTINUATION_UNSUPPORTED = "continuation_unsupported"  # no backend can continue a message
 
 
 class FrameError(ValueError):
@@ -47,8 +53,10 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     jobId: str | None = None
     model: str | None = None
     # extension (§6): the W3C trace context of this turn's request; checked only when tracing
-    # is on (``gateway.ops.tracing.valid_traceparent``), so any value is taken, none refused
+    # is on (``gateway.wire.traceparent.valid_traceparent``), so any value is taken, none refused
     traceparent: Any = None
+    # extension (§6): ``body.messages`` ends with the answer so far, to be continued
+    continuation: bool = False
 
 
 class CompletionCancel(msgspec.Struct, frozen=True):
@@ -72,13 +80,26 @@ class End(msgspec.Struct, frozen=True):
     jobId: str | None = None
 
 
+class Hello(msgspec.Struct, frozen=True):
+    """``chat.channel.hello`` (extension, §6): the Server's extensions, and on a redialled
+    channel how many chunk frames of each turn it still has a client for it received."""
+
+    extensions: list[Any] = []  # what the Server supports; entries not known here are ignored
+    resume: dict[str, Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    jobId: str | None = None
+
+    @property
+    def resumes(self) -> bool:
+        return RESUME in self.extensions
+
+
 class Unknown(msgspec.Struct, frozen=True):
     """A frame whose ``type`` this Runner does not know: ignored."""
 
     type: str
 
 
-InboundFrame = CompletionRequest | CompletionCancel | ModelsRequest | End | Unknown
+InboundFrame = CompletionRequest | CompletionCancel | ModelsRequest | End | Hello | Unknown
 
 
 class _Envelope(msgspec.Struct):
@@ -96,6 +117,7 @@ _decoders: dict[str, msgspec.json.Decoder[Any]] = {
     COMPLETION_CANCEL: msgspec.json.Decoder(CompletionCancel),
     MODELS_REQUEST: msgspec.json.Decoder(ModelsRequest),
     END: msgspec.json.Decoder(End),
+    HELLO: msgspec.json.Decoder(Hello),
 }
 _body_model_decoder = msgspec.json.Decoder(_BodyModel)
 _encoder = msgspec.json.Encoder()
@@ -154,12 +176,18 @@ def with_model(body: bytes, model: str) -> bytes:
     """``body`` with its ``model`` set to ``model`` (once per turn, never per chunk)."""
     if body_model(body) == model:
         return body
+    return with_fields(body, {"model": model}, "a model")
+
+
+def with_fields(body: bytes, fields: dict[str, Any], what: str = "its fields") -> bytes:
+    """``body`` (a JSON object) with ``fields`` set (once per turn, never per chunk);
+    ``FrameError`` naming ``what`` when it cannot take them."""
     try:
         obj = msgspec.json.decode(body)
-        obj["model"] = model
+        obj.update(fields)
         return _encoder.encode(obj)
-    except (msgspec.DecodeError, RecursionError, TypeError) as exc:
-        raise FrameError(f"body cannot carry a model: {type(exc).__name__}") from None
+    except (msgspec.DecodeError, RecursionError, TypeError, AttributeError) as exc:
+        raise FrameError(f"body cannot carry {what}: {type(exc).__name__}") from None
 
 
 # -- Runner -> Server frames: one encoder (msgspec), the chunk a ``Raw`` spliced in unparsed --
@@ -208,12 +236,23 @@ class EndFrame(msgspec.Struct, tag_field="type", tag=END):
 
 class RequestFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_REQUEST, omit_defaults=True):
     """``chat.completion.request``: the client's body, a ``Raw`` copied in as it came (never
-    re-encoded), with the turn's ``traceparent`` when it has one."""
+    re-encoded), with the turn's ``traceparent`` when it has one, and ``continuation`` when its
+    body ends with an answer so far to be continued (§6)."""
 
     jobId: str
     requestId: str
     body: msgspec.Raw
     traceparent: str | None = None
+    continuation: bool = False
+
+
+class HelloFrame(msgspec.Struct, tag_field="type", tag=HELLO, omit_defaults=True):
+    """``chat.channel.hello``: the first frame on a channel of a Server that has extensions;
+    ``resume`` only on a channel that replaces a dropped one (§6)."""
+
+    jobId: str
+    extensions: list[str]
+    resume: dict[str, int] | None = None
 
 
 class CancelFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_CANCEL):
@@ -239,6 +278,7 @@ OutboundFrame = (
     | RequestFrame
     | CancelFrame
     | ModelsRequestFrame
+    | HelloFrame
 )
 _HOLE = b"\0"  # where a chunk goes: never in encoded JSON (a string escapes it as \u0000)
 

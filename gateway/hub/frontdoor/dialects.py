@@ -290,7 +290,9 @@ def responses_spec(request: responses.ChatRequest, model: str | None) -> TurnSpe
     chat = request.chat if model is None else with_model(request.chat, model)
     dialect = ResponsesDialect(request.model or model or "", request.request)
     limit = request.request.get("max_output_tokens")
-    return TurnSpec(chat, request.stream, model or request.model, dialect, False, _whole_number(limit))
+    return TurnSpec(
+        chat, request.stream, model or request.model, dialect, False, _whole_number(limit)
+    )
 
 
 def _whole_number(value: Any) -> int | None:

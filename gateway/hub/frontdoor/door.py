@@ -51,23 +51,23 @@ class FrontDoor:
         self.catalog = catalog
         self.serving = serving
 
-    def _key(self, req: Request) -> ApiKey:
+    async def _key(self, req: Request) -> ApiKey:
         if header(req.scope, b"authorization") is None:
             raise no_key()
         token = bearer(req.scope)
-        key = self.keys.check(token) if token else None
+        key = await self.keys.check(token) if token else None
         if key is None:
             raise _wrong_credential(token, self.keys)
         return key
 
-    def _anthropic_key(self, req: Request) -> ApiKey:
+    async def _anthropic_key(self, req: Request) -> ApiKey:
         """The API key of ``x-api-key`` or ``Authorization: Bearer`` (Anthropic's clients send
         the first); HTTPError 401 with Anthropic's ``authentication_error``."""
         raw = header(req.scope, b"x-api-key")
         token = raw.decode("latin-1").strip() if raw else bearer(req.scope)
         if not token:
             raise HTTPError(401, "x-api-key header is required", None, type_="authentication_error")
-        key = self.keys.check(token)
+        key = await self.keys.check(token)
         if key is None:
             err = _wrong_credential(token, self.keys)
             raise HTTPError(401, err.message, None, type_="authentication_error")
@@ -76,11 +76,11 @@ class FrontDoor:
     # -- /v1/models ----------------------------------------------------------------------
 
     async def list_models(self, req: Request) -> None:
-        key = self._key(req)
+        key = await self._key(req)
         await req.resp.json(200, model_list(await self._models(req, key), int(time.time())))
 
     async def retrieve_model(self, req: Request) -> None:
-        key = self._key(req)
+        key = await self._key(req)
         model_id = req.params["model"]
         if model_id not in await self._models(req, key):
             raise model_not_found(model_id)
@@ -96,7 +96,7 @@ class FrontDoor:
 
     async def chat(self, req: Request) -> None:
         """``POST /v1/chat/completions``: one chat turn."""
-        key = self._key(req)
+        key = await self._key(req)
         sid = _session_id(req)
         parsed = parse_chat_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, parsed.model)
@@ -107,7 +107,7 @@ class FrontDoor:
         """``POST /v1/messages`` (Anthropic Messages): translated to one chat turn, the answer
         translated back; every error in Anthropic's shape."""
         try:
-            key = self._anthropic_key(req)
+            key = await self._anthropic_key(req)
             sid = _session_id(req) or _session_id(req, CLAUDE_SESSION_HEADER)
             request = dialects.messages_request(await req.body(self.settings.max_body))
             model = await self._model_for(key, request.model)
@@ -121,7 +121,7 @@ class FrontDoor:
         """``POST /v1/messages/count_tokens``: an estimate (characters / 4, images 1,600 each:
         the hub has no tokenizer of the runners' models)."""
         try:
-            self._anthropic_key(req)
+            await self._anthropic_key(req)
             body = await req.body(self.settings.max_body)
             try:
                 tokens = messages.count_tokens(body)
@@ -135,7 +135,7 @@ class FrontDoor:
     async def responses(self, req: Request) -> None:
         """``POST /v1/responses`` (OpenAI Responses API): translated to one chat turn, the
         answer translated back."""
-        key = self._key(req)
+        key = await self._key(req)
         sid = _session_id(req)
         request = dialects.responses_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, request.model)
@@ -158,6 +158,7 @@ class FrontDoor:
         default = self.settings.default_model
         if model is None:
             return default
+        await self.catalog.load(key.owner, key.project)
         known = self.catalog.known(key.owner, key.project)
         if known is None and default:
             await self.catalog.listing(key.owner, key.project)  # learn them first

@@ -1,23 +1,21 @@
-"""Whether and where traces go, and the pure parts of tracing; imports no OpenTelemetry module.
+"""Whether and where the runner's traces go, and what a turn span takes from a chunk: pure, no
+OpenTelemetry module imported.
 
 Tracing is off unless asked: ``--otlp-endpoint`` / ``ALP_GATEWAY_OTLP_ENDPOINT`` or the standard
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (``OTEL_SDK_DISABLED=true``
 or ``OTEL_TRACES_EXPORTER=none`` turn it off again). When on, the runner imports
-:mod:`gateway.ops.otel` (which imports this module, never the other way), which holds the
+:mod:`gateway.runner.otel` (which imports this module, never the other way), which holds the
 SDK-backed spans; while off, no OpenTelemetry module is imported and a turn does no tracing work
 (the channel holds ``None``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 def endpoint_from_env(env: Mapping[str, str], setting: str | None = None) -> str | None:
@@ -44,19 +42,6 @@ def _traces_url(base: str) -> str:
     if urlsplit(base).path.rstrip("/").endswith("/v1/traces"):
         return base
     return base.rstrip("/") + "/v1/traces"
-
-
-def valid_traceparent(value: object) -> str | None:
-    """``value`` (lower-cased) when it is a well-formed W3C ``traceparent``, else None."""
-    if not isinstance(value, str):
-        return None
-    text = value.strip().lower()
-    if not _TRACEPARENT.match(text) or text.startswith("ff-"):
-        return None
-    _, trace_id, span_id, _ = text.split("-")
-    if trace_id == "0" * 32 or span_id == "0" * 16:
-        return None
-    return text
 
 
 class _Usage(msgspec.Struct):

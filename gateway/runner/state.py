@@ -1,4 +1,12 @@
-"""The persisted runner registration: an owner-only JSON file in the state directory."""
+"""The persisted runner registrations, one per Server and project: an owner-only JSON file in the state directory.
+
+A runner token is issued by one Server for one project and goes to no other Server: the file
+keeps one registration per (Server, ``OWNER/PROJECT``), so running the same project against
+another ``--server`` registers anew there and leaves the first one as it was. The file is
+``{"version": 2, "registrations": [...]}``; the first form, ``{"registrations": {"OWNER/PROJECT":
+{...}}}`` (one registration per project, each naming its Server), is read as it is and written
+in the new form at the next save.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,20 @@ import os
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 STATE_FILE = "registration.json"
+FILE_VERSION = 2
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class StateError(RuntimeError):
     """The state directory or file cannot be used; the message is one line for the user."""
+
+
+class WhichServer(StateError):
+    """No Server was given and the project is registered on several: the message says so."""
 
 
 @dataclass(frozen=True)
@@ -31,11 +47,31 @@ class Registration:
     def key(self) -> str:
         return f"{self.owner}/{self.project}"
 
+    def is_for(self, server: str, project: str) -> bool:
+        """Whether this is the registration for ``project`` (``OWNER/PROJECT``) at ``server``."""
+        return self.key == project and same_server(self.server, server)
+
     def __repr__(self) -> str:  # the token never reaches a log line through repr()
         return (
             f"Registration(id={self.id!r}, name={self.name!r}, server={self.server!r}, "
             f"project={self.key!r})"
         )
+
+
+def same_server(a: str, b: str) -> bool:
+    """Whether two Server URLs name the same Server: scheme and host in any case, the default
+    port written or not, a trailing ``/`` or not."""
+
+    def identity(url: str) -> tuple[str, str, int | None, str]:
+        parts = urlsplit(url.strip())
+        scheme = parts.scheme.lower()
+        try:
+            port = parts.port or _DEFAULT_PORTS.get(scheme)
+        except ValueError:
+            port = None
+        return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+    return identity(a) == identity(b)
 
 
 def _check_private(path: Path, want: int) -> None:
@@ -132,17 +168,20 @@ class StateStore:
         self._secure_dir(where)
         return where
 
-    def _load_all(self) -> dict[str, dict[str, str]]:
+    def _load_all(self) -> list[dict[str, Any]]:
+        """The file's entries (either form), not yet checked one by one; [] when there is none."""
         path = self.path
         try:
             if path.parent.exists():
                 self._secure_dir(path.parent)
             if not path.exists():
-                return {}
+                return []
             _check_private(path, 0o600)
             data = json.loads(path.read_text())
             regs = data["registrations"]
-            if not isinstance(regs, dict):
+            if isinstance(regs, dict):  # the first form: one per project, keyed by it
+                regs = list(regs.values())
+            if not isinstance(regs, list) or not all(isinstance(r, dict) for r in regs):
                 raise TypeError
             return regs
         except (ValueError, KeyError, TypeError):
@@ -152,30 +191,72 @@ class StateStore:
         except OSError as exc:
             raise StateError(f"{path}: {exc.strerror}") from None
 
-    def load(self, project: str) -> Registration | None:
-        """The saved registration for ``project`` (``OWNER/PROJECT``), if any."""
-        raw = self._load_all().get(project)
-        if raw is None:
-            return None
-        try:
-            return Registration(**raw)
-        except TypeError:
-            raise StateError(
-                f"{self.path}: the entry for {project} is damaged; register again"
-            ) from None
+    def registrations(self, project: str) -> list[Registration]:
+        """Every saved registration of ``project`` (``OWNER/PROJECT``), whatever its Server."""
+        found = []
+        for raw in self._load_all():
+            try:
+                reg = Registration(**raw)
+            except TypeError:
+                raise StateError(f"{self.path}: an entry is damaged; register again") from None
+            if reg.key == project:
+                found.append(reg)
+        return found
+
+    def load(self, server: str, project: str) -> Registration | None:
+        """The saved registration for ``project`` (``OWNER/PROJECT``) at ``server``, if any."""
+        return next((r for r in self.registrations(project) if r.is_for(server, project)), None)
+
+    def find(self, server: str, project: str, *, server_given: bool = True) -> Registration | None:
+        """The registration a runner for ``project`` uses: the one saved for ``server``; when
+        no Server was given (``server`` is the default), else the project's only one, at the
+        Server it names (registered once with ``--server``, run without it). ``StateError``
+        when there are several and none is at ``server``: which one is not guessed."""
+        regs = self.registrations(project)
+        reg = next((r for r in regs if r.is_for(server, project)), None)
+        if reg is not None or server_given or not regs:
+            return reg
+        if len(regs) == 1:
+            return regs[0]
+        raise WhichServer(
+            f"{self.path} holds registrations for {project} on "
+            f"{', '.join(r.server for r in regs)}: give --server to say which Server to serve"
+        )
+
+    def missing(self, server: str, project: str) -> str:
+        """Says, in one line, that ``project`` has no registration at ``server`` (and where it
+        has one: that token is not sent to ``server``)."""
+        elsewhere = [
+            r.server for r in self.registrations(project) if not same_server(r.server, server)
+        ]
+        held = (
+            f" (registered on {', '.join(elsewhere)} only; a runner token goes only to the "
+            "Server that issued it)"
+            if elsewhere
+            else ""
+        )
+        return f"no registration for {project} on {server}{held}"
 
     def save(self, reg: Registration) -> None:
-        """Persist ``reg`` atomically, owner-only."""
+        """Persist ``reg`` atomically, owner-only, in place of the one for the same Server and
+        project (the others are kept)."""
         path = self.path
         try:
             self._make_dir()
-            regs = self._load_all()
-            regs[reg.key] = asdict(reg)
+            regs = [
+                raw
+                for raw in self._load_all()
+                if not (
+                    f"{raw.get('owner')}/{raw.get('project')}" == reg.key
+                    and same_server(str(raw.get("server", "")), reg.server)
+                )
+            ]
+            regs.append(asdict(reg))
             tmp = path.with_suffix(".tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 os.fchmod(f.fileno(), 0o600)
-                json.dump({"registrations": regs}, f, indent=2)
+                json.dump({"version": FILE_VERSION, "registrations": regs}, f, indent=2)
                 f.write("\n")
             os.replace(tmp, path)
         except OSError as exc:

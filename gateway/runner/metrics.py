@@ -57,6 +57,14 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "channels_dead",
         "Chat Channels declared dead by the keepalive (dropped, then redialled).",
     ),
+    "turns_resumed": (
+        "turns_resumed",
+        "Turns of a dropped Chat Channel resumed on its redial (the resume extension).",
+    ),
+    "turns_continued": (
+        "turns_continued",
+        "Answers continued on another backend after theirs died mid-answer.",
+    ),
     "registration_errors": (
         "registration_errors",
         "Registration attempts that failed on an unreachable or failing Server (retried).",
@@ -65,8 +73,9 @@ _COUNTERS: dict[str, tuple[str, str]] = {
 _TURNS = {"turns_done": "done", "turns_error": "error", "turns_cancelled": "cancelled"}
 _REPORTS = {"reports_success": "success", "reports_failure": "failure", "reports_lost": "lost"}
 _HISTOGRAM_HELP = {
-    "ttft_seconds": "Time from a turn's request to the backend's first bytes.",
-    "relay_seconds": "Time from a read from the backend to its frames queued for the Server.",
+    "ttft_seconds": "Time from a streamed turn's request frame to its first chunk read from the "
+    "backend (a turn answered whole is not timed).",
+    "relay_seconds": "Time from a read of a streamed answer to its frames queued for the Server.",
 }
 _NOT_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
 

@@ -25,7 +25,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.ops.tracing import usage_attributes, valid_traceparent
+from gateway.runner.tracing import usage_attributes
+from gateway.wire.traceparent import valid_traceparent
 
 log = logging.getLogger("gateway.tracing")
 

@@ -1,0 +1,291 @@
+"""The hub's store as one async interface (``Store``), whatever database is behind it, and the
+write-behind batch of per-turn usage rows every backend shares.
+
+Nothing outside ``gateway.hub.store`` knows the database: callers ``await`` these methods and
+catch ``StoreError`` (``StoreUnavailable`` when the database cannot be used right now). An ended
+turn's row is queued (``queue_usage``, no I/O) and written by the store's writer task (``run``)
+with the rows queued beside it, in one transaction, ``batch_interval`` s after the first of them
+or as soon as ``batch_rows`` wait, and at stop; every read of usage writes what is queued first,
+so a reader in the same process sees every turn that ended. A crash loses at most the rows of
+that window. Pruning rides on those writes: after a batch, rows older than ``usage_retention``
+(relative to the newest row written) are deleted, at most ``PRUNE_BATCH`` at a time."""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from typing import Any
+
+import trio
+
+from gateway.hub.store.records import (
+    DEFAULT_KEY_PROJECT,
+    ApiKey,
+    HourlyUsage,
+    KeyLimits,
+    ModelList,
+    Registration,
+    StoredJob,
+    StoredSession,
+    UsageRecord,
+    UsageTotal,
+)
+
+log = logging.getLogger("gateway.hub.store")
+
+BATCH_INTERVAL = 0.1  # s: a queued usage row is written at most this long after its turn ended
+BATCH_ROWS = 256  # ...or as soon as this many rows wait
+PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
+PRUNE_EVERY = 60.0  # s (of the rows' time) between prunes once nothing old is left
+
+UsageRow = tuple[UsageRecord, float]  # an ended turn and when it ended (Unix time)
+
+
+class StoreError(Exception):
+    """The store refused or failed an operation; the message is one line that says why."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be used right now (locked, unreachable, out of space): try later."""
+
+
+class Store(abc.ABC):
+    """The hub's store: registrations, API keys (and their limits), jobs and reports, sessions,
+    model lists, usage (a row per front-door turn, kept ``usage_retention`` s; hourly totals
+    per key and model, kept for good). A backend implements the abstract methods."""
+
+    where: str = "(memory)"  # the database, for messages (a path; never a credential)
+
+    def __init__(
+        self,
+        *,
+        usage_retention: float = math.inf,
+        batch_interval: float = BATCH_INTERVAL,
+        batch_rows: int = BATCH_ROWS,
+    ) -> None:
+        self.usage_retention = usage_retention
+        self.batch_interval = batch_interval
+        self.batch_rows = batch_rows
+        self._pending: list[UsageRow] = []
+        self._queued = trio.Event()  # a row waits
+        self._full = trio.Event()  # ``batch_rows`` rows wait
+        self._next_prune = -math.inf  # of the rows' time
+
+    # -- the write-behind batch of usage rows ----------------------------------------------
+
+    def queue_usage(self, record: UsageRecord, at: float) -> None:
+        """An ended turn (``at``: when, Unix time), written by the writer with the next batch:
+        its row, and its key's hourly totals. No I/O: this is what the turn's path calls."""
+        self._pending.append((record, at))
+        if len(self._pending) == 1:
+            self._queued.set()
+        if len(self._pending) >= self.batch_rows:
+            self._full.set()
+
+    async def add_usage(self, record: UsageRecord, at: float) -> None:
+        """An ended turn written now (with any queued before it); StoreError when it cannot be."""
+        self._pending.append((record, at))
+        rows, self._pending = self._pending, []
+        await self._write_batch(rows)
+
+    async def flush_usage(self) -> None:
+        """Write the queued rows now, in one transaction (then prune when due). A database that
+        refuses them costs those rows, with one warning line: serving goes on."""
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        try:
+            await self._write_batch(rows)
+        except StoreError as exc:
+            log.warning("could not record the usage of %d turn(s): %s", len(rows), exc)
+
+    async def _write_batch(self, rows: list[UsageRow]) -> None:
+        await self._write_usage(rows)
+        newest = max(at for _record, at in rows)
+        if not math.isfinite(self.usage_retention) or newest < self._next_prune:
+            return
+        try:
+            deleted = await self.prune_usage(newest - self.usage_retention, PRUNE_BATCH)
+        except StoreError as exc:  # the rows are written: pruning is tried again next time
+            log.warning("could not prune the usage rows older than the retention: %s", exc)
+            return
+        self._next_prune = newest if deleted >= PRUNE_BATCH else newest + PRUNE_EVERY
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The writer, until cancelled: a batch ``batch_interval`` s after its first row was
+        queued (sooner when ``batch_rows`` wait); at stop, what is left."""
+        task_status.started()
+        try:
+            while True:
+                # only the writer renews its events, each right before it looks (no lost wake-up)
+                self._queued = trio.Event()
+                if not self._pending:
+                    await self._queued.wait()
+                self._full = trio.Event()
+                if len(self._pending) < self.batch_rows:
+                    with trio.move_on_after(self.batch_interval):
+                        await self._full.wait()
+                await self.flush_usage()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.flush_usage()
+
+    async def close(self) -> None:
+        """Write what is queued, then let the database go (idempotent)."""
+        await self.flush_usage()
+        await self._close()
+
+    # -- what a backend implements -----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _write_usage(self, rows: list[UsageRow]) -> None:
+        """The rows and their keys' hourly totals, in one transaction."""
+
+    # jobs
+
+    @abc.abstractmethod
+    async def save_job(self, job: StoredJob) -> None:
+        """Insert or update a job's row (its reports are kept apart: ``add_job_report``)."""
+
+    @abc.abstractmethod
+    async def delete_job(self, job_id: str) -> None:
+        """Forget a job, its reports and the sessions on it (a queued job withdrawn)."""
+
+    @abc.abstractmethod
+    async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
+        """Append one status report received for ``job_id`` (accepted or not)."""
+
+    @abc.abstractmethod
+    async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
+        """Every stored job with its reports, oldest first (``live_only``: not completed)."""
+
+    @abc.abstractmethod
+    async def load_job(self, job_id: str) -> StoredJob | None:
+        """One stored job with its reports, or None."""
+
+    @abc.abstractmethod
+    async def job_ids(self) -> list[str]:
+        """The id of every stored job, oldest first."""
+
+    @abc.abstractmethod
+    async def count_jobs(self) -> int:
+        """How many jobs are stored."""
+
+    # front-door sessions
+
+    @abc.abstractmethod
+    async def save_session(self, session: StoredSession) -> None:
+        """Insert or replace the row of (key name, session id)."""
+
+    @abc.abstractmethod
+    async def delete_session(
+        self, key_name: str, session_id: str, job_id: str | None = None
+    ) -> None:
+        """Forget a session's row (with ``job_id``: only while it still points at that job, so
+        a revoked key's ending session does not take a new same-named key's row with it)."""
+
+    @abc.abstractmethod
+    async def load_sessions(self) -> list[StoredSession]:
+        """Every stored session, by key name and session id."""
+
+    # model lists
+
+    @abc.abstractmethod
+    async def save_models(self, models: ModelList) -> None:
+        """Keep a runner's latest model list (replacing the one before)."""
+
+    @abc.abstractmethod
+    async def load_models(self, owner: str, project: str) -> list[ModelList]:
+        """Every runner's last model list in ``owner/project``, newest first."""
+
+    # registrations
+
+    @abc.abstractmethod
+    async def add_registration(
+        self, owner: str, project: str, name: str, labels: list[str]
+    ) -> tuple[Registration, str]:
+        """Register a runner; returns its registration and token (shown once, stored hashed)."""
+
+    @abc.abstractmethod
+    async def registration_by_token(self, token: str) -> Registration | None:
+        """The registration whose token this is (constant-time comparison against every hash)."""
+
+    @abc.abstractmethod
+    async def registration(self, runner_id: str) -> Registration | None:
+        """The registration of runner ``runner_id``, or None."""
+
+    # API keys
+
+    @abc.abstractmethod
+    async def create_api_key(
+        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
+    ) -> str:
+        """Create an API key for ``project`` ("owner/project") with ``limits`` (none by
+        default); returns the key (shown once). ValueError when the name is empty, the project
+        malformed, or an active key already has this name (a revoked name may be reused)."""
+
+    @abc.abstractmethod
+    async def list_api_keys(self) -> list[dict[str, object]]:
+        """Every key (revoked ones too), oldest first, with its limits (a KeyLimits)."""
+
+    @abc.abstractmethod
+    async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
+        """The id and limits of the active key named ``name``, or None."""
+
+    @abc.abstractmethod
+    async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
+        """Replace the limits of the active key named ``name``; False when there is none."""
+
+    @abc.abstractmethod
+    async def revoke_api_key(self, name: str) -> bool:
+        """Revoke the active key named ``name``; False when there is none."""
+
+    @abc.abstractmethod
+    async def check_api_key(self, key: str) -> ApiKey | None:
+        """The active API key ``key`` is, or None (constant-time comparison against every hash)."""
+
+    @abc.abstractmethod
+    async def active_key_ids(self) -> set[str]:
+        """The ids of every active (not revoked) API key."""
+
+    @abc.abstractmethod
+    async def active_key_id(self, name: str) -> str | None:
+        """The id of the active API key named ``name``, or None."""
+
+    # usage: every read writes the queued rows first
+
+    @abc.abstractmethod
+    async def prune_usage(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` turn rows older than ``before`` (the oldest first; the hourly
+        totals stay); returns how many. Rows are complete from ``usage_turns_from`` on."""
+
+    @abc.abstractmethod
+    async def usage_turns_from(self) -> float:
+        """The Unix time from which every turn's row is kept (-inf: none was ever pruned)."""
+
+    @abc.abstractmethod
+    async def usage_rows(
+        self, since: float = 0.0, key_name: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The kept turn rows ended at or after ``since``, oldest first."""
+
+    @abc.abstractmethod
+    async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
+        """Hourly totals per key name and model from the hour ``since`` falls in on, oldest
+        first."""
+
+    @abc.abstractmethod
+    async def usage_totals(
+        self, since: float, key_name: str | None = None
+    ) -> tuple[list[UsageTotal], bool]:
+        """Per key name and model, the use since ``since`` (Unix time); and whether that is
+        exact (from the turn rows, all kept since then) or from the hourly totals (the hour
+        ``since`` falls in counted whole)."""
+
+    @abc.abstractmethod
+    async def tokens_since(self, key_id: str, hour: int) -> int:
+        """The key's prompt and completion tokens from ``hour`` (an hour's start) on."""

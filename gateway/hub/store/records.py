@@ -1,0 +1,188 @@
+"""The hub store's records: runner registrations, API keys and their limits, jobs, sessions, model
+lists and usage totals, as every backend reads and writes them. Pure: values only, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+HOUR = 3600
+DEFAULT_KEY_PROJECT = "local/chat"
+# the outcomes counted as errors in the totals (``gateway.hub.turn.State``: failed, lost, refused,
+# cut by the hub stopping)
+ERROR_OUTCOMES = ("error", "lost", "refused", "cut")
+LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "max_streams")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A runner's registration as the hub keeps it (the token itself never, only its hash)."""
+
+    id: str
+    name: str
+    owner: str
+    project: str
+    labels: tuple[str, ...]
+    registered_at: str
+    token_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """An active front-door API key: who may chat, and in which project."""
+
+    name: str
+    owner: str
+    project: str
+    id: str = ""  # ``key_id_of`` its hash: what its chat sessions are keyed by
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """An API key's limits (None: none): requests and tokens a minute, tokens a day (UTC),
+    turns in flight at once."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    tokens_per_day: int | None = None
+    max_streams: int | None = None
+
+    def describe(self) -> str:
+        """``rpm=3 tpm=1000 tokens/day=50000 streams=2`` (only the limits set), or ``-``."""
+        parts = [
+            f"{label}={value}"
+            for label, value in (
+                ("rpm", self.rpm),
+                ("tpm", self.tpm),
+                ("tokens/day", self.tokens_per_day),
+                ("streams", self.max_streams),
+            )
+            if value is not None
+        ]
+        return " ".join(parts) or "-"
+
+    def as_json(self) -> dict[str, int | None]:
+        return {name: getattr(self, name) for name in LIMIT_NAMES}
+
+    def values(self) -> tuple[int | None, ...]:
+        """The limits in ``LIMIT_NAMES`` order (0 or None: no limit, None)."""
+        return tuple(getattr(self, name) or None for name in LIMIT_NAMES)
+
+
+def limits_of(
+    rpm: int | None = None,
+    tpm: int | None = None,
+    tokens_per_day: int | None = None,
+    max_streams: int | None = None,
+) -> KeyLimits:
+    """KeyLimits from given values, 0 (or None) meaning no limit; ValueError on a negative or
+    non-integer value."""
+    values: dict[str, int | None] = {}
+    for name, value in zip(LIMIT_NAMES, (rpm, tpm, tokens_per_day, max_streams), strict=True):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise ValueError(f"the limit {name} must be a whole number, 0 for none, not {value!r}")
+        values[name] = value or None
+    return KeyLimits(**values)
+
+
+@dataclass(frozen=True)
+class HourlyUsage:
+    """One key's use in one hour (UTC, the hour's start as a Unix time)."""
+
+    hour: int
+    key_name: str
+    model: str | None
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int = 0  # turns that ended in error, lost or refused (by the hub, not its limits)
+    estimated: int = 0  # turns whose tokens are the hub's estimate (ended before the backend said)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One ended front-door turn as the usage ledger keeps it (a row; its key's hourly totals).
+
+    ``model`` is the ledger's name of the model (``""``: the runner's default); ``estimated``:
+    the tokens are the hub's estimate (the turn ended before the backend said its usage)."""
+
+    key_id: str
+    key_name: str
+    session: str
+    api: str
+    model: str
+    stream: bool
+    outcome: str
+    runner_id: str | None = None
+    job_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft: float | None = None
+    duration: float | None = None
+    estimated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UsageTotal:
+    """One key's use of one model over a span: turns, tokens, errors (``model`` "" when the
+    runner's default served)."""
+
+    key_name: str
+    model: str
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int
+    estimated: int = 0  # turns whose tokens are the hub's estimate
+
+
+@dataclass(slots=True)
+class StoredJob:
+    """A Chat Job as the database keeps it (``reports``: every status report received, in order)."""
+
+    id: str
+    owner: str
+    project: str
+    needs: list[str]
+    agent_definition: dict[str, Any]
+    origin: str = "api"  # "api" (enqueue_job) or "frontdoor" (a /v1 chat session)
+    run_id: str | None = None
+    claimed_by: str | None = None
+    runner_name: str | None = None
+    status: str = "queued"
+    conclusion: str | None = None
+    final_reported: bool = False  # a runner's "completed" report was accepted
+    cancelled: bool = False
+    cancel_reason: str | None = None
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    """The last ``chat.models.response`` a runner gave, and when (Unix time)."""
+
+    runner_id: str
+    owner: str
+    project: str
+    models: tuple[str, ...]
+    answered_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    """A front-door chat session: (API key, X-Chat-Session) -> its Chat Job. ``key_id``: the
+    key's id (empty in rows stored before keys had one: then the key is found by name)."""
+
+    key_name: str
+    session_id: str
+    owner: str
+    project: str
+    job_id: str
+    key_id: str = ""
+
+
+def hour_of(at: float) -> int:
+    """The start of the UTC hour ``at`` (a Unix time) falls in; 0 for a time not after 0."""
+    return int(at) // HOUR * HOUR if at > 0 else 0

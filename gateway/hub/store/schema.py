@@ -1,0 +1,161 @@
+"""The hub store's schema as versioned migrations, applied in order at start (SQLite's dialect).
+
+Pure data: each backend applies them in one transaction and records each version applied in
+its ``schema_version`` table; a store whose version is newer than ``LATEST`` is refused.
+Migration 1 is the schema of every store made before migrations, exactly: it creates what is
+missing and adds the columns older stores lack, so an existing data directory opens unchanged.
+A change to the schema is a new migration at the end, never an edit of one that shipped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step of the schema: statements run in order, then the columns a store made before
+    them may lack, added when missing (``(table, column, declaration)``)."""
+
+    version: int
+    what: str
+    statements: tuple[str, ...]
+    columns: tuple[tuple[str, str, str], ...] = ()
+
+
+VERSION_TABLE = (
+    "CREATE TABLE IF NOT EXISTS schema_version ("
+    "version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
+)
+
+_V1 = (
+    """CREATE TABLE IF NOT EXISTS runners (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    token_hash TEXT NOT NULL,
+    registered_at TEXT NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS api_keys (
+    name TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    key_hash TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0,
+    rpm INTEGER,
+    tpm INTEGER,
+    tokens_per_day INTEGER,
+    max_streams INTEGER
+)""",
+    """CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    run_id TEXT,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    needs TEXT NOT NULL,
+    agent_definition TEXT NOT NULL,
+    origin TEXT NOT NULL,
+    claimed_by TEXT,
+    runner_name TEXT,
+    status TEXT NOT NULL,
+    conclusion TEXT,
+    final_reported INTEGER NOT NULL DEFAULT 0,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    cancel_reason TEXT,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS job_reports (
+    job_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    received_at TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+)""",
+    """CREATE TABLE IF NOT EXISTS runner_models (
+    runner_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    models TEXT NOT NULL,
+    answered_at REAL NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS sessions (
+    key_name TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    key_id TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (key_name, session_id)
+)""",
+    """CREATE TABLE IF NOT EXISTS usage_turns (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    key_id TEXT NOT NULL,
+    key_name TEXT NOT NULL,
+    session TEXT NOT NULL,
+    runner_id TEXT,
+    job_id TEXT,
+    model TEXT NOT NULL,
+    api TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    prompt_tokens INTEGER,
+    completion_tokens INTEGER,
+    ttft REAL,
+    duration REAL,
+    outcome TEXT NOT NULL
+)""",
+    "CREATE INDEX IF NOT EXISTS usage_turns_at ON usage_turns (at)",
+    """CREATE TABLE IF NOT EXISTS usage_hourly (
+    hour INTEGER NOT NULL,
+    key_id TEXT NOT NULL,
+    key_name TEXT NOT NULL,
+    model TEXT NOT NULL,
+    turns INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    errors INTEGER NOT NULL,
+    PRIMARY KEY (hour, key_id, model)
+)""",
+    """CREATE TABLE IF NOT EXISTS usage_meta (
+    name TEXT PRIMARY KEY,
+    value REAL NOT NULL
+)""",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "the tables of every store made before migrations",
+        _V1,
+        columns=(
+            # a store from before sessions were keyed by the key's id
+            ("sessions", "key_id", "TEXT NOT NULL DEFAULT ''"),
+            # a store from before keys had limits
+            ("api_keys", "rpm", "INTEGER"),
+            ("api_keys", "tpm", "INTEGER"),
+            ("api_keys", "tokens_per_day", "INTEGER"),
+            ("api_keys", "max_streams", "INTEGER"),
+        ),
+    ),
+    Migration(
+        2,
+        "usage marked estimated: a turn that ended before its backend said its tokens",
+        (),
+        columns=(
+            ("usage_turns", "estimated", "INTEGER NOT NULL DEFAULT 0"),
+            ("usage_hourly", "estimated", "INTEGER NOT NULL DEFAULT 0"),
+        ),
+    ),
+)
+LATEST = MIGRATIONS[-1].version
+
+
+def too_new(where: str, version: int) -> str:
+    """The one line that refuses a store whose schema is newer than this code knows."""
+    return (
+        f"the hub store {where} has schema version {version}, newer than this alp-gateway "
+        f"knows (up to {LATEST}): run the alp-gateway that made it, or a newer one"
+    )
