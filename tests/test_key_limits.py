@@ -18,13 +18,13 @@ import pytest
 import trio
 import trio.testing
 from fake_runner import USAGE, FakeRunner, Script
-from gateway.hub.turns import TurnRecord
 from helpers import hub_command
 from test_causes import ADMIN, GUARD, MESSAGES, OWNER, PROJECT, chat, client, error_of, hub_of
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
 from gateway.hub.store import KeyLimits
+from gateway.hub.turn import Turn
 
 TOKENS = USAGE["total_tokens"]  # each of the fake runner's turns (it always sends usage here)
 
@@ -37,7 +37,7 @@ class Ended:
         self._change = trio.Event()
         hub.accounting.observers.append(self._ended)
 
-    def _ended(self, _record: TurnRecord) -> None:
+    def _ended(self, _record: Turn) -> None:
         self.n += 1
         self._change.set()
         self._change = trio.Event()

@@ -33,7 +33,6 @@ from rawclient import head as raw_head
 from rawclient import request as raw_request
 
 from gateway.hub import Hub
-from gateway.hub.admin import limits_supported
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
@@ -44,9 +43,7 @@ EXPECT_MS = 10_000  # Playwright's waits for what the page shows
 POLL_MS = 250  # the page's poll interval in this test (?poll=)
 MESSAGES = [{"role": "user", "content": "hello there"}]
 SLOW = {"chunks": 40, "interval": 0.1}  # a turn in flight for 4 s: seen live on the page
-# Key limits are being added to Hub.create_api_key by another branch. Until they are there, the
-# key is created without one and the 429 step below is not run (LIMITS_EXIST is False).
-LIMITS_EXIST = limits_supported()
+LIMITS_EXIST = True  # every hub takes key limits now (the 429 step below runs)
 
 
 def _unavailable(reason: str) -> None:

@@ -18,7 +18,6 @@ import httpx
 import trio
 import trio.testing
 import trio_websocket
-from gateway.hub.dispatch import FairQueue, Waiter
 from helpers import register_runner
 from test_causes import (
     CHAT_DEFINITION,
@@ -33,6 +32,7 @@ from test_causes import (
 )
 
 from gateway.hub import Hub, open_hub
+from gateway.hub.dispatch import FairQueue, Waiter
 from gateway.wire import protocol
 
 DEPTH = f"{OWNER}/{PROJECT}"
@@ -95,7 +95,10 @@ class SlotRunner(HandRunner):
 
 @asynccontextmanager
 async def busy_hub(**settings: Any) -> AsyncIterator[tuple[Hub, str, SlotRunner, trio.Nursery]]:
-    """A hub whose project's only runner holds one session and is at capacity."""
+    """A hub whose project's only runner holds one session and is at capacity (a runner driven
+    by hand: it polls only when the test frees a slot, so the hub must not count it offline
+    while virtual time passes)."""
+    settings.setdefault("offline_after", 10 * GUARD)
     async with open_hub(hub_of(**settings)) as (hub, url), trio.open_nursery() as nursery:
         registration = await register_runner(hub, OWNER, PROJECT, "by-hand", ["self-hosted"])
         runner = SlotRunner(registration, url, nursery)
@@ -123,9 +126,12 @@ def depth(hub: Hub) -> int:
 
 
 async def until(hub: Hub, predicate: Any) -> None:
-    """Wait on the board's changes (the queue's joins and leaves notify them) until it holds."""
+    """Wait until ``predicate`` holds: looked at on every change of the board (the queue's joins
+    and leaves notify it), and each virtual second (what a hand-driven runner did is no change
+    of the hub's)."""
     while not predicate():
-        await hub.board.changes.wait()
+        with trio.move_on_after(1.0):
+            await hub.board.changes.wait()
 
 
 # -- the order: pure -------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from gateway.hub.turns import TurnRecord
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
@@ -555,9 +554,7 @@ async def test_turns_that_ended_are_in_the_store_when_the_hub_stops(tmp_path: Pa
     hub = Hub(tmp_path / "hub")
     async with open_hub(hub):
         for n in range(3):
-            turn = TurnRecord(f"id-key{n}", f"key{n}", "s", "chat", "m", True, 0.0)
-            turn.ended, turn.outcome = 1.0, "ok"
-            hub.frontdoor.usage.ended(turn)
+            hub.store.queue_usage(_record(f"key{n}"), 1_700_000_000.0 + n)
     reopened = open_store(tmp_path / "hub")
     assert [r["key_name"] for r in await reopened.usage_rows()] == ["key0", "key1", "key2"]
     await reopened.close()

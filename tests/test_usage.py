@@ -21,12 +21,12 @@ import pytest
 import trio
 import trio.testing
 from fake_runner import FakeRunner, Script
-from gateway.hub.turns import TurnRecord
 from helpers import ADMIN, OWNER, PROJECT, runner_config, running
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
 from gateway.hub.store import PRUNE_BATCH, HourlyUsage, KeyLimits, UsageRecord, open_store
+from gateway.hub.turn import Turn
 from gateway.sim import Simulator
 
 LIMIT = 15.0  # s: no step of a real-time test may take longer
@@ -39,16 +39,16 @@ class Ended:
     """The turns the usage book was told of, and a wait for a count of them."""
 
     def __init__(self, hub: Hub) -> None:
-        self.records: list[TurnRecord] = []
+        self.records: list[Turn] = []
         self._change = trio.Event()
         hub.accounting.observers.append(self._ended)
 
-    def _ended(self, record: TurnRecord) -> None:
+    def _ended(self, record: Turn) -> None:
         self.records.append(record)
         self._change.set()
         self._change = trio.Event()
 
-    async def count(self, n: int) -> list[TurnRecord]:
+    async def count(self, n: int) -> list[Turn]:
         while len(self.records) < n:
             await self._change.wait()
         return self.records
@@ -316,22 +316,35 @@ async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_t
     """Only the usage-only chunk is kept from the client (the turn's choices found where its
     chunks open them, else searched), and its tokens are taken, the chunk frames handed over
     with their bytes or without."""
-    from gateway.hub.frontdoor.relay import DONE, StreamSink
-
-    from gateway.hub.channel import Frame
+    from gateway.hub.frontdoor.dialects import CHAT
+    from gateway.hub.turn import State, Turn
     from gateway.wire import protocol
 
-    record = TurnRecord("id", "alice", "s", "chat", "m", True, 0.0)
     resp = _Taken()
-    sink = StreamSink(resp, [], 1 << 20, record=record, strip_usage=True)  # type: ignore[arg-type]
+    record = Turn(
+        "id",
+        "key-id",
+        "alice",
+        "s",
+        b"{}",
+        CHAT,
+        resp,  # type: ignore[arg-type]
+        model="m",
+        stream=True,
+        bound=1 << 20,
+        max_answer=1 << 20,
+        strip_usage=True,
+        now=0.0,
+    )
+    record.sent("r", "runner", "job")
     frames = protocol.TurnFrames("job", "r")
     for chunk in chunks:
         frame = frames.chunk(chunk)
-        raw = msgspec.json.decode(frame, type=Frame).chunk
-        sink.chunk(raw, frame) if framed else sink.chunk(raw)
-        sink.flush_batch()
-    sink.frame(Frame(type=protocol.COMPLETION_DONE))
-    assert sink.state == DONE
+        raw = msgspec.json.decode(frame, type=protocol.ChunkFrame).chunk
+        record.chunk(raw, frame) if framed else record.chunk(raw)
+        record.flush()
+    record.reply(protocol.DoneFrame("job", "r"))
+    assert record.state is State.DONE
     sent = b"".join(b"data: " + c + b"\n\n" for c in chunks[:-1]) + b"data: [DONE]\n\n"
     assert resp.out == sent
     assert (record.prompt_tokens, record.completion_tokens, record.chunks) == (4, 3, 3)

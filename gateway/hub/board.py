@@ -176,6 +176,7 @@ class RunnerState:
     capabilities: frozenset[str] | None = None
     polled_at: float | None = None  # trio clock
     models: frozenset[str] | None = None  # the models it listed last (None: not known yet)
+    listing: bool = False  # asked for its models on a channel it opened; no answer yet
     name: str | None = None  # its registration's (known once it was seen with it)
     labels: tuple[str, ...] = ()
 

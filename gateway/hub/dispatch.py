@@ -96,6 +96,7 @@ class Waiter:
     claimed_at: float | None = None  # when the job opened for it was claimed (the dial wait)
     queued: bool = False  # it waited with every runner that serves it at capacity
     redial_until: float | None = None  # its session's channel is gone: the redial waited until
+    seeking: float | None = None  # clock: since when it needs a new job (its waits count from)
     follows: Waiter | None = None  # the turn of its session whose new job it will share
 
 
@@ -108,6 +109,7 @@ class RunnerView:
     capable: bool | None  # its last poll advertised chat-llm:v1 (None: it has not polled)
     held: int  # live jobs it holds
     models: frozenset[str] | None  # the models it listed (None: not known)
+    listing: bool = False  # it is being asked for its models right now (on a channel it opened)
 
 
 @dataclass(frozen=True)
@@ -236,15 +238,12 @@ def serves(runner: RunnerView, model: str | None) -> bool:
 
 
 def eligible(runners: Iterable[RunnerView], model: str | None) -> frozenset[str] | None:
-    """The runners a new job for ``model`` may go to: those that list it; else, when none does,
-    those whose models are not known yet; None: any (no model asked)."""
+    """The runners a new job for ``model`` may go to: those that list it, and those whose models
+    are not known yet (the hub asks a runner for its list as it appears, so that lasts a moment);
+    None: any (no model asked)."""
     if model is None:
         return None
-    runners = list(runners)
-    listing = frozenset(r.id for r in runners if serves(r, model))
-    if listing:
-        return listing
-    return frozenset(r.id for r in runners if r.models is None)
+    return frozenset(r.id for r in runners if r.models is None or model in r.models)
 
 
 def plan(
@@ -273,7 +272,7 @@ def plan(
             if job is None or job.over:  # withdrawn or ended before its channel came
                 waiter.job_id, waiter.opened, waiter.claimed_at = None, False, None
             elif job.claimed_by is not None:
-                _dialling(waiter, job, queue, limits, now, out)
+                _dialling(waiter, job, queue, runners, limits, now, out)
                 leaders.setdefault(waiter.session, waiter)  # its session's turns follow it
                 continue
         leader = leaders.get(waiter.session)
@@ -287,13 +286,28 @@ def plan(
     return out
 
 
+def _learning(runner: RunnerView, model: str | None) -> bool:
+    """Whether the turn waits for ``runner``'s model list, asked as its channel opened (its
+    first: until then it may or may not serve ``model``)."""
+    return model is not None and runner.models is None and runner.listing
+
+
 def _dialling(
-    waiter: Waiter, job: JobView, queue: FairQueue, limits: Limits, now: float, out: Plan
+    waiter: Waiter,
+    job: JobView,
+    queue: FairQueue,
+    runners: Mapping[str, RunnerView],
+    limits: Limits,
+    now: float,
+    out: Plan,
 ) -> None:
     """A turn whose new job was claimed: out of the queue (served), its channel awaited for
     ``dial_within``."""
     queue.leave(waiter, served=True)
     if job.channel:
+        holder = runners.get(job.claimed_by) if job.claimed_by else None
+        if holder is not None and _learning(holder, waiter.model):
+            return  # its models come in a moment (a change): served then, or moved
         out.actions.append(Assign(waiter, job.id))
         return
     if waiter.claimed_at is None:
@@ -326,6 +340,8 @@ def _session_job(
         waiter.job_id = None
         return False
     if job.channel:
+        if holder is not None and _learning(holder, waiter.model):
+            return True  # its models come in a moment (a change): served then, or moved
         out.actions.append(Assign(waiter, job.id))
         return True
     targets = eligible([r for r in runners.values() if r.alive], waiter.model)
@@ -365,6 +381,9 @@ def _queue(
         for waiter in seeking:
             out.actions.append(Refuse(waiter, why, live=pool.live))
         return
+    for waiter in seeking:
+        if waiter.seeking is None:
+            waiter.seeking = now
     alive = [r for r in runners.values() if r.alive]
     targets_of: dict[str | None, frozenset[str] | None] = {}
     free_of: dict[str | None, int] = {}
@@ -372,6 +391,7 @@ def _queue(
         if waiter.model not in targets_of:
             targets = targets_of[waiter.model] = eligible(alive, waiter.model)
             free_of[waiter.model] = sum(1 for r in pool.free if _in(r, targets))
+    fresh: set[int] = set()  # the turns that join the queue now
     for waiter in seeking:  # newcomers: served at once, or waiting (within the queue's bound)
         if waiter in queue:
             continue
@@ -383,6 +403,7 @@ def _queue(
             )
             continue
         queue.join(waiter)
+        fresh.add(id(waiter))
     order = queue.order()
     rank: dict[str | None, int] = {}
     all_hold: dict[str | None, bool] = {}
@@ -397,7 +418,9 @@ def _queue(
         before_hold = all_hold.get(model, True)
         job = jobs.get(waiter.job_id) if waiter.job_id is not None else None
         if job is None:
-            held = nth < max(1, free) and before_hold
+            # as many hold a job as runners are free (at least the first); and one that comes
+            # while a runner is free, every turn ahead of it holding one, opens its own at once
+            held = before_hold and (nth < max(1, free) or (id(waiter) in fresh and free > 0))
             if held:
                 out.actions.append(Open(waiter, targets))
         elif not free and nth > 0:
@@ -411,7 +434,7 @@ def _queue(
             waiter.queued = True  # it waits with every runner that serves it at capacity
             out.newly_queued.append(waiter)
         limit = limits.queue_wait if waiter.queued else limits.dial_within
-        due = waiter.arrived + limit
+        due = (waiter.seeking if waiter.seeking is not None else waiter.arrived) + limit
         if now < due:
             out.wake = min(out.wake, due)
         elif waiter.queued:

@@ -240,6 +240,7 @@ class Dispatcher:
                 None if caps is None else protocol.CAPABILITY in caps,
                 held.get(runner_id, 0),
                 state.models,
+                state.listing,
             )
         return out
 
@@ -269,9 +270,12 @@ class Dispatcher:
                     view.job_id = waiting.session.job_id
             now = trio.current_time()
             views = [w.view for w in project.waiting if w.job_id is None and w.refusal is None]
+            depth = len(project.queue)
             decided = plan(
                 project.queue, views, self._runners(key), self._jobs(project), limits, now
             )
+            if len(project.queue) != depth:
+                self.changes.notify()  # whoever watches the queue (its depth) sees it
             self.counters.queued += len(decided.newly_queued)
             self.counters.redial_waits += len(decided.redialling)
             by_view = {id(w.view): w for w in project.waiting}

@@ -64,10 +64,14 @@ class Catalog:
         self._lists: dict[str, tuple[str, ...]] = {}  # runner id -> its last list
         self._loaded: set[tuple[str, str]] = set()  # projects whose stored lists were read
         self._asking: set[str] = set()  # runner ids asked right now
+        # runners that did not answer a models request (a runner without chat.models.request:
+        # its list stays unknown, and no turn waits for it)
+        self._silent: set[str] = set()
         # runner id -> the listing job offered to it alone, and when it was offered
         self._listing: dict[str, tuple[Job, float]] = {}
         self._failed: dict[str, float] = {}  # runner id -> when a listing gave nothing
         self._send: trio.MemorySendChannel[ServerChannel] | None = None
+        self._offered = trio.Event()  # a listing job was offered
         self.answered = trio.Event()  # set (and renewed) whenever a runner's list comes
         channels.on_open.append(self._opened)
 
@@ -158,13 +162,19 @@ class Catalog:
     # -- asking ------------------------------------------------------------------------
 
     def _opened(self, ch: ServerChannel) -> None:
-        """Every channel that opens is asked for its runner's models (in ``run``'s task)."""
+        """Every channel that opens is asked for its runner's models (in ``run``'s task); a
+        runner whose list is not known yet is marked as being asked (the dispatcher waits for
+        its answer before it gives a turn that names a model to it)."""
         if self._send is not None and ch.runner_id not in self._asking:
             self._asking.add(ch.runner_id)
             try:
                 self._send.send_nowait(ch)
             except trio.WouldBlock:
                 self._asking.discard(ch.runner_id)
+                return
+            state = self.board.runners.get(ch.runner_id)
+            if state is not None and state.models is None and ch.runner_id not in self._silent:
+                state.listing = True
 
     async def _want(self, owner: str, project: str) -> None:
         """Offer a listing job to each live capable runner of the project whose models are not
@@ -186,6 +196,7 @@ class Catalog:
             )
             job.runners = frozenset({runner_id})
             self._listing[runner_id] = (job, now)
+            self._offered.set()
             log.info(
                 "runner %s: its models are not known: offered listing job %s", runner_id, job.id
             )
@@ -207,7 +218,9 @@ class Catalog:
         models = answer.models
         if models is None:
             log.info("no models from the channel of job %s (runner %s)", ch.job_id, ch.runner_id)
+            self._silent.add(ch.runner_id)  # turns are not held for its answer again
             return None
+        self._silent.discard(ch.runner_id)
         await self._keep(ch, models)
         return models
 
@@ -236,6 +249,10 @@ class Catalog:
             models = await self.ask(ch, self.settings.models_timeout)
         finally:
             self._asking.discard(ch.runner_id)
+            state = self.board.runners.get(ch.runner_id)
+            if state is not None and state.listing:
+                state.listing = False  # answered, or not within models_timeout: no more waiting
+                self.board.changes.notify()
         listing = self._listing.get(ch.runner_id)
         if listing is not None and listing[0].id == ch.job_id:
             del self._listing[ch.runner_id]
@@ -255,13 +272,19 @@ class Catalog:
                 nursery.start_soon(self._serve, ch)
 
     async def _expire_listings(self) -> None:
+        """Take back a listing job no runner claimed within ``models_wait`` (asleep while there
+        is none: no timer runs for nothing)."""
         while True:
-            await trio.sleep(max(self.settings.models_wait / 2, 0.05))
+            if not self._listing:
+                self._offered = trio.Event()
+                await self._offered.wait()
+                continue
+            due = min(offered for _job, offered in self._listing.values())
+            await trio.sleep_until(due + self.settings.models_wait)
             now = trio.current_time()
+            wait = self.settings.models_wait
             for runner_id, (job, offered) in list(self._listing.items()):
-                if job.over or (
-                    job.claimed_by is None and now - offered > self.settings.models_wait
-                ):
+                if job.over or (job.claimed_by is None and now - offered >= wait):
                     await self.board.withdraw(job.id, "its runner did not take it")
                     del self._listing[runner_id]
                     self._failed[runner_id] = now + RETRY_LISTING

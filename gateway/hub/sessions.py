@@ -131,6 +131,7 @@ class Sessions:
                         evicted.name,
                     )
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
+            self.poke()  # ``run`` checks its key from now on
         session.turns += 1
         if evicted is not None:  # then out of the store
             await self.store.delete_session(evicted.key_name, evicted.key[1], evicted.job_id)

@@ -21,9 +21,9 @@ from gateway.hub.models import Catalog
 from gateway.hub.serving import Serving, server_url
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ADMIN_TOKEN_PREFIX, ApiKey
-from gateway.ops.tracing import valid_traceparent
 from gateway.wire.errors import HTTPError
 from gateway.wire.http import Request, bearer, header
+from gateway.wire.traceparent import valid_traceparent
 
 log = logging.getLogger("gateway.hub.frontdoor")
 
