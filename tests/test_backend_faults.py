@@ -20,15 +20,15 @@ async def test_faults_end_their_own_turn_only(
         job_a, ch_a = await open_chat(hub[0])
         job_b, ch_b = await open_chat(hub[0])
         # session B streams steadily the whole time; session A meets every fault at once
-        await ch_b.send(request_frame(job_b.id, "steady", sim={"chunks": 30, "interval": 0.05}))
-        await ch_a.send(request_frame(job_a.id, "stall", sim={"fault": "stall", "fault_after": 2}))
+        await send(ch_b, request_frame(job_b.id, "steady", sim={"chunks": 30, "interval": 0.05}))
+        await send(ch_a, request_frame(job_a.id, "stall", sim={"fault": "stall", "fault_after": 2}))
         await ch_a.send(
             request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3})
         )
         await ch_a.send(
             request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1})
         )
-        await ch_a.send(request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
+        await send(ch_a, request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
         a, b = Turns(ch_a), Turns(ch_b)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
@@ -50,7 +50,7 @@ async def test_faults_end_their_own_turn_only(
             await stalled.finished.wait()
         assert stalled.client_closed
         # and the session lives on
-        await ch_a.send(request_frame(job_a.id, "after", sim={"chunks": 1}))
+        await send(ch_a, request_frame(job_a.id, "after", sim={"chunks": 1}))
         await a.until("after")
         assert a.last("after")["type"] == "chat.completion.done"
 

@@ -136,8 +136,8 @@ class Live:
         n = next(self.counter)
         sentinel = f"sentinel-{n}"
         for frame in frames:
-            await self.channel.send(frame)
-        await self.channel.send(request_frame(self.job.id, sentinel, sim={"chunks": 1}))
+            await send(self.channel, frame)
+        await send(self.channel, request_frame(self.job.id, sentinel, sim={"chunks": 1}))
         await self.turns.settled(*expect, within=20)  # done or error: the test checks each
         await self.turns.until(sentinel, within=20)
 
@@ -230,10 +230,10 @@ def test_channel_survives_arbitrary_frames(
 def test_duplicate_request_id_in_flight_is_refused(live: Live) -> None:
     async def scenario() -> None:
         job = live.job
-        await live.channel.send(request_frame(job.id, "dup", sim={"chunks": 40, "interval": 0.02}))
+        await send(live.channel, request_frame(job.id, "dup", sim={"chunks": 40, "interval": 0.02}))
         stream = await live.sim.wait_for_streams(len(live.sim.streams) + 1)
         await stream.wait_sent(1)
-        await live.channel.send(request_frame(job.id, "dup", sim={"chunks": 1}))
+        await send(live.channel, request_frame(job.id, "dup", sim={"chunks": 1}))
         await live.turns.until("dup", within=10, errors={"dup"})
         frames = live.turns.of("dup")
         errors = [f for f in frames if f["type"] == "chat.completion.error"]

@@ -336,7 +336,7 @@ async def test_status_after_a_turn_answered_whole_says_what_is_timed(
     config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
     async with running(config) as runner:
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "whole", sim={"chunks": 3}, stream=False))
+        await send(ch, request_frame(job.id, "whole", sim={"chunks": 3}, stream=False))
         await Turns(ch).until("whole")
         with trio.fail_after(5):
             await runner.counters.wait("turns_done", 1)

@@ -272,9 +272,9 @@ def plan(
             if job is None or job.over:  # withdrawn or ended before its channel came
                 waiter.job_id, waiter.opened, waiter.claimed_at = None, False, None
             elif job.claimed_by is not None:
-                _dialling(waiter, job, queue, runners, limits, now, out)
-                leaders.setdefault(waiter.session, waiter)  # its session's turns follow it
-                continue
+                if _dialling(waiter, job, queue, runners, limits, now, out):
+                    leaders.setdefault(waiter.session, waiter)  # its session's turns follow it
+                    continue
         leader = leaders.get(waiter.session)
         if leader is not None:
             waiter.follows = leader  # served with its session's new job, when it comes
@@ -300,16 +300,22 @@ def _dialling(
     limits: Limits,
     now: float,
     out: Plan,
-) -> None:
+) -> bool:
     """A turn whose new job was claimed: out of the queue (served), its channel awaited for
-    ``dial_within``."""
+    ``dial_within``; True when decided here, False when the runner that took it turned out not
+    to serve its model (a runner whose list was not known yet): the job is left, a new one is
+    sought."""
+    holder = runners.get(job.claimed_by) if job.claimed_by else None
+    if holder is not None and holder.models is not None and not serves(holder, waiter.model):
+        out.actions.append(Move(waiter, job.id, f"its runner does not serve {waiter.model}"))
+        waiter.job_id, waiter.opened, waiter.claimed_at = None, False, None
+        return False
     queue.leave(waiter, served=True)
     if job.channel:
-        holder = runners.get(job.claimed_by) if job.claimed_by else None
         if holder is not None and _learning(holder, waiter.model):
-            return  # its models come in a moment (a change): served then, or moved
+            return True  # its models come in a moment (a change): served then, or moved
         out.actions.append(Assign(waiter, job.id))
-        return
+        return True
     if waiter.claimed_at is None:
         waiter.claimed_at = now
     due = waiter.claimed_at + limits.dial_within
@@ -317,6 +323,7 @@ def _dialling(
         out.actions.append(Refuse(waiter, Refusal.NO_RUNNER))
     else:
         out.wake = min(out.wake, due)
+    return True
 
 
 def _session_job(

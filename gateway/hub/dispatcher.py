@@ -1,6 +1,7 @@
 """The dispatcher: finds each turn its channel, at once when its session's channel is open and
-serves its model, else by the pure step of ``gateway.hub.dispatch``, which it applies (jobs
-opened, retargeted and withdrawn on the board, sessions moved, turns woken or refused).
+serves its model, else by the step of ``gateway.hub.dispatch`` (a function of the turns, the
+runners and the jobs), which it applies: jobs opened, retargeted and withdrawn on the board,
+sessions moved, turns woken or refused.
 
 A waiting turn sleeps in its own task (``Turn.sleep``: keepalives to a streamed client, the
 client watched); the dispatcher's task (``run``) steps each project whose turns wait whenever
