@@ -24,7 +24,7 @@ from gateway.runner.poller import END, IDLE, MORE, ROOM, Poller
 from gateway.runner.turn import Turn
 from gateway.wire import http1
 from gateway.wire.netio import RECV_SIZE
-from gateway.wire.stream import BadPayload, EventStream, HTTPError, lost, payload_problem
+from gateway.wire.stream import BadPayload, EventStream, ExchangeFailed, lost, payload_problem
 
 _CHECKPOINT_EVERY = 16  # reads in a row that filled the buffer before a checkpoint of our own
 _DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
@@ -61,7 +61,7 @@ class Relay:
 
     async def answer(self, turn: Turn, response: http1.Response) -> None:
         """Relay a 2xx answer whose head is in to ``turn``'s chunk frames, then its done
-        frame. ``BadPayload`` or ``HTTPError`` (the backend's fault) when it cannot; what was
+        frame. ``BadPayload`` or ``ExchangeFailed`` (the backend's fault) when it cannot; what was
         relayed is on ``turn`` (``chunks``, ``last_payload``) whatever happens."""
         frames = turn.frames
         if b"text/event-stream" not in (response.header(b"content-type") or b""):
@@ -82,7 +82,7 @@ class Relay:
             with trio.move_on_after(_DRAIN_AFTER_DONE):
                 try:
                     await response.discard_rest()
-                except HTTPError:
+                except ExchangeFailed:
                     pass  # the turn is done; the connection is just not kept
             return
         for payload in stream.finish():  # a last event without its blank line

@@ -282,7 +282,7 @@ class FrameReader:
                     self._fail(CLOSE_PROTOCOL_ERROR, "a new message inside a fragmented one")
                     return out
                 if b0 & 0x80:
-                    if op == OP_TEXT and not payload.isascii() and not _utf8(payload):
+                    if op == OP_TEXT and not payload.isascii() and not is_utf8(payload):
                         self._fail(CLOSE_INVALID_DATA, "text that is not UTF-8")
                         return out
                     out.append((op, payload))
@@ -297,7 +297,7 @@ class FrameReader:
                 if b0 & 0x80:
                     whole = b"".join(self._parts)
                     message_op, self._op, self._parts, self._size = self._op, None, [], 0
-                    if message_op == OP_TEXT and not whole.isascii() and not _utf8(whole):
+                    if message_op == OP_TEXT and not whole.isascii() and not is_utf8(whole):
                         self._fail(CLOSE_INVALID_DATA, "text that is not UTF-8")
                         return out
                     out.append((message_op, whole))
@@ -318,7 +318,11 @@ class FrameReader:
         return out
 
 
-def _utf8(data: bytes) -> bool:
+def is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8, as a text frame's payload must be (RFC 6455 §5.6); JSON
+    validation does not check it. Hot callers test ``isascii()`` first (no call for ASCII)."""
+    if data.isascii():
+        return True
     try:
         data.decode()
     except UnicodeDecodeError:
@@ -333,7 +337,7 @@ def _close_problem(payload: bytes) -> tuple[int, str] | None:
     code = int.from_bytes(payload[:2], "big")
     if not valid_close_code(code):
         return CLOSE_PROTOCOL_ERROR, f"invalid close code {code}"
-    if not _utf8(payload[2:]):
+    if not is_utf8(payload[2:]):
         return CLOSE_INVALID_DATA, "a close reason that is not UTF-8"
     return None
 
