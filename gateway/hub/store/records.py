@@ -3,6 +3,8 @@ lists and usage totals, as every backend reads and writes them. Pure: values onl
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +173,17 @@ class ModelList:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminCredential:
+    """The hub's admin credential: its hash (what a bearer is checked against), the token
+    itself where this hub knows it (None: another replica made it and keeps it), and whether
+    it was made now (then it is shown once)."""
+
+    token: str | None
+    hash: str
+    created: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class StoredSession:
     """A front-door chat session: (API key, X-Chat-Session) -> its Chat Job. ``key_id``: the
     key's id (empty in rows stored before keys had one: then the key is found by name)."""
@@ -186,3 +199,31 @@ class StoredSession:
 def hour_of(at: float) -> int:
     """The start of the UTC hour ``at`` (a Unix time) falls in; 0 for a time not after 0."""
     return int(at) // HOUR * HOUR if at > 0 else 0
+
+
+def utc_now() -> str:
+    """The current time as an ISO 8601 UTC string (``...Z``), as the store's rows keep it."""
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    return now.isoformat().replace("+00:00", "Z")
+
+
+Hourly = dict[tuple[int, str, str], list[Any]]  # (hour, key id, model) -> [name, counts...]
+
+
+def hourly_totals(rows: Iterable[tuple[UsageRecord, float]]) -> Hourly:
+    """Ended turns summed per hour, key id and model: the key's latest name, then the turns,
+    prompt tokens, completion tokens, errors and estimated turns (what a batch adds to the
+    hourly totals)."""
+    hourly: Hourly = {}
+    for record, at in rows:
+        group = (int(at) // HOUR * HOUR, record.key_id, record.model)
+        totals = hourly.get(group)
+        if totals is None:
+            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0]
+        totals[0] = record.key_name  # the latest name of the key
+        totals[1] += 1
+        totals[2] += record.prompt_tokens or 0
+        totals[3] += record.completion_tokens or 0
+        totals[4] += int(record.outcome in ERROR_OUTCOMES)
+        totals[5] += int(record.estimated)
+    return hourly

@@ -7,7 +7,6 @@ A write of one statement is its own transaction; a write of several takes the wr
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hmac
 import json
 import sqlite3
@@ -25,7 +24,6 @@ from gateway.hub.store.credentials import (
 )
 from gateway.hub.store.records import (
     ERROR_OUTCOMES,
-    HOUR,
     LIMIT_NAMES,
     ApiKey,
     HourlyUsage,
@@ -37,8 +35,10 @@ from gateway.hub.store.records import (
     UsageRecord,
     UsageTotal,
     hour_of,
+    hourly_totals,
+    utc_now,
 )
-from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, too_new
+from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, SchemaTooNew, too_new
 
 Db = sqlite3.Connection
 _KEY_LIMIT_COLUMNS = ", ".join(LIMIT_NAMES)
@@ -51,16 +51,6 @@ _USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
     " completion_tokens ttft duration outcome estimated"
 ).split()
-
-
-class SchemaTooNew(Exception):
-    """The database's schema is newer than this code knows (the message says so in one line)."""
-
-
-def utc_now() -> str:
-    """The current time as an ISO 8601 UTC string (``...Z``)."""
-    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-    return now.isoformat().replace("+00:00", "Z")
 
 
 @contextlib.contextmanager
@@ -415,19 +405,7 @@ def active_key_id(db: Db, name: str) -> str | None:
 
 def write_usage(db: Db, rows: list[tuple[UsageRecord, float]]) -> None:
     """The turns' rows and their keys' hourly totals (summed per hour, key and model first)."""
-    hourly: dict[tuple[int, str, str], list[Any]] = {}
-    for record, at in rows:
-        model = record.model
-        group = (int(at) // HOUR * HOUR, record.key_id, model)
-        totals = hourly.get(group)
-        if totals is None:
-            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0]
-        totals[0] = record.key_name  # the latest name of the key
-        totals[1] += 1
-        totals[2] += record.prompt_tokens or 0
-        totals[3] += record.completion_tokens or 0
-        totals[4] += int(record.outcome in ERROR_OUTCOMES)
-        totals[5] += int(record.estimated)
+    hourly = hourly_totals(rows)
     with transaction(db):
         db.executemany(
             "INSERT INTO usage_turns (at, key_id, key_name, session, runner_id, job_id, model,"
