@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 
+from gateway.config import STORE_POOL
 from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
     AdminCredential,
@@ -45,7 +46,7 @@ BATCH_INTERVAL = 0.1  # s: a queued usage row is written at most this long after
 BATCH_ROWS = 256  # ...or as soon as this many rows wait
 PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
 PRUNE_EVERY = 60.0  # s (of the rows' time) between prunes once nothing old is left
-POOL_SIZE = 4  # connections to a database server at most, unless told (setting store_pool)
+POOL_SIZE = STORE_POOL  # connections to a database server at most, unless told (store_pool)
 KEEP_ROWS = 65536  # usage rows kept queued while the database is unavailable; older ones go
 
 UsageRow = tuple[UsageRecord, float]  # an ended turn and when it ended (Unix time)
