@@ -30,8 +30,10 @@ def redact(url: str) -> str:
     if at and ":" in user:
         netloc = f"{user.partition(':')[0]}:{HIDDEN}@{hosts}"
     query = "&".join(
-        f"{name}={HIDDEN}" if name.partition("=")[0].lower() == "password" else name
-        for name in parts.query.split("&")
+        f"{pair.partition('=')[0]}={HIDDEN}"
+        if pair.partition("=")[0].lower() == "password"
+        else pair
+        for pair in parts.query.split("&")
     )
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 

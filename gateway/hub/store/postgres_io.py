@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import select
 import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ CONNECT_TIMEOUT = 5  # s, libpq's connect_timeout for blocking connects (unless 
 _DOWN_CLASSES = ("08", "53", "57P")  # connection exception, insufficient resources, shutdown
 _RETRY_CODES = ("40001", "40P01", "55P03", "57014")  # serialization, deadlock, lock, cancelled
 
+FRESH_READS = 8  # reads of what the server sent an idle connection, at most, before it is lent
 PREPARED_MAX = 128  # statements kept prepared per connection
 _PREPARED = ("SELECT", "INSERT", "UPDATE", "DELETE", "WITH")  # what may be prepared
 
@@ -189,13 +191,21 @@ class _Connection:
         )
 
     def fresh(self) -> bool:
-        """Whether an idle connection is still open: what the server sent meanwhile (an end,
-        when it was stopped or restarted) read without waiting."""
+        """Whether an idle connection is still open: what the server sent meanwhile read without
+        waiting, for as long as there is some (a stopped server's last words, then its end)."""
+        pgconn = self.pgconn
         try:
-            self.pgconn.consume_input()
+            readable = select.poll()
+            readable.register(pgconn.socket, select.POLLIN)
+            for _ in range(FRESH_READS):
+                if not readable.poll(0):
+                    break
+                pgconn.consume_input()
+            else:
+                return False  # the server keeps talking to an idle connection: not ours to trust
         except psycopg.OperationalError:
             return False
-        return self.reusable() and not self.pgconn.is_busy()
+        return self.reusable() and not pgconn.is_busy()
 
     def close(self) -> None:
         self.pgconn.finish()
