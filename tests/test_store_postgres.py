@@ -429,3 +429,15 @@ def test_a_hub_without_a_store_there_is_refused_not_made(pg_url: str) -> None:
     with pytest.raises(StoreMissing, match="no hub store in that database"):
         open_store(pg_url, create=False)
     assert _sql(pg_url, "SELECT to_regclass('schema_version')::text") == [(None,)]
+
+
+def test_without_postgresql_its_tests_skip_with_the_reason_but_fail_in_ci(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ALP_TEST_PG_BIN", str(tmp_path))  # no initdb there
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="PostgreSQL is not installed"):
+        pgserver.start_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run the PostgreSQL tests"):
+        pgserver.start_or_skip()
