@@ -38,6 +38,8 @@ from gateway.hub.store.records import (
     UsageTotal,
     hour_of,
     hourly_totals,
+    job_of,
+    registration_of,
     utc_now,
 )
 from gateway.hub.store.schema import (
@@ -207,26 +209,6 @@ def add_job_report(job_id: str, body: dict[str, Any]) -> Op[None]:
     raise ValueError(f"job {job_id}'s report could not be numbered (too many at once)")
 
 
-def _stored_job(r: Row, reports: list[dict[str, Any]]) -> StoredJob:
-    return StoredJob(
-        id=r[0],
-        owner=r[1],
-        project=r[2],
-        needs=json.loads(r[3]),
-        agent_definition=json.loads(r[4]),
-        origin=r[5],
-        run_id=r[6],
-        claimed_by=r[7],
-        runner_name=r[8],
-        status=r[9],
-        conclusion=r[10],
-        final_reported=bool(r[11]),
-        cancelled=bool(r[12]),
-        cancel_reason=r[13],
-        reports=reports,
-    )
-
-
 def load_jobs(live_only: bool = False) -> Op[list[StoredJob]]:
     where = " WHERE status <> 'completed'" if live_only else ""
     reports: dict[str, list[dict[str, Any]]] = {}
@@ -239,7 +221,7 @@ def load_jobs(live_only: bool = False) -> Op[list[StoredJob]]:
     for job_id, body in (yield Query(query)):
         reports.setdefault(job_id, []).append(json.loads(body))
     rows = yield Query(f"SELECT {_JOB_COLUMNS} FROM jobs{where} ORDER BY created_at, seq")
-    return [_stored_job(r, reports.get(r[0], [])) for r in rows]
+    return [job_of(r, reports.get(r[0], [])) for r in rows]
 
 
 def load_job(job_id: str) -> Op[StoredJob | None]:
@@ -247,7 +229,7 @@ def load_job(job_id: str) -> Op[StoredJob | None]:
     if not rows:
         return None
     bodies = yield Query("SELECT body FROM job_reports WHERE job_id = $1 ORDER BY seq", (job_id,))
-    return _stored_job(rows[0], [json.loads(body) for (body,) in bodies])
+    return job_of(rows[0], [json.loads(body) for (body,) in bodies])
 
 
 def job_ids() -> Op[list[str]]:
@@ -360,11 +342,6 @@ def add_registration(
     return runner, token
 
 
-def _registration(row: Row) -> Registration:
-    labels = tuple(json.loads(row[4]))
-    return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
-
-
 def registration_by_token(token: str) -> Op[Registration | None]:
     digest = token_hash(token)
     found: str | None = None
@@ -378,7 +355,7 @@ def registration_by_token(token: str) -> Op[Registration | None]:
 
 def registration(runner_id: str) -> Op[Registration | None]:
     rows = yield Query(f"SELECT {_RUNNER_COLUMNS} FROM runners WHERE id = $1", (runner_id,))
-    return _registration(rows[0]) if rows else None
+    return registration_of(rows[0]) if rows else None
 
 
 # -- API keys -------------------------------------------------------------------------------
@@ -473,23 +450,9 @@ def active_key_id(name: str) -> Op[str | None]:
 
 
 def _turn(record: UsageRecord, at: float) -> tuple[Any, ...]:
-    return (
-        at,
-        record.key_id,
-        record.key_name,
-        record.session,
-        record.runner_id,
-        record.job_id,
-        record.model,
-        record.api,
-        int(record.stream),
-        record.prompt_tokens,
-        record.completion_tokens,
-        record.ttft,
-        record.duration,
-        record.outcome,
-        int(record.estimated),
-    )
+    """A turn's row in ``_USAGE_COLUMNS`` order (its flags as 0 or 1)."""
+    values = (getattr(record, column) for column in _USAGE_COLUMNS[1:])
+    return (at, *(int(v) if isinstance(v, bool) else v for v in values))
 
 
 _WRITE_USAGE = (

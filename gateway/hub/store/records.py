@@ -4,6 +4,7 @@ lists and usage totals, as every backend reads and writes them. Pure: values onl
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +195,36 @@ class StoredSession:
     project: str
     job_id: str
     key_id: str = ""
+
+
+def job_of(row: tuple[Any, ...], reports: list[dict[str, Any]]) -> StoredJob:
+    """A job from its row as every backend reads it: id, owner, project, needs (JSON),
+    agent_definition (JSON), origin, run_id, claimed_by, runner_name, status, conclusion,
+    final_reported, cancelled, cancel_reason."""
+    return StoredJob(
+        id=row[0],
+        owner=row[1],
+        project=row[2],
+        needs=json.loads(row[3]),
+        agent_definition=json.loads(row[4]),
+        origin=row[5],
+        run_id=row[6],
+        claimed_by=row[7],
+        runner_name=row[8],
+        status=row[9],
+        conclusion=row[10],
+        final_reported=bool(row[11]),
+        cancelled=bool(row[12]),
+        cancel_reason=row[13],
+        reports=reports,
+    )
+
+
+def registration_of(row: tuple[Any, ...]) -> Registration:
+    """A registration from its row: id, name, owner, project, labels (JSON), registered_at,
+    token_hash."""
+    labels = tuple(json.loads(row[4]))
+    return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
 
 
 def hour_of(at: float) -> int:

@@ -36,6 +36,8 @@ from gateway.hub.store.records import (
     UsageTotal,
     hour_of,
     hourly_totals,
+    job_of,
+    registration_of,
     utc_now,
 )
 from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, SchemaTooNew, too_new
@@ -146,26 +148,6 @@ def add_job_report(db: Db, job_id: str, body: dict[str, Any]) -> None:
     )
 
 
-def _stored_job(r: Any, reports: list[dict[str, Any]]) -> StoredJob:
-    return StoredJob(
-        id=r[0],
-        owner=r[1],
-        project=r[2],
-        needs=json.loads(r[3]),
-        agent_definition=json.loads(r[4]),
-        origin=r[5],
-        run_id=r[6],
-        claimed_by=r[7],
-        runner_name=r[8],
-        status=r[9],
-        conclusion=r[10],
-        final_reported=bool(r[11]),
-        cancelled=bool(r[12]),
-        cancel_reason=r[13],
-        reports=reports,
-    )
-
-
 def load_jobs(db: Db, live_only: bool = False) -> list[StoredJob]:
     where = " WHERE status != 'completed'" if live_only else ""
     reports: dict[str, list[dict[str, Any]]] = {}
@@ -180,7 +162,7 @@ def load_jobs(db: Db, live_only: bool = False) -> list[StoredJob]:
     rows = db.execute(
         f"SELECT {_JOB_COLUMNS} FROM jobs{where} ORDER BY created_at, rowid"
     ).fetchall()
-    return [_stored_job(r, reports.get(r[0], [])) for r in rows]
+    return [job_of(r, reports.get(r[0], [])) for r in rows]
 
 
 def load_job(db: Db, job_id: str) -> StoredJob | None:
@@ -193,7 +175,7 @@ def load_job(db: Db, job_id: str) -> StoredJob | None:
             "SELECT body FROM job_reports WHERE job_id = ? ORDER BY seq", (job_id,)
         )
     ]
-    return _stored_job(row, reports)
+    return job_of(row, reports)
 
 
 def job_ids(db: Db) -> list[str]:
@@ -297,11 +279,6 @@ def add_registration(
     return runner, token
 
 
-def _registration(row: tuple[str, str, str, str, str, str, str]) -> Registration:
-    labels = tuple(json.loads(row[4]))
-    return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
-
-
 def registration_by_token(db: Db, token: str) -> Registration | None:
     digest = token_hash(token)
     found: str | None = None
@@ -313,7 +290,7 @@ def registration_by_token(db: Db, token: str) -> Registration | None:
 
 def registration(db: Db, runner_id: str) -> Registration | None:
     row = db.execute(f"SELECT {_RUNNER_COLUMNS} FROM runners WHERE id = ?", (runner_id,)).fetchone()
-    return _registration(row) if row is not None else None
+    return registration_of(row) if row is not None else None
 
 
 # -- API keys -------------------------------------------------------------------------------
