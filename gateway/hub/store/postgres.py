@@ -132,10 +132,13 @@ class PostgresStore(Store):
             raise kind(f"the hub store {self.where}: {exc.detail}") from None
 
     def _open(self, create: bool) -> None:
-        if not create and not self._blocking(ops.has_schema()):
-            raise StoreMissing(f"no hub in {self.where} (no hub store in that database)")
+        def opening() -> ops.Op[int]:
+            if not create and not (yield from ops.has_schema()):
+                raise StoreMissing(f"no hub in {self.where} (no hub store in that database)")
+            return (yield from ops.migrate(self.where))
+
         try:
-            self._blocking(ops.migrate(self.where))
+            self._blocking(opening())
         except SchemaTooNew as exc:
             raise StoreError(str(exc)) from None
 
