@@ -17,7 +17,9 @@ Per-request cost, beside the chunk path's per-chunk cost: what a path adds to a 
   The rate climbs a ladder; at each rung every path still in the sweep runs in turn (the order
   reversed every other rung), the direct path first among equals: a path's *added* p99 at a rung
   is its p99 minus the direct path's at that rung. A path passes a rung with no error and added
-  p99 ≤ ``ADDED_P99_MS``: its figure is the highest rung it passed. It also *keeps pace* at a rung with no error and at least
+  p99 ≤ ``ADDED_P99_MS``: its figure is the highest rung it passed. A rung failed is run once
+  more (``ATTEMPTS``) and the better attempt kept, the direct path's too: on a shared machine
+  another process's burst only ever adds latency. It also *keeps pace* at a rung with no error and at least
   ``PACE`` of the offered rate done whatever the latency (its capacity: Portkey's gateway holds
   every stream's first chunk 25 ms, so it never passes a streamed rung); it leaves the sweep after
   two rungs in a row where it does neither. A path joins the ladder at ``JOIN`` turns/s (LiteLLM,
@@ -49,10 +51,11 @@ CLIENTS = 64
 SESSIONS = 8
 KINDS = ("whole", "stream")  # non-streamed and streamed short turns
 # the ladder of offered rates (turns/s): a geometric climb from ``start`` by ``factor``
-LADDER = {"full": (25.0, 1.3, 1.5), "quick": (25.0, 1.5, 1.0)}  # start, factor, s per rung
+LADDER = {"full": (10.0, 1.3, 2.0), "quick": (10.0, 1.5, 1.0)}  # start, factor, s
 JOIN = 90.0  # turns/s: the rung a path joins the ladder at (the ladder's foot is LiteLLM's)
 JOIN_AT = {"direct": 0.0, "litellm": 0.0}
 PACE = 0.95  # a path keeps pace at a rung when it completes this share of the offered rate
+ATTEMPTS = 2  # a rung failed is tried once more: the better attempt counts
 MAX_RATE = 20000.0
 IDLE_GAP = 0.002  # s of idle between two idle turns
 _RECV = 262144
@@ -333,6 +336,7 @@ class Rung:
     added_p99_ms: float | None = None
     passed: bool = False
     paced: bool = False  # no error, and at least PACE of the offered rate completed
+    attempts: int = 1
     cpu_us_per_turn: dict[str, float] = field(default_factory=dict)
     bench_busy: float = 0.0
 
@@ -408,28 +412,39 @@ async def sweep(
             continue  # below every path's join
         if not live:
             break
-        floor = await rung(turns["direct"], kind, rate, seconds, procs["direct"])
-        floor.added_p99_ms = 0.0
-        floor.passed = floor.errors == 0 and (floor.p99_ms or 0) <= ADDED_P99_MS
-        floor.paced = floor.errors == 0 and floor.achieved >= PACE * rate
+
+        async def attempt(name: str, floor_p99: float | None, rate: float = rate) -> Rung:
+            """The path at this rung, once more if it fails (the machine is shared: another
+            process's burst only ever adds latency, so the better attempt is the path's)."""
+            best: Rung | None = None
+            for n in range(1, ATTEMPTS + 1):
+                got = await rung(turns[name], kind, rate, seconds, procs[name])
+                if got.p99_ms is not None:
+                    got.added_p99_ms = round(got.p99_ms - (floor_p99 or 0.0), 3)
+                got.passed = (
+                    got.errors == 0
+                    and got.added_p99_ms is not None
+                    and got.added_p99_ms <= ADDED_P99_MS
+                )
+                got.paced = got.errors == 0 and got.achieved >= PACE * rate
+                got.attempts = n
+                log(_line(name, kind, got))
+                if best is None or _rank(got) > _rank(best):
+                    best = got
+                if got.passed:
+                    break
+            assert best is not None
+            return best
+
+        floor = await attempt("direct", None)
         rungs["direct"].append(floor)
-        log(_line("direct", kind, floor))
         if not floor.passed:
             capped = rate
             break
         for name in live if (i % 2 == 0) != flip else live[::-1]:
-            got = await rung(turns[name], kind, rate, seconds, procs[name])
-            if got.p99_ms is not None and floor.p99_ms is not None:
-                got.added_p99_ms = round(got.p99_ms - floor.p99_ms, 3)
-            got.passed = (
-                got.errors == 0
-                and got.added_p99_ms is not None
-                and got.added_p99_ms <= ADDED_P99_MS
-            )
-            got.paced = got.errors == 0 and got.achieved >= PACE * rate
+            got = await attempt(name, floor.p99_ms)
             failed[name] = 0 if got.passed or got.paced else failed[name] + 1
             rungs[name].append(got)
-            log(_line(name, kind, got))
     out: dict[str, dict[str, Any]] = {}
     for name, ran in rungs.items():
         passed = [r for r in ran if r.passed]
@@ -445,6 +460,10 @@ async def sweep(
             "rungs": [r.as_json() for r in ran],
         }
     return out
+
+
+def _rank(r: Rung) -> tuple[bool, bool, float]:
+    return r.passed, r.paced, -(r.p99_ms if r.p99_ms is not None else 1e9)
 
 
 def _line(name: str, kind: str, r: Rung) -> str:

@@ -1072,7 +1072,7 @@ def _parser() -> argparse.ArgumentParser:
         "--req-from",
         type=float,
         default=0.0,
-        help="req-load: the ladder's first rate (100 turns/s), each next one 1.3× (quick 1.5×)",
+        help="req-load: the ladder's first rate (10 turns/s), each next one 1.3× (quick 1.5×)",
     )
     parser.add_argument(
         "--req-seconds", type=float, default=0.0, help="req-load: seconds per rung (2; quick 1)"
