@@ -17,15 +17,16 @@ Per-request cost, beside the chunk path's per-chunk cost: what a path adds to a 
   The rate climbs a ladder; at each rung every path still in the sweep runs in turn (the order
   reversed every other rung), the direct path first among equals: a path's *added* p99 at a rung
   is its p99 minus the direct path's at that rung. A path passes a rung with no error and added
-  p99 ≤ ``ADDED_P99_MS``: its figure is the highest rung it passed. A rung failed is run once
-  more (``ATTEMPTS``) and the better attempt kept, the direct path's too: on a shared machine
-  another process's burst only ever adds latency. It also *keeps pace* at a rung with no error and at least
-  ``PACE`` of the offered rate done whatever the latency (its capacity: Portkey's gateway holds
-  every stream's first chunk 25 ms, so it never passes a streamed rung); it leaves the sweep after
-  two rungs in a row where it does neither. A path joins the ladder at ``JOIN`` turns/s (LiteLLM,
-  at the ladder's foot). Every process's CPU per turn comes from its /proc counters over the
-  rung. The direct path's own ceiling (the simulator and the bench's clients on this
-  machine) caps every path: when it fails a rung (p99 over ``ADDED_P99_MS``), the sweep ends.
+  p99 ≤ ``ADDED_P99_MS``, at a rung where the direct path's own p99 is within that bound: its
+  figure is the highest rung it passed. A rung failed is run once more (``ATTEMPTS``) and the
+  better attempt kept, the direct path's too: on a shared machine another process's burst only
+  ever adds latency. A path also *keeps pace* at a rung with no error and at least ``PACE`` of
+  the offered rate done, whatever the latency (its capacity: Portkey's gateway holds every
+  stream's first chunk 25 ms, so it never passes a streamed rung); it leaves the sweep after two
+  rungs in a row where it does neither. A path joins the ladder at ``JOIN`` turns/s (LiteLLM, at
+  the ladder's foot). Every process's CPU per turn comes from its /proc counters over the rung.
+  The direct path's ceiling (the simulator and the bench's clients on this machine) caps every
+  path: when it cannot keep pace with a rung, the sweep ends.
 """
 
 from __future__ import annotations
@@ -413,7 +414,9 @@ async def sweep(
         if not live:
             break
 
-        async def attempt(name: str, floor_p99: float | None, rate: float = rate) -> Rung:
+        async def attempt(
+            name: str, floor_p99: float | None, floor_ok: bool = True, rate: float = rate
+        ) -> Rung:
             """The path at this rung, once more if it fails (the machine is shared: another
             process's burst only ever adds latency, so the better attempt is the path's)."""
             best: Rung | None = None
@@ -423,7 +426,8 @@ async def sweep(
                     own = got.p99_ms - (floor_p99 if floor_p99 is not None else 0.0)
                     got.added_p99_ms = round(own, 3) if floor_p99 is not None else 0.0
                 got.passed = (
-                    got.errors == 0
+                    floor_ok  # over a direct p99 of more than the bound, nothing passes
+                    and got.errors == 0
                     and got.p99_ms is not None
                     and got.p99_ms - (floor_p99 or 0.0) <= ADDED_P99_MS
                 )
@@ -432,18 +436,18 @@ async def sweep(
                 log(_line(name, kind, got))
                 if best is None or _rank(got) > _rank(best):
                     best = got
-                if got.passed:
+                if got.passed or (not floor_ok and got.paced):
                     break
             assert best is not None
             return best
 
         floor = await attempt("direct", None)
         rungs["direct"].append(floor)
-        if not floor.passed:
+        if not floor.paced:  # the simulator and the bench's clients are at their ceiling
             capped = rate
             break
         for name in live if (i % 2 == 0) != flip else live[::-1]:
-            got = await attempt(name, floor.p99_ms)
+            got = await attempt(name, floor.p99_ms, floor.passed)
             failed[name] = 0 if got.passed or got.paced else failed[name] + 1
             rungs[name].append(got)
     out: dict[str, dict[str, Any]] = {}
@@ -457,7 +461,8 @@ async def sweep(
             "at_max": best.as_json() if best else None,
             "max_paced_rate": fastest.rate if fastest else None,
             "at_max_paced": fastest.as_json() if fastest else None,
-            "capped_by_direct": capped is not None and failed.get(name, 0) < 2,
+            # still sustaining its last rung when the direct path could go no higher
+            "capped_by_direct": capped is not None and bool(ran) and ran[-1].passed,
             "rungs": [r.as_json() for r in ran],
         }
     return out
