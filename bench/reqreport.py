@@ -119,6 +119,87 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             }
         out["load"][kind] = {"common_rate": _spread(commons), "paths": rows}
     out["ratios"] = ratios(out)
+    out["paired"] = paired(book)
+    return out
+
+
+def _round_cpu(rnd: dict[str, Any], name: str, rate: float | None) -> dict[str, float] | None:
+    """A path's CPU per turn of each relaying process at one rung of one round."""
+    for rung in _get(rnd, name, "rungs") or []:
+        if rate is not None and rung["rate"] == rate:
+            return {p: v for p, v in rung["cpu_us_per_turn"].items() if p != "sim"}
+    return None
+
+
+def paired(book: dict[str, Any], ours: str = "e2e") -> dict[str, Any]:
+    """``ours`` over each reference round by round (the two measured minutes apart at most, the
+    machine's state alike): the median of the rounds' ratios and their range. CPU per turn at
+    the round's common rate; for the plain pair, also the hub over the plain Server and the
+    runner over the plain runner."""
+    out: dict[str, Any] = {}
+    for ref, _label in REFERENCES:
+        figures: dict[str, list[float | None]] = {}
+
+        def add(
+            label: str, a: float | None, b: float | None, figures: dict[str, Any] = figures
+        ) -> None:
+            figures.setdefault(label, []).append(None if a is None or not b else round(a / b, 3))
+
+        for rnd in book.get("idle", []):
+            if ours not in rnd or ref not in rnd or "direct" not in rnd:
+                continue
+            for figure_, label in (
+                ("ttft", "idle added TTFT p50"),
+                ("whole", "idle added latency p50"),
+            ):
+                floor = _get(rnd, "direct", f"{figure_}_ms", "p50")
+                a, b = (
+                    _get(rnd, ours, f"{figure_}_ms", "p50"),
+                    _get(rnd, ref, f"{figure_}_ms", "p50"),
+                )
+                add(
+                    label,
+                    None if a is None or floor is None else a - floor,
+                    None if b is None or floor is None else b - floor,
+                )
+        for kind in ("whole", "stream"):
+            for rnd in book.get(kind, []):
+                if ours not in rnd or ref not in rnd:
+                    continue
+                add(
+                    f"sustained turns/s, {kind}",
+                    _get(rnd, ours, "max_rate"),
+                    _get(rnd, ref, "max_rate"),
+                )
+                add(
+                    f"keeps pace to, {kind}",
+                    _get(rnd, ours, "max_paced_rate"),
+                    _get(rnd, ref, "max_paced_rate"),
+                )
+                rates = [_get(rnd, n, "max_paced_rate") for n in COMMON if n in rnd]
+                common = min(rates) if rates and None not in rates else None
+                a, b = _round_cpu(rnd, ours, common), _round_cpu(rnd, ref, common)
+                add(
+                    f"CPU µs/turn at the common rate, {kind}",
+                    sum(a.values()) if a else None,
+                    sum(b.values()) if b else None,
+                )
+                a_pace = _get(rnd, ours, "at_max_paced", "cpu_us_per_turn")
+                b_pace = _get(rnd, ref, "at_max_paced", "cpu_us_per_turn")
+                add(
+                    f"CPU µs/turn at each one's pace limit, {kind}",
+                    sum(v for p, v in a_pace.items() if p != "sim") if a_pace else None,
+                    sum(v for p, v in b_pace.items() if p != "sim") if b_pace else None,
+                )
+                if ref in ("plain-e2e", "e2e-base"):
+                    server, runner = (
+                        ("plainhub", "peer") if ref == "plain-e2e" else ("hub", "runner")
+                    )
+                    add(f"  the hub alone, {kind}", _get(a, "hub"), _get(b, server))
+                    add(f"  the runner alone, {kind}", _get(a, "runner"), _get(b, runner))
+        kept = {k: _spread(v) for k, v in figures.items() if any(x is not None for x in v)}
+        if kept:
+            out[ref] = kept
     return out
 
 
@@ -290,6 +371,18 @@ def render(results: dict[str, Any]) -> str:
             "",
             _table(head, rows),
         ]
+    pairs = summ.get("paired") or {}
+    refs = [ref for ref, _ in REFERENCES if ref in pairs]
+    if refs:
+        labels = list(dict.fromkeys(k for ref in refs for k in pairs[ref]))
+        rows = [[label] + [_xrange(pairs[ref].get(label)) for ref in refs] for label in labels]
+        out += [
+            "",
+            f"{LABELS['e2e']} over each, round by round (the median of the rounds' ratios, "
+            "and their range)",
+            "",
+            _table(["figure", *(f"× {dict(REFERENCES)[r]}" for r in refs)], rows),
+        ]
     for ref, label in REFERENCES:
         per = summ["ratios"].get(ref)
         if not per:
@@ -322,3 +415,11 @@ def render(results: dict[str, Any]) -> str:
 
 def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
+
+
+def _xrange(s: dict[str, Any] | None) -> str:
+    if not s or s.get("median") is None:
+        return "—"
+    if len(s["rounds"]) < 2:
+        return _x(s["median"])
+    return f"{_x(s['median'])} ({s['min']:.2f}–{s['max']:.2f})"

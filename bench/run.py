@@ -727,8 +727,8 @@ class Bench:
         if not hasattr(self, "short_turns"):
             await self.sim.rpc("opts", opts={"chunks": reqload.TOKENS, "interval": 0.0})
             self.short_turns = {n: reqload.Turns(self.paths[n]) for n in wanted}  # type: ignore[arg-type]
-            for turns in self.short_turns.values():
-                await turns.check()
+            for path_turns in self.short_turns.values():
+                await path_turns.check()
         await self.sim.rpc("opts", opts={"chunks": reqload.TOKENS, "interval": 0.0})
         turns = self.short_turns
         if rnd % 2:  # the order reversed every other round (direct stays the floor of each rung)
