@@ -3,11 +3,14 @@
 Commands: ``apikey`` (a front-door key), ``enqueue`` (Kind B jobs, optionally carrying their own
 channel URL so the runner dials the bench's lean sink instead of the hub), ``hubsink`` (streams
 through a channel that ends in this hub, read by the hub's own receive path: how fast can the
-hub take frames?), ``jobs`` (how many jobs are in each state).
+hub take frames?), ``jobs`` (how many jobs are in each state). With a directory as its argument
+the hub keeps its store there (a file, as a deployed hub does: each turn's usage row is a write
+to it), else in memory.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from typing import Any
@@ -54,7 +57,10 @@ class _Turn:
 
 
 async def main() -> None:
-    hub = Hub(admin_token=ADMIN, offline_after=3600.0)
+    # ``python -m bench.hubproc [DATA_DIR]``: the store in DATA_DIR (SQLite in WAL mode, as
+    # ``alp-gateway hub`` keeps it), else in memory
+    data_dir = sys.argv[1] if len(sys.argv) > 1 else None
+    hub = Hub(data_dir, admin_token=ADMIN, offline_after=3600.0)
     sink_job: list[str] = []
 
     async def hubsink(streams: int, body: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ independent harness describes it, so that the bench can hold the runner against 
 channel: an aiohttp WebSocket; each ``chat.completion.request`` frame starts a task that POSTs
 the body to the backend with an aiohttp client, reads ``async for line in resp.content``, and
 sends one ``ws.send_str`` per ``data:`` line, the frame built by string concatenation around
-the payload (no JSON re-encoding), then a done frame (an error frame for a non-200).
+the payload (no JSON re-encoding), then a done frame (an error frame for a non-200); a
+non-streamed answer (JSON) goes up whole as one chunk frame, as the runner sends it.
 
 The control plane (register, poll, claim, report) is left out: the bench hands it the
 channel URLs of its jobs (``dial`` command), and it dials each one as the runner dials a
@@ -72,6 +73,13 @@ class Peer:
                     await ws.send_str(
                         '{"type":"chat.completion.error",' + ids + ',"error":' + error + "}"
                     )
+                    return
+                if not resp.content_type.startswith("text/event-stream"):
+                    # a non-streamed answer: the whole completion as one chunk
+                    whole = await resp.read()
+                    await ws.send_str(head + whole.decode() + "}")
+                    self.chunks += 1
+                    await ws.send_str('{"type":"chat.completion.done",' + ids + "}")
                     return
                 async for line in resp.content:
                     if not line.startswith(b"data:"):

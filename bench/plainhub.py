@@ -11,7 +11,8 @@ can hold "hub + runner" against "plain Server + plain runner" end to end.
   request); the body goes down as ``chat.completion.request`` (``json.dumps``), and each
   ``chat.completion.chunk`` comes back as ``data: <json.dumps(chunk)>\\n\\n`` written with
   aiohttp's ``StreamResponse``; ``chat.completion.done`` → ``data: [DONE]``; an error frame →
-  a ``data: {"error": ...}`` event, then ``[DONE]``.
+  a ``data: {"error": ...}`` event, then ``[DONE]``. A non-streamed request (no ``"stream":
+  true``) gets the runner's one chunk (the backend's whole completion) as a JSON answer.
 
 No control plane (no jobs, no claims, no reconnects, no keys store): the bench tells the plain
 runner this Server's channel URLs. Driven over stdin like the other bench children (one JSON
@@ -88,6 +89,8 @@ class PlainServer:
                 "body": body,
             }
             await ws.send_str(json.dumps(frame))
+            if not body.get("stream"):
+                return await self.whole(queue)
             resp = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
@@ -110,6 +113,22 @@ class PlainServer:
             return resp
         finally:
             del self.turns[rid]
+
+    async def whole(self, queue: asyncio.Queue[dict[str, Any]]) -> web.Response:
+        """A non-streamed turn: the runner's one chunk (the backend's whole completion) as the
+        answer, or its error."""
+        answer: Any = None
+        while True:
+            frame = await queue.get()
+            kind = frame.get("type")
+            if kind == "chat.completion.chunk":
+                answer = frame["chunk"]
+            elif kind == "chat.completion.error":
+                return web.json_response({"error": {"message": frame.get("error")}}, status=502)
+            elif kind == "chat.completion.done":
+                if answer is None:
+                    return web.json_response({"error": {"message": "no answer"}}, status=502)
+                return web.json_response(answer)
 
 
 async def main() -> None:

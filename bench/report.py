@@ -18,6 +18,7 @@ LABELS = {
     "e2e-base": "e2e, the hub and runner of --base-tree",
     "plain-e2e": "plain aiohttp Server → plain peer",
     "litellm": "LiteLLM proxy",
+    "portkey": "Portkey gateway",
     "peer-wss": "plain asyncio peer, wss",
     "runner-wss": "runner, wss",
 }
@@ -36,6 +37,7 @@ RELAYS = {
     "e2e-base": ["runner", "hub"],
     "plain-e2e": ["peer", "plainhub"],
     "litellm": ["litellm"],
+    "portkey": ["portkey"],
     "peer-wss": ["peer"],
     "runner-wss": ["runner"],
 }
@@ -55,6 +57,7 @@ LOOP = {
     "e2e-base": "trio",
     "plain-e2e": "asyncio",
     "litellm": "asyncio",
+    "portkey": "node",
 }
 # the floors of each loop: a path's "× floor" is over the cheapest of them in that scenario
 FLOORS_OF = {"trio": ("floor-trio-poller", "floor-trio"), "asyncio": ("floor-asyncio",)}

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from bench import report
+from bench import report, reqload, reqreport
 from bench.common import Child, machine, percentile
 from bench.paths import (
     ChannelPath,
@@ -80,6 +80,7 @@ PATHS = (
     "e2e-base",
     "plain-e2e",
     "litellm",
+    "portkey",
     "peer-wss",
     "runner-wss",
 )
@@ -89,7 +90,21 @@ FLOORS = {
     "floor-trio-streams": "bench.floor_streams",
     "floor-asyncio": "bench.floor_asyncio",
 }
-SCENARIO_NAMES = ("single", "c64", "c64s8", "spread", "spread8", "lockstep", "ttft")
+SCENARIO_NAMES = (
+    "single",
+    "c64",
+    "c64s8",
+    "spread",
+    "spread8",
+    "lockstep",
+    "ttft",
+    "req-idle",
+    "req-load",
+)
+REQUEST_SCENARIOS = ("req-idle", "req-load")  # the request path: bench/reqload.py
+# the paths that serve short turns over HTTP (the request path); direct is the floor
+REQUEST_PATHS = ("direct", "plain-e2e", "e2e", "e2e-base", "litellm", "portkey")
+PORTKEY_DIR = FsPath(__file__).parent / "portkey"  # npm install --prefix bench/portkey
 
 
 @dataclass(frozen=True)
@@ -261,7 +276,7 @@ class Bench:
         self.sim, hello = await self.child("sim", _py("-m", "bench.simproc"))
         assert hello is not None
         self.sim_url, self.sim_port = hello["url"], hello["port"]
-        self.hub, hub_hello = await self.child("hub", _py("-m", "bench.hubproc"))
+        self.hub, hub_hello = await self.child("hub", self._hubproc("hub-data"))
         assert hub_hello is not None
         self.hub_info = hub_hello
         self.hub_port = int(hub_hello["url"].rsplit(":", 1)[1])
@@ -272,6 +287,11 @@ class Bench:
             nursery.start_soon(self._start_litellm)
         else:
             self.litellm_ready.set()
+        self.portkey_ready = trio.Event()
+        if "portkey" in self.args.paths:
+            nursery.start_soon(self._start_portkey)
+        else:
+            self.portkey_ready.set()
         tls_ctx, ca_file = self._tls()
         self.ws_sink = WsSink()
         await nursery.start(self.ws_sink.serve)
@@ -357,6 +377,13 @@ class Bench:
                 if out.errors:
                     raise RuntimeError(f"front door warm-up ({name}) failed: {out.errors[:3]}")
 
+    def _hubproc(self, data: str) -> list[str]:
+        """``python -m bench.hubproc``, its store in a file under the bench's scratch directory
+        (as a deployed hub keeps it) unless ``--hub-store memory``."""
+        if self.args.hub_store == "memory":
+            return _py("-m", "bench.hubproc")
+        return _py("-m", "bench.hubproc", str(self.tmp / data))
+
     async def _e2e_base(self, sessions: int, ca_file: str) -> None:
         """``e2e`` over a hub and a runner of another checkout (``--base-tree``: run from there,
         its ``gateway`` and ``bench.hubproc``), the same simulator, client and sessions: an A/B
@@ -365,7 +392,7 @@ class Bench:
         if not tree:
             raise SystemExit("the path e2e-base needs --base-tree DIR (a checkout to compare)")
         env = {**_env(), "PYTHONPATH": tree}
-        hub, hello = await self.child("hub-base", _py("-m", "bench.hubproc"), env=env, cwd=tree)
+        hub, hello = await self.child("hub-base", self._hubproc("hub-base-data"), env=env, cwd=tree)
         assert hello is not None
         port = int(hello["url"].rsplit(":", 1)[1])
         key = (await hub.rpc("apikey"))["key"]
@@ -479,6 +506,57 @@ class Bench:
         client = SSEClient("127.0.0.1", port, headers={"authorization": "Bearer sk-bench"})
         self.paths["litellm"] = HttpPath(
             "litellm", client, {"litellm": (child, True)}, sessions=False
+        )
+
+    async def _start_portkey(self) -> None:
+        try:
+            await self._open_portkey()
+        finally:
+            self.portkey_ready.set()
+
+    async def _open_portkey(self) -> None:
+        """Portkey's open-source gateway (``@portkey-ai/gateway``, Node), one hop: the simulator
+        as an OpenAI provider at a custom host (``x-portkey-provider``, ``x-portkey-custom-host``
+        on each request). Installed by npm into ``bench/portkey/node_modules`` (gitignored) on
+        first use: ``npm install --prefix bench/portkey``."""
+        server = PORTKEY_DIR / "node_modules/@portkey-ai/gateway/build/start-server.js"
+        node, npm = shutil.which("node"), shutil.which("npm")
+        if not server.exists() and npm is not None:
+            self.note("installing Portkey's gateway: npm install --prefix bench/portkey")
+            proc = await trio.run_process(
+                [npm, "install", "--no-audit", "--no-fund", "--prefix", str(PORTKEY_DIR)],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                self.note(f"npm install failed: {proc.stderr.decode()[-300:]}")
+        if node is None or not server.exists():
+            self.note(
+                "Portkey's gateway is not installed (node and npm needed): its row is skipped"
+            )
+            return
+        port = _free_port()
+        env = {**_env(), "NODE_ENV": "production"}
+        child, _ = await self.child(
+            "portkey", [node, str(server), f"--port={port}", "--headless"], rpc=False, env=env
+        )
+        with trio.fail_after(60):
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    await stream.aclose()
+                    break
+                except OSError:
+                    await trio.sleep(0.2)
+        headers = {
+            "authorization": "Bearer sk-bench",
+            "x-portkey-provider": "openai",
+            "x-portkey-custom-host": self.sim_url,
+        }
+        client = SSEClient("127.0.0.1", port, headers=headers)
+        self.paths["portkey"] = HttpPath(
+            "portkey", client, {"portkey": (child, True)}, sessions=False
         )
 
     # -- measuring -----------------------------------------------------------------------
@@ -641,6 +719,50 @@ class Bench:
             return stream.first_at - stream.sent
         return "no answer within 60 s"
 
+    async def measure_requests(self, key: str, names: list[str], rnd: int) -> None:
+        """One round of the request path (``bench/reqload.py``): ``req-idle``, short turns one at
+        a time, or ``req-load``, the load sweep of both kinds; each round kept in
+        ``results["requests"]`` (``bench/reqreport.py`` folds them)."""
+        wanted = [n for n in REQUEST_PATHS if n in self.paths and (n in names or n == "direct")]
+        if not hasattr(self, "short_turns"):
+            await self.sim.rpc("opts", opts={"chunks": reqload.TOKENS, "interval": 0.0})
+            self.short_turns = {n: reqload.Turns(self.paths[n]) for n in wanted}  # type: ignore[arg-type]
+            for path_turns in self.short_turns.values():
+                await path_turns.check()
+        await self.sim.rpc("opts", opts={"chunks": reqload.TOKENS, "interval": 0.0})
+        turns = self.short_turns
+        if rnd % 2:  # the order reversed every other round (direct stays the floor of each rung)
+            turns = dict(reversed(list(turns.items())))
+        book = self.results.setdefault("requests", {"idle": [], "whole": [], "stream": []})
+        tag = f"[{rnd + 1}/{self.repeat}]"
+        if key == "req-idle":
+            got = await reqload.idle(turns, self.sizes["ttft"])
+            book["idle"].append(got)
+            for name, row in got.items():
+                print(f"  {tag} req-idle {name:10} {reqreport.idle_brief(row)}", flush=True)
+            return
+        start, factor, seconds = reqload.LADDER["quick" if self.args.quick else "full"]
+        if self.args.req_seconds:
+            seconds = self.args.req_seconds
+        rates = (
+            [float(r) for r in self.args.req_rates.split(",")]
+            if self.args.req_rates
+            else reqload.ladder(self.args.req_from or start, factor)
+        )
+        procs = {n: {**self.paths[n].procs, "sim": (self.sim, False)} for n in turns}
+        for kind in reqload.KINDS:
+            print(f"  {tag} req-load {kind}: {reqload.CLIENTS} clients", flush=True)
+            got = await reqload.sweep(
+                turns,
+                kind,
+                rates,
+                seconds,
+                procs,
+                lambda line: print(line, flush=True),
+                rnd % 2 == 1,
+            )
+            book[kind].append(got)
+
     async def measure_all(self, names: list[str]) -> None:
         """Every scenario on every path, ``repeat`` rounds, the paths alternating within each
         scenario, in the reverse order every other round (the machine is shared: a burst of
@@ -650,6 +772,9 @@ class Bench:
         wanted = [s for s in self.args.scenarios if s in SCENARIO_NAMES]
         for rnd in range(self.repeat):
             for key in wanted:
+                if key in REQUEST_SCENARIOS:
+                    await self.measure_requests(key, names, rnd)
+                    continue
                 if key == "ttft":  # the paths alternate turn by turn within the round
                     turns = await self.ttft(names, self.sizes["ttft"])
                     for name in names:
@@ -821,9 +946,9 @@ class Bench:
         try:
             async with trio.open_nursery() as nursery:
                 await self.setup(nursery)
-                if "litellm" in self.args.paths:
-                    with trio.fail_after(90):
-                        await self.litellm_ready.wait()
+                with trio.fail_after(120):
+                    await self.litellm_ready.wait()
+                    await self.portkey_ready.wait()
                 names = [n for n in PATHS if n in self.args.paths and n in self.paths]
                 await self.measure_all(names)
                 if "runner" in self.args.paths:
@@ -932,6 +1057,27 @@ def _parser() -> argparse.ArgumentParser:
         "an A/B of the hub, the two sides alternating within one run",
     )
     parser.add_argument(
+        "--hub-store",
+        choices=("file", "memory"),
+        default="file",
+        help="the bench's hubs keep their store in a file under the scratch directory (as a "
+        "deployed hub does: default) or in memory",
+    )
+    parser.add_argument(
+        "--req-rates",
+        default="",
+        help="req-load: the offered rates (turns/s, comma-separated) instead of the ladder",
+    )
+    parser.add_argument(
+        "--req-from",
+        type=float,
+        default=0.0,
+        help="req-load: the ladder's first rate (10 turns/s), each next one 1.3× (quick 1.5×)",
+    )
+    parser.add_argument(
+        "--req-seconds", type=float, default=0.0, help="req-load: seconds per rung (2; quick 1)"
+    )
+    parser.add_argument(
         "--probe",
         action="store_true",
         help="run the runner with bench/tailprobe.py's stamps and print where its slowest "
@@ -980,6 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
     results["id"] = uuid.uuid4().hex[:8]
     results["e2e"] = report.e2e_summary(results)
     results["translated"] = report.translated_summary(results)
+    if results.get("requests"):
+        results["request_summary"] = reqreport.summary(results)
     results["targets"] = {
         "issue18": [
             dict(zip(("target", "measured", "met"), t, strict=True))
@@ -997,5 +1145,8 @@ def main(argv: list[str] | None = None) -> int:
     FsPath(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print()
     print(report.render(results))
+    if results.get("requests"):
+        print()
+        print(reqreport.render(results))
     print(f"\nwritten to {args.out}; logs in {bench.tmp}")
     return 0

@@ -1,9 +1,13 @@
 """The hub store's per-turn calls, µs each: SQLite's statements run on the trio thread (the hub's
 way) against the same store run in a worker thread (``trio.to_thread.run_sync``), and the
-write-behind batch of usage rows (what a turn pays now, what a batch costs, the crash window).
+write-behind batch of usage rows (what a turn pays now, what a batch costs, the crash window);
+then PostgreSQL's, driven from trio through libpq's non-blocking calls (the hub's way) against
+libpq's blocking calls in a worker thread (``bench/store_postgres.py``).
 
     python -m bench.store_calls                   # 5 alternating rounds of 2000 calls each
     python -m bench.store_calls --rounds 9 --calls 5000 --kills 10
+    python -m bench.store_calls --postgres postgresql://USER:PASSWORD@HOST/DB   # a server of yours
+    python -m bench.store_calls --no-sqlite       # PostgreSQL's only
 
 Each round measures every call both ways, one after the other (the order alternates between
 rounds); the medians of the rounds are printed, with wall and CPU time per call (CPU: the whole
@@ -192,10 +196,23 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="an empty database to measure PostgreSQL on (default: a throwaway server, as the "
+        "tests start, when PostgreSQL is installed)",
+    )
+    parser.add_argument("--no-sqlite", action="store_true", help="PostgreSQL's figures only")
+    parser.add_argument("--no-postgres", action="store_true", help="SQLite's figures only")
     parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         trio.run(_child, args.child)
     else:
-        trio.run(main, args.rounds, args.calls)
-        crash_windows(args.kills)
+        if not args.no_sqlite:
+            trio.run(main, args.rounds, args.calls)
+            crash_windows(args.kills)
+        if not args.no_postgres:
+            from bench import store_postgres
+
+            store_postgres.run(args.rounds, args.calls, args.postgres)

@@ -695,11 +695,27 @@ _BY_KEY = {s.key: s for s in SETTINGS}
 # -- the hub's settings -----------------------------------------------------------------------
 
 HUB_GROUPS = {
-    "hub": "Where the hub serves, its data directory and its logs",
+    "hub": "Where the hub serves, its data directory, its store and its logs",
     "hub-runners": "Runners and their Chat Channels",
     "hub-frontdoor": "The front door: sessions, the fair queue, models, usage",
     "hub-bounds": "The server's bounds",
 }
+
+
+STORE_POOL = 4  # connections to a --store database at most, by default
+_STORE_SCHEMES = ("postgresql", "postgres")
+
+
+def parse_store(value: Any) -> str:
+    """A PostgreSQL URL (``postgresql://`` or ``postgres://``); the error never repeats the
+    value (it may hold a password)."""
+    text = str(value).strip()
+    if text.partition("://")[0].lower() not in _STORE_SCHEMES or "://" not in text:
+        raise ValueError(
+            "not a PostgreSQL URL: give postgresql://USER@HOST:PORT/DATABASE (or leave it out "
+            "for SQLite in the data directory)"
+        )
+    return text
 
 
 def default_hub_data(env: Mapping[str, str]) -> Path:
@@ -712,8 +728,8 @@ class HubSettings:
     """Every hub setting, one field each (made with ``setting(...)``, as ``Config``'s are).
 
     Every part of the hub reads the one ``HubSettings`` it was given when it needs a value, so a
-    change applies at once. ``listen``, ``data``, ``tls_*`` and ``log_*`` are the ``hub``
-    command's (``gateway.hub.cli``); the rest are the hub's own.
+    change applies at once. ``listen``, ``data``, ``store``, ``tls_*`` and ``log_*`` are the
+    ``hub`` command's (``gateway.hub.cli``); the rest are the hub's own.
     """
 
     # == where it serves, its data and its logs
@@ -732,13 +748,37 @@ class HubSettings:
         env="ALP_GATEWAY_HUB_DATA",
         parse=_path,
         factory=lambda: default_hub_data(os.environ),
-        help="the hub's data directory: hub.sqlite3 (runners, API keys, jobs, sessions, usage) "
-        "and the admin credential, owner-only; `hub keys` and `hub usage` work on it",
+        help="the hub's data directory: hub.sqlite3 (runners, API keys, jobs, sessions, usage; "
+        "unless --store) and the admin credential, owner-only; `hub keys` and `hub usage` work "
+        "on it",
         group="hub",
         shown="$ALP_GATEWAY_STATE_DIR/hub, else $XDG_STATE_HOME/alp-gateway/hub, else "
         "~/.local/state/alp-gateway/hub",
         metavar="DIR",
         sample="~/.local/state/alp-gateway/hub",
+    )
+    store: str | None = setting(
+        env="ALP_GATEWAY_HUB_STORE",
+        parse=parse_store,
+        help="keep runners, API keys, jobs, sessions, usage and the admin credential's hash in "
+        "this PostgreSQL database (postgresql://USER@HOST:PORT/DATABASE), which several hubs "
+        "can share, instead of SQLite in the data directory; `hub keys` and `hub usage` take "
+        "it too. A password in it is never printed (PGPASSWORD or ~/.pgpass keep it out of "
+        "the URL)",
+        group="hub",
+        shown="SQLite in the data directory",
+        metavar="URL",
+        sample="postgresql://alp@db.example:5432/hub",
+        secret=True,
+    )
+    store_pool: int = setting(
+        STORE_POOL,
+        env="ALP_GATEWAY_HUB_STORE_POOL",
+        parse=_positive_int,
+        help="connections this hub keeps to the --store database at most (a call waits for one "
+        "when all are busy)",
+        group="hub",
+        metavar="N",
     )
     tls_cert: Path | None = setting(
         env="ALP_GATEWAY_HUB_TLS_CERT",

@@ -13,13 +13,13 @@
 #   ARM64_ROOT   the arm64 root to use; kept and reused when it was made here before (the first
 #                run spends most of its time in debootstrap's second stage under emulation).
 #                Default: a new directory from mktemp -d, removed at the end unless KEEP_ROOT=1.
-#   DEBIAN_MIRROR  default http://deb.debian.org/debian
+#   DEBIAN_MIRROR  the Debian mirror debootstrap fetches from; default: this machine's own apt
+#                source (packaging/debian-mirror.sh reads /etc/apt/sources.list[.d])
 #
 # Slow: every arm64 instruction is emulated. Measured on a 2-core x86_64 (packaging/DEPLOY.md):
 # see "aarch64 binary" there. Not for CI.
 set -euo pipefail
 ROOT_DIR="$(cd "$(dirname "$0")/.." && pwd)"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 OUT="$ROOT_DIR/dist-arm64"
 step() { printf '\n== build-arm64: %s (%s)\n' "$*" "$(date +%T)"; }
 
@@ -55,7 +55,8 @@ trap cleanup EXIT
 
 t0=$(date +%s)
 if [ ! -e "$ARM64_ROOT/.alp-arm64-ready" ]; then
-    step "debootstrap --arch=arm64 --foreign bookworm into $ARM64_ROOT"
+    MIRROR="$("$ROOT_DIR/packaging/debian-mirror.sh" bookworm)" || exit 2
+    step "debootstrap --arch=arm64 --foreign bookworm into $ARM64_ROOT from $MIRROR"
     # python3-venv and pip for the build venv; libpython3.11 is the shared libpython PyInstaller
     # bundles; binutils gives it objdump and strip; ca-certificates for pip over https.
     debootstrap --arch=arm64 --foreign --variant=minbase \

@@ -19,7 +19,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 # Always reinstall the project from this tree (pip rebuilds a local directory every time).
-"$VENV/bin/python" -m pip install -q "$ROOT[build]"
+"$VENV/bin/python" -m pip install -q "${ROOT}[build]"
 
 start=$(date +%s)
 "$VENV/bin/python" -m PyInstaller --noconfirm --clean --log-level WARN \

@@ -7,7 +7,9 @@
 #   sudo packaging/prove.sh            # from the repository root or anywhere
 #
 # What it proves (packaging/DEPLOY.md, "Proven"):
-#   1. the image from packaging/Dockerfile builds (on stand-in bases: /work/shared/CONTAINERS.md)
+#   1. the image from packaging/Dockerfile builds, on stand-in bases made here (no registry needed):
+#      a Debian 12 root from debootstrap, with Python 3.11 for the build stage, and a
+#      distroless-like runtime base
 #   2. the hub recipe: the image running `alp-gateway hub` (named volume for its data), API keys
 #      made with `hub keys create` in the running container and with POST /api/hub/keys
 #   3. the Kubernetes emptyDir case: the runner as uid 65532 on a bind-mounted, root-owned 0777
@@ -21,17 +23,18 @@
 #   6. the hub container stopped (exit 0) and started again: its keys kept on the named volume
 #
 # Needs root, podman, runc, debootstrap, systemd (systemd-analyze), curl; python3 for JSON.
+# The Debian root comes from this machine's own apt source (packaging/debian-mirror.sh);
+# DEBIAN_MIRROR=URL names another mirror.
 # Networking: --network host, everything on 127.0.0.1 (loopback only). Ports: PROVE_HUB_PORT
 # (default 18787) for the hub; the compose run's backend must answer at ollama:11434, so port
 # 11434 on 127.0.0.1 must be free (the step is skipped, saying so, if it is not).
 set -uo pipefail
 ROOT_DIR="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT_DIR"
+cd "$ROOT_DIR" || exit 2
 PM=(podman --storage-driver vfs --runtime runc --cgroup-manager cgroupfs)
 IMG=localhost/alp-gateway:prove
 HUB_PORT="${PROVE_HUB_PORT:-18787}"
 SIM_PORT="${PROVE_SIM_PORT:-18800}"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 NICE=(nice -n 19 ionice -c3)
 P=alp-prove   # prefix of every container and volume made here
 SCRATCH="$(mktemp -d)"
@@ -70,7 +73,7 @@ trap cleanup EXIT
 for tool in podman runc debootstrap systemd-analyze curl python3; do
     command -v "$tool" >/dev/null || { echo "prove.sh: $tool missing (apt-get install -y podman runc debootstrap systemd curl)" >&2; exit 2; }
 done
-# podman's default ulimits cannot be set in some sandboxes (CONTAINERS.md)
+# podman's default ulimits cannot be set in some sandboxes (a container without CAP_SYS_RESOURCE)
 if [ ! -e /etc/containers/containers.conf ]; then
     mkdir -p /etc/containers && printf '[containers]\ndefault_ulimits = []\n' >/etc/containers/containers.conf
 fi
@@ -80,9 +83,11 @@ for c in "$P-gw" "$P-gw2" "$P-compose" "$P-hub" "$P-sim" "$P-ollama"; do pm rm -
 for v in "$P-hub-data" "$P-state"; do pm volume rm -f "$v" >/dev/null 2>&1; done
 
 # ---------------------------------------------------------------------------------------------
-say "1. stand-in base images (debootstrap; CONTAINERS.md) and the project's image"
+say "1. stand-in base images (debootstrap) and the project's image"
 if ! pm image exists localhost/debian:bookworm; then
     quiet_wait
+    MIRROR="$("$ROOT_DIR/packaging/debian-mirror.sh" bookworm)" || { bad "a Debian mirror for debootstrap"; exit 2; }
+    echo "    debootstrap bookworm from $MIRROR"
     base="$(mktemp -d)"
     "${NICE[@]}" debootstrap --variant=minbase bookworm "$base" "$MIRROR" >"$SCRATCH/debootstrap.log" 2>&1 \
         || { tail -5 "$SCRATCH/debootstrap.log"; bad "debootstrap"; exit 1; }
@@ -101,18 +106,16 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 COPY ca.crt /etc/ssl/certs/ca-certificates.crt
 ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 EOF
-for pair in "py localhost/python:3.11-slim-bookworm"; do
-    set -- $pair
-    if ! pm image exists "$2"; then
-        quiet_wait
-        "${NICE[@]}" "${PM[@]}" build -q --network host -f "$ctx/$1" -t "$2" "$ctx" >"$SCRATCH/base-$1.log" 2>&1 \
-            || { tail -5 "$SCRATCH/base-$1.log"; bad "stand-in base $2"; exit 1; }
-    fi
-done
+PY=localhost/python:3.11-slim-bookworm
+if ! pm image exists "$PY"; then
+    quiet_wait
+    "${NICE[@]}" "${PM[@]}" build -q --network host -f "$ctx/py" -t "$PY" "$ctx" >"$SCRATCH/base-py.log" 2>&1 \
+        || { tail -5 "$SCRATCH/base-py.log"; bad "stand-in base $PY"; exit 1; }
+fi
 # The runtime stand-in: what gcr.io/distroless/base-debian12:nonroot holds and nothing more
 # (GoogleContainerTools/distroless base/config.bzl: libc6 and libssl3 on the static image's
 # base-files, netbase, tzdata, CA certificates, passwd with nonroot 65532, /tmp 1777), so that a
-# library the binary needs and distroless lacks shows here. (A minbase Debian, as CONTAINERS.md
+# library the binary needs and distroless lacks shows here. (A minbase Debian, as first used,
 # used, has zlib and much more: it hid that the binary's launcher needs libz.so.1.)
 RT=localhost/distroless-like:base-debian12-nonroot
 if ! pm image exists "$RT"; then
@@ -135,7 +138,7 @@ quiet_wait
 t0=$(date +%s)
 # --format docker keeps the Dockerfile's HEALTHCHECK (podman's default OCI format drops it)
 if "${NICE[@]}" "${PM[@]}" build --format docker --network host -f packaging/Dockerfile \
-    --build-arg PYTHON_IMAGE=localhost/python:3.11-slim-bookworm \
+    --build-arg PYTHON_IMAGE="$PY" \
     --build-arg RUNTIME_IMAGE="$RT" -t "$IMG" . >"$SCRATCH/build.log" 2>&1; then
     ok "image $IMG built in $(($(date +%s) - t0)) s: $(pm run --rm "$IMG" --version), runs as user $(pm image inspect -f '{{.Config.User}}' "$IMG")"
 else
@@ -187,6 +190,7 @@ turn() {
         || { echo "    answer: $out"; return 1; }
 }
 # Runner flags shared by the emptyDir and compose runs: the hardening of compose.yaml / k8s.
+# shellcheck disable=SC2054  # the commas are the tmpfs mount's options, one argument
 HARDEN=(--read-only --tmpfs /tmp:exec,mode=1777,size=64m --cap-drop ALL --security-opt no-new-privileges)
 # The image's health check stays defined (podman healthcheck run uses it) but gets no timer:
 # podman schedules those with systemd, which does not run here.

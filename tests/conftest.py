@@ -1,4 +1,5 @@
-"""Shared fixtures: a hub and a backend simulator on loopback, an in-process runner, log capture."""
+"""Shared fixtures: a hub and a backend simulator on loopback, an in-process runner, log capture,
+a throwaway PostgreSQL server (one per test session) and a fresh database in it per test."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pgserver
 import pytest
 from helpers import ADMIN, BACKEND_KEY, LogCapture, runner_config, running
 
@@ -42,3 +44,20 @@ def logs() -> Iterator[LogCapture]:
     yield handler
     root.removeHandler(handler)
     root.setLevel(old)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pgserver.PgServer]:
+    """A PostgreSQL server for the session (skipped where PostgreSQL is not installed, but in
+    CI), stopped and deleted at its end."""
+    server = pgserver.start_or_skip()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_server: pgserver.PgServer) -> Iterator[str]:
+    """The URL (with its password) of a new empty database, dropped after the test."""
+    url = pg_server.database()
+    yield url
+    pg_server.drop(url)

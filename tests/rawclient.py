@@ -68,6 +68,7 @@ class Response:
     status: int
     headers: dict[bytes, bytes]  # lower-case names; the last of a repeated one
     body: bytes = b""
+    reason: bytes = b""  # the status line's reason phrase
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -140,13 +141,13 @@ class RawConn:
         raw = bytes(self.buf[:end])
         del self.buf[: end + 4]
         status_line, *lines = raw.split(b"\r\n")
-        version, status, *_ = status_line.split(b" ", 2)
+        version, status, *reason = status_line.split(b" ", 2)
         assert version.startswith(b"HTTP/1."), status_line
         headers: dict[bytes, bytes] = {}
         for line in lines:
             name, _, value = line.partition(b":")
             headers[name.strip().lower()] = value.strip()
-        return Response(int(status), headers)
+        return Response(int(status), headers, reason=reason[0] if reason else b"")
 
     async def response(self) -> Response | None:
         """The next whole response (None: closed before a whole head); a body without a length

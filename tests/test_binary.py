@@ -68,6 +68,23 @@ async def test_demo_with_the_simulator() -> None:
     assert "tok0 tok1" in out and "time to first token" in out
 
 
+def test_its_size_is_the_one_the_docs_state() -> None:
+    """README.md and packaging/DEPLOY.md state the x86_64 binary's size (tests/test_docs.py holds
+    them to one figure): within 1 MB of this binary's, in MB or MiB."""
+    from test_docs import DEPLOY, README, stated_binary_sizes
+
+    with BINARY.open("rb") as f:
+        header = f.read(20)
+    if header[:4] != b"\x7fELF" or int.from_bytes(header[18:20], "little") != 62:
+        pytest.skip(f"{BINARY} is not an x86_64 ELF: the docs state the x86_64 binary's size")
+    size = BINARY.stat().st_size
+    for stated in stated_binary_sizes(README) + stated_binary_sizes(DEPLOY):
+        assert min(abs(stated - size / 1e6), abs(stated - size / 2**20)) <= 1, (
+            f"the docs say {stated} MB; {BINARY} is {size} bytes ({size / 1e6:.2f} MB): "
+            "update README.md and packaging/DEPLOY.md"
+        )
+
+
 async def test_hub_and_sim_subcommands_are_inside() -> None:
     for command in ("hub", "sim"):
         result = await binary(command, "--help")

@@ -225,6 +225,8 @@ def _hub(key: str) -> Setting:
 HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "listen": ("127.0.0.1:9911", "127.0.0.1:9911", ("127.0.0.1", 9911)),
     "data": ("/tmp/hub-data-x", "/tmp/hub-data-x", Path("/tmp/hub-data-x")),
+    "store": ("postgresql://a:pw@db:5/hub",) * 3,
+    "store_pool": ("9", 9, 9),
     "tls_cert": ("/tmp/c.pem", "/tmp/c.pem", Path("/tmp/c.pem")),
     "tls_key": ("/tmp/k.pem", "/tmp/k.pem", Path("/tmp/k.pem")),
     "log_format": ("json", "json", "json"),
@@ -316,11 +318,14 @@ def test_hub_settings_refused_in_one_line_naming_their_source(tmp_path: Path) ->
         ({"listen": "nonsense"}, {}, "--listen: invalid value 'nonsense'"),
         ({"log_level": "LOUD"}, {}, "not a log level"),
         ({"tls_cert": "/c.pem"}, {}, "--tls-cert and --tls-key go together"),
+        ({"store": "mysql://a:s3cret@db/hub"}, {}, "--store: invalid value (hidden): not a Post"),
+        ({}, {"ALP_GATEWAY_HUB_STORE_POOL": "0"}, "ALP_GATEWAY_HUB_STORE_POOL: invalid"),
     ]
     for flags, env, message in cases:
         with pytest.raises(ConfigError) as info:
             load_hub_settings(flags, env)
         assert message in str(info.value) and "\n" not in str(info.value), message
+        assert "s3cret" not in str(info.value)  # a store URL's password is never repeated
     toml = tmp_path / "hub.toml"
     for text, message in [
         ("pign_interval = 3\n", "unknown setting 'pign_interval'"),
@@ -365,8 +370,9 @@ def test_hub_table_and_example_file_are_generated_from_the_declarations(tmp_path
     plain = tmp_path / "hub.toml"
     plain.write_text(re.sub(r"^# (\w+ = )", r"\1", example, flags=re.M))
     loaded = load_hub_settings({}, {}, plain)
+    samples = ("data", "store", "tls_cert", "tls_key", "ping_timeout", "default_model")
     for s in HUB_SETTINGS:
-        if s.key not in ("data", "tls_cert", "tls_key", "ping_timeout", "default_model"):
+        if s.key not in samples:  # no default: the example shows a sample
             assert getattr(loaded, s.key) == getattr(HubSettings(), s.key), s.key
 
 

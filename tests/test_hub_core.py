@@ -408,7 +408,7 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
                 and not hub.channels.runners()
             )
             assert open_one.gone.is_set()  # its request was lost with the channel
-            assert not await ch.send(b"dropped quietly")
+            assert not await send(ch, b"dropped quietly")
             late = Recording()
             ch.open("late", late)
             assert late.gone.is_set()  # a request opened on a closed channel is lost at once

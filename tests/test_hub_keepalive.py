@@ -111,7 +111,7 @@ async def test_silent_channel_is_closed_1011_and_counted() -> None:
             counters = (await client.get("/api/hub/counters", headers=_admin())).json()
     assert ch.pings >= 1
     assert ch.close is not None and ch.close.code == CLOSE_NO_PONG
-    assert ch.close.reason == f"no pong within {PING:g} s"
+    assert ch.close.reason == f"no answer to a ping within {PING:g} s"
     assert opened.end_code == CLOSE_NO_PONG and hub.channels.get(job_id) is None
     assert counters["pingsSent"] >= 1
     assert counters["pongTimeouts"] == 1 and counters["channelsDead"] == 1

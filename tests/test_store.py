@@ -2,15 +2,22 @@
 the versioned migrations (a newer schema refused with one line; a data directory made before
 migrations opens unchanged).
 
-The ``store`` fixture is parametrized over backends (``BACKENDS``: SQLite only for now); a test
-that takes it speaks only ``Store``'s methods, so a PostgreSQL backend joins by adding itself
-there. ``other`` opens a second handle on the same database, as another process would. Tests
-that build a database by hand are SQLite's own (an existing data directory is SQLite's file)."""
+The ``store`` fixture is parametrized over backends (``BACKENDS``: SQLite in a data directory,
+PostgreSQL in a fresh database of the session's throwaway server, ``tests/pgserver.py``); a test
+that takes it speaks only ``Store``'s methods, so every backend runs it. ``other`` opens a second
+handle on the same database, as another process (or replica) would. Tests that build a database
+by hand are SQLite's own (an existing data directory is SQLite's file); PostgreSQL's own are in
+``tests/test_store_postgres.py``.
+
+The writer's tests move a mock clock by hand (``mock_clock``, no autojump): a database reached
+over a socket is waited on as trio waits on any socket, so an autojumping clock would jump while
+the database answers. They wait for the writer's rows by its counter (``rows_written``)."""
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -40,21 +47,19 @@ from gateway.hub.store import (
     token_hash,
 )
 
-Opener = Callable[..., Store]  # (place, **batch settings) -> a store there
+Place = Callable[[pytest.FixtureRequest, Path], "Path | str"]  # where a backend's store is
 
-
-def _sqlite(place: Path, **batch: Any) -> Store:
-    return open_store(place, **batch)
-
-
-BACKENDS: dict[str, Opener] = {"sqlite": _sqlite}  # "postgresql" joins here (issue 28)
+BACKENDS: dict[str, Place] = {
+    "sqlite": lambda _request, tmp_path: tmp_path / "hub",  # a data directory
+    "postgresql": lambda request, _tmp: request.getfixturevalue("pg_url"),  # a fresh database
+}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Store]:
     """Opens a store of the backend in this test's place (each call a new handle on it)."""
-    backend = BACKENDS[request.param]
-    return lambda **batch: backend(tmp_path / "hub", **batch)
+    place = BACKENDS[request.param](request, tmp_path)
+    return lambda **batch: open_store(place, **batch)
 
 
 @pytest.fixture
@@ -70,6 +75,14 @@ async def other(opener: Callable[..., Store]) -> AsyncIterator[Store]:
     opened = opener()
     yield opened
     await opened.close()
+
+
+async def _written(store: Store, rows: int) -> None:
+    """Until the store's writer has written ``rows`` rows (its counter), whatever the clock."""
+    deadline = time.monotonic() + 30
+    while store.rows_written < rows:
+        assert time.monotonic() < deadline, f"{store.rows_written} of {rows} rows written"
+        await trio.lowlevel.checkpoint()
 
 
 def _record(name: str = "alice", model: str | None = "m", outcome: str = "ok") -> UsageRecord:
@@ -271,7 +284,7 @@ async def test_usage_rows_hourly_totals_and_tokens(store: Store) -> None:
 
 
 async def test_a_queued_row_is_written_by_the_writer_within_its_interval(
-    autojump_clock: trio.testing.MockClock, opener: Callable[..., Store], other: Store
+    mock_clock: trio.testing.MockClock, opener: Callable[..., Store], other: Store
 ) -> None:
     store = opener(batch_interval=0.5, batch_rows=100)
     async with trio.open_nursery() as nursery:
@@ -279,9 +292,12 @@ async def test_a_queued_row_is_written_by_the_writer_within_its_interval(
         queued_at = trio.current_time()
         store.queue_usage(_record(), 1_700_000_000.0)
         store.queue_usage(_record("bob"), 1_700_000_001.0)
-        await trio.sleep(0.49)  # virtual time (autojump)
+        await trio.testing.wait_all_tasks_blocked()  # the writer waits out its interval
+        mock_clock.jump(0.49)
         assert await other.usage_rows() == []  # not written on the turn's path, nor yet
-        await trio.sleep(0.02)
+        assert store.rows_written == 0
+        mock_clock.jump(0.02)
+        await _written(store, 2)
         assert trio.current_time() - queued_at == pytest.approx(0.51)
         assert [r["key_name"] for r in await other.usage_rows()] == ["alice", "bob"]
         nursery.cancel_scope.cancel()
@@ -289,25 +305,25 @@ async def test_a_queued_row_is_written_by_the_writer_within_its_interval(
 
 
 async def test_a_full_batch_is_written_at_once_and_the_rest_at_stop(
-    autojump_clock: trio.testing.MockClock, opener: Callable[..., Store], other: Store
+    mock_clock: trio.testing.MockClock, opener: Callable[..., Store], other: Store
 ) -> None:
     store = opener(batch_interval=3600.0, batch_rows=3)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         for n in range(3):
             store.queue_usage(_record(), 1_700_000_000.0 + n)
-        await trio.testing.wait_all_tasks_blocked()
+        await _written(store, 3)
         assert len(await other.usage_rows()) == 3 and trio.current_time() == 0
         store.queue_usage(_record(), 1_700_000_003.0)
-        await trio.testing.wait_all_tasks_blocked()
-        assert len(await other.usage_rows()) == 3
+        await trio.testing.wait_all_tasks_blocked()  # the writer waits out its interval
+        assert len(await other.usage_rows()) == 3 and store.rows_written == 3
         nursery.cancel_scope.cancel()  # the hub stops: the last row is written too
     assert len(await other.usage_rows()) == 4
     await store.close()
 
 
 async def test_a_read_between_does_not_hold_the_next_full_batch(
-    autojump_clock: trio.testing.MockClock, opener: Callable[..., Store], other: Store
+    mock_clock: trio.testing.MockClock, opener: Callable[..., Store], other: Store
 ) -> None:
     store = opener(batch_interval=3600.0, batch_rows=3)
     async with trio.open_nursery() as nursery:
@@ -317,7 +333,7 @@ async def test_a_read_between_does_not_hold_the_next_full_batch(
         assert len(await store.usage_rows()) == 1  # a reader wrote the row meanwhile
         for n in range(1, 4):
             store.queue_usage(_record(), 1_700_000_000.0 + n)
-        await trio.testing.wait_all_tasks_blocked()
+        await _written(store, 4)
         assert len(await other.usage_rows()) == 4 and trio.current_time() == 0
         nursery.cancel_scope.cancel()
     await store.close()
@@ -372,11 +388,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2] and SCHEMA_VERSION == 2
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3] and SCHEMA_VERSION == 3
     again = open_store(tmp_path)
-    assert await again.check_api_key(key) is not None
+    assert await again.store.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2]
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3]
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -481,9 +497,11 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     _store_from_before(path)
     before = _shape(path)
     store = open_store(tmp_path)
-    # migration 1 is that schema; migration 2 adds the usage's ``estimated`` columns (0: said)
+    # migration 1 is that schema; migration 2 adds the usage's ``estimated`` columns (0: said);
+    # migration 3 the credentials table (empty: SQLite's admin token stays in its file)
     after = _shape(path)
-    assert _versions(path) == [1, 2] and after.keys() == before.keys()
+    assert _versions(path) == [1, 2, 3] and after.keys() == before.keys() | {"credentials"}
+    assert after.pop("credentials")[1] == []
     for table in ("usage_turns", "usage_hourly"):
         columns, rows = after[table]
         assert columns[:-1] == before[table][0] and columns[-1][1] == "estimated"
@@ -512,7 +530,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2]
+    assert _versions(path) == [1, 2, 3]
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -534,7 +552,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 2, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 

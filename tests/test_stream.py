@@ -19,7 +19,7 @@ from gateway.wire.stream import (
     BadPayload,
     ConnectionLost,
     EventStream,
-    HTTPError,
+    ExchangeFailed,
     ProtocolError,
     ResponseParser,
 )
@@ -140,7 +140,7 @@ def test_malformed_http_is_a_protocol_error(at: int, junk: bytes, cuts: list[int
     data = _GOOD[:at] + junk + _GOOD[at:]
     try:
         got, _ = _read(_split(data, cuts), closed=True)
-    except (HTTPError, BadPayload):
+    except (ExchangeFailed, BadPayload):
         return
     assert all(isinstance(p, bytes) for p in got)
 

@@ -325,6 +325,33 @@ async def test_a_connection_that_ends_without_a_close_frame_is_closed() -> None:
     assert info.value.code is None and "no close frame" in str(info.value)
 
 
+async def test_a_message_in_too_many_fragments_closes_the_connection_with_1009() -> None:
+    """A Server that opens a fragmented message and sends empty continuation frames: the
+    client counts them (issue 30 row 3, both ends) and closes with 1009 at the bound."""
+    reply = bytearray()
+    replied = trio.Event()
+
+    async def script(stream: trio.SocketStream, key: bytes) -> None:
+        empty = _frame(0, b"", fin=False)
+        await stream.send_all(_answer(key) + _frame(1, b"{", fin=False) + empty * 2000)
+        while len(reply) < 8:
+            reply.extend(await stream.receive_some(65536))
+        replied.set()
+        await trio.sleep_forever()
+
+    async with raw_server(script) as url:
+        ws = await wsclient.connect(url)
+        with trio.fail_after(5):
+            with pytest.raises(wsclient.ChannelClosed) as info:
+                await ws.receive()
+            await replied.wait()
+        await ws.aclose()
+    assert info.value.code == 1009 and "fragment" in str(info.value)
+    assert reply[0] == 0x88  # the close frame, masked, with its code
+    payload = bytes(b ^ reply[2 + (i % 4)] for i, b in enumerate(reply[6:8]))
+    assert int.from_bytes(payload, "big") == 1009
+
+
 async def test_sent_frames_arrive_in_order_with_writes_in_between() -> None:
     received: list[str] = []
     done = trio.Event()

@@ -160,7 +160,8 @@ class App:
             try:
                 await handler(req)
             except StoreUnavailable as exc:  # the database went away or is locked: try later
-                log.warning("%s %.200r: %s", scope.get("method"), scope.get("path"), exc)
+                # the store says so once in the log (not once per request that needed it)
+                log.debug("%s %.200r: %s", scope.get("method"), scope.get("path"), exc)
                 raise HTTPError(
                     503, _STORE_UNAVAILABLE, "store_unavailable", headers=[(b"retry-after", b"1")]
                 ) from None

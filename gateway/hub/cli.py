@@ -46,6 +46,7 @@ from gateway.hub.store import (
     KeyLimits,
     Store,
     StoreError,
+    StoreMissing,
     UsageTotal,
     limits_of,
     open_store,
@@ -191,8 +192,12 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-streams", type=_limit, metavar="N", help="turns in flight at once")
 
 
+_COMMON = ("data", "store")  # settings every hub command takes (its store)
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    """``--config`` and ``--data``, which every hub command takes (before or after its name)."""
+    """``--config``, ``--data`` and ``--store``, which every hub command takes (before or after
+    its name)."""
     parser.add_argument(
         "--config",
         type=pathlib.Path,
@@ -200,7 +205,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="a TOML file of hub settings (config/hub.example.toml shows every one)",
     )
-    add_flags(parser, [s for s in HUB_SETTINGS if s.key == "data"])
+    add_flags(parser, [s for s in HUB_SETTINGS if s.key in _COMMON])
 
 
 def _build_parser() -> _Parser:
@@ -212,14 +217,14 @@ def _build_parser() -> _Parser:
         "its API keys, or print their usage.",
         epilog="Settings: flags > environment > --config FILE (TOML) > defaults; "
         "config/hub.example.toml shows every one. Runners, API keys, Chat Jobs (with every "
-        "report) and the front door's chat sessions live in DATA/hub.sqlite3: a restarted hub "
-        "goes on with them. With the admin credential, GET /api/hub/jobs and GET "
+        "report) and the front door's chat sessions live in DATA/hub.sqlite3, or in the "
+        "PostgreSQL database of --store: a restarted hub goes on with them. With the admin credential, GET /api/hub/jobs and GET "
         "/api/hub/sessions list them; GET /api/hub/counters gives pings sent, pong timeouts, "
         "channels declared dead and failovers. Each front-door turn's usage is kept (`hub usage` "
         "prints it).",
     )
     _add_common(parser)
-    add_flags(parser, [s for s in HUB_SETTINGS if s.key != "data"])
+    add_flags(parser, [s for s in HUB_SETTINGS if s.key not in _COMMON])
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     keys = parser.command(sub, "keys", help="manage front-door API keys")
     keys_sub = keys.add_subparsers(
@@ -240,8 +245,8 @@ def _build_parser() -> _Parser:
     create.add_argument(
         "--create",
         action="store_true",
-        help="start a new hub store in --data when there is none (otherwise refused: a key in "
-        "a store no hub serves is a key every hub rejects)",
+        help="start a new hub store in --data (or --store) when there is none (otherwise "
+        "refused: a key in a store no hub serves is a key every hub rejects)",
     )
     _add_limit_flags(create)
     keys.command(keys_sub, "list", help="list API keys and their limits")
@@ -331,15 +336,21 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _no_hub_in(data_dir: pathlib.Path) -> str | None:
-    """Why ``data_dir`` holds no hub (None when it holds one): ``keys`` and ``usage`` work on
-    an existing hub's store, never on an empty one they would make up."""
-    if (data_dir / "hub.sqlite3").exists():
-        return None
-    return (
-        f"no hub in {data_dir} (no hub.sqlite3): give the --data of the hub you run "
-        f"(`alp-gateway hub` uses {default_hub_data(os.environ)} unless told otherwise)"
-    )
+def _open(settings: HubSettings, *, create: bool = False) -> Store:
+    """The store of the hub the settings name (``--store``, else ``--data``'s SQLite): ``keys``
+    and ``usage`` work on an existing hub's store, never on an empty one they would make up
+    (unless ``create``): StoreMissing, said with what to give instead."""
+    try:
+        return open_store(
+            settings.store or settings.data, create=create, pool_size=settings.store_pool
+        )
+    except StoreMissing as exc:
+        if settings.store:
+            raise StoreMissing(f"{exc}: give the --store of the hub you run") from None
+        raise StoreMissing(
+            f"{exc}: give the --data of the hub you run (`alp-gateway hub` uses "
+            f"{default_hub_data(os.environ)} unless told otherwise)"
+        ) from None
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int) -> list[str]:
@@ -363,13 +374,13 @@ def _seconds(value: float) -> str:
 
 
 def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
-    data_dir = settings.data
-    missing = _no_hub_in(data_dir)
-    if missing is not None and not (args.keys_command == "create" and args.create):
+    try:
+        store = _open(settings, create=args.keys_command == "create" and args.create)
+    except StoreMissing as missing:
         extra = "; or `keys create --create` to start a new hub store there"
-        return _fail(missing + (extra if args.keys_command == "create" else ""))
+        return _fail(str(missing) + (extra if args.keys_command == "create" else ""))
     within = f"within key_check_interval ({_seconds(settings.key_check_interval)})"
-    return trio.run(_keys_in, args, open_store(data_dir), within)
+    return trio.run(_keys_in, args, store, within)
 
 
 async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
@@ -444,11 +455,8 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
         span = parse_duration(args.since)
     except ValueError as exc:
         raise _UsageError(f"--since {args.since!r} is {exc}") from None
-    missing = _no_hub_in(settings.data)
-    if missing is not None:
-        return _fail(missing)
     since = time.time() - span
-    found = trio.run(_totals, open_store(settings.data), since, args.key)
+    found = trio.run(_totals, _open(settings), since, args.key)
     if found is None:
         return _fail(f"no API key named {logsafe.safe(args.key)!r} (`hub keys list` lists them)")
     totals, exact = found
@@ -507,9 +515,10 @@ def _serve(settings: HubSettings) -> int:
     hub = Hub(settings.data, settings=settings)
     if hub.admin_token_created:
         # the command's one answer, on stdout and never in a log line: a secret shown once
+        shared = "; its hash in the store, for every hub on it" if settings.store else ""
         print(
             "admin token (a user credential for runner registration; shown only now, kept in "
-            f"{settings.data / 'admin-token'}):"
+            f"{settings.data / 'admin-token'}{shared}):"
         )
         print(f"  {hub.admin_token}", flush=True)
     host, port = settings.listen

@@ -23,12 +23,7 @@ from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
-from gateway.hub.store import (
-    ADMIN_TOKEN_PREFIX,
-    load_or_create_admin_token,
-    new_token,
-    open_store,
-)
+from gateway.hub.store import open_store, token_hash
 
 log = logging.getLogger("gateway.hub")
 
@@ -47,16 +42,24 @@ class Hub:
     ) -> None:
         self.settings = settings = dataclasses.replace(settings or HubSettings(), **overrides)
         self.data_dir = pathlib.Path(data_dir).expanduser() if data_dir is not None else None
-        self.store = store = open_store(self.data_dir, usage_retention=settings.usage_retention)
+        self.store = store = open_store(
+            settings.store or self.data_dir,
+            pool_size=settings.store_pool,
+            usage_retention=settings.usage_retention,
+        )
+        # the admin credential: given, or the store's (made at the first start; on PostgreSQL
+        # a later replica knows only its hash, and ``admin_token`` is None there)
+        self.admin_token: str | None
         if admin_token is not None:
             self.admin_token, self.admin_token_created = admin_token, False
-        elif self.data_dir is not None:
-            self.admin_token, self.admin_token_created = load_or_create_admin_token(self.data_dir)
+            admin_hash = token_hash(admin_token)
         else:
-            self.admin_token, self.admin_token_created = new_token(ADMIN_TOKEN_PREFIX), True
+            credential = store.admin_credential(self.data_dir)
+            self.admin_token, admin_hash = credential.token, credential.hash
+            self.admin_token_created = credential.created
         self.counters = counters = HubCounters()
         changes = Changes()
-        self.keys = keys = Keys(store, settings, self.admin_token)
+        self.keys = keys = Keys(store, settings, admin_hash)
         self.board = board = JobBoard(store, settings, changes)
         self.channels = channels = Channels(board, changes, counters)
         self.sessions = sessions = Sessions(

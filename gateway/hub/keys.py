@@ -26,11 +26,10 @@ class Keys:
     """The admin credential and the API keys of one hub; ``on_revoked`` and ``on_limits`` are
     told when a key is revoked (its sessions end) or its limits change (applied at once)."""
 
-    def __init__(self, store: Store, settings: HubSettings, admin_token: str) -> None:
+    def __init__(self, store: Store, settings: HubSettings, admin_hash: str) -> None:
         self.store = store
         self.settings = settings
-        self.admin_token = admin_token
-        self._admin_hash = token_hash(admin_token)
+        self._admin_hash = admin_hash  # the admin credential's hash (never the credential)
         self._answers: dict[str, tuple[ApiKey | None, float]] = {}  # token -> (key, until)
         self.on_revoked: list[Callable[[], None]] = []
         self.on_limits: list[Callable[[], None]] = []

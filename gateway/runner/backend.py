@@ -136,7 +136,7 @@ def _ids(items: list[dict[str, object]], field: str) -> list[str]:
     return [str(item[field]) for item in items if isinstance(item, dict) and item.get(field)]
 
 
-def _broke(exc: http1.HTTPError) -> str:
+def _broke(exc: http1.ExchangeFailed) -> str:
     """What went wrong with a request that reached the backend, for an error frame."""
     if isinstance(exc, http1.ProtocolError):
         return str(exc)
@@ -301,7 +301,7 @@ class Backend:
                     raise BackendUnreachable(f"backend {self.url} unreachable: {exc}") from None
                 except http1.ConnectionLost as exc:
                     raise BackendLost(f"backend {self.url} {_broke(exc)}") from None
-                except http1.HTTPError as exc:
+                except http1.ExchangeFailed as exc:
                     raise BackendError(f"backend {self.url} {_broke(exc)}") from None
                 response.idle = idle
                 response.idle_timeout = self.idle_timeout
@@ -338,7 +338,7 @@ class Backend:
             data = await response.read_body(ANSWER_LIMIT)
         except http1.ConnectFailed as exc:
             raise ProbeFailed(f"unreachable ({exc})") from None
-        except http1.HTTPError as exc:
+        except http1.ExchangeFailed as exc:
             raise ProbeFailed(_broke(exc)) from None
         finally:
             if response is not None:

@@ -125,7 +125,7 @@ class Forwarder:
             except (BadPayload, http1.ProtocolError) as exc:
                 url = backend.url if backend is not None else "?"
                 raise TurnFailed(f"backend {url} {exc}") from None
-            except http1.HTTPError as exc:
+            except http1.ExchangeFailed as exc:
                 url = backend.url if backend is not None else "?"
                 raise TurnFailed(f"backend {url} stream broke: {exc}") from None
 

@@ -31,7 +31,7 @@ from gateway.runner.poller import END, IDLE, MORE, ROOM, Poller
 from gateway.runner.turn import Turn
 from gateway.wire import http1
 from gateway.wire.netio import RECV_SIZE
-from gateway.wire.stream import BadPayload, EventStream, HTTPError, lost, payload_problem
+from gateway.wire.stream import BadPayload, EventStream, ExchangeFailed, lost, payload_problem
 from gateway.wire.wsclient import ChannelClosed
 
 Stitch = Callable[[list[bytes]], list[bytes]]  # a continuation's payloads as the turn's own
@@ -96,7 +96,7 @@ class Relay:
         self, turn: Turn, response: http1.Response, stitch: Stitch | None = None
     ) -> None:
         """Relay a 2xx answer whose head is in to ``turn``'s chunk frames, then its done
-        frame. ``BadPayload`` or ``HTTPError`` (the backend's fault) when it cannot; what was
+        frame. ``BadPayload`` or ``ExchangeFailed`` (the backend's fault) when it cannot; what was
         relayed is on ``turn`` (``chunks``, ``last_payload``) whatever happens. ``stitch``: the
         payloads are a continuation's, made the turn's own before they are framed."""
         frames = turn.frames
@@ -117,7 +117,7 @@ class Relay:
             with trio.move_on_after(_DRAIN_AFTER_DONE):
                 try:
                     await response.discard_rest()
-                except HTTPError:
+                except ExchangeFailed:
                     pass  # the turn is done; the connection is just not kept
             return
         await self.chunks(turn, stream.finish(), stitch)  # a last event without its blank line

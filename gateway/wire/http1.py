@@ -26,7 +26,7 @@ from gateway import __version__
 from gateway.wire.netio import Transport, connect, start_tls
 from gateway.wire.proxy import Proxy, proxy_for
 from gateway.wire.stream import ConnectionLost as ConnectionLost  # the errors, one hierarchy
-from gateway.wire.stream import HTTPError as HTTPError
+from gateway.wire.stream import ExchangeFailed as ExchangeFailed
 from gateway.wire.stream import ProtocolError as ProtocolError
 from gateway.wire.stream import ResponseParser, lost
 
@@ -35,7 +35,7 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _IDLE_STEPS = 16  # the idle deadline moves once 1/16 of the timeout has passed, not per read
 
 
-class ConnectFailed(HTTPError):
+class ConnectFailed(ExchangeFailed):
     """No connection could be made (refused, unreachable, name, TLS, proxy): nothing was sent."""
 
 
@@ -210,7 +210,7 @@ class Client:
     ) -> Response:
         """Send one request (the body as it is) and read the head of its response.
 
-        ``ConnectFailed`` when no connection could be made (nothing was sent); ``HTTPError``
+        ``ConnectFailed`` when no connection could be made (nothing was sent); ``ExchangeFailed``
         otherwise. A kept-alive connection that turns out closed is replaced once."""
         return await self.send(self.prepare(method, target, headers), body)
 
@@ -280,7 +280,7 @@ class Client:
         except ssl.SSLCertVerificationError as exc:
             raise ConnectFailed(f"certificate refused ({exc.verify_message})") from None
         except (OSError, ssl.SSLError, ConnectionLost) as exc:
-            text = str(exc) if isinstance(exc, HTTPError) else _os_text(exc)
+            text = str(exc) if isinstance(exc, ExchangeFailed) else _os_text(exc)
             raise ConnectFailed(f"{text}{' via ' + where if where else ''}") from None
         return transport
 

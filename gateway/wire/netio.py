@@ -19,6 +19,8 @@ from collections.abc import Callable
 import trio
 
 RECV_SIZE = 65536
+# what a socket operation raises once the connection is gone (reset, closed under us, TLS broken)
+NET_ERRORS = (OSError, ssl.SSLError, trio.ClosedResourceError, trio.BrokenResourceError)
 _wait_readable = trio.lowlevel.wait_readable
 _wait_writable = trio.lowlevel.wait_writable
 

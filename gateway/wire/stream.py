@@ -15,20 +15,23 @@ import httptools
 import msgspec
 
 from gateway.wire.sse import SSESplitter
+from gateway.wire.wsframes import is_utf8
 
 DONE = b"[DONE]"
 _validate_json = msgspec.json.Decoder(msgspec.Raw).decode
 
 
-class HTTPError(Exception):
-    """A request failed; the message is safe for a frame (no header, no key)."""
+class ExchangeFailed(Exception):
+    """An HTTP exchange with a backend failed before its answer was whole (no connection, an
+    answer that is not HTTP/1.1, a connection lost): not an error status, which is an answer.
+    The message is safe for a frame (no header, no key)."""
 
 
-class ProtocolError(HTTPError):
+class ProtocolError(ExchangeFailed):
     """The answer is not HTTP/1.1 as it must be."""
 
 
-class ConnectionLost(HTTPError):
+class ConnectionLost(ExchangeFailed):
     """The connection broke or was closed before the answer was complete."""
 
 
@@ -218,14 +221,3 @@ def payload_problem(payload: bytes) -> str | None:
     except msgspec.DecodeError:
         return "malformed (not JSON)"
     return None if is_utf8(payload) else "not UTF-8"
-
-
-def is_utf8(data: bytes) -> bool:
-    """A payload goes into a text frame: it must be UTF-8 (JSON validation does not check)."""
-    if data.isascii():
-        return True
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True

@@ -1,53 +1,47 @@
 """The Chat Channel's WebSocket client: an h11 upgrade, then ``wsframes`` over a ``netio`` socket.
 
 The runner is only ever a WebSocket client. The upgrade (RFC 6455 §4.1) is one HTTP/1.1
-request and its answer, read with h11 (``handshake``); from then on every frame is read and
-built by ``wsframes``, the codec the hub's server uses too. One open connection is three
-parts, one job each:
+request and its answer, read with h11 (``handshake``); from then on the connection's state (the
+close handshake, pings answered, the keepalive clock, the bounds of a message) is the I/O-free
+``gateway.wire.wsconn.WebSocketConnection`` the hub's server uses too, and this module does its
+I/O. One open connection is two parts, one job each:
 
 - ``FrameWriter`` writes. The text frames of the hot path are written by the code that has
   them (``offer``: a turn's task, or the runner's poller for it), at once, when no write is in
   progress. A write the socket cannot take whole leaves the rest to the writer's task
   (``run``); frames that become ready meanwhile wait in a bounded list and go out together in
   its next write, so a burst costs few syscalls and a slow Server slows the senders (``offer``
-  says there is no room; they wait with ``wait_room``) instead of growing a queue.
-- ``Keepalive`` pings every interval and gives up on a connection that stays silent.
-- ``WebSocket`` is the connection: it reads (``receive``: messages in order, pings answered,
-  a close answered), starts the two tasks above (``run``), and closes (``aclose``, ``abort``).
+  says there is no room; they wait with ``wait_room``) instead of growing a queue. The control
+  frames the connection owes go out at once too, or after the write in progress.
+- ``WebSocket`` is the connection: it reads (``receive``: messages in order), runs the writer's
+  task and the keepalive clock (``run``), and closes (``aclose``, ``abort``).
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import os
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import h11
 import trio
 
 from gateway.wire import netio
-from gateway.wire.netio import Transport
-from gateway.wire.wsframes import (
-    OP_BINARY,
-    OP_CLOSE,
-    OP_PING,
-    OP_PONG,
-    OP_TEXT,
-    ClientFramer,
-    FrameReader,
-    close_code_of,
-    close_payload,
-    close_reason_of,
+from gateway.wire.netio import NET_ERRORS, Transport
+from gateway.wire.wsconn import (
+    Keepalive,
+    State,
+    Tick,
+    WebSocketConnection,
+    answer_problem,
+    new_key,
+    request_headers,
 )
+from gateway.wire.wsframes import MAX_FRAGMENTS, OP_TEXT, ClientFramer
 
 WRITE_BUFFER = 1 << 16  # bytes of frames waiting behind a write in progress before senders wait
 MESSAGE_TOO_BIG = 1009
-_BROKEN = (OSError, ssl.SSLError, trio.ClosedResourceError)
-_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 §1.3
 
 
 class HandshakeError(Exception):
@@ -70,23 +64,33 @@ class ChannelClosed(Exception):
         if self.code is None:
             return self.reason or "no close frame"
         if self.code == MESSAGE_TOO_BIG:
-            return "a frame from the Server exceeded max_frame_size and was refused (code 1009)"
+            return (
+                "a message from the Server exceeded max_frame_size or its fragment bound and "
+                f"was refused (code 1009: {self.reason})"
+            )
         return f"code {self.code}: {self.reason}" if self.reason else f"code {self.code}"
 
 
 class FrameWriter:
     """Writes one connection's frames: at once when no write is in progress, else behind it,
-    together, within ``limit`` bytes. ``send``, ``offer`` and ``control`` are called by any
+    together, within ``limit`` bytes. ``send``, ``offer`` and ``controls`` are called by any
     task; ``run`` (the writer's task) finishes the writes the socket could not take at once.
-    A write that fails is told to ``broke``; once ``stop`` is called, sending raises the
-    ``ChannelClosed`` it was given."""
+    The control frames ``conn`` owes go out with them (``controls``: at once, or after the
+    write in progress; meanwhile they wait in ``conn``, one of each at most). A write that
+    fails is told to ``broke``; once ``stop`` is called, sending raises the ``ChannelClosed``
+    it was given."""
 
     def __init__(
-        self, transport: Transport, limit: int, broke: Callable[[BaseException], None]
+        self,
+        transport: Transport,
+        limit: int,
+        broke: Callable[[BaseException], None],
+        conn: WebSocketConnection,
     ) -> None:
         self.transport = transport
         self._limit = limit
         self._broke = broke
+        self._conn = conn
         self.framer = framer = ClientFramer()
         self._frame, self._frames = framer.frame, framer.frames
         self.closed: ChannelClosed | None = None  # why the connection ended (stop)
@@ -136,7 +140,7 @@ class FrameWriter:
         try:
             if self.transport.write(data):
                 return True
-        except _BROKEN as exc:
+        except NET_ERRORS as exc:
             self._broke(exc)
             raise ChannelClosed(None, f"the connection broke ({type(exc).__name__})") from None
         self._writing = True
@@ -144,16 +148,15 @@ class FrameWriter:
         self._wake.set()
         return True
 
-    def control(self, opcode: int, payload: bytes = b"") -> None:
-        """A control frame (ping, pong, close): written at once, or next; never refused."""
-        data = self.framer.control(opcode, payload)
-        if self._writing:
-            self._pending.append(data)
-            return
+    def controls(self) -> None:
+        """The control frames the connection owes (a pong, a ping, a close): written at once,
+        or after the write in progress; never refused."""
+        if self._writing or self.transport.closed:
+            return  # the write in progress takes them when it is done
         try:
-            if self.transport.write(data):
+            if self.transport.write(self._conn.data_to_send()):
                 return
-        except _BROKEN as exc:
+        except NET_ERRORS as exc:
             self._broke(exc)
             return
         self._writing = True
@@ -183,17 +186,20 @@ class FrameWriter:
 
     async def _flush(self) -> None:
         transport = self.transport
+        conn = self._conn
         try:
             while True:
                 await transport.flush()
-                if not self._pending:
+                if not self._pending and not conn.pending:
                     break
                 batch, self._pending = self._pending, []
                 self._pending_bytes = 0
                 room, self._room = self._room, trio.Event()
                 room.set()
+                if conn.pending:  # after the frames that waited: a close frame goes last
+                    batch.append(conn.data_to_send())
                 transport.write(b"".join(batch))
-        except _BROKEN as exc:
+        except NET_ERRORS as exc:
             self._broke(exc)
         finally:
             self._writing = False
@@ -215,51 +221,6 @@ class FrameWriter:
         self._flushed.set()
 
 
-class Keepalive:
-    """Pings every ``interval`` s (``ping``); when nothing at all was heard (``heard_at``, set
-    by the reader) ``timeout`` s after a ping, the connection is given up (``dead``). The
-    owner's ``on_ping`` is told "sent" and "timeout" (it counts them)."""
-
-    def __init__(
-        self,
-        interval: float,
-        timeout: float,
-        ping: Callable[[], None],
-        dead: Callable[[str], None],
-        on_ping: Callable[[str], None] | None = None,
-    ) -> None:
-        self.interval = interval
-        self.timeout = timeout
-        self._ping = ping
-        self._dead = dead
-        self._on_ping = on_ping
-        self.heard_at = trio.current_time()
-
-    async def run(self) -> None:
-        interval, timeout, on_ping = self.interval, self.timeout, self._on_ping
-        ping_at = trio.current_time() + interval
-        awaiting: float | None = None  # when the ping that has no answer yet was sent
-        while True:
-            await trio.sleep_until(
-                ping_at if awaiting is None else min(ping_at, awaiting + timeout)
-            )
-            now = trio.current_time()
-            if awaiting is not None and self.heard_at >= awaiting:
-                awaiting = None  # a pong, or any other frame, came
-            if awaiting is not None and now >= awaiting + timeout:
-                if on_ping is not None:
-                    on_ping("timeout")
-                self._dead(f"no answer to a ping within {timeout:g} s")
-                return
-            if now >= ping_at:
-                self._ping()
-                if on_ping is not None:
-                    on_ping("sent")
-                if awaiting is None:
-                    awaiting = now
-                ping_at = now + interval
-
-
 class WebSocket:
     """One open client WebSocket. ``receive`` is called by one task; ``send``, ``offer``,
     ``offer_batch``, ``wait_room`` and ``drain`` (the ``FrameWriter``'s own methods) by any;
@@ -270,31 +231,33 @@ class WebSocket:
         transport: Transport,
         *,
         max_message_size: int = 16 << 20,
+        max_fragments: int = MAX_FRAGMENTS,
         write_buffer: int = WRITE_BUFFER,
         ping_interval: float = 0.0,
         ping_timeout: float | None = None,
         on_ping: Callable[[str], None] | None = None,
     ) -> None:
         self.transport = transport
-        self.reader = FrameReader(max_message_size, masked=False)  # a Server's frames
-        self.writer = writer = FrameWriter(transport, write_buffer, self._broke)
+        keepalive = None
+        if ping_interval > 0:
+            timeout = ping_interval if ping_timeout is None else ping_timeout
+            keepalive = Keepalive(ping_interval, timeout)
+        self.conn = conn = WebSocketConnection(
+            client=True,
+            max_message=max_message_size,
+            max_fragments=max_fragments,
+            keepalive=keepalive,
+            now=trio.current_time(),
+        )
+        self.writer = writer = FrameWriter(transport, write_buffer, self._broke, conn)
         # the writer's methods, bound here: no call between the hot path and the writer
         self.send = writer.send
         self.offer = writer.offer
         self.offer_batch = writer.offer_batch
         self.wait_room = writer.wait_room
         self.drain = writer.drain
-        self.keepalive: Keepalive | None = None
-        if ping_interval > 0:
-            self.keepalive = Keepalive(
-                ping_interval,
-                ping_interval if ping_timeout is None else ping_timeout,
-                self._ping,
-                self._dead,
-                on_ping,
-            )
+        self._on_ping = on_ping
         self._inbox: deque[str | bytes] = deque()
-        self._close_sent = False
 
     @property
     def closed(self) -> ChannelClosed | None:
@@ -303,11 +266,11 @@ class WebSocket:
 
     async def run(self) -> None:
         """The connection's own tasks, until it ends: the writer's and the keepalive's."""
-        if self.keepalive is None:
+        if self.conn.keepalive is None:
             await self.writer.run()
             return
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.keepalive.run)
+            nursery.start_soon(self._keepalive)
             await self.writer.run()
             nursery.cancel_scope.cancel()
 
@@ -330,54 +293,56 @@ class WebSocket:
                 if data is None:
                     await transport.wait_readable()
                     continue
-            except _BROKEN as exc:
+            except NET_ERRORS as exc:
                 self._broke(exc)
                 continue
-            if self.keepalive is not None:
-                self.keepalive.heard_at = trio.current_time()
             if data:
                 self.take(data)
             else:
                 self.abort(ChannelClosed(None, "the Server closed the connection, no close frame"))
 
     def take(self, data: bytes) -> None:
-        """Read what came: messages to the inbox, a ping answered, a close answered (the
-        connection ends); a frame that breaks RFC 6455 closes it with the code it calls for."""
+        """Read what came: messages to the inbox; what the connection owes for it (a pong, the
+        answer to a close) written; a close, or a frame that breaks RFC 6455 (closed with the
+        code it calls for), ends the connection."""
+        conn = self.conn
         inbox = self._inbox
-        reader = self.reader
-        for op, payload in reader.feed(data):
-            if op == OP_TEXT:
-                inbox.append(payload.decode())  # UTF-8 checked by the reader
-            elif op == OP_BINARY:
-                inbox.append(payload)
-            elif op == OP_PING:
-                if not self._close_sent:  # closing: our close answers it
-                    self.writer.control(OP_PONG, payload)
-            elif op == OP_CLOSE:
-                if not self._close_sent:
-                    self._close_sent = True
-                    self.writer.control(OP_CLOSE, payload[:2])
-                self._ended(ChannelClosed(close_code_of(payload), close_reason_of(payload)))
-                return
-        if reader.violation is not None:
-            self._close(*reader.violation)
+        for op, payload in conn.receive(data, trio.current_time()):
+            inbox.append(payload.decode() if op == OP_TEXT else payload)  # UTF-8 checked
+        if conn.pending:
+            self.writer.controls()
+        if conn.state is not State.OPEN:
+            self._ended(ChannelClosed(conn.close_code, conn.close_reason))
 
     # -- keeping alive -------------------------------------------------------------------
 
-    def _ping(self) -> None:
-        if self.writer.closed is None and not self._close_sent:
-            self.writer.control(OP_PING, b"alp")
-
-    def _dead(self, reason: str) -> None:
-        self.abort(ChannelClosed(None, reason))
+    async def _keepalive(self) -> None:
+        """The keepalive clock's I/O: a ping when due; the connection given up (no closing
+        handshake) when nothing at all came ``timeout`` s after one."""
+        conn = self.conn
+        on_ping = self._on_ping
+        while True:
+            await trio.sleep_until(conn.next_tick())
+            tick = conn.tick(trio.current_time())
+            if tick is Tick.PING:
+                self.writer.controls()
+                if on_ping is not None:
+                    on_ping("sent")
+            elif tick is Tick.DEAD:
+                if on_ping is not None:
+                    on_ping("timeout")
+                self.abort(ChannelClosed(None, conn.silence()))
+                return
 
     # -- ending --------------------------------------------------------------------------
 
     def _close(self, code: int, reason: str) -> None:
         """Start the closing handshake with ``code``; the connection counts as closed now."""
-        if self.writer.closed is None and not self._close_sent:
-            self._close_sent = True
-            self.writer.control(OP_CLOSE, close_payload(code, reason))
+        conn = self.conn
+        if self.writer.closed is None:
+            conn.close(code, reason)
+            if conn.pending:
+                self.writer.controls()
         self._ended(ChannelClosed(code, reason))
 
     def _ended(self, reason: ChannelClosed) -> None:
@@ -409,15 +374,14 @@ class WebSocket:
 
     async def _await_close_reply(self) -> None:
         transport = self.transport
-        reader = self.reader
+        conn = self.conn
         try:
-            while reader.violation is None:
+            while conn.state is State.CLOSING:
                 data = await transport.receive()
                 if not data:
                     return
-                if any(op == OP_CLOSE for op, _ in reader.feed(data)):
-                    return
-        except _BROKEN:
+                conn.receive(data, trio.current_time())
+        except NET_ERRORS:
             return
 
 
@@ -472,19 +436,9 @@ async def handshake(
 ) -> WebSocket:
     """The client's opening handshake (RFC 6455 §4.1) on a connected transport: h11 writes
     the request and reads the answer; a 101 that accepts our key opens the WebSocket."""
-    key = base64.b64encode(os.urandom(16))
+    key = new_key()
     conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(
-        method="GET",
-        target=target,
-        headers=[
-            (b"Host", host.encode()),
-            (b"Upgrade", b"websocket"),
-            (b"Connection", b"Upgrade"),
-            (b"Sec-WebSocket-Key", key),
-            (b"Sec-WebSocket-Version", b"13"),
-        ],
-    )
+    request = h11.Request(method="GET", target=target, headers=request_headers(host, key))
     await transport.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
     while True:
         try:
@@ -497,7 +451,7 @@ async def handshake(
                 raise HandshakeError("the Server closed the connection during the upgrade")
             conn.receive_data(data)
         elif isinstance(event, h11.InformationalResponse) and event.status_code == 101:
-            problem = _upgrade_problem(event.headers, key)
+            problem = answer_problem(event.headers, key)
             if problem is not None:
                 raise HandshakeError(f"bad upgrade answer: {problem}")
             ws = WebSocket(
@@ -516,25 +470,3 @@ async def handshake(
                 f"the Server refused the upgrade ({event.status_code})", event.status_code
             )
         # another 1xx answer: the final one follows
-
-
-def _upgrade_problem(headers: Iterable[tuple[bytes, bytes]], key: bytes) -> str | None:
-    """What is wrong with a 101 answer to our upgrade (RFC 6455 §4.1, points 1-6), or None."""
-    upgrade = connection = accept = b""
-    for name, value in headers:
-        if name == b"upgrade":
-            upgrade = value
-        elif name == b"connection":
-            connection += b"," + value
-        elif name == b"sec-websocket-accept":
-            accept = value
-        elif name in (b"sec-websocket-extensions", b"sec-websocket-protocol"):
-            return f"{name.decode()} that was not asked for"
-    if upgrade.lower() != b"websocket":
-        return "no Upgrade: websocket"
-    if b"upgrade" not in (token.strip() for token in connection.lower().split(b",")):
-        return "no Connection: Upgrade"
-    expected = base64.b64encode(hashlib.sha1(key + _WS_GUID).digest())
-    if accept.strip() != expected:
-        return "a Sec-WebSocket-Accept that does not match the key"
-    return None

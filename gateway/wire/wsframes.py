@@ -7,7 +7,8 @@ to the close code and reason to send: 1002 for a framing error (reserved bits or
 frame masked the wrong way for its sender, a length not in its shortest form, a control frame
 fragmented or over 125 bytes, a continuation with no message started, a data frame inside a
 fragmented message, a bad close code), 1007 for text that is not UTF-8, 1009 for a message over
-the size bound (refused from its header, before its payload is buffered).
+the size bound (refused from its header, before its payload is buffered) or in more fragments than
+the fragment bound (empty continuation frames cost memory too: a bound in count as well as bytes).
 
 Frames are built here too: ``server_frame`` and ``text_frame`` unmasked, as a server sends them;
 ``ClientFramer`` masked, each with a fresh key (§5.3), as a client sends them. wsproto reads and
@@ -31,6 +32,7 @@ CLOSE_NO_STATUS = 1005  # a close frame without a code (§7.1.5); never sent
 CLOSE_PROTOCOL_ERROR = 1002
 CLOSE_INVALID_DATA = 1007
 CLOSE_TOO_BIG = 1009
+MAX_FRAGMENTS = 1024  # frames of one fragmented message (a 16 MiB message in 16 KiB fragments)
 
 _DATA_OPS = (OP_CONTINUATION, OP_TEXT, OP_BINARY)
 _CONTROL_OPS = (OP_CLOSE, OP_PING, OP_PONG)
@@ -188,13 +190,29 @@ class FrameReader:
     After a violation ``violation`` is ``(close code, reason)``: the frames before it were
     returned, nothing after it is read. A frame begun in one read and ended in a later one is
     kept in a buffer grown in place: a large message that comes in many reads is copied once.
+    A message is bounded in bytes (``max_message``) and in frames (``max_fragments``);
+    ``controls`` counts the control frames read (unchanged by a read of data frames only).
     """
 
-    __slots__ = ("max_message", "violation", "_mask_bit", "_rest", "_op", "_parts", "_size")
+    __slots__ = (
+        "max_message",
+        "max_fragments",
+        "violation",
+        "controls",
+        "_mask_bit",
+        "_rest",
+        "_op",
+        "_parts",
+        "_size",
+    )
 
-    def __init__(self, max_message: int, *, masked: bool = True) -> None:
+    def __init__(
+        self, max_message: int, *, masked: bool = True, max_fragments: int = MAX_FRAGMENTS
+    ) -> None:
         self.max_message = max_message
+        self.max_fragments = max_fragments
         self.violation: tuple[int, str] | None = None
+        self.controls = 0
         self._mask_bit = 0x80 if masked else 0
         self._rest = bytearray()  # the start of a frame not complete yet
         self._op: int | None = None  # the opcode of a fragmented message in progress
@@ -282,7 +300,7 @@ class FrameReader:
                     self._fail(CLOSE_PROTOCOL_ERROR, "a new message inside a fragmented one")
                     return out
                 if b0 & 0x80:
-                    if op == OP_TEXT and not payload.isascii() and not _utf8(payload):
+                    if op == OP_TEXT and not payload.isascii() and not is_utf8(payload):
                         self._fail(CLOSE_INVALID_DATA, "text that is not UTF-8")
                         return out
                     out.append((op, payload))
@@ -292,16 +310,20 @@ class FrameReader:
                 if self._op is None:
                     self._fail(CLOSE_PROTOCOL_ERROR, "a continuation frame with no message")
                     return out
+                if len(self._parts) >= self.max_fragments:
+                    self._fail(CLOSE_TOO_BIG, f"a message in over {self.max_fragments} frames")
+                    return out
                 self._parts.append(payload)
                 self._size += length
                 if b0 & 0x80:
                     whole = b"".join(self._parts)
                     message_op, self._op, self._parts, self._size = self._op, None, [], 0
-                    if message_op == OP_TEXT and not whole.isascii() and not _utf8(whole):
+                    if message_op == OP_TEXT and not whole.isascii() and not is_utf8(whole):
                         self._fail(CLOSE_INVALID_DATA, "text that is not UTF-8")
                         return out
                     out.append((message_op, whole))
             else:  # a control frame
+                self.controls += 1
                 if op == OP_CLOSE and payload:
                     problem = _close_problem(payload)
                     if problem is not None:
@@ -318,7 +340,11 @@ class FrameReader:
         return out
 
 
-def _utf8(data: bytes) -> bool:
+def is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8, as a text frame's payload must be (RFC 6455 §5.6); JSON
+    validation does not check it. Hot callers test ``isascii()`` first (no call for ASCII)."""
+    if data.isascii():
+        return True
     try:
         data.decode()
     except UnicodeDecodeError:
@@ -333,7 +359,7 @@ def _close_problem(payload: bytes) -> tuple[int, str] | None:
     code = int.from_bytes(payload[:2], "big")
     if not valid_close_code(code):
         return CLOSE_PROTOCOL_ERROR, f"invalid close code {code}"
-    if not _utf8(payload[2:]):
+    if not is_utf8(payload[2:]):
         return CLOSE_INVALID_DATA, "a close reason that is not UTF-8"
     return None
 

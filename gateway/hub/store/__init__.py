@@ -1,19 +1,23 @@
 """The hub's store: keys and their limits, usage, jobs and reports, sessions, runner registrations
 and model lists, behind one async interface (``Store``); SQLite in the data directory is the
-embedded default (``open_store``). Nothing outside this package speaks SQL or imports a driver."""
+embedded default, PostgreSQL (a ``postgresql://`` URL) the store several hubs can share
+(``open_store``). Nothing outside this package speaks SQL or imports a driver."""
 
 from __future__ import annotations
 
 import math
 import pathlib
 
+from gateway.hub.store import dburl
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
+    POOL_SIZE,
     PRUNE_BATCH,
     PRUNE_EVERY,
     Store,
     StoreError,
+    StoreMissing,
     StoreUnavailable,
 )
 from gateway.hub.store.credentials import (
@@ -31,6 +35,7 @@ from gateway.hub.store.records import (
     ERROR_OUTCOMES,
     HOUR,
     LIMIT_NAMES,
+    AdminCredential,
     ApiKey,
     HourlyUsage,
     KeyLimits,
@@ -43,18 +48,37 @@ from gateway.hub.store.records import (
     limits_of,
 )
 from gateway.hub.store.schema import LATEST as SCHEMA_VERSION
-from gateway.hub.store.sqlite import SqliteStore
+from gateway.hub.store.sqlite import FILENAME, SqliteStore
 
 
 def open_store(
-    data_dir: pathlib.Path | None = None,
+    place: pathlib.Path | str | None = None,
     *,
+    create: bool = True,
+    pool_size: int = POOL_SIZE,
     usage_retention: float = math.inf,
     batch_interval: float = BATCH_INTERVAL,
     batch_rows: int = BATCH_ROWS,
 ) -> Store:
-    """The hub's store in ``data_dir`` (SQLite, migrated; in memory when None); StoreError (one
-    line) when it cannot be opened, OSError when the directory cannot be made."""
+    """The hub's store at ``place``, migrated: a ``postgresql://`` URL (a pool of at most
+    ``pool_size`` connections), else a data directory (SQLite, in memory when None).
+    ``create=False``: StoreMissing when there is no hub store there yet (rather than making
+    one). StoreError (one line, never a password) when it cannot be opened, OSError when the
+    directory cannot be made."""
+    if isinstance(place, str) and dburl.is_url(place):
+        from gateway.hub.store.postgres import PostgresStore  # psycopg only when it is used
+
+        return PostgresStore(
+            place,
+            pool_size=pool_size,
+            create=create,
+            usage_retention=usage_retention,
+            batch_interval=batch_interval,
+            batch_rows=batch_rows,
+        )
+    data_dir = None if place is None else pathlib.Path(place)
+    if not create and data_dir is not None and not (data_dir / FILENAME).exists():
+        raise StoreMissing(f"no hub in {data_dir} (no {FILENAME})")
     return SqliteStore(
         data_dir,
         usage_retention=usage_retention,
@@ -73,9 +97,11 @@ __all__ = [
     "HOUR",
     "LIMIT_NAMES",
     "PRUNE_BATCH",
+    "POOL_SIZE",
     "PRUNE_EVERY",
     "RUNNER_TOKEN_PREFIX",
     "SCHEMA_VERSION",
+    "AdminCredential",
     "ApiKey",
     "HourlyUsage",
     "KeyLimits",
@@ -84,6 +110,7 @@ __all__ = [
     "SqliteStore",
     "Store",
     "StoreError",
+    "StoreMissing",
     "StoreUnavailable",
     "StoredJob",
     "StoredSession",

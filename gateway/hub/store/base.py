@@ -8,19 +8,27 @@ with the rows queued beside it, in one transaction, ``batch_interval`` s after t
 or as soon as ``batch_rows`` wait, and at stop; every read of usage writes what is queued first,
 so a reader in the same process sees every turn that ended. A crash loses at most the rows of
 that window. Pruning rides on those writes: after a batch, rows older than ``usage_retention``
-(relative to the newest row written) are deleted, at most ``PRUNE_BATCH`` at a time."""
+(relative to the newest row written) are deleted, at most ``PRUNE_BATCH`` at a time.
+
+A database that cannot be used (``StoreUnavailable``) is said once, in one log line, when it
+goes, and once when it is back (``_unavailable``, ``_available``), however many requests fail
+meanwhile; the rows of a batch it refused stay queued (up to ``KEEP_ROWS``) for when it is back."""
 
 from __future__ import annotations
 
 import abc
 import logging
 import math
+import pathlib
+import time
 from typing import Any
 
 import trio
 
+from gateway.config import STORE_POOL
 from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
+    AdminCredential,
     ApiKey,
     HourlyUsage,
     KeyLimits,
@@ -38,12 +46,18 @@ BATCH_INTERVAL = 0.1  # s: a queued usage row is written at most this long after
 BATCH_ROWS = 256  # ...or as soon as this many rows wait
 PRUNE_BATCH = 500  # per-turn rows deleted at most per prune (bounded work at write time)
 PRUNE_EVERY = 60.0  # s (of the rows' time) between prunes once nothing old is left
+POOL_SIZE = STORE_POOL  # connections to a database server at most, unless told (store_pool)
+KEEP_ROWS = 65536  # usage rows kept queued while the database is unavailable; older ones go
 
 UsageRow = tuple[UsageRecord, float]  # an ended turn and when it ended (Unix time)
 
 
 class StoreError(Exception):
     """The store refused or failed an operation; the message is one line that says why."""
+
+
+class StoreMissing(StoreError):
+    """There is no hub store where one was to be opened (and it was not to be made)."""
 
 
 class StoreUnavailable(StoreError):
@@ -71,6 +85,37 @@ class Store(abc.ABC):
         self._queued = trio.Event()  # a row waits
         self._full = trio.Event()  # ``batch_rows`` rows wait
         self._next_prune = -math.inf  # of the rows' time
+        self._closed = False
+        self.rows_written = 0  # usage rows written since opened
+        self._down_since: float | None = None  # time.monotonic() when it became unavailable
+        self._dropped = 0  # usage rows dropped (past KEEP_ROWS) while unavailable
+
+    # -- the database's availability, said once each way ----------------------------------
+
+    @property
+    def available(self) -> bool:
+        """False from a failure that says the database cannot be used until a call succeeds."""
+        return self._down_since is None
+
+    def _unavailable(self, detail: str) -> StoreUnavailable:
+        """The error of a call the database could not serve now; the first since it was last
+        available is logged (one line), the others are not."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(
+                "the hub store %s is unavailable: %s; what needs it is answered 503 "
+                "store_unavailable until it is back",
+                self.where,
+                detail,
+            )
+        return StoreUnavailable(f"the hub store {self.where}: {detail}")
+
+    def _available(self) -> None:
+        """A call succeeded: if the database was unavailable, say (once) that it is back."""
+        if self._down_since is not None:
+            out = time.monotonic() - self._down_since
+            self._down_since = None
+            log.info("the hub store %s is back after %.1f s", self.where, out)
 
     # -- the write-behind batch of usage rows ----------------------------------------------
 
@@ -91,17 +136,48 @@ class Store(abc.ABC):
 
     async def flush_usage(self) -> None:
         """Write the queued rows now, in one transaction (then prune when due). A database that
-        refuses them costs those rows, with one warning line: serving goes on."""
+        is unavailable keeps them queued for the next try (the oldest beyond ``KEEP_ROWS``
+        dropped, said once); one that refuses them, or a closed store, costs those rows, with
+        one warning line: serving goes on."""
+        await self._flush()
+
+    async def _flush(self) -> bool:
+        """``flush_usage``; False when the rows stay queued for a later try."""
         if not self._pending:
-            return
+            return True
         rows, self._pending = self._pending, []
         try:
             await self._write_batch(rows)
+        except StoreUnavailable as exc:
+            if self._closed:
+                log.warning("could not record the usage of %d turn(s): %s", len(rows), exc)
+                return True
+            self._pending[:0] = rows  # before what was queued meanwhile
+            excess = len(self._pending) - KEEP_ROWS
+            if excess > 0:
+                del self._pending[:excess]
+                if not self._dropped:
+                    log.warning(
+                        "the hub store %s is still unavailable: usage rows beyond the %d kept "
+                        "are dropped, the oldest first",
+                        self.where,
+                        KEEP_ROWS,
+                    )
+                self._dropped += excess
+            return False
         except StoreError as exc:
             log.warning("could not record the usage of %d turn(s): %s", len(rows), exc)
+            return True
+        if self._dropped:
+            log.warning(
+                "%d usage row(s) were dropped while the hub store was unavailable", self._dropped
+            )
+            self._dropped = 0
+        return True
 
     async def _write_batch(self, rows: list[UsageRow]) -> None:
         await self._write_usage(rows)
+        self.rows_written += len(rows)
         newest = max(at for _record, at in rows)
         if not math.isfinite(self.usage_retention) or newest < self._next_prune:
             return
@@ -126,7 +202,8 @@ class Store(abc.ABC):
                 if len(self._pending) < self.batch_rows:
                     with trio.move_on_after(self.batch_interval):
                         await self._full.wait()
-                await self.flush_usage()
+                if not await self._flush():  # kept for when the database is back
+                    await trio.sleep(self.batch_interval)
         finally:
             with trio.CancelScope(shield=True):
                 await self.flush_usage()
@@ -134,12 +211,25 @@ class Store(abc.ABC):
     async def close(self) -> None:
         """Write what is queued, then let the database go (idempotent)."""
         await self.flush_usage()
+        self._closed = True
+        if self._pending:  # the database is unavailable: they cannot be written
+            log.warning(
+                "could not record the usage of %d turn(s): the hub store %s is unavailable",
+                len(self._pending),
+                self.where,
+            )
+            self._pending = []
         await self._close()
 
     # -- what a backend implements -----------------------------------------------------------
 
     @abc.abstractmethod
     async def _close(self) -> None: ...
+
+    @abc.abstractmethod
+    def admin_credential(self, data_dir: pathlib.Path | None) -> AdminCredential:
+        """The hub's admin credential, made at its first start. Blocking, as opening is: called
+        once, before serving. StoreError (one line) when the store cannot say it."""
 
     @abc.abstractmethod
     async def _write_usage(self, rows: list[UsageRow]) -> None:

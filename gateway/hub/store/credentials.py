@@ -36,24 +36,36 @@ def ensure_private_dir(path: pathlib.Path) -> None:
     os.chmod(path, 0o700)
 
 
-def load_or_create_admin_token(data_dir: pathlib.Path) -> tuple[str, bool]:
-    """The admin token stored in ``data_dir/admin-token`` (0600), creating it at first start.
+def read_admin_token(data_dir: pathlib.Path) -> str | None:
+    """The admin token in ``data_dir/admin-token``, or None when there is none."""
+    try:
+        token = (data_dir / "admin-token").read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    return token or None
 
-    Returns ``(token, created)``.
-    """
+
+def write_admin_token(data_dir: pathlib.Path, token: str) -> None:
+    """Keep ``token`` in ``data_dir/admin-token``, owner-only (0600, in a 0700 directory)."""
     ensure_private_dir(data_dir)
     path = data_dir / "admin-token"
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        token = ""
-    if token:
-        return token, False
-    token = new_token(ADMIN_TOKEN_PREFIX)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # an empty leftover file
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(token + "\n")
     os.chmod(path, 0o600)
+
+
+def load_or_create_admin_token(data_dir: pathlib.Path) -> tuple[str, bool]:
+    """The admin token stored in ``data_dir/admin-token`` (0600), creating it at first start.
+
+    Returns ``(token, created)``.
+    """
+    ensure_private_dir(data_dir)
+    token = read_admin_token(data_dir)
+    if token is not None:
+        return token, False
+    token = new_token(ADMIN_TOKEN_PREFIX)
+    write_admin_token(data_dir, token)
     return token, True

@@ -3,6 +3,9 @@ lists and usage totals, as every backend reads and writes them. Pure: values onl
 
 from __future__ import annotations
 
+import datetime
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +174,17 @@ class ModelList:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminCredential:
+    """The hub's admin credential: its hash (what a bearer is checked against), the token
+    itself where this hub knows it (None: another replica made it and keeps it), and whether
+    it was made now (then it is shown once)."""
+
+    token: str | None
+    hash: str
+    created: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class StoredSession:
     """A front-door chat session: (API key, X-Chat-Session) -> its Chat Job. ``key_id``: the
     key's id (empty in rows stored before keys had one: then the key is found by name)."""
@@ -183,6 +197,64 @@ class StoredSession:
     key_id: str = ""
 
 
+def job_of(row: tuple[Any, ...], reports: list[dict[str, Any]]) -> StoredJob:
+    """A job from its row as every backend reads it: id, owner, project, needs (JSON),
+    agent_definition (JSON), origin, run_id, claimed_by, runner_name, status, conclusion,
+    final_reported, cancelled, cancel_reason."""
+    return StoredJob(
+        id=row[0],
+        owner=row[1],
+        project=row[2],
+        needs=json.loads(row[3]),
+        agent_definition=json.loads(row[4]),
+        origin=row[5],
+        run_id=row[6],
+        claimed_by=row[7],
+        runner_name=row[8],
+        status=row[9],
+        conclusion=row[10],
+        final_reported=bool(row[11]),
+        cancelled=bool(row[12]),
+        cancel_reason=row[13],
+        reports=reports,
+    )
+
+
+def registration_of(row: tuple[Any, ...]) -> Registration:
+    """A registration from its row: id, name, owner, project, labels (JSON), registered_at,
+    token_hash."""
+    labels = tuple(json.loads(row[4]))
+    return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
+
+
 def hour_of(at: float) -> int:
     """The start of the UTC hour ``at`` (a Unix time) falls in; 0 for a time not after 0."""
     return int(at) // HOUR * HOUR if at > 0 else 0
+
+
+def utc_now() -> str:
+    """The current time as an ISO 8601 UTC string (``...Z``), as the store's rows keep it."""
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    return now.isoformat().replace("+00:00", "Z")
+
+
+Hourly = dict[tuple[int, str, str], list[Any]]  # (hour, key id, model) -> [name, counts...]
+
+
+def hourly_totals(rows: Iterable[tuple[UsageRecord, float]]) -> Hourly:
+    """Ended turns summed per hour, key id and model: the key's latest name, then the turns,
+    prompt tokens, completion tokens, errors and estimated turns (what a batch adds to the
+    hourly totals)."""
+    hourly: Hourly = {}
+    for record, at in rows:
+        group = (int(at) // HOUR * HOUR, record.key_id, record.model)
+        totals = hourly.get(group)
+        if totals is None:
+            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0]
+        totals[0] = record.key_name  # the latest name of the key
+        totals[1] += 1
+        totals[2] += record.prompt_tokens or 0
+        totals[3] += record.completion_tokens or 0
+        totals[4] += int(record.outcome in ERROR_OUTCOMES)
+        totals[5] += int(record.estimated)
+    return hourly

@@ -33,9 +33,16 @@ from gateway.hub.store.base import (
     StoreUnavailable,
     UsageRow,
 )
-from gateway.hub.store.credentials import ensure_private_dir
+from gateway.hub.store.credentials import (
+    ADMIN_TOKEN_PREFIX,
+    ensure_private_dir,
+    load_or_create_admin_token,
+    new_token,
+    token_hash,
+)
 from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
+    AdminCredential,
     ApiKey,
     HourlyUsage,
     KeyLimits,
@@ -110,17 +117,33 @@ class SqliteStore(Store):
             raise StoreUnavailable(f"the hub store {self.where} is closed")
         try:
             if self._limiter is None:
-                return op(db, *args, **kw)
-            return await trio.to_thread.run_sync(
-                partial(op, db, *args, **kw), limiter=self._limiter
-            )
+                result = op(db, *args, **kw)
+            else:
+                result = await trio.to_thread.run_sync(
+                    partial(op, db, *args, **kw), limiter=self._limiter
+                )
+        except sqlite3.OperationalError as exc:  # locked, unreadable, full: said once
+            raise self._unavailable(str(exc)) from None
         except sqlite3.Error as exc:
             raise _error(self.where, exc) from None
+        if not self.available:
+            self._available()
+        return result
 
     async def _close(self) -> None:
         db, self._db = self._db, None
         if db is not None:
             db.close()
+
+    def admin_credential(self, data_dir: pathlib.Path | None) -> AdminCredential:
+        """The token in ``data_dir/admin-token`` (made there at first start), as before the
+        store kept credentials: a homelab's hub reads it back from that file. Without a data
+        directory, a new one each time."""
+        if data_dir is None:
+            token, created = new_token(ADMIN_TOKEN_PREFIX), True
+        else:
+            token, created = load_or_create_admin_token(data_dir)
+        return AdminCredential(token, token_hash(token), created)
 
     async def _write_usage(self, rows: list[UsageRow]) -> None:
         await self._run(ops.write_usage, rows)

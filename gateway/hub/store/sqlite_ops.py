@@ -7,7 +7,6 @@ A write of one statement is its own transaction; a write of several takes the wr
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hmac
 import json
 import sqlite3
@@ -25,7 +24,6 @@ from gateway.hub.store.credentials import (
 )
 from gateway.hub.store.records import (
     ERROR_OUTCOMES,
-    HOUR,
     LIMIT_NAMES,
     ApiKey,
     HourlyUsage,
@@ -37,8 +35,12 @@ from gateway.hub.store.records import (
     UsageRecord,
     UsageTotal,
     hour_of,
+    hourly_totals,
+    job_of,
+    registration_of,
+    utc_now,
 )
-from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, too_new
+from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, SchemaTooNew, too_new
 
 Db = sqlite3.Connection
 _KEY_LIMIT_COLUMNS = ", ".join(LIMIT_NAMES)
@@ -51,16 +53,6 @@ _USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
     " completion_tokens ttft duration outcome estimated"
 ).split()
-
-
-class SchemaTooNew(Exception):
-    """The database's schema is newer than this code knows (the message says so in one line)."""
-
-
-def utc_now() -> str:
-    """The current time as an ISO 8601 UTC string (``...Z``)."""
-    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-    return now.isoformat().replace("+00:00", "Z")
 
 
 @contextlib.contextmanager
@@ -156,26 +148,6 @@ def add_job_report(db: Db, job_id: str, body: dict[str, Any]) -> None:
     )
 
 
-def _stored_job(r: Any, reports: list[dict[str, Any]]) -> StoredJob:
-    return StoredJob(
-        id=r[0],
-        owner=r[1],
-        project=r[2],
-        needs=json.loads(r[3]),
-        agent_definition=json.loads(r[4]),
-        origin=r[5],
-        run_id=r[6],
-        claimed_by=r[7],
-        runner_name=r[8],
-        status=r[9],
-        conclusion=r[10],
-        final_reported=bool(r[11]),
-        cancelled=bool(r[12]),
-        cancel_reason=r[13],
-        reports=reports,
-    )
-
-
 def load_jobs(db: Db, live_only: bool = False) -> list[StoredJob]:
     where = " WHERE status != 'completed'" if live_only else ""
     reports: dict[str, list[dict[str, Any]]] = {}
@@ -190,7 +162,7 @@ def load_jobs(db: Db, live_only: bool = False) -> list[StoredJob]:
     rows = db.execute(
         f"SELECT {_JOB_COLUMNS} FROM jobs{where} ORDER BY created_at, rowid"
     ).fetchall()
-    return [_stored_job(r, reports.get(r[0], [])) for r in rows]
+    return [job_of(r, reports.get(r[0], [])) for r in rows]
 
 
 def load_job(db: Db, job_id: str) -> StoredJob | None:
@@ -203,7 +175,7 @@ def load_job(db: Db, job_id: str) -> StoredJob | None:
             "SELECT body FROM job_reports WHERE job_id = ? ORDER BY seq", (job_id,)
         )
     ]
-    return _stored_job(row, reports)
+    return job_of(row, reports)
 
 
 def job_ids(db: Db) -> list[str]:
@@ -307,11 +279,6 @@ def add_registration(
     return runner, token
 
 
-def _registration(row: tuple[str, str, str, str, str, str, str]) -> Registration:
-    labels = tuple(json.loads(row[4]))
-    return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
-
-
 def registration_by_token(db: Db, token: str) -> Registration | None:
     digest = token_hash(token)
     found: str | None = None
@@ -323,7 +290,7 @@ def registration_by_token(db: Db, token: str) -> Registration | None:
 
 def registration(db: Db, runner_id: str) -> Registration | None:
     row = db.execute(f"SELECT {_RUNNER_COLUMNS} FROM runners WHERE id = ?", (runner_id,)).fetchone()
-    return _registration(row) if row is not None else None
+    return registration_of(row) if row is not None else None
 
 
 # -- API keys -------------------------------------------------------------------------------
@@ -415,19 +382,7 @@ def active_key_id(db: Db, name: str) -> str | None:
 
 def write_usage(db: Db, rows: list[tuple[UsageRecord, float]]) -> None:
     """The turns' rows and their keys' hourly totals (summed per hour, key and model first)."""
-    hourly: dict[tuple[int, str, str], list[Any]] = {}
-    for record, at in rows:
-        model = record.model
-        group = (int(at) // HOUR * HOUR, record.key_id, model)
-        totals = hourly.get(group)
-        if totals is None:
-            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0]
-        totals[0] = record.key_name  # the latest name of the key
-        totals[1] += 1
-        totals[2] += record.prompt_tokens or 0
-        totals[3] += record.completion_tokens or 0
-        totals[4] += int(record.outcome in ERROR_OUTCOMES)
-        totals[5] += int(record.estimated)
+    hourly = hourly_totals(rows)
     with transaction(db):
         db.executemany(
             "INSERT INTO usage_turns (at, key_id, key_name, session, runner_id, job_id, model,"

@@ -1,0 +1,354 @@
+"""The hub's store on PostgreSQL, for a team's hub (several replicas may share it): a bounded
+pool of connections driven from trio, migrated when opened, and its own recovery when the
+database goes away and comes back.
+
+Why from trio and not in a worker thread: ``bench/store_calls.py`` measures the per-turn calls
+both ways on this machine (the figures are in ``bench/README.md``); a hop to a worker thread and
+back costs more wall and CPU time than the non-blocking round trip (see ``postgres_io``).
+
+The pool: at most ``pool_size`` connections, opened when first needed and kept; a call waits for
+one when all are busy. An idle connection is checked before it is lent (what the server sent
+meanwhile read without waiting: a restarted server's end is found there, not by a failed call).
+A connection left mid-statement (a call cancelled, a failure) is closed, never lent again.
+
+A database that goes away: the call that finds it so fails with ``StoreUnavailable`` (the hub
+answers 503 ``store_unavailable``), said once in the log (``Store._unavailable``); while it is
+away, calls fail at once but for one try to connect every ``RETRY_AFTER`` s; the first call that
+succeeds says it is back. A call that gets no answer within ``CALL_TIMEOUT`` s counts as the
+database gone (its connection is closed)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any, Protocol, TypeVar
+
+import trio
+
+from gateway.hub.store import dburl
+from gateway.hub.store import postgres_ops as ops
+from gateway.hub.store.base import (
+    BATCH_INTERVAL,
+    BATCH_ROWS,
+    POOL_SIZE,
+    Store,
+    StoreError,
+    StoreMissing,
+    StoreUnavailable,
+    UsageRow,
+)
+from gateway.hub.store.credentials import (
+    ADMIN_TOKEN_PREFIX,
+    new_token,
+    read_admin_token,
+    token_hash,
+    write_admin_token,
+)
+from gateway.hub.store.postgres_io import (
+    DOWN,
+    RETRY,
+    BlockingConnection,
+    PgFailure,
+    ThreadConnection,
+    TrioConnection,
+    conninfo,
+)
+from gateway.hub.store.records import (
+    DEFAULT_KEY_PROJECT,
+    AdminCredential,
+    ApiKey,
+    HourlyUsage,
+    KeyLimits,
+    ModelList,
+    Registration,
+    StoredJob,
+    StoredSession,
+    UsageTotal,
+)
+from gateway.hub.store.schema import SchemaTooNew
+
+CONNECT_TIMEOUT = 5.0  # s to open a connection
+CALL_TIMEOUT = 15.0  # s a call may wait for its answers
+RETRY_AFTER = 1.0  # s between tries to connect to a database that went away
+
+T = TypeVar("T")
+
+
+class _Conn(Protocol):
+    async def run(self, op: ops.Op[T]) -> T: ...
+    def reusable(self) -> bool: ...
+    def fresh(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class PostgresStore(Store):
+    """The hub's store in the PostgreSQL database ``url`` names (``postgresql://...``). Opened
+    and migrated here, blocking (StoreError, one line, when it cannot be); with
+    ``create=False`` a database without a hub store in it is refused rather than made one."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = POOL_SIZE,
+        usage_retention: float = math.inf,
+        batch_interval: float = BATCH_INTERVAL,
+        batch_rows: int = BATCH_ROWS,
+        create: bool = True,
+        in_thread: bool = False,
+    ) -> None:
+        super().__init__(
+            usage_retention=usage_retention, batch_interval=batch_interval, batch_rows=batch_rows
+        )
+        if pool_size < 1:
+            raise ValueError(f"the store's pool needs at least 1 connection, not {pool_size}")
+        self.where = dburl.redact(url)
+        self._url = url
+        try:
+            self._params = conninfo(url)
+        except ValueError as exc:
+            raise StoreError(f"the hub store {self.where}: {exc}") from None
+        self.pool_size = pool_size
+        self._slots = trio.Semaphore(pool_size)  # connections lent at most
+        self._idle: list[_Conn] = []
+        self.connections = 0  # open now, lent or idle (never more than pool_size)
+        self._connect: Any = ThreadConnection.connect if in_thread else TrioConnection.connect
+        self._retry_at = -math.inf  # trio clock: while unavailable, no connect before this
+        self._detail = ""  # why it is unavailable
+        self._open(create)
+
+    # -- blocking: opening, the admin credential -------------------------------------------------
+
+    def _blocking(self, op: ops.Op[T]) -> T:
+        """``op`` on a connection of its own, blocking (at open, before serving)."""
+        try:
+            conn = BlockingConnection.connect(self._params, self._url)
+            try:
+                return conn.run(op)
+            finally:
+                conn.close()
+        except PgFailure as exc:
+            kind = StoreUnavailable if exc.kind in (DOWN, RETRY) else StoreError
+            raise kind(f"the hub store {self.where}: {exc.detail}") from None
+
+    def _open(self, create: bool) -> None:
+        def opening() -> ops.Op[int]:
+            if not create and not (yield from ops.has_schema()):
+                raise StoreMissing(f"no hub in {self.where} (no hub store in that database)")
+            return (yield from ops.migrate(self.where))
+
+        try:
+            self._blocking(opening())
+        except SchemaTooNew as exc:
+            raise StoreError(str(exc)) from None
+
+    def admin_credential(self, data_dir: pathlib.Path | None) -> AdminCredential:
+        """The admin credential every hub on this database shares: its hash is kept in the
+        store. The first hub to start makes it (from ``data_dir/admin-token`` when that holds
+        one, else a new token, then kept there) and shows it once; a later one reads the hash
+        and knows the token only if its own ``admin-token`` file holds it."""
+        known = read_admin_token(data_dir) if data_dir is not None else None
+        token = known or new_token(ADMIN_TOKEN_PREFIX)
+        stored, claimed = self._blocking(ops.claim_admin(token_hash(token)))
+        if stored != token_hash(token):
+            return AdminCredential(None, stored)
+        made = claimed and known is None
+        if made and data_dir is not None:
+            write_admin_token(data_dir, token)
+        return AdminCredential(token, stored, made)
+
+    # -- the pool ---------------------------------------------------------------------------------
+
+    async def _run(self, op: ops.Op[T]) -> T:
+        """``op`` on a connection of the pool (waiting for one when all are lent)."""
+        if self._closed:
+            op.close()
+            raise StoreUnavailable(f"the hub store {self.where} is closed")
+        async with self._slots:
+            conn = await self._borrow(op)
+            try:
+                with trio.fail_after(CALL_TIMEOUT):
+                    result = await conn.run(op)
+            except trio.TooSlowError:
+                self._drop(conn)
+                raise self._gone(f"no answer within {CALL_TIMEOUT:g} s", retry_now=True) from None
+            except PgFailure as exc:
+                self._give_back(conn)
+                if exc.kind == DOWN:
+                    raise self._gone(exc.detail, retry_now=True) from None
+                if exc.kind == RETRY:
+                    raise StoreUnavailable(f"the hub store {self.where}: {exc.detail}") from None
+                raise StoreError(f"the hub store {self.where}: {exc.detail}") from None
+            except BaseException:
+                self._give_back(conn)
+                raise
+            self._give_back(conn)
+        if not self.available:
+            self._available()
+        return result
+
+    async def _borrow(self, op: ops.Op[Any]) -> _Conn:
+        """An idle connection still open, else a new one (while the database is away: one try
+        every ``RETRY_AFTER`` s, the other calls refused at once)."""
+        while self._idle:
+            idle = self._idle.pop()
+            if idle.fresh():
+                return idle
+            self._drop(idle)
+        now = trio.current_time()
+        if not self.available and now < self._retry_at:
+            op.close()
+            await trio.lowlevel.checkpoint()
+            raise StoreUnavailable(f"the hub store {self.where}: {self._detail}")
+        self._retry_at = now + RETRY_AFTER
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                conn: _Conn = await self._connect(self._params, self._url)
+        except trio.TooSlowError:
+            op.close()
+            raise self._gone(f"no connection within {CONNECT_TIMEOUT:g} s") from None
+        except PgFailure as exc:
+            op.close()
+            raise self._gone(exc.detail) from None
+        self.connections += 1
+        return conn
+
+    def _give_back(self, conn: _Conn) -> None:
+        if conn.reusable() and not self._closed:
+            self._idle.append(conn)
+        else:
+            self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        self.connections -= 1
+        conn.close()
+
+    def _gone(self, detail: str, *, retry_now: bool = False) -> StoreUnavailable:
+        """The database (or a connection to it) is gone: the idle connections go too; the next
+        try to connect is at once after a call's failure (it may have been that connection's
+        alone), ``RETRY_AFTER`` s after a failed connect."""
+        self._detail = detail
+        if retry_now:
+            self._retry_at = -math.inf
+        while self._idle:
+            self._drop(self._idle.pop())
+        return self._unavailable(detail)
+
+    async def _close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._drop(self._idle.pop())
+
+    async def _write_usage(self, rows: list[UsageRow]) -> None:
+        await self._run(ops.write_usage(rows))
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    async def save_job(self, job: StoredJob) -> None:
+        await self._run(ops.save_job(job))
+
+    async def delete_job(self, job_id: str) -> None:
+        await self._run(ops.delete_job(job_id))
+
+    async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
+        await self._run(ops.add_job_report(job_id, body))
+
+    async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
+        return await self._run(ops.load_jobs(live_only))
+
+    async def load_job(self, job_id: str) -> StoredJob | None:
+        return await self._run(ops.load_job(job_id))
+
+    async def job_ids(self) -> list[str]:
+        return await self._run(ops.job_ids())
+
+    async def count_jobs(self) -> int:
+        return await self._run(ops.count_jobs())
+
+    # -- sessions and model lists -----------------------------------------------------------------
+
+    async def save_session(self, session: StoredSession) -> None:
+        await self._run(ops.save_session(session))
+
+    async def delete_session(
+        self, key_name: str, session_id: str, job_id: str | None = None
+    ) -> None:
+        await self._run(ops.delete_session(key_name, session_id, job_id))
+
+    async def load_sessions(self) -> list[StoredSession]:
+        return await self._run(ops.load_sessions())
+
+    async def save_models(self, models: ModelList) -> None:
+        await self._run(ops.save_models(models))
+
+    async def load_models(self, owner: str, project: str) -> list[ModelList]:
+        return await self._run(ops.load_models(owner, project))
+
+    # -- registrations and API keys ---------------------------------------------------------------
+
+    async def add_registration(
+        self, owner: str, project: str, name: str, labels: list[str]
+    ) -> tuple[Registration, str]:
+        return await self._run(ops.add_registration(owner, project, name, labels))
+
+    async def registration_by_token(self, token: str) -> Registration | None:
+        return await self._run(ops.registration_by_token(token))
+
+    async def registration(self, runner_id: str) -> Registration | None:
+        return await self._run(ops.registration(runner_id))
+
+    async def create_api_key(
+        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
+    ) -> str:
+        return await self._run(ops.create_api_key(name, project, limits))
+
+    async def list_api_keys(self) -> list[dict[str, object]]:
+        return await self._run(ops.list_api_keys())
+
+    async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
+        return await self._run(ops.key_limits(name))
+
+    async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
+        return await self._run(ops.set_key_limits(name, limits))
+
+    async def revoke_api_key(self, name: str) -> bool:
+        return await self._run(ops.revoke_api_key(name))
+
+    async def check_api_key(self, key: str) -> ApiKey | None:
+        return await self._run(ops.check_api_key(key))
+
+    async def active_key_ids(self) -> set[str]:
+        return await self._run(ops.active_key_ids())
+
+    async def active_key_id(self, name: str) -> str | None:
+        return await self._run(ops.active_key_id(name))
+
+    # -- usage (the queued rows written first) ----------------------------------------------------
+
+    async def prune_usage(self, before: float, limit: int) -> int:
+        await self.flush_usage()
+        return await self._run(ops.prune_usage(before, limit))
+
+    async def usage_turns_from(self) -> float:
+        await self.flush_usage()
+        return await self._run(ops.usage_turns_from())
+
+    async def usage_rows(
+        self, since: float = 0.0, key_name: str | None = None
+    ) -> list[dict[str, Any]]:
+        await self.flush_usage()
+        return await self._run(ops.usage_rows(since, key_name))
+
+    async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
+        await self.flush_usage()
+        return await self._run(ops.hourly_usage(since, key_name))
+
+    async def usage_totals(
+        self, since: float, key_name: str | None = None
+    ) -> tuple[list[UsageTotal], bool]:
+        await self.flush_usage()
+        return await self._run(ops.usage_totals(since, key_name))
+
+    async def tokens_since(self, key_id: str, hour: int) -> int:
+        await self.flush_usage()
+        return await self._run(ops.tokens_since(key_id, hour))

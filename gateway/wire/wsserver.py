@@ -1,0 +1,265 @@
+"""The server's end of an accepted WebSocket: its socket I/O around a ``WebSocketConnection``.
+
+``gateway.wire.wsconn`` decides (the close handshake, pongs, the keepalive clock, the bounds);
+this module reads and writes. ``run`` reads in the connection's own task and hands each read's
+text messages over at once (``on_texts``: the hub's channel reader writes a turn's chunks to its
+client from there). Text goes out with ``send_text``, written at once, waiting only when the
+socket is full. Control frames owed to the peer (a pong, our ping, our close) are written when
+the socket has room, else by the one flusher task of the connection once it has: never a task
+per frame, never more than one of each waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from gateway.wire.errors import ClientGone
+from gateway.wire.netio import NET_ERRORS, RECV_SIZE, Transport
+from gateway.wire.wsconn import (
+    CLOSE_ABNORMAL,
+    CLOSE_NO_PONG,
+    State,
+    Tick,
+    WebSocketConnection,
+)
+from gateway.wire.wsframes import OP_TEXT, server_frame, text_frame
+
+log = logging.getLogger("gateway.wire.server")
+
+CLOSE_TIMEOUT = 2.0  # s: how long a closing WebSocket waits for the peer's close frame
+_OPEN = State.OPEN
+_CLOSED = State.CLOSED
+
+
+class WebSocketCounters(Protocol):
+    """What a server's WebSockets count (the hub's ``HubCounters`` has these among its own)."""
+
+    pings_sent: int
+    pong_timeouts: int
+    ws_protocol_errors: int
+
+
+class ServerWebSocket:
+    """One accepted WebSocket, the server's end: ``run`` reads it in the connection's own task
+    (messages handed over a read's worth at a time), pings it, and says how it ended; text goes
+    out with ``send_text`` (written at once, waiting only when the socket is full)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        leftover: bytes,
+        conn: WebSocketConnection,
+        counters: WebSocketCounters,
+        path: str,
+    ) -> None:
+        self.transport = transport
+        self.conn = conn
+        self.counters = counters
+        self.path = path
+        self._leftover = leftover  # frames that came with the handshake
+        self.app_blocked = False  # the reader waits for a slow consumer of its messages
+        self._flush_lock = trio.Lock()
+        self._wake = trio.Event()  # the flusher has control frames to write once there is room
+        self._scope = trio.CancelScope()  # the reader's: its deadline set once we close
+
+    @property
+    def open(self) -> bool:
+        return self.conn.state is _OPEN and not self.transport.closed
+
+    @property
+    def close_code(self) -> int | None:
+        """The code the WebSocket ended (or is ending) with; None while open."""
+        return self.conn.close_code
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> bool:
+        try:
+            return self.transport.write(data)
+        except NET_ERRORS as exc:
+            raise ClientGone(f"the WebSocket is gone: {exc!r}") from exc
+
+    async def flush(self) -> None:
+        async with self._flush_lock:
+            try:
+                await self.transport.flush()
+            except NET_ERRORS as exc:
+                raise ClientGone(f"the WebSocket is gone: {exc!r}") from exc
+
+    async def send_text(self, data: bytes) -> None:
+        """One text message (UTF-8 bytes); ClientGone once the WebSocket is closing or gone."""
+        if not self.open:
+            raise ClientGone("the WebSocket is closed")
+        if not self._write(text_frame(data)):
+            await self.flush()
+
+    async def send_message(self, opcode: int, payload: bytes) -> None:
+        """One frame of ``opcode`` (binary, a control frame); ClientGone once closing or gone."""
+        if not self.open:
+            raise ClientGone("the WebSocket is closed")
+        if not self._write(server_frame(opcode, payload)):
+            await self.flush()
+
+    def _send_controls(self) -> None:
+        """Write the control frames owed now if the socket has room; else the flusher writes
+        them once it has (meanwhile a newer pong replaces an older one: nothing piles up)."""
+        transport = self.transport
+        if transport.closed:
+            return
+        if transport.unsent:
+            self._wake.set()
+            return
+        try:
+            done = transport.write(self.conn.data_to_send())
+        except NET_ERRORS:
+            return  # the reader finds the socket gone
+        if not done:
+            self._wake.set()
+
+    async def _flusher(self) -> None:
+        """The connection's one flusher: when control frames wait for room, flush, write them."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            try:
+                await self.flush()
+            except ClientGone:
+                return
+            if self.conn.pending:
+                self._send_controls()
+
+    def close_nowait(self, code: int, reason: str = "") -> None:
+        """Send our close frame once; the reader then waits ``CLOSE_TIMEOUT`` for the answer."""
+        conn = self.conn
+        if conn.state is not _OPEN or self.transport.closed:
+            return
+        conn.close(code, reason)
+        self._send_controls()
+        self._scope.deadline = min(self._scope.deadline, trio.current_time() + CLOSE_TIMEOUT)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def run(self, on_texts: Callable[[list[bytes]], Awaitable[None]]) -> int:
+        """Read until the WebSocket ends; the close code it ended with (1006: no close frame).
+        A close frame still owed (an answer, a failure's) gets ``CLOSE_TIMEOUT`` to go."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._flusher)
+                if self.conn.keepalive is not None:
+                    nursery.start_soon(self._keepalive)
+                try:
+                    with self._scope:
+                        await self._read(on_texts)
+                finally:
+                    nursery.cancel_scope.cancel()
+            await self._finish()
+        finally:
+            self.transport.close()
+        code = self.conn.close_code
+        return code if code is not None else CLOSE_ABNORMAL
+
+    async def _finish(self) -> None:
+        """Write what is still owed (our close frame, its answer) and let it go, bounded."""
+        transport = self.transport
+        if transport.closed or not (self.conn.pending or transport.unsent):
+            return
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            async with self._flush_lock:
+                try:
+                    if self.conn.pending:
+                        transport.write(self.conn.data_to_send())
+                    await transport.flush()
+                except NET_ERRORS:
+                    pass
+
+    async def _read(self, on_texts: Callable[[list[bytes]], Awaitable[None]]) -> None:
+        transport = self.transport
+        recv = transport.recv
+        conn = self.conn
+        receive = conn.receive
+        data: bytes | None = self._leftover or None
+        self._leftover = b""
+        found = 0
+        while True:
+            if data is None:
+                try:
+                    data = recv(RECV_SIZE)
+                except BlockingIOError:
+                    found = 0
+                    try:
+                        await transport.wait_readable()
+                    except NET_ERRORS:
+                        return
+                    continue
+                except NET_ERRORS:
+                    return
+                if not data:
+                    return  # the end of the stream
+            messages = receive(data, trio.current_time())
+            if conn.pending:
+                self._send_controls()
+            if messages:
+                texts = [payload for op, payload in messages if op == OP_TEXT]
+                if texts:
+                    await self._hand(on_texts, texts)
+            if conn.state is _CLOSED:
+                failure = conn.failure
+                if failure is not None:
+                    code, reason = failure
+                    self.counters.ws_protocol_errors += 1
+                    log.info("WebSocket %s: %s: failing it with %d", self.path, reason, code)
+                return
+            data = None
+            found += 1
+            if found >= 16:  # a reader that always finds data still lets others run
+                found = 0
+                await trio.lowlevel.checkpoint()
+
+    async def _hand(
+        self, on_texts: Callable[[list[bytes]], Awaitable[None]], texts: list[bytes]
+    ) -> None:
+        self.app_blocked = True
+        try:
+            await on_texts(texts)
+        finally:
+            self.app_blocked = False
+            self.conn.heard(trio.current_time())
+
+    # -- keeping alive ---------------------------------------------------------------------
+
+    async def _keepalive(self) -> None:
+        """The keepalive clock's I/O: a ping when due; the WebSocket failed (1011) when the
+        peer stays silent. A reader waiting for a slow consumer counts as alive (the consumer
+        is slow, not the path)."""
+        conn = self.conn
+        counters = self.counters
+        while True:
+            await trio.sleep_until(conn.next_tick())
+            now = trio.current_time()
+            if self.app_blocked:
+                conn.heard(now)
+            tick = conn.tick(now)
+            if tick is Tick.PING:
+                counters.pings_sent += 1
+                self._send_controls()
+            elif tick is Tick.DEAD:
+                counters.pong_timeouts += 1
+                reason = conn.silence()
+                log.warning(
+                    "WebSocket %s: %s, closing it (pings sent %d, pong timeouts %d)",
+                    self.path,
+                    reason,
+                    counters.pings_sent,
+                    counters.pong_timeouts,
+                )
+                conn.fail(CLOSE_NO_PONG, reason)
+                self._send_controls()
+                self._scope.cancel()
+                return
+
+
+__all__ = ["CLOSE_TIMEOUT", "ServerWebSocket", "WebSocketCounters"]
