@@ -24,6 +24,7 @@ from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
 from gateway.hub.cli import main as hub_main
 from gateway.runner.supervisor import Runner
+from gateway.wire import protocol
 from gateway.wire.wsframes import OP_BINARY
 
 ADMIN = "alpa_test_admin_credential"
@@ -85,13 +86,33 @@ class Inbox:
         self._send, self._receive = trio.open_memory_channel[tuple[str, float]](100_000)
         channel.unrouted = self._put
         self._note = channel._note
+        self._closed = channel.closed
 
     def _put(self, frame: Any, text: bytes) -> None:
         self._note(frame, text)  # the channel's own bookkeeping (a runner's chat.end) first
         self._send.send_nowait((text.decode(errors="replace"), time.perf_counter()))
 
     async def recv(self) -> tuple[str, float]:
-        return await self._receive.receive()
+        """The next frame; ``trio.EndOfChannel`` once the channel is closed and every frame it
+        read was taken."""
+        while True:
+            try:
+                return self._receive.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            if self._closed.is_set():
+                raise trio.EndOfChannel
+            got: list[tuple[str, float]] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._take, got, nursery.cancel_scope)
+                await self._closed.wait()
+                nursery.cancel_scope.cancel()
+            if got:
+                return got[0]
+
+    async def _take(self, into: list[tuple[str, float]], done: trio.CancelScope) -> None:
+        into.append(await self._receive.receive())
+        done.cancel()
 
 
 _INBOXES: weakref.WeakKeyDictionary[ServerChannel, Inbox] = weakref.WeakKeyDictionary()
@@ -105,6 +126,50 @@ def inbox(channel: ServerChannel) -> Inbox:
     return found
 
 
+class RequestFrames:
+    """One request's frames as a test playing the Server's part reads them (a ``Sink`` the
+    channel routes to): ``(frame text, receipt time)`` on ``rx``, which ends after the request's
+    last frame, or when the channel is lost."""
+
+    def __init__(self, channel: ServerChannel, request_id: str) -> None:
+        self._send, self.rx = trio.open_memory_channel[tuple[str, float]](100_000)
+        self._job, self._rid = channel.job_id, request_id
+
+    def _put(self, text: bytes) -> None:
+        try:
+            self._send.send_nowait((text.decode(errors="replace"), time.perf_counter()))
+        except trio.ClosedResourceError:
+            pass
+
+    def chunk(self, chunk: Any, frame: bytes = b"") -> None:
+        self._put(frame or protocol.encode_frame(protocol.ChunkFrame(self._job, self._rid, chunk)))
+
+    def flush(self) -> None:
+        pass
+
+    def reply(self, frame: Any) -> None:
+        self._put(protocol.encode_frame(frame))
+        self._send.close()
+
+    def lost(self) -> bool:
+        self._send.close()
+        return False
+
+    def resume_count(self) -> int | None:
+        return None  # a test's own request is never resumed
+
+    def resumed(self) -> None:
+        pass
+
+
+def open_request(channel: ServerChannel, request_id: str) -> trio.MemoryReceiveChannel[Any]:
+    """The frames of ``request_id`` (a request the test sends itself) as they are read, until
+    its last frame or the channel's loss (then the iteration ends)."""
+    frames = RequestFrames(channel, request_id)
+    channel.open(request_id, frames)
+    return frames.rx
+
+
 async def send(channel: ServerChannel, frame: dict[str, Any] | str | bytes) -> None:
     """Send a test's frame on a hub channel: a dict as JSON text, a str as text, bytes as a
     binary message (which the hub itself never sends)."""
@@ -112,7 +177,7 @@ async def send(channel: ServerChannel, frame: dict[str, Any] | str | bytes) -> N
         assert channel._ws is not None
         await channel._ws.send_message(OP_BINARY, frame)
         return
-    data = json.dumps(frame) if isinstance(frame, dict) else frame
+    data = json.dumps(frame, separators=(",", ":")) if isinstance(frame, dict) else frame
     await channel.send(data.encode())
 
 

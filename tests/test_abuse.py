@@ -631,9 +631,10 @@ async def test_a_session_id_with_control_bytes_is_escaped_in_log_lines(
             assert "\n" not in line and "\r" not in line, line
 
 
-async def test_a_10000_byte_session_id_is_capped_in_log_lines(hub_log: Records) -> None:
-    status = await _chat_with_session(b"s" * 10_000)
+async def test_a_session_id_over_200_characters_is_refused_and_never_logged_whole(
+    hub_log: Records,
+) -> None:
+    assert await _chat_with_session(b"s" * 200) == 200  # the longest a session id may be
+    assert await _chat_with_session(b"s" * 10_000) == 400  # the caller's shape: a chat error
     lines = _messages(hub_log)
-    assert status == 200
-    assert any("s" * 150 in line and "…(" in line and " chars)" in line for line in lines), lines
-    assert max(len(line) for line in lines) < 1000
+    assert lines and max(len(line) for line in lines) < 1000 and "s" * 300 not in "".join(lines)

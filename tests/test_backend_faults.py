@@ -22,11 +22,11 @@ async def test_faults_end_their_own_turn_only(
         # session B streams steadily the whole time; session A meets every fault at once
         await send(ch_b, request_frame(job_b.id, "steady", sim={"chunks": 30, "interval": 0.05}))
         await send(ch_a, request_frame(job_a.id, "stall", sim={"fault": "stall", "fault_after": 2}))
-        await ch_a.send(
-            request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3})
+        await send(
+            ch_a, request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3})
         )
-        await ch_a.send(
-            request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1})
+        await send(
+            ch_a, request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1})
         )
         await send(ch_a, request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
         a, b = Turns(ch_a), Turns(ch_b)

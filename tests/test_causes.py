@@ -250,18 +250,21 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
         async with fake_runner(url, models=("fake-model", "fake-tools")) as (fake, _):
             async with client(url, key) as openai_client:
                 with trio.fail_after(GUARD):
-                    # the list is not known yet: nothing is refused (the runner answers)
-                    served = await chat(url, key, model="not-listed-yet")
+                    # the list is not known yet: the runner's list, asked as its channel opens,
+                    # says it does not serve the model: 404 all the same
+                    first = await chat(url, key, model="not-listed-yet")
                     listed = await openai_client.models.list()  # now it is known
                     claimed = list(fake.claimed)
                     with pytest.raises(openai.NotFoundError) as caught:
                         await openai_client.chat.completions.create(
                             model="gpt-nope", messages=MESSAGES
                         )
+                    after_404 = list(fake.claimed)
                     again = await chat(url, key, model="fake-tools")
                     fake.models.append("fake-new")  # the runner came back with another model
                     renewed = await chat(url, key, model="fake-new")
-    assert served.status_code == 200
+    assert first.status_code == 404 and error_of(first)["code"] == "model_not_found"
+    assert "'fake-model', 'fake-tools'" in error_of(first)["message"]
     assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
     assert caught.value.status_code == 404
     assert caught.value.body == {
@@ -271,8 +274,7 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
         "param": None,
         "code": "model_not_found",
     }
-    assert fake.claimed[: len(claimed)] == claimed and again.status_code == 200
-    assert len(fake.claimed) == len(claimed)  # the 404 opened no job (the session's was reused)
+    assert after_404 == claimed and again.status_code == 200  # the 404 opened no job
     assert renewed.status_code == 200  # a kept list is checked again before a model is refused
 
 

@@ -92,6 +92,16 @@ def test_a_runner_whose_models_are_not_known_yet_may_take_the_job() -> None:
     assert eligible([runner("x")], None) is None  # no model asked: any runner
 
 
+def test_a_model_no_runner_lists_is_refused_once_every_list_is_known() -> None:
+    w = waiter(model="gpt-nope")
+    runners = [runner("a", models={"chat"}), runner("b", free=False, models={"coder"})]
+    out = step(FairQueue(), [w], runners)
+    assert out.actions == [Refuse(w, Refusal.UNKNOWN_MODEL, models=("chat", "coder"))]
+    # while a runner's list is not known, it may serve it: the turn is not refused
+    out = step(FairQueue(), [w], [*runners, runner("new")])
+    assert kinds(out) == ["Open"]
+
+
 def test_the_claimed_job_is_served_once_its_channel_is_open() -> None:
     queue = FairQueue()
     w = waiter()

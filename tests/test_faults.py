@@ -28,6 +28,7 @@ from helpers import (
     Turns,
     clean_env,
     open_chat,
+    open_request,
     quick_alp_requests,
     request_frame,
     runner_config,
@@ -453,7 +454,7 @@ async def _backpressure(server: Hub, proxy: FaultProxy, sim: Simulator) -> None:
     chunks, size = 5000, 2000  # ~10 MB of content, sent as fast as the sockets take it
     total = chunks + 3  # the role chunk, the content chunks, the finish chunk, [DONE]
     job, ch = await open_chat(server)
-    rx = ch.open_request("big")
+    rx = open_request(ch, "big")
     texts: list[str] = []
     last: dict[str, Any] = {}
 

@@ -16,7 +16,8 @@ from helpers import PROJECT as PROJECT_NAME
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.hub import Hub
-from gateway.hub.http import HTTPError
+from gateway.hub.accounting import LimitExceeded
+from gateway.hub.dispatcher import WaitStats
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
@@ -173,26 +174,21 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
         async for _chunk in stream:
             pass
 
-        # a limit refusal as the usage book answers one: 429 before the turn is served
-        def refuse(record: Any) -> None:
-            raise HTTPError(429, "rpm limit of the key passed", "rate_limited")
+        # a limit refusal as the accounting answers one: 429 before the turn is served
+        async def refuse(turn: Any) -> None:
+            raise LimitExceeded("rpm", "rpm limit of the key passed", 1)
 
         monkeypatch.setattr(env.hub.accounting, "admit", refuse)
         with pytest.raises(openai.RateLimitError):
             await client.chat.completions.create(model="sim-model", messages=MESSAGES)  # type: ignore[arg-type]
         monkeypatch.undo()
 
-        # the queues, where the sessions report them (Sessions.queue_stats, another branch)
-        @dataclass
-        class QueueStats:
-            depth: dict[str, int]
-            waits: int
-            wait_seconds: float
-            longest_wait: float
-            recent_waits: tuple[float, ...]
-
-        stats = QueueStats({"acme/chat": 3}, 5, 2.5, 1.5, (0.5, 1.0))
-        monkeypatch.setattr(env.hub.sessions, "queue_stats", lambda: stats, raising=False)
+        # the queues, as the dispatcher keeps them
+        waits = WaitStats()
+        for seconds in (0.25, 0.25, 0.5, 1.5, 0.0):
+            waits.add(seconds)
+        monkeypatch.setattr(env.hub.dispatcher, "waits", waits)
+        monkeypatch.setattr(env.hub.dispatcher, "depth", lambda: {"acme/chat": 3})
         async with env.admin() as admin:
             r = await admin.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

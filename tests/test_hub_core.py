@@ -408,7 +408,7 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
                 and not hub.channels.runners()
             )
             assert open_one.gone.is_set()  # its request was lost with the channel
-            assert not await send(ch, b"dropped quietly")
+            assert not await ch.send(b"dropped quietly")
             late = Recording()
             ch.open("late", late)
             assert late.gone.is_set()  # a request opened on a closed channel is lost at once
@@ -658,7 +658,7 @@ def test_cli_keys(
     monkeypatch.setenv("ALP_GATEWAY_HUB_KEY_CHECK_INTERVAL", "30")  # as the hub was started
     assert main(["keys", "update", "bob", "--rpm", "5", "--data", data]) == 0
     assert "a running hub applies them within key_check_interval (30 s)" in capsys.readouterr().out
-    assert trio.run(Hub(tmp_path / "state").check_api_key, key) is None
+    assert trio.run(Hub(tmp_path / "state").store.check_api_key, key) is None
     assert main(["keys", "create", "x", "--project", "bad", "--data", data]) == 2
     assert main(["--listen", "nonsense", "--data", data]) == 2
     assert "Traceback" not in capsys.readouterr().err

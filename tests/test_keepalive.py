@@ -26,6 +26,7 @@ from helpers import (
     LogCapture,
     clean_env,
     open_chat,
+    open_request,
     quick_alp_requests,
     request_frame,
     runner_config,
@@ -57,7 +58,7 @@ def observed(what: str, **seconds: float) -> None:
 async def serve_turn(ch: ServerChannel, job_id: str, request_id: str, chunks: int = 3) -> float:
     """One turn on ``ch``, relayed to its done frame; the seconds to its first chunk."""
     sent = trio.current_time()
-    rx = ch.open_request(request_id)
+    rx = open_request(ch, request_id)
     await send(ch, request_frame(job_id, request_id, sim={"chunks": chunks}))
     first: float | None = None
     frames = []
@@ -103,7 +104,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             job, ch = await open_chat(server)
             await serve_turn(ch, job.id, "warm")
             assert list(runner.sessions) == [job.id]
-            long_rx = ch.open_request("long")
+            long_rx = open_request(ch, "long")
             await send(ch, request_frame(job.id, "long", sim={"chunks": 100_000, "interval": 0.02}))
             with trio.fail_after(GUARD):
                 stream = await sim.wait_for_streams(2)
@@ -111,7 +112,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             pings_at_freeze = counters.get("pings_sent")
             frozen_at = trio.current_time()
             assert proxy.freeze() >= 1  # the channel and any pooled HTTP connection
-            during_rx = ch.open_request("during")  # a turn sent while the path is dead
+            during_rx = open_request(ch, "during")  # a turn sent while the path is dead
             await send(ch, request_frame(job.id, "during", sim={"chunks": 3}))
             with trio.fail_after(GUARD):
                 await counters.wait("channels_dead", 1)
@@ -345,7 +346,7 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
                 return
             with trio.fail_after(GUARD):  # forgotten T after the first turn's last byte
                 await proxy.wait_until(lambda: proxy.forgotten == 1)
-            rx = ch.open_request("after-idle")
+            rx = open_request(ch, "after-idle")
             await send(ch, request_frame(job.id, "after-idle", sim={"chunks": 3}))
             with trio.move_on_after(10 * NAT_IDLE):  # nothing comes back: the turn is lost
                 async for text, _ in rx:

@@ -318,7 +318,7 @@ def test_keys_create_update_list_with_limits(
     assert a[0] == "a" and a[3:] == ["active", "tpm=1000", "tokens/day=9", "streams=2"]
     assert b[0] == "b" and b[3:] == ["active", "-"]
     hub = Hub(tmp_path / "hub")
-    assert trio.run(hub.api_key_limits, "a") == KeyLimits(tpm=1000, tokens_per_day=9, max_streams=2)
+    assert trio.run(hub.keys.limits, "a") == KeyLimits(tpm=1000, tokens_per_day=9, max_streams=2)
     trio.run(hub.store.close)
     assert hub_main(["keys", "update", "nobody", "--rpm", "1", *data]) == 2
     assert hub_main(["keys", "update", "a", *data]) == 2

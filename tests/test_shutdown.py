@@ -22,6 +22,7 @@ from helpers import (
     PROJECT,
     inbox,
     open_chat,
+    open_request,
     request_frame,
     runner_config,
     runner_env,
@@ -109,7 +110,7 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
                 for t in range(TURNS):
                     turn = Turn(job.id, f"t{t}")
                     turns.append(turn)
-                    nursery.start_soon(_collect, ch, turn, ch.open_request(turn.request_id))
+                    nursery.start_soon(_collect, ch, turn, open_request(ch, turn.request_id))
                     sim_options = {"chunks": CHUNKS, "interval": INTERVAL}
                     await send(ch, request_frame(job.id, turn.request_id, sim=sim_options))
             with trio.fail_after(30):  # every turn is streaming

@@ -390,7 +390,7 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     await store.close()
     assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3] and SCHEMA_VERSION == 3
     again = open_store(tmp_path)
-    assert await again.store.check_api_key(key) is not None
+    assert await again.check_api_key(key) is not None
     await again.close()
     assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3]
 

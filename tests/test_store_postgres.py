@@ -108,7 +108,7 @@ async def test_migrations_make_the_schema_once_and_a_reopened_store_is_unchanged
     assert types["jobs.seq"] == "bigint" and types["usage_turns.estimated"] == "bigint"
     assert types["credentials.hash"] == "text"
     again = open_store(pg_url)
-    assert await again.store.check_api_key(key) is not None
+    assert await again.check_api_key(key) is not None
     await again.close()
     assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,)]
 

@@ -264,7 +264,7 @@ _TRACING_OFF = """
 import sys
 sys.path.insert(0, {tests!r})
 import trio
-from helpers import ADMIN, BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running
+from helpers import ADMIN, BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running, send
 from gateway.hub import Hub, open_hub
 from gateway.sim import open_sim
 from pathlib import Path

@@ -49,7 +49,8 @@ class Sink(Protocol):
         """Every chunk of the read at hand is in."""
 
     def reply(self, frame: Reply) -> None:
-        """The frame that ends the request: done, error, or the models answer."""
+        """The frame that ends the request: done, error, or the models answer (after the
+        request's chunks of the same read, not flushed yet: written with the end, in one go)."""
 
     def lost(self) -> None:
         """The channel ended before the request's end."""
@@ -221,8 +222,8 @@ class ServerChannel:
             elif frame.__class__ is not EndFrame:
                 sink = sinks.pop(frame.requestId, None)
                 if sink is not None:
-                    if dirty is not None and dirty.pop(id(sink), None) is not None:
-                        sink.flush()
+                    if dirty is not None:
+                        dirty.pop(id(sink), None)  # its reply writes what it holds, with its end
                     sink.reply(frame)
                     continue
             self.unrouted(frame, text)

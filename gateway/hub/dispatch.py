@@ -140,6 +140,7 @@ class Refusal(enum.Enum):
     NO_RUNNER = "no_runner"  # a runner could, none took the job (or dialled) in time
     QUEUE_FULL = "queue_full"  # every runner busy and ``queue_length`` turns wait
     QUEUE_TIMEOUT = "queue_timeout"  # every runner busy for ``queue_wait``
+    UNKNOWN_MODEL = "model_not_found"  # every live runner's list is known: none lists it
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class Refuse:
     live: int = 0
     position: int = 0
     of: int = 0
+    models: tuple[str, ...] = ()  # UNKNOWN_MODEL: the models the live runners list
 
 
 Action = Assign | Open | Retarget | Withdraw | Move | Refuse
@@ -401,6 +403,10 @@ def _queue(
     fresh: set[int] = set()  # the turns that join the queue now
     for waiter in seeking:  # newcomers: served at once, or waiting (within the queue's bound)
         if waiter in queue:
+            continue
+        if targets_of[waiter.model] == frozenset() and all(r.models is not None for r in alive):
+            listed = sorted({m for r in alive for m in r.models or ()})
+            out.actions.append(Refuse(waiter, Refusal.UNKNOWN_MODEL, models=tuple(listed)))
             continue
         ahead_hold = all(e.job_id is not None for e in queue.order() if e.model == waiter.model)
         if not (free_of[waiter.model] and ahead_hold) and len(queue) >= limits.queue_length:

@@ -19,6 +19,7 @@ from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.frontdoor.dialects import TurnSpec
 from gateway.hub.frontdoor.shapes import (
     channel_lost,
+    model_not_found,
     no_capable_runner,
     no_runner,
     no_runner_connected,
@@ -116,6 +117,8 @@ class Serving:
         finally:
             if not turn.state.final:  # cancelled under it (the hub stopping)
                 turn.cut()
+            if turn.state is State.OVERRUN:
+                self.dispatcher.counters.turns_overrun += 1
 
     async def _attempts(
         self, req: Request, turn: Turn, session: Session, traceparent: str | None
@@ -189,6 +192,8 @@ class Serving:
             return no_runner_connected(owner, project, server_url(req))
         if why is Refusal.NO_CAPABLE_RUNNER:
             return no_capable_runner(refusal.live)
+        if why is Refusal.UNKNOWN_MODEL:  # learnt as the runners' lists came in
+            return model_not_found(refusal.waiter.model or "", list(refusal.models))
         if why is Refusal.QUEUE_FULL:
             log.warning(
                 "%s/%s: every runner busy and the queue full: refused (position %d of %d)",

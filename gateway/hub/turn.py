@@ -287,8 +287,10 @@ class Turn:
         if state.final or state is State.WAITING:
             return
         if frame.__class__ is DoneFrame:
-            self._done()
-        elif isinstance(frame, ErrorFrame):
+            self._done()  # the chunks of the read at hand, then the end, in one write
+            return
+        self.flush()
+        if isinstance(frame, ErrorFrame):
             self._failed(frame.error or "the runner reported an error")
         # a models answer for a chat turn: not this turn's (ignored)
 
