@@ -696,6 +696,7 @@ _BY_KEY = {s.key: s for s in SETTINGS}
 
 HUB_GROUPS = {
     "hub": "Where the hub serves, its data directory, its store and its logs",
+    "hub-replicas": "Replicas: several hubs on one PostgreSQL store, behind a load balancer",
     "hub-runners": "Runners and their Chat Channels",
     "hub-frontdoor": "The front door: sessions, the fair queue, models, usage",
     "hub-bounds": "The server's bounds",
@@ -715,6 +716,16 @@ def parse_store(value: Any) -> str:
             "not a PostgreSQL URL: give postgresql://USER@HOST:PORT/DATABASE (or leave it out "
             "for SQLite in the data directory)"
         )
+    return text
+
+
+_REPLICA_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _replica_id(value: Any) -> str:
+    text = str(value).strip()
+    if not _REPLICA_ID.fullmatch(text):
+        raise ValueError("expected 1 to 64 letters, digits, '.', '_' or '-'")
     return text
 
 
@@ -779,6 +790,27 @@ class HubSettings:
         "when all are busy)",
         group="hub",
         metavar="N",
+    )
+    advertise: str | None = setting(
+        env="ALP_GATEWAY_HUB_ADVERTISE",
+        parse=_url,
+        help="with --store: the URL the other replicas reach this hub at (its own address, not "
+        "the load balancer's); turns whose session's channel is here are forwarded to it",
+        group="hub-replicas",
+        shown="http://HOST:PORT of --listen (this machine's host name when it listens on every "
+        "address)",
+        metavar="URL",
+        sample="http://10.0.0.5:8787",
+    )
+    replica_id: str | None = setting(
+        env="ALP_GATEWAY_HUB_REPLICA_ID",
+        parse=_replica_id,
+        help="with --store: this replica's name among the hubs on the store (letters, digits, "
+        "'.', '_', '-'; up to 64)",
+        group="hub-replicas",
+        shown="made at the first start and kept in DATA/replica-id",
+        metavar="NAME",
+        sample="hub-1",
     )
     tls_cert: Path | None = setting(
         env="ALP_GATEWAY_HUB_TLS_CERT",

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -33,6 +34,15 @@ WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
 DAY = 86400
 
 
+class TeamAdmission(Protocol):
+    """Admissions on a team of replicas (``gateway.hub.team.limits``): checked and counted in
+    the team's store, released at the turn's end."""
+
+    async def admit(self, turn: Turn, limits: KeyLimits) -> None: ...
+
+    def release(self, turn: Turn) -> None: ...
+
+
 class LimitExceeded(Exception):
     """A turn would pass one of its key's limits (``limit``: rpm, tpm, tokens_per_day,
     max_streams); ``retry_after``: seconds until it would not."""
@@ -42,6 +52,36 @@ class LimitExceeded(Exception):
         self.limit = limit
         self.message = message
         self.retry_after = retry_after
+
+
+def exceeded(limit: str, bound: int, used: int, held: int, wait: int) -> LimitExceeded:
+    """The refusal of a turn that would pass its key's ``limit`` (whose value is ``bound``):
+    ``used``, what counts against it; ``held``, the tokens turns in flight hold; ``wait``, the
+    seconds until it would not."""
+    more = f", {held} more held by turns in flight" if held else ""
+    if limit == "tokens_per_day":
+        message = (
+            f"this API key is limited to {bound} tokens per day (tokens_per_day, UTC) and has "
+            f"used {used} today{more}: retry in {wait} s"
+        )
+    elif limit == "tpm":
+        message = (
+            f"this API key is limited to {bound} tokens per minute (tpm) and has used {used} in "
+            f"the last minute{more}: retry in {wait} s"
+        )
+    elif limit == "rpm":
+        message = f"this API key is limited to {bound} requests per minute (rpm): retry in {wait} s"
+    else:
+        message = (
+            f"this API key is limited to {bound} turns in flight at once (max_streams) and has "
+            f"{used}: retry when one ends"
+        )
+    return LimitExceeded(limit, message, wait)
+
+
+def retry_after(seconds: float) -> int:
+    """Seconds a client is told to wait: whole, at least 1."""
+    return max(1, math.ceil(seconds))
 
 
 @dataclass(eq=False)
@@ -63,10 +103,6 @@ class _KeyState:
             requests.popleft()
         while tokens and tokens[0][0] <= since:
             self.window_tokens -= tokens.popleft()[1]
-
-
-def _retry_after(seconds: float) -> int:
-    return max(1, math.ceil(seconds))
 
 
 class Accounting:
@@ -94,6 +130,7 @@ class Accounting:
         self.observers: list[Callable[[Turn], None]] = []
         self._keys: dict[str, _KeyState] = {}  # key id -> its counters
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
+        self.team: TeamAdmission | None = None  # a replica of a team: admissions in its store
 
     # -- limits ----------------------------------------------------------------------
 
@@ -138,27 +175,35 @@ class Accounting:
         """LimitExceeded when the turn would pass one of its key's limits; else count it (a
         request of the minute, a turn in flight and its reservation until ``ended``). What the
         store has is read first; the check and the count then run with no await between, so
-        they are exact under any number of concurrent turns."""
+        they are exact under any number of concurrent turns. On a team of replicas the check
+        and the count are the store's, in one transaction (``team``)."""
         limits = await self.limits(turn.key_id, turn.key_name)
         state = self._state(turn.key_id)
-        if limits.tokens_per_day is not None:
+        if limits.tokens_per_day is not None and self.team is None:
             await self._read_day(state, turn.key_id)
         now = trio.current_time()
         state.expire(now)
         if not (limits.tpm or limits.tokens_per_day):
             turn.reserved = 0  # nothing to hold tokens against
+        if self.team is not None:
+            await self.team.admit(turn, limits)
+        else:
+            self._check(state, limits, now)
+        state.requests.append(now)
+        state.in_flight += 1
+        state.reserved += turn.reserved
+        self.in_flight[id(turn)] = turn
+        journal = self.store.journal if self.store is not None else None
+        if journal is not None:  # a hub killed under it still records it, as cut
+            journal.started(turn.id, _record(turn, CUT), self.clock())
+
+    def _check(self, state: _KeyState, limits: KeyLimits, now: float) -> None:
+        """LimitExceeded when one more turn would pass one of ``limits``."""
         if limits.tokens_per_day is not None:
             used = state.day_tokens
             if used + state.reserved >= limits.tokens_per_day:
-                wait = _retry_after(state.day + DAY - self.clock())
-                raise LimitExceeded(
-                    "tokens_per_day",
-                    f"this API key is limited to {limits.tokens_per_day} tokens per day "
-                    f"(tokens_per_day, UTC) and has used {used} today"
-                    + (f", {state.reserved} more held by turns in flight" if state.reserved else "")
-                    + f": retry in {wait} s",
-                    wait,
-                )
+                wait = retry_after(state.day + DAY - self.clock())
+                raise exceeded("tokens_per_day", limits.tokens_per_day, used, state.reserved, wait)
         if limits.tpm is not None and state.window_tokens + state.reserved >= limits.tpm:
             left = state.window_tokens + state.reserved
             wait_until = now
@@ -167,38 +212,15 @@ class Accounting:
                 wait_until = at + WINDOW
                 if left < limits.tpm:
                     break
-            wait = _retry_after(wait_until - now)
-            raise LimitExceeded(
-                "tpm",
-                f"this API key is limited to {limits.tpm} tokens per minute (tpm) and has used "
-                f"{state.window_tokens} in the last minute"
-                + (f", {state.reserved} more held by turns in flight" if state.reserved else "")
-                + f": retry in {wait} s",
-                wait,
-            )
+            wait = retry_after(wait_until - now)
+            raise exceeded("tpm", limits.tpm, state.window_tokens, state.reserved, wait)
         if limits.rpm is not None and len(state.requests) >= limits.rpm:
             oldest = state.requests[len(state.requests) - limits.rpm]
-            wait = _retry_after(oldest + WINDOW - now)
-            raise LimitExceeded(
-                "rpm",
-                f"this API key is limited to {limits.rpm} requests per minute (rpm): "
-                f"retry in {wait} s",
-                wait,
+            raise exceeded(
+                "rpm", limits.rpm, len(state.requests), 0, retry_after(oldest + WINDOW - now)
             )
         if limits.max_streams is not None and state.in_flight >= limits.max_streams:
-            raise LimitExceeded(
-                "max_streams",
-                f"this API key is limited to {limits.max_streams} turns in flight at once "
-                f"(max_streams) and has {state.in_flight}: retry when one ends",
-                1,
-            )
-        state.requests.append(now)
-        state.in_flight += 1
-        state.reserved += turn.reserved
-        self.in_flight[id(turn)] = turn
-        journal = self.store.journal if self.store is not None else None
-        if journal is not None:  # a hub killed under it still records it, as cut
-            journal.started(turn.id, _record(turn, CUT), self.clock())
+            raise exceeded("max_streams", limits.max_streams, state.in_flight, 0, 1)
 
     def refused(self, turn: Turn) -> None:
         """A turn refused before it was admitted (a limit): only the observers are told (no
@@ -218,6 +240,8 @@ class Accounting:
         state.reserved -= turn.reserved
         turn.model_label = self.label(turn.model)
         try:
+            if self.team is not None:
+                self.team.release(turn)
             tokens = turn.tokens
             if tokens:
                 state.tokens.append((trio.current_time(), tokens))

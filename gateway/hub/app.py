@@ -20,6 +20,8 @@ from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
 from gateway.hub.store import StoreUnavailable
+from gateway.hub.team.relay import PATHS
+from gateway.hub.team.remote import ROUTE
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
@@ -98,6 +100,14 @@ class App:
             ("/api/hub/", admin.check),
             ("/metrics", admin.check),
         ]
+        if hub.team is not None:  # the routes other replicas reach this one's channels by
+            relay = hub.team.relay
+            self._guards.append((ROUTE, relay.check))
+            self.routes += [
+                _route("POST", PATHS["request"], relay.request),
+                _route("POST", PATHS["attach"], relay.attach),
+                _route("POST", PATHS["frames"], relay.frames),
+            ]
 
     async def healthz(self, req: Request) -> None:
         """``GET /healthz`` (no key): 200 with the connected runners and the models they list;
@@ -242,6 +252,8 @@ async def serve_hub(
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.run)  # the stored sessions are back before any request
         base_url: str = await nursery.start(server.serve, host, port)
+        if hub.team is not None:
+            hub.team.advertise(base_url)
         task_status.started(base_url)
 
 

@@ -8,13 +8,15 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, Protocol
 
 import trio
 
+from gateway.hub.job import Job
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import Registration, Store, StoredJob
+from gateway.hub.store import Registration, Store
+from gateway.hub.store.team_base import TeamJob
 
 log = logging.getLogger("gateway.hub")
 
@@ -56,114 +58,25 @@ class Changes:
         return self._event
 
 
-@dataclass(eq=False)
-class Job:
-    """One queued or claimed Chat Job (mirrored in the hub's store)."""
+class Sync(Protocol):
+    """The board's writes when it is one replica's of a team (``gateway.hub.team``): each
+    decision another replica could race for made by one conditional statement, and the runners
+    this replica heard from noted for the others."""
 
-    id: str
-    owner: str
-    project: str
-    needs: list[str]
-    agent_definition: dict[str, Any]
-    origin: str = "api"  # "api" (enqueue_job) or "frontdoor" (a /v1 chat or listing session)
-    run_id: str | None = None
-    claimed_by: str | None = None  # runner id
-    runner_name: str | None = None  # the "name" sent with the claim
-    status: str = "queued"  # "queued" | "in_progress" | "completed"
-    conclusion: str | None = None  # "success" | "failure"
-    # status reports kept: the first in_progress and the final one (the runner's, or forced)
-    reports: list[dict[str, Any]] = field(default_factory=list)
-    last_progress: dict[str, Any] | None = None  # the last heartbeat (memory only)
-    heartbeats: int = 0  # progress reports accepted (memory only)
-    completed: trio.Event = field(default_factory=trio.Event)
-    claimed: trio.Event = field(default_factory=trio.Event)
-    cancelled: bool = False
-    cancel_reason: str | None = None
-    final_reported: bool = False  # a runner's "completed" report was accepted
-    claimed_at: float | None = None  # trio clock; None for a job reloaded at start
-    channel_opened: bool = False  # a channel of this job was accepted (since this hub started)
-    # offered only to these runners (None: any capable one): the dispatcher's placement by
-    # model, a listing for one runner; not stored (an unclaimed job does not outlive a restart)
-    runners: frozenset[str] | None = None
+    touched: set[str]  # runners seen since the presence was last written
+    changed: bool  # a runner's advertised capabilities changed meanwhile
 
-    @property
-    def over(self) -> bool:
-        """No channel can serve this job any more (completed or cancelled)."""
-        return self.status == "completed" or self.cancelled
+    async def save(self, job: Job) -> None: ...
 
-    def record(self) -> StoredJob:
-        """The job as the store keeps it (without its reports)."""
-        return StoredJob(
-            id=self.id,
-            owner=self.owner,
-            project=self.project,
-            needs=list(self.needs),
-            agent_definition=self.agent_definition,
-            origin=self.origin,
-            run_id=self.run_id,
-            claimed_by=self.claimed_by,
-            runner_name=self.runner_name,
-            status=self.status,
-            conclusion=self.conclusion,
-            final_reported=self.final_reported,
-            cancelled=self.cancelled,
-            cancel_reason=self.cancel_reason,
-        )
+    async def claim(self, job: Job, runner_id: str, name: str, run_id: str) -> TeamJob | None: ...
 
-    @classmethod
-    def from_record(cls, stored: StoredJob) -> Job:
-        """A job reloaded from the store, its events set to match its state."""
-        job = cls(
-            id=stored.id,
-            owner=stored.owner,
-            project=stored.project,
-            needs=list(stored.needs),
-            agent_definition=dict(stored.agent_definition),
-            origin=stored.origin,
-            run_id=stored.run_id,
-            claimed_by=stored.claimed_by,
-            runner_name=stored.runner_name,
-            status=stored.status,
-            conclusion=stored.conclusion,
-            reports=list(stored.reports),
-            cancelled=stored.cancelled,
-            cancel_reason=stored.cancel_reason,
-            final_reported=stored.final_reported,
-        )
-        if job.claimed_by is not None:
-            job.claimed.set()
-        if job.status == "completed":
-            job.completed.set()
-        return job
+    async def complete(self, job: Job, conclusion: str, final: bool) -> bool: ...
 
-    def admin_json(self) -> dict[str, Any]:
-        """Everything about the job, for ``GET /api/hub/jobs``."""
-        return {
-            "id": self.id,
-            "runId": self.run_id,
-            "owner": self.owner,
-            "project": self.project,
-            "needs": list(self.needs),
-            "agentDefinition": self.agent_definition,
-            "origin": self.origin,
-            "claimedBy": self.claimed_by,
-            "runnerName": self.runner_name,
-            "status": self.status,
-            "conclusion": self.conclusion,
-            "finalReported": self.final_reported,
-            "cancelled": self.cancelled,
-            "cancelReason": self.cancel_reason,
-            "reports": list(self.reports),
-        }
+    async def withdraw(self, job_id: str, reason: str) -> str | None: ...
 
-    def to_json(self) -> dict[str, Any]:
-        """The Job as a poll reply lists it."""
-        return {
-            "id": self.id,
-            "runId": None,
-            "needs": list(self.needs),
-            "agentDefinition": self.agent_definition,
-        }
+    async def refresh(self, job_id: str) -> Job | None:
+        """The job read again from the team's store into the board: the live job, or None."""
+        ...
 
 
 @dataclass
@@ -238,6 +151,7 @@ class JobBoard:
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+        self.sync: Sync | None = None  # one replica's board of a team: its writes go there
 
     @property
     def all_jobs(self) -> JobsView:
@@ -258,8 +172,14 @@ class JobBoard:
         return Job.from_record(stored) if stored is not None else None
 
     async def _ended(self, job: Job) -> None:
-        """A job completed: saved, then out of memory (the store keeps it)."""
-        await self.save(job)
+        """A job completed: saved (on a team, its end was written already), then out of memory
+        (the store keeps it)."""
+        if self.sync is None:
+            await self.save(job)
+        self.forget_ended(job)
+
+    def forget_ended(self, job: Job) -> None:
+        """An ended job out of the live ones (kept among the recent ones)."""
         if self.jobs.get(job.id) is job:
             del self.jobs[job.id]
             self.recent[job.id] = job
@@ -276,8 +196,10 @@ class JobBoard:
         agent_definition: dict[str, Any] | None = None,
         *,
         origin: str = "api",
+        runners: frozenset[str] | None = None,
     ) -> Job:
-        """Queue a Job for ``owner/project`` and tell every subscriber of that project."""
+        """Queue a Job for ``owner/project`` (offered to ``runners`` only, when given) and tell
+        every subscriber of that project."""
         job = Job(
             id=str(uuid.uuid4()),
             owner=owner,
@@ -285,11 +207,17 @@ class JobBoard:
             needs=list(needs),
             agent_definition=dict(agent_definition) if agent_definition is not None else {},
             origin=origin,
+            runners=runners,
         )
         self.jobs[job.id] = job
         await self.save(job)
         self.changes.notify()
-        subscribers = self._subscribers.get((owner, project), set())
+        self.announce(job)
+        return job
+
+    def announce(self, job: Job) -> None:
+        """``job_available`` for the job to every subscriber of its project."""
+        subscribers = self._subscribers.get((job.owner, job.project), set())
         for send_ch in list(subscribers):
             try:
                 send_ch.send_nowait(job.id)
@@ -297,7 +225,6 @@ class JobBoard:
                 pass  # that subscriber has events pending already: it will poll anyway
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 subscribers.discard(send_ch)
-        return job
 
     @contextmanager
     def subscribe(self, owner: str, project: str) -> Iterator[trio.MemoryReceiveChannel[str]]:
@@ -315,7 +242,19 @@ class JobBoard:
 
     async def save(self, job: Job) -> None:
         """Write the job's state to the store (after every change)."""
-        await self.store.save_job(job.record())
+        if self.sync is not None:
+            await self.sync.save(job)
+        else:
+            await self.store.save_job(job.record())
+
+    async def target(self, job: Job, runners: frozenset[str] | None) -> None:
+        """Offer the unclaimed job to ``runners`` only (None: any capable one); a team's other
+        replicas are told (a change only)."""
+        if job.runners == runners:
+            return
+        job.runners = runners
+        if self.sync is not None and job.claimed_by is None and not job.over:
+            await self.sync.save(job)
 
     # -- what runners do --------------------------------------------------------
 
@@ -324,6 +263,8 @@ class JobBoard:
         its ``registration``, when the caller has it, tells the board its project."""
         first = runner_id not in self.last_seen
         self.last_seen[runner_id] = trio.current_time()
+        if self.sync is not None:
+            self.sync.touched.add(runner_id)
         if registration is not None:
             state = self.runners.get(runner_id)
             if state is None:
@@ -333,6 +274,8 @@ class JobBoard:
             state.name, state.labels = registration.name, registration.labels
         if first:
             self.changes.notify()
+            if self.sync is not None:
+                self.sync.changed = True  # a runner new here: the others told at once
 
     def polled(self, runner_id: str, owner: str, project: str, capabilities: set[str]) -> None:
         """Note what a runner's poll advertised (a change wakes whoever waits on the board)."""
@@ -344,6 +287,8 @@ class JobBoard:
         state.capabilities, state.polled_at = caps, trio.current_time()
         if changed:
             self.changes.notify()
+            if self.sync is not None:
+                self.sync.changed = True
 
     def alive(self, runner_id: str) -> bool:
         """The runner gave a sign of life within ``offline_after``."""
@@ -414,7 +359,8 @@ class JobBoard:
 
     async def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
         """Claim a job for ``runner_id``: its run id. The same runner again before starting it
-        gets the same run id (it lost the answer); anyone else a conflict."""
+        gets the same run id (it lost the answer); anyone else a conflict. On a team the claim
+        is one conditional statement: it lands once, whatever replica each claim reaches."""
         job = await self.lookup(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
@@ -426,12 +372,23 @@ class JobBoard:
             return job.run_id
         if job.claimed_by is not None or job.status != "queued" or job.cancelled:
             raise BoardError("conflict", "this job is already claimed")
+        run_id = str(uuid.uuid4())
+        if self.sync is not None:
+            if await self.sync.claim(job, runner_id, name, run_id) is None:
+                found = await self.sync.refresh(
+                    job_id
+                )  # another claim (or a withdrawal) came first
+                if found is not None and self.unstarted_claim(found, runner_id):
+                    assert found.run_id is not None
+                    return found.run_id
+                raise BoardError("conflict", "this job is already claimed")
         job.claimed_by = runner_id
         job.runner_name = name
-        job.run_id = str(uuid.uuid4())
+        job.run_id = run_id
         job.claimed_at = trio.current_time()
         job.claimed.set()
-        await self.save(job)
+        if self.sync is None:
+            await self.save(job)
         self.changes.notify()
         return job.run_id
 
@@ -440,6 +397,10 @@ class JobBoard:
     ) -> Job:
         """The job a runner reports on, if it is that runner's claim under that run."""
         job = await self.lookup(job_id)
+        if self.sync is not None and (
+            job is None or job.claimed_by != runner_id or job.run_id != run_id
+        ):
+            job = await self.sync.refresh(job_id)  # claimed through another replica a moment ago
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
         if job.claimed_by != runner_id:
@@ -470,6 +431,9 @@ class JobBoard:
         for key in ("logs", "completionReason"):
             if report.get(key) is not None and not isinstance(report[key], str):
                 raise BoardError("invalid", f'"{key}" must be a string')
+        if self.sync is not None and not await self.sync.complete(job, conclusion, True):
+            await self.sync.refresh(job.id)  # another replica ended it first
+            self._late()
         await self._keep_report(job, report)
         job.status = "completed"
         job.conclusion = conclusion
@@ -496,6 +460,15 @@ class JobBoard:
         self.late_reports += 1
         raise BoardError("conflict", "this job is already completed")
 
+    async def channel_job(self, runner_id: str, job_id: str) -> Job | None:
+        """``may_open_channel``, on a team after reading the job again when this replica's
+        copy says no (claimed through another replica a moment ago)."""
+        job = self.may_open_channel(runner_id, job_id)
+        if job is None and self.sync is not None:
+            await self.sync.refresh(job_id)
+            job = self.may_open_channel(runner_id, job_id)
+        return job
+
     def may_open_channel(self, runner_id: str, job_id: str) -> Job | None:
         """The job when ``runner_id`` may open its channel now (its claim, not over), else None."""
         job = self.jobs.get(job_id)
@@ -513,6 +486,17 @@ class JobBoard:
         """
         job = self.jobs.get(job_id)
         if job is None or job.status == "completed":
+            return
+        if self.sync is not None:
+            outcome = await self.sync.withdraw(job_id, reason)
+            if outcome is None:  # ended meanwhile, through another replica
+                await self.sync.refresh(job_id)
+                return
+            job.cancel_reason = job.cancel_reason or reason
+            job.cancelled = True
+            if outcome == "deleted":
+                self.jobs.pop(job_id, None)
+            self.changes.notify()
             return
         job.cancel_reason = reason
         job.cancelled = True
@@ -543,6 +527,9 @@ class JobBoard:
                 "logs": "runner offline",
                 "forced": True,
             }
+            if self.sync is not None and not await self.sync.complete(job, "failure", False):
+                await self.sync.refresh(job.id)  # another replica ended it
+                continue
             await self._keep_report(job, report)
             job.status = "completed"
             job.conclusion = "failure"

@@ -298,9 +298,22 @@ class Channels:
         self.suspended: dict[str, dict[str, Sink]] = {}
         # told of each channel accepted (the catalog asks it for its models)
         self.on_open: list[Callable[[ServerChannel], None]] = []
+        # a replica of a team: told of each channel of this replica gone, and of each request
+        # suspended; ``remote`` finds a job's channel held by another replica
+        self.on_gone: list[Callable[[ServerChannel], None]] = []
+        self.on_suspend: list[Callable[[str, str, Sink], None]] = []
+        self.remote: Callable[[str], ServerChannel | None] | None = None
 
     def get(self, job_id: str) -> ServerChannel | None:
-        """The job's current open channel, or None."""
+        """The job's current open channel (on a team, perhaps one another replica holds),
+        or None."""
+        ch = self._open.get(job_id)
+        if ch is None and self.remote is not None:
+            return self.remote(job_id)
+        return ch
+
+    def local(self, job_id: str) -> ServerChannel | None:
+        """The job's open channel on this hub, or None."""
         return self._open.get(job_id)
 
     def all(self) -> list[ServerChannel]:
@@ -349,10 +362,12 @@ class Channels:
         if self._open.get(ch.job_id) is ch:
             del self._open[ch.job_id]
             self.changes.notify()
+            for observe in self.on_gone:
+                observe(ch)
 
     async def end_job(self, job_id: str, reason: str) -> None:
         """Send ``chat.end`` on the job's channel if one is open."""
-        ch = self._open.get(job_id)
+        ch = self.get(job_id)
         if ch is not None:
             await ch.send(protocol.encode_frame(EndFrame(job_id, reason)))
 
@@ -369,6 +384,8 @@ class Channels:
     def suspend(self, job_id: str, request_id: str, sink: Sink) -> None:
         """A request waits for the job's channel to be accepted again (``accept`` resumes it)."""
         self.suspended.setdefault(job_id, {})[request_id] = sink
+        for observe in self.on_suspend:
+            observe(job_id, request_id, sink)
 
     def unsuspend(self, job_id: str, request_id: str) -> bool:
         """It waits no more (given up, continued elsewhere); whether it was waiting."""

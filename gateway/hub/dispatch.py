@@ -120,6 +120,9 @@ class JobView:
     claimed_by: str | None
     over: bool  # completed, cancelled, or its runner ended it (no channel will come)
     channel: bool  # a channel of it is open
+    # its channel went with the replica that held it (its runner lives and redials another):
+    # the redial is waited for even when another runner is free
+    awaiting: bool = False
 
 
 @dataclass(frozen=True)
@@ -355,7 +358,7 @@ def _session_job(
         return True
     targets = eligible([r for r in runners.values() if r.alive], waiter.model)
     others = [r for r in pool.free if r.id != job.claimed_by and _in(r, targets)]
-    if others:  # another runner can serve it now: no wait for the dead
+    if others and not job.awaiting:  # another runner can serve it now: no wait for the dead
         out.actions.append(Move(waiter, job.id, "channel lost", immediate=True))
         waiter.job_id = None
         return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -112,6 +113,8 @@ class Dispatcher:
         self.changes: Changes = board.changes
         self._projects: dict[Project, _Project] = {}
         self.waits = WaitStats()
+        # a replica of a team: whether a job's channel went with the replica that held it
+        self.awaiting: Callable[[str], bool] = lambda job_id: False
 
     # -- a turn's side -----------------------------------------------------------------
 
@@ -255,8 +258,9 @@ class Dispatcher:
             if job is None:
                 continue
             over = job.over or job_id in self.channels.runner_ended
+            channel = self.channels.get(job_id) is not None
             out[job_id] = JobView(
-                job_id, job.claimed_by, over, self.channels.get(job_id) is not None
+                job_id, job.claimed_by, over, channel, not channel and self.awaiting(job_id)
             )
         return out
 
@@ -291,7 +295,7 @@ class Dispatcher:
         if isinstance(action, Retarget):
             job = self.board.jobs.get(action.job_id)
             if job is not None:
-                job.runners = action.runners
+                await self.board.target(job, action.runners)
             return
         waiting = by_view.get(id(action.waiter)) if hasattr(action, "waiter") else None
         if waiting is None:
@@ -299,8 +303,15 @@ class Dispatcher:
         view = waiting.view
         session = waiting.session
         if isinstance(action, Assign):
-            if view.opened:
-                await self._bind_new(session, action.job_id)
+            if view.opened and not await self._bind_new(session, action.job_id):
+                # another replica gave the session a job first: this one goes, the turn
+                # takes the session's (its next step)
+                view.job_id, view.opened = session.job_id, False
+                with trio.move_on_after(CANCEL_WITHIN) as scope:
+                    scope.shield = True
+                    await self.channels.cancel_job(action.job_id, "its session has another job")
+                self.changes.notify()
+                return
             waiting.job_id = action.job_id
             waiting.turn.wake()
         elif isinstance(action, Open):
@@ -308,9 +319,13 @@ class Dispatcher:
             if waiting.traceparent is not None:
                 definition["traceparent"] = waiting.traceparent
             job = await self.board.enqueue(
-                key[0], key[1], [protocol.CAPABILITY], definition, origin="frontdoor"
+                key[0],
+                key[1],
+                [protocol.CAPABILITY],
+                definition,
+                origin="frontdoor",
+                runners=action.runners,
             )
-            job.runners = action.runners
             view.job_id, view.opened = job.id, True
         elif isinstance(action, Withdraw):
             await self.board.withdraw(action.job_id, "queued behind another request")
@@ -319,10 +334,15 @@ class Dispatcher:
         elif isinstance(action, Refuse):
             self._refuse(project, waiting, action)
 
-    async def _bind_new(self, session: Session, job_id: str) -> None:
-        """The session's new job (a failover when it had one)."""
+    async def _bind_new(self, session: Session, job_id: str) -> bool:
+        """The session's new job (a failover when it had one); False when another replica
+        gave the session another job first."""
         old = session.job_id or session.had_job
-        await self.sessions.bind(session, job_id)
+        if await self.sessions.bind(session, job_id) != job_id:
+            log.info(
+                "session %s: another replica gave it job %s first", session.name, session.job_id
+            )
+            return False
         self.changes.notify()  # its session's other waiting turns take the job too
         job = self.board.jobs.get(job_id)
         runner = job.claimed_by if job is not None else None
@@ -338,6 +358,7 @@ class Dispatcher:
             )
         else:
             log.info("session %s opened chat job %s (runner %s)", session.name, job_id, runner)
+        return True
 
     async def _move(self, session: Session, action: Move) -> None:
         if action.immediate:

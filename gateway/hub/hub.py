@@ -25,6 +25,7 @@ from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
 from gateway.hub.store import open_store, token_hash
 from gateway.hub.store.journal import Journal
+from gateway.hub.team import Team, replica_id
 
 log = logging.getLogger("gateway.hub")
 
@@ -82,6 +83,22 @@ class Hub:
         keys.on_revoked.append(sessions.check_keys)
         keys.on_limits.append(accounting.forget_limits)
         sessions.on_key_check.append(keys.keep_active)
+        # on a store other hubs share: this hub is one replica of a team (gateway.hub.team)
+        self.team: Team | None = None
+        team_store = store.team(replica_id(settings.replica_id, self.data_dir))
+        if team_store is not None:
+            self.team = Team(
+                team_store,
+                settings,
+                hub_store=store,
+                board=board,
+                channels=channels,
+                sessions=sessions,
+                dispatcher=dispatcher,
+                catalog=catalog,
+                accounting=accounting,
+                admin_hash=admin_hash,
+            )
 
     def _job_over(self, job_id: str) -> bool:
         """No further turn can be served by this job (completed, cancelled, its runner ended it)."""
@@ -114,6 +131,8 @@ class Hub:
                     "recorded from its journal",
                     recovered,
                 )
+        if self.team is not None:  # the team reads the store as it starts (Team.run)
+            return
         await self.board.load()
         kept = await self.sessions.restore()
         for job in list(self.board.jobs.values()):
@@ -125,9 +144,11 @@ class Hub:
         sessions (read back before ``started``), the dispatcher, the model catalog, offline
         runners, the store's writer (its queued usage rows written at stop)."""
         await self.restore()
-        task_status.started()
         try:
             async with trio.open_nursery() as nursery:
+                if self.team is not None:
+                    await nursery.start(self.team.run)
+                task_status.started()
                 nursery.start_soon(self.store.run)
                 nursery.start_soon(self.sessions.run)
                 nursery.start_soon(self.dispatcher.run)
@@ -144,7 +165,7 @@ class Hub:
         their channels; returns those jobs."""
         forced = await self.board.check_offline()
         for job in forced:
-            ch = self.channels.get(job.id)
+            ch = self.channels.local(job.id)
             if ch is not None:
                 ch.request_close(CLOSE_OFFLINE, "runner offline")
         return forced

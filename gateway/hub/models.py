@@ -199,9 +199,13 @@ class Catalog:
             if state.capabilities is not None and protocol.CAPABILITY not in state.capabilities:
                 continue
             job = await board.enqueue(
-                owner, project, [protocol.CAPABILITY], dict(LISTING_DEFINITION), origin="listing"
+                owner,
+                project,
+                [protocol.CAPABILITY],
+                dict(LISTING_DEFINITION),
+                origin="listing",
+                runners=frozenset({runner_id}),
             )
-            job.runners = frozenset({runner_id})
             self._listing[runner_id] = (job, now)
             self._offered.set()
             log.info(
@@ -230,6 +234,18 @@ class Catalog:
         self._silent.discard(ch.runner_id)
         await self._keep(ch, models)
         return models
+
+    def learn(self, runner_id: str, models: tuple[str, ...]) -> None:
+        """A runner's list as another replica of a team asked it (read from the store)."""
+        self._lists[runner_id] = models
+        self._silent.discard(runner_id)
+        state = self.board.runners.get(runner_id)
+        if state is not None and state.models != frozenset(models):
+            state.models = frozenset(models)
+            state.listing = False
+            self.board.changes.notify()  # the dispatcher places by model
+        event, self.answered = self.answered, trio.Event()
+        event.set()
 
     async def _keep(self, ch: ServerChannel, models: list[str]) -> None:
         job = self.board.jobs.get(ch.job_id)

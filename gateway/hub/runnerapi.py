@@ -200,12 +200,14 @@ class RunnerApi:
         runner = await self.hub.store.registration_by_token(token) if token else None
         if runner is not None:
             self.board.seen(runner.id, runner)
-        job = self.board.may_open_channel(runner.id, job_id) if runner is not None else None
+        job = await self.board.channel_job(runner.id, job_id) if runner is not None else None
         if runner is None or job is None:
             await req.refuse(403, "no channel for this job and token", "forbidden")
             return
         ws = await req.accept()
         job.channel_opened = True
         ch = self.hub.channels.accept(job.id, runner.id, ws)
+        if self.hub.team is not None:  # the other replicas told, their resumes named
+            await self.hub.team.accepted(ch)
         await ch.send(ch.hello)  # the first frame: written before anything else is
         await ch.serve()

@@ -104,6 +104,10 @@ class Serving:
             turn.refuse(limit_error(exc))
             self.accounting.refused(turn)
             return
+        except TooManySessions as exc:  # a team's admission holds the key's session cap
+            turn.refuse(too_many_sessions(exc.limit))
+            self.accounting.refused(turn)
+            return
         turn.on_end = self.accounting.ended
         try:
             try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import trio
 
 from gateway.hub.store import ApiKey, Store, StoredSession
+from gateway.hub.store.team_base import TeamStore
 
 log = logging.getLogger("gateway.hub.sessions")
 
@@ -84,6 +85,11 @@ class Sessions:
         self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
         # told the active key ids at each check (the front door drops what it kept of others)
         self.on_key_check: list[Callable[[set[str]], None]] = []
+        # a replica of a team: the sessions are the store's, ``live`` what this replica knows
+        # of them (the key's session cap is the admission's, in the store)
+        self.team: TeamStore | None = None
+        self.learned: dict[SessionKey, str | None] = {}  # a session's job, as admitted
+        self._next_idle_check = -math.inf  # trio clock: a team's idle sessions looked for next
 
     def listing(self) -> dict[tuple[str, str], str | None]:
         """The live sessions: (API key name, session id) -> job id."""
@@ -109,7 +115,7 @@ class Sessions:
         session = self.live.get(skey)
         evicted: Session | None = None
         if session is None:
-            limit = self._max_per_key()
+            limit = self._max_per_key() if self.team is None else 0
             if limit > 0:
                 held = [s for k, s in self.live.items() if k[0] == skey[0]]
                 if len(held) >= limit:
@@ -132,6 +138,10 @@ class Sessions:
                     )
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
             self.poke()  # ``run`` checks its key from now on
+        if skey in self.learned:  # the store's word, unless this replica has turns of it now
+            learned = self.learned.pop(skey)
+            if not session.turns and session.job_id != learned:
+                session.job_id = learned
         session.turns += 1
         if evicted is not None:  # then out of the store
             await self.store.delete_session(evicted.key_name, evicted.key[1], evicted.job_id)
@@ -146,11 +156,28 @@ class Sessions:
             del self.live[session.key]
         self.poke()
 
-    async def bind(self, session: Session, job_id: str | None) -> None:
-        """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
+    async def bind(self, session: Session, job_id: str | None) -> str | None:
+        """Point the session at ``job_id`` (None: at no job), in memory and in the store; the
+        job it points at then. On a team that is ``job_id`` unless another replica set the
+        session's job first (compare-and-set on what this replica knew): then that one."""
         before = session.job_id
         if before == job_id:
-            return
+            return job_id
+        if self.team is not None:
+            key_id = "" if not session.key_checked else session.key[0]
+            wanted = StoredSession(
+                session.key_name,
+                session.key[1],
+                session.owner,
+                session.project,
+                job_id or "",
+                key_id,
+            )
+            job_id = await self.team.bind_session(wanted, before)
+            session.job_id = job_id
+            if job_id is not None:
+                session.had_job = None
+            return job_id
         session.job_id = job_id
         if job_id is None:
             await self.store.delete_session(session.key_name, session.key[1], before)
@@ -161,6 +188,16 @@ class Sessions:
                 session.key_name, session.key[1], session.owner, session.project, job_id, key_id
             )
             await self.store.save_session(stored)
+        return job_id
+
+    def drop(self, key_name: str | None = None, session_id: str | None = None) -> None:
+        """Forget what this replica knew of a session (all of them: None) without a turn in
+        flight here: another replica changed it in the store, which the next turn reads."""
+        for key, session in list(self.live.items()):
+            if session.turns:
+                continue
+            if key_name is None or (session.key_name == key_name and key[1] == session_id):
+                del self.live[key]
 
     async def forget(self, session: Session) -> None:
         """The session leaves the table (at once) and the store."""
@@ -173,7 +210,7 @@ class Sessions:
     async def restore(self) -> set[str]:
         """Reload the stored sessions whose job can still serve and whose key is active (once,
         before serving); the jobs they point at."""
-        if self._restored:
+        if self._restored or self.team is not None:  # a team's sessions are read as used
             return set()
         self._restored = True
         now = trio.current_time()
@@ -237,6 +274,8 @@ class Sessions:
     async def _reap(self) -> float:
         """Forget finished sessions, end idle ones and those of revoked keys; returns when the
         next one falls due."""
+        if self.team is not None:
+            return await self._reap_team(self.team)
         idle = self._idle_timeout()
         now = trio.current_time()
         next_due = math.inf
@@ -275,3 +314,53 @@ class Sessions:
                 continue
             with trio.move_on_at(next_due):
                 await self._changed.wait()
+
+    async def _reap_team(self, team: TeamStore) -> float:
+        """``_reap`` on a team: idle sessions and revoked keys' ones taken out of the store by
+        one statement each (whichever replica runs it first ends their jobs); what this replica
+        knows of sessions kept as long as they are used here."""
+        idle = self._idle_timeout()
+        now = trio.current_time()
+        for key, session in list(self.live.items()):
+            if self.live.get(key) is not session or session.turns:
+                continue
+            if session.job_id is None and session.had_job is None:
+                del self.live[key]
+                continue
+            if session.job_id is not None and self._job_over(session.job_id):
+                session.had_job = session.job_id  # its next turn is a failover
+                await self.bind(session, None)
+            if idle > 0 and now - session.last_used > idle:
+                del self.live[key]  # the store's reaper ends it (this replica's, or another's)
+        if now >= self._next_key_check:
+            self._next_key_check = now + self._key_check_interval()
+            active = await self.store.active_key_ids()
+            for observe in self.on_key_check:
+                observe(active)
+            for key, session in list(self.live.items()):
+                if session.key_checked and key[0] not in active and not session.turns:
+                    del self.live[key]
+            for stored in await team.revoked_sessions(active):
+                self.drop(stored.key_name, stored.session_id)
+                log.info(
+                    "session %s/%s: its API key was revoked: ending job %s",
+                    stored.key_name,
+                    stored.session_id,
+                    stored.job_id,
+                )
+                if not self._job_over(stored.job_id):
+                    await self._end(stored.job_id, "api key revoked")
+        if idle > 0 and now >= self._next_idle_check:
+            self._next_idle_check = now + min(idle / 4, 30.0)
+            for stored in await team.idle_sessions(idle):
+                self.drop(stored.key_name, stored.session_id)
+                log.info(
+                    "session %s/%s idle for %g s: ending job %s",
+                    stored.key_name,
+                    stored.session_id,
+                    idle,
+                    stored.job_id,
+                )
+                if not self._job_over(stored.job_id):
+                    await self._end(stored.job_id, "idle")
+        return min(self._next_key_check, self._next_idle_check if idle > 0 else math.inf)

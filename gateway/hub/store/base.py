@@ -40,6 +40,7 @@ from gateway.hub.store.records import (
     UsageRecord,
     UsageTotal,
 )
+from gateway.hub.store.team_base import TeamStore
 
 log = logging.getLogger("gateway.hub.store")
 
@@ -244,6 +245,11 @@ class Store(abc.ABC):
             )
             self._pending = []
         await self._close()
+
+    def team(self, replica: str) -> TeamStore | None:
+        """The statements of a team of hubs sharing this store, as replica ``replica``; None
+        for a store no other hub shares (SQLite's: its hub is alone)."""
+        return None
 
     # -- what a backend implements -----------------------------------------------------------
 

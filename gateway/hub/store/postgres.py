@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from gateway.hub.store import dburl
+from gateway.hub.store import dburl, team_ops
 from gateway.hub.store import postgres_ops as ops
 from gateway.hub.store import postgres_usage as usage_ops
 from gateway.hub.store.base import (
@@ -67,6 +67,7 @@ from gateway.hub.store.records import (
     UsageTotal,
 )
 from gateway.hub.store.schema import SchemaTooNew
+from gateway.hub.store.team_base import TeamStore
 
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 CALL_TIMEOUT = 15.0  # s a call may wait for its answers
@@ -116,6 +117,7 @@ class PostgresStore(Store):
         self._connect: Any = ThreadConnection.connect if in_thread else TrioConnection.connect
         self._retry_at = -math.inf  # trio clock: while unavailable, no connect before this
         self._detail = ""  # why it is unavailable
+        self._replica = ""  # this hub's id on a team (``team``): its changes notify the others
         self._open(create)
 
     # -- blocking: opening, the admin credential -------------------------------------------------
@@ -157,6 +159,13 @@ class PostgresStore(Store):
         if made and data_dir is not None:
             write_admin_token(data_dir, token)
         return AdminCredential(token, stored, made)
+
+    def team(self, replica: str) -> TeamStore:
+        """The team's statements on this store's pool, as replica ``replica``."""
+        from gateway.hub.store.postgres_team import PostgresTeam
+
+        self._replica = replica
+        return PostgresTeam(self, replica)
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -284,6 +293,8 @@ class PostgresStore(Store):
 
     async def save_models(self, models: ModelList) -> None:
         await self._run(ops.save_models(models))
+        if self._replica:  # the team's other replicas read it again
+            await self._run(team_ops.models_changed(self._replica, models.runner_id))
 
     async def load_models(self, owner: str, project: str) -> list[ModelList]:
         return await self._run(ops.load_models(owner, project))

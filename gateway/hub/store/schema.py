@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gateway.hub.store.team_schema import STATEMENTS as TEAM_STATEMENTS
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -181,6 +183,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "usage marked continued: a turn whose answer another runner or backend finished",
         (),
         columns=(("usage_turns", "continued", "INTEGER NOT NULL DEFAULT 0"),),
+    ),
+    Migration(
+        5,
+        "a team of hubs on PostgreSQL: replicas, channels, runners' presence, limits shared",
+        (),
+        postgres=TEAM_STATEMENTS,  # SQLite's single hub has no team
     ),
 )
 LATEST = MIGRATIONS[-1].version

@@ -1,0 +1,8 @@
+"""The hub as one of several replicas on one PostgreSQL store, behind a load balancer: each job
+claimed once whatever replica a runner reaches, every replica's memory kept in step by the
+store's notifications, a turn served by the replica its client reached through the replica
+that holds its session's channel, and the API keys' limits counted in the store."""
+
+from gateway.hub.team.team import Team, advertised, replica_id, replica_secret
+
+__all__ = ["Team", "advertised", "replica_id", "replica_secret"]

@@ -1,0 +1,126 @@
+"""An API key's limits exact across a team of replicas: each turn's admission one transaction in
+the team's store (``alp_admit``: the key's row locked, its turns of the last minute and in
+flight counted, the session cap applied), and its release at the turn's end, written behind
+the turn (one statement for all the turns ended meanwhile) but before this replica admits
+another turn of the same key, so a client that saw its answer end is not refused for it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from gateway.hub.accounting import exceeded, retry_after
+from gateway.hub.sessions import SessionKey, TooManySessions
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import KeyLimits, StoreError, StoreUnavailable
+from gateway.hub.store.team_base import Release, TeamStore
+from gateway.hub.turn import Turn
+
+log = logging.getLogger("gateway.hub.team")
+
+RETRY = 1.0  # s between tries to write releases the store refused
+Evicted = Callable[[str, str, str | None], Awaitable[None]]  # key name, session id, job id
+
+
+class TeamLimits:
+    """``Accounting.team``: admissions and releases in the team's store. ``learned`` is told
+    each admitted turn's session and the job the store has for it; ``evicted`` each session
+    the session cap ended to make room (its job is to be ended)."""
+
+    def __init__(
+        self,
+        store: TeamStore,
+        settings: HubSettings,
+        learned: dict[SessionKey, str | None],
+        evicted: Evicted,
+        expiry: float,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.learned = learned
+        self.evicted = evicted
+        self.expiry = expiry
+        self._pending: list[Release] = []
+        self._unwritten: dict[str, int] = {}  # key id -> its releases not written yet
+        self._queued = trio.Event()
+        self._written = trio.Event()
+
+    async def admit(self, turn: Turn, limits: KeyLimits) -> None:
+        """Admitted, or LimitExceeded / TooManySessions (the store's verdict)."""
+        with trio.move_on_after(RETRY):  # this key's ended turns counted first
+            while self._unwritten.get(turn.key_id):
+                await self._written.wait()
+        found = await self.store.admit(
+            turn.id,
+            turn.key_id,
+            turn.key_name,
+            turn.session,
+            turn.reserved,
+            (limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams),
+            self.settings.max_sessions_per_key,
+            self.expiry,
+        )
+        verdict = found.verdict
+        if verdict == "ok":
+            self.learned[(turn.key_id, turn.session)] = found.job_id
+            if found.evicted_session is not None:
+                log.info(
+                    "API key %s at %d sessions: ending its least recently used session %s",
+                    turn.key_name,
+                    self.settings.max_sessions_per_key,
+                    found.evicted_session,
+                )
+                await self.evicted(turn.key_name, found.evicted_session, found.evicted_job)
+            return
+        if verdict == "max_sessions":
+            log.warning(
+                "API key %s holds %d busy sessions: session %s refused",
+                turn.key_name,
+                found.used,
+                turn.session,
+            )
+            raise TooManySessions(self.settings.max_sessions_per_key)
+        bound = {
+            "rpm": limits.rpm,
+            "tpm": limits.tpm,
+            "tokens_per_day": limits.tokens_per_day,
+            "max_streams": limits.max_streams,
+        }.get(verdict)
+        if bound is None:
+            raise StoreError(f"the store's admission answered {verdict!r}")
+        raise exceeded(verdict, bound, found.used, found.held, retry_after(found.wait))
+
+    def release(self, turn: Turn) -> None:
+        """The turn ended: its release queued (no I/O here)."""
+        self._pending.append(
+            Release(turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens)
+        )
+        self._unwritten[turn.key_id] = self._unwritten.get(turn.key_id, 0) + 1
+        self._queued.set()
+
+    async def run(self) -> None:
+        """The releases' writer, until cancelled (what is queued at the end is left to the
+        store: a replica's turns in flight are released when it stops, or its heartbeat ends)."""
+        while True:
+            if not self._pending:
+                self._queued = trio.Event()
+                await self._queued.wait()
+            batch, self._pending = self._pending, []
+            try:
+                await self.store.release(batch)
+            except StoreUnavailable:
+                self._pending[:0] = batch
+                await trio.sleep(RETRY)
+                continue
+            except StoreError as exc:
+                log.warning("could not release %d turn(s) in the store: %s", len(batch), exc)
+            for ended in batch:
+                left = self._unwritten[ended.key_id] - 1
+                if left:
+                    self._unwritten[ended.key_id] = left
+                else:
+                    del self._unwritten[ended.key_id]
+            event, self._written = self._written, trio.Event()
+            event.set()
