@@ -1,26 +1,31 @@
 """Several hubs as replicas of one team on a real PostgreSQL (``tests/pgserver.py``), each with its
-own server on loopback, in this process: a turn whose session's channel another replica holds is
-forwarded there (its bytes as a direct turn's), a job is claimed once however many replicas its
-claims reach, and API-key limits are exact across replicas."""
+own server on loopback (here in one process; ``test_replicas_killed.py`` runs them as processes):
+a turn whose session's channel another replica holds is forwarded there, its bytes the runner's
+own; a job is claimed once however many replicas its claims reach; API-key limits are exact
+across replicas; every replica shows the whole team."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
+import msgspec
 import trio
-from helpers import ADMIN, OWNER, PROJECT, runner_config, running
+from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner, runner_config, running
 
 from gateway.hub import Hub, open_hub
+from gateway.hub.channel import ServerChannel
 from gateway.hub.settings import HubSettings
+from gateway.hub.store import KeyLimits
+from gateway.hub.team.remote import RemoteChannel
 from gateway.sim import Simulator
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
 
 
 @dataclass
@@ -29,9 +34,25 @@ class Replica:
     url: str
 
 
+async def until(check: Callable[[], bool], *among: Replica, within: float = 10) -> None:
+    """Until ``check()`` holds, looked at again on every change of the replicas' boards (a
+    runner seen, a job or a channel changed, a replica up or down)."""
+    with trio.fail_after(within):
+        while not check():
+            async with trio.open_nursery() as nursery:
+                for replica in among:
+
+                    async def changed(r: Replica = replica) -> None:
+                        await r.hub.board.changes.wait()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(changed)
+
+
 @asynccontextmanager
 async def replicas(pg_url: str, count: int, **settings: Any) -> AsyncIterator[list[Replica]]:
-    """``count`` hubs on the database ``pg_url``, each served on a port of its own."""
+    """``count`` hubs on the database ``pg_url``, each served on a port of its own, each
+    knowing every other up."""
     async with trio.open_nursery() as nursery:
         started: list[Replica] = []
         for n in range(count):
@@ -39,67 +60,214 @@ async def replicas(pg_url: str, count: int, **settings: Any) -> AsyncIterator[li
                 admin_token=ADMIN,
                 settings=HubSettings(store=pg_url, replica_id=f"r{n}", **settings),
             )
-            found: list[tuple[Hub, str]] = []
-            ready = trio.Event()
+            started.append(Replica(hub, await nursery.start(_serve, hub)))
 
-            async def serve(hub: Hub = hub, found: list[Any] = found, ready: trio.Event = ready):
-                async with open_hub(hub) as pair:
-                    found.append(pair)
-                    ready.set()
-                    await trio.sleep_forever()
-
-            nursery.start_soon(serve)
-            await ready.wait()
-            started.append(Replica(*found[0]))
-        # every replica knows every other (its heartbeat read)
-        with trio.fail_after(10):
-            while not all(
-                len([p for p in r.hub.team.peers.values() if p.up]) == count - 1  # type: ignore[union-attr]
+        def all_up() -> bool:
+            return all(
+                sum(p.up for p in r.hub.team.peers.values()) == count - 1  # type: ignore[union-attr]
                 for r in started
-            ):
-                await trio.sleep(0.05)
+            )
+
+        await until(all_up, *started)
         try:
             yield started
         finally:
             nursery.cancel_scope.cancel()
 
 
-async def _known(runner_id: str, *among: Replica) -> None:
-    """Until every replica counts the runner live (its presence read: at once when it is new)."""
-    with trio.fail_after(10):
-        while not all(r.hub.board.alive(runner_id) for r in among):
-            await trio.sleep(0.02)
+async def _serve(hub: Hub, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    async with open_hub(hub) as (_hub, url):
+        task_status.started(url)
+        await trio.sleep_forever()
 
 
-async def _chat(url: str, key: str, session: str, content: str = "hi") -> httpx.Response:
+def _body(content: str = "hi", **more: Any) -> dict[str, Any]:
+    return {
+        "model": "sim-model",
+        "stream": True,
+        "stream_options": {"include_usage": True},  # nothing kept from the client
+        "messages": [{"role": "user", "content": content}],
+        **more,
+    }
+
+
+async def _chat(url: str, key: str, session: str, **more: Any) -> httpx.Response:
     async with httpx.AsyncClient(timeout=30) as client:
         return await client.post(
             f"{url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {key}", "X-Chat-Session": session},
-            json={
-                "model": "sim-model",
-                "stream": True,
-                "messages": [{"role": "user", "content": content}],
-            },
+            json=_body(**more),
         )
 
 
-async def test_a_turn_reaching_another_replica_than_its_channel_is_served_there(
+class _Recording:
+    """A sink in front of another: each chunk payload it gets noted, as it came."""
+
+    def __init__(self, sink: Any, into: list[bytes]) -> None:
+        self._sink = sink
+        self._into = into
+
+    def chunk(self, chunk: msgspec.Raw, frame: bytes) -> None:
+        self._into.append(bytes(chunk))
+        self._sink.chunk(chunk, frame)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)
+
+
+def _record_reads(ch: ServerChannel) -> list[bytes]:
+    """Every chunk payload the runner sends on ``ch`` for a request opened from now on, as the
+    channel's reader read it, in order."""
+    payloads: list[bytes] = []
+    open_request = ch.open
+    ch.open = lambda rid, sink: open_request(rid, _Recording(sink, payloads))  # type: ignore[method-assign]
+    return payloads
+
+
+def _events(body: bytes) -> list[bytes]:
+    return [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+
+
+async def test_a_forwarded_turn_is_the_runners_bytes_as_a_direct_one_is(
     pg_url: str, sim: Simulator, tmp_path: Path
 ) -> None:
     async with replicas(pg_url, 2) as (a, b):
         key = await a.hub.store.create_api_key("alice", f"{OWNER}/{PROJECT}")
         async with running(runner_config(b.url, sim.url, tmp_path / "state")) as runner:
             assert runner.registration is not None
-            await _known(runner.registration.id, a, b)
+            runner_id = runner.registration.id
+            await until(lambda: a.hub.board.alive(runner_id), a)
             first = await _chat(a.url, key, "s1")
             assert first.status_code == 200, first.text
-            assert "[DONE]" in first.text
             job_id = next(iter(a.hub.sessions.live.values())).job_id
             assert job_id is not None
-            assert b.hub.channels.local(job_id) is not None  # the channel is b's
-            assert a.hub.channels.local(job_id) is None
-            again = await _chat(a.url, key, "s1")
-            assert again.status_code == 200 and "[DONE]" in again.text
-            direct = await _chat(b.url, key, "s1")
-            assert direct.status_code == 200 and "[DONE]" in direct.text
+            held = b.hub.channels.local(job_id)
+            assert held is not None and a.hub.channels.local(job_id) is None  # b holds it
+            assert isinstance(a.hub.channels.get(job_id), RemoteChannel)
+            sent = _record_reads(held)
+            forwarded = await _chat(a.url, key, "s1", sim={"chunks": 30})  # through b
+            from_runner = list(sent)
+            sent.clear()
+            direct = await _chat(b.url, key, "s1", sim={"chunks": 30})  # b's own
+            assert forwarded.status_code == direct.status_code == 200
+            assert len(from_runner) == len(sent) > 30  # 30 chunks and the usage chunk at least
+            # byte for byte the runner's chunks, then the end: forwarded as direct
+            assert _events(forwarded.content) == [*from_runner, b"[DONE]"]
+            assert _events(direct.content) == [*sent, b"[DONE]"]
+            assert forwarded.headers["content-type"] == direct.headers["content-type"]
+            # one session, one job, one runner, whichever replica the turns reached
+            assert {s.job_id for s in b.hub.sessions.live.values()} == {job_id}
+            assert a.hub.counters.failovers == b.hub.counters.failovers == 0
+            # usage from both replicas in the one ledger, seen from either
+            await a.hub.store.flush_usage()  # a writes behind (0.1 s); b flushes as it reads
+            rows = await b.hub.store.usage_rows()
+            assert len(rows) == 3 and {r["job_id"] for r in rows} == {job_id}
+
+
+async def test_a_job_is_claimed_once_whatever_replica_each_claim_reaches(pg_url: str) -> None:
+    async with replicas(pg_url, 2) as (a, b):
+        runners = [
+            await register_runner(a.hub, OWNER, PROJECT, f"runner-{n}", ["self-hosted"])
+            for n in range(12)
+        ]
+        job = await a.hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        await until(lambda: job.id in b.hub.board.jobs, b)  # b offers it too
+        answers: list[tuple[str, int, dict[str, Any]]] = []
+
+        async def claim(runner: dict[str, Any], replica: Replica) -> None:
+            async with httpx.AsyncClient(timeout=10) as client:
+                got = await client.post(
+                    f"{replica.url}{BASE}/runners/generate-jitconfig",
+                    headers={"Authorization": f"Bearer {runner['token']}"},
+                    json={"jobId": job.id, "name": runner["name"]},
+                )
+            answers.append((runner["id"], got.status_code, got.json()))
+
+        async with trio.open_nursery() as nursery:
+            for n, runner in enumerate(runners):
+                nursery.start_soon(claim, runner, (a, b)[n % 2])
+        won = [(rid, body) for rid, status, body in answers if status == 200]
+        assert len(won) == 1, answers
+        assert sorted(status for _, status, _ in answers) == [200] + [409] * 11
+        winner, body = won[0]
+        stored = await b.hub.store.load_job(job.id)
+        assert stored is not None and stored.claimed_by == winner
+        assert stored.run_id == body["runId"]
+        # both replicas' boards say the same
+        await until(lambda: b.hub.board.jobs[job.id].claimed_by == winner, b)
+        assert a.hub.board.jobs[job.id].claimed_by == winner
+
+
+async def _stream_statuses(
+    replicas_urls: list[str], key: str, sim: dict[str, Any], decided: int
+) -> list[int]:
+    """One streamed request to each URL at once (sessions of their own); their statuses once
+    ``decided`` of them have their answer's head (the others still streaming are then left)."""
+    statuses: list[int] = []
+    done = trio.Event()
+
+    async def one(n: int, url: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            headers = {"Authorization": f"Bearer {key}", "X-Chat-Session": f"s{n}"}
+            async with client.stream(
+                "POST", f"{url}/v1/chat/completions", headers=headers, json=_body(sim=sim)
+            ) as response:
+                statuses.append(response.status_code)
+                if len(statuses) == decided:
+                    done.set()
+                await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        for n, url in enumerate(replicas_urls):
+            nursery.start_soon(one, n, url)
+        await done.wait()
+        nursery.cancel_scope.cancel()
+    return statuses
+
+
+async def test_limits_are_exact_across_replicas(
+    pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    async with replicas(pg_url, 2) as (a, b):
+        project = f"{OWNER}/{PROJECT}"
+        rpm = await a.hub.store.create_api_key("rpm3", project, KeyLimits(rpm=3))
+        streams = await a.hub.store.create_api_key("streams3", project, KeyLimits(max_streams=3))
+        async with running(
+            runner_config(b.url, sim.url, tmp_path / "state", max_sessions=16)
+        ) as runner:
+            assert runner.registration is not None
+            runner_id = runner.registration.id
+            await until(lambda: a.hub.board.alive(runner_id), a)
+            split = [a.url, b.url, a.url, b.url, a.url]
+            # requests a minute: 3 of 5 at once pass, on either replica
+            statuses = await _stream_statuses(split, rpm, {"chunks": 2}, 5)
+            assert sorted(statuses) == [200, 200, 200, 429, 429], statuses
+            # turns in flight: 3 of 5 long ones at once stream, 2 are refused
+            statuses = await _stream_statuses(split, streams, {"chunks": 400, "interval": 0.05}, 5)
+            assert sorted(statuses) == [200, 200, 200, 429, 429], statuses
+        refusal = await _chat(b.url, rpm, "late")
+        assert refusal.status_code == 429
+        assert "limited to 3 requests per minute (rpm)" in refusal.json()["error"]["message"]
+
+
+async def test_every_replica_shows_the_whole_team(
+    pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    async with replicas(pg_url, 2) as (a, b):
+        key = await a.hub.store.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        async with running(runner_config(b.url, sim.url, tmp_path / "state")) as runner:
+            assert runner.registration is not None
+            runner_id = runner.registration.id
+            await until(lambda: a.hub.board.alive(runner_id), a)
+            assert (await _chat(a.url, key, "team")).status_code == 200
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            async with httpx.AsyncClient(timeout=10, headers=admin) as client:
+                team = (await client.get(f"{a.url}/api/hub/replicas")).json()
+                listed = (await client.get(f"{a.url}/api/hub/runners")).json()["runners"]
+                sessions = (await client.get(f"{a.url}/api/hub/sessions")).json()["sessions"]
+            assert sorted(r["id"] for r in team["replicas"]) == ["r0", "r1"]
+            assert all(r["up"] for r in team["replicas"])
+            assert [r["connected"] for r in listed if r["id"] == runner_id] == [True]
+            assert [(s["key"], s["session"]) for s in sessions] == [("alice", "team")]
+            assert sessions[0]["runnerId"] == runner_id
+            print(json.dumps(team))

@@ -13,7 +13,7 @@ from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
 from gateway.hub.metrics import CONTENT_TYPE
-from gateway.hub.snapshot import as_json
+from gateway.hub.snapshot import as_json, camel
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 
 MAX_KEY_BODY = 4096  # bytes: a key's name, project and limits
@@ -43,9 +43,24 @@ class AdminApi:
         await req.resp.json(200, {"jobs": jobs})
 
     async def sessions(self, req: Request) -> None:
-        """The front door's live sessions: key name, session id, job, runner, turns, idle."""
-        sessions = [as_json(s) for s in self.hub.snapshot().sessions]
+        """The front door's live sessions: key name, session id, job, runner, turns, idle (on
+        a team, every replica's: the store's)."""
+        team = self.hub.team
+        if team is not None:
+            sessions = [
+                {camel(k): v for k, v in found.items()}
+                for found in await team.store.sessions_listing()
+            ]
+        else:
+            sessions = [as_json(s) for s in self.hub.snapshot().sessions]
         await req.resp.json(200, {"sessions": sessions}, NO_STORE)
+
+    async def replicas(self, req: Request) -> None:
+        """The hubs sharing this one's store (this one alone without a team): id, URL,
+        version, up, heartbeat age, channels held."""
+        team = self.hub.team
+        found = team.picture() if team is not None else []
+        await req.resp.json(200, {"replicas": found, "team": team is not None}, NO_STORE)
 
     async def counters(self, req: Request) -> None:
         """Pings sent, pong timeouts, channels declared dead, failovers (since the hub started)."""

@@ -76,6 +76,7 @@ class App:
             _route("GET", "/api/hub/jobs", admin.jobs),
             _route("GET", "/api/hub/sessions", admin.sessions),
             _route("GET", "/api/hub/counters", admin.counters),
+            _route("GET", "/api/hub/replicas", admin.replicas),
             _route("GET", "/api/hub/runners", admin.runners),
             _route("GET", "/api/hub/turns", admin.turns),
             _route("GET", "/api/hub/usage", admin.usage),

@@ -115,6 +115,7 @@ class Hub:
             catalog=self.catalog,
             accounting=self.accounting,
             counters=self.counters,
+            connected=None if self.team is None else self.team.connected_runners(),
         )
 
     async def restore(self) -> None:

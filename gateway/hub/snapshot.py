@@ -100,8 +100,10 @@ def take(
     catalog: Catalog,
     accounting: Accounting,
     counters: HubCounters,
+    connected: set[str] | None = None,
 ) -> HubSnapshot:
-    """The hub as it is now, read from its parts."""
+    """The hub as it is now, read from its parts (``connected``: the runners with a channel on
+    any replica of a team, when it is one)."""
     now = trio.current_time()
     sessions_by_runner: dict[str, int] = {}
     session_list = []
@@ -149,7 +151,7 @@ def take(
     for job in board.jobs.values():
         if job.claimed_by is not None and not job.over:
             held[job.claimed_by] = held.get(job.claimed_by, 0) + 1
-    connected = channels.runners()
+    connected = channels.runners() | (connected or set())
     runners = []
     for runner_id, state in list(board.runners.items()):
         last = board.last_seen.get(runner_id)
@@ -195,9 +197,9 @@ def take(
 
 def as_json(status: Any) -> dict[str, Any]:
     """A status dataclass as the admin routes answer it: camelCase keys."""
-    return {_camel(k): v for k, v in asdict(status).items()}
+    return {camel(k): v for k, v in asdict(status).items()}
 
 
-def _camel(name: str) -> str:
+def camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part.title() for part in rest)

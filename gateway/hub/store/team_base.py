@@ -130,6 +130,10 @@ class TeamStore(abc.ABC):
         """This replica lives (its row made or renewed; a replica marked stopped lives again)."""
 
     @abc.abstractmethod
+    async def announce(self) -> None:
+        """Tell the other replicas this one (re)started (they read the replicas again)."""
+
+    @abc.abstractmethod
     async def replicas(self) -> list[ReplicaRow]:
         """Every replica the store knows, oldest first."""
 

@@ -227,10 +227,14 @@ class Team:
 
     async def _beat(self) -> None:
         await self._url_known.wait()
+        announced = False
         while True:
             try:
                 assert self.url is not None
                 await self.store.heartbeat(self.url, __version__)
+                if not announced:  # the others read it at once, not at their next beat
+                    await self.store.announce()
+                    announced = True
                 self._peers(await self.store.replicas())
             except StoreError as exc:
                 log.debug("replica %s: no heartbeat: %s", self.replica, exc)
