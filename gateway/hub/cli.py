@@ -11,9 +11,9 @@ model names) is escaped as the logs are (``gateway.logsafe``).
 from __future__ import annotations
 
 import argparse
-import gc
 import datetime
 import difflib
+import gc
 import logging
 import os
 import pathlib
