@@ -152,6 +152,9 @@ class ServerChannel:
         self.end_code: int | None = None  # the close code the channel ended with
         self.runner_ended = False  # the runner sent chat.end on it
         self.hello = b""  # its first frame (``Channels.accept``): sent before any other
+        # set while its hello is being made (a team's replica reads the store for it): other
+        # frames wait for it, so that the hello is the first frame the runner reads
+        self.held: trio.Event | None = None
         self.undecodable = 0  # frames that were not a runner frame (ignored)
         # frames for no open request (late ones, chat.end; undecodable ones as None), with the
         # frame's text; by default ``_note``d (a Server of its own, a test, may take them)
@@ -169,6 +172,8 @@ class ServerChannel:
     async def send(self, frame: bytes) -> bool:
         """Send one frame (UTF-8 JSON text, ``protocol.encode_frame``'s); False when the channel
         is closed or broke under the send (its reader then ends it)."""
+        if self.held is not None:
+            await self.held.wait()
         if self.closed.is_set() or self._ws is None:
             return False
         try:
