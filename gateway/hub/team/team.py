@@ -150,6 +150,7 @@ class Team:
         self._dirty: dict[str, dict[Any, None]] = {}  # notification kind -> subjects pending
         self._noted = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._running = False  # the nursery takes new tasks
         # wired into the hub's parts
         board.sync = self.sync
         channels.remote = self.remote_channel
@@ -184,6 +185,7 @@ class Team:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self._running = True
                 if await self.store.retire(self.replica, None):
                     log.info("replica %s: what its previous run left was ended", self.replica)
                 await self._withdraw_orphans(self.replica)
@@ -195,6 +197,7 @@ class Team:
                 nursery.start_soon(self.limits.run)
                 task_status.started()
         finally:
+            self._running = False
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 try:
                     await self.store.retire(self.replica, None)
@@ -470,7 +473,9 @@ class Team:
         row = self.directory.get(ch.job_id)
         if row is not None and row.replica == self.replica:
             del self.directory[ch.job_id]
-        self.nursery.start_soon(self._write_gone, ch.job_id)
+        if self._nursery is not None and self._running:
+            self._nursery.start_soon(self._write_gone, ch.job_id)
+        # else the replica stops: its retirement removes every row of its channels
 
     async def _write_gone(self, job_id: str) -> None:
         try:
