@@ -6,6 +6,7 @@ across replicas; every replica shows the whole team."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,10 +19,11 @@ import msgspec
 import trio
 from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner, runner_config, running
 
-from gateway.hub import Hub, open_hub
+from gateway.hub import Hub, doctor, open_hub
 from gateway.hub.channel import ServerChannel
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import KeyLimits
+from gateway.hub.store import KeyLimits, open_store
+from gateway.hub.store.schema import LATEST
 from gateway.hub.team.remote import RemoteChannel
 from gateway.sim import Simulator
 
@@ -271,3 +273,37 @@ async def test_every_replica_shows_the_whole_team(
             assert [(s["key"], s["session"]) for s in sessions] == [("alice", "team")]
             assert sessions[0]["runnerId"] == runner_id
             print(json.dumps(team))
+
+
+async def test_hub_doctor_checks_the_store_and_sees_every_replica(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """``alp-gateway hub doctor`` (issue 28 point 5): the store reachable and migrated, each
+    replica up with its address answering from here; one stopped is said stopped; a SQLite
+    hub has no team; a database that cannot be reached fails with a fix and no password."""
+    async with replicas(pg_url, 2):
+        out = io.StringIO()
+        report = doctor.Report(out)
+        await doctor.check(HubSettings(store=pg_url), report)
+        lines = out.getvalue().splitlines()
+    assert not report.failed, lines
+    assert lines[0].startswith("✓ store: PostgreSQL at postgresql://") and "***" in lines[0]
+    assert lines[1] == f"✓ migrations: schema at version {LATEST}, this alp-gateway's"
+    assert lines[2] == "✓ replicas: 2 up of 2 known"
+    assert sorted(line.split(":")[0] for line in lines[3:]) == ["✓ replica r0", "✓ replica r1"]
+    assert all("/healthz 503" in line for line in lines[3:])  # no runner: up, answering
+    out = io.StringIO()
+    await doctor.check(HubSettings(store=pg_url), doctor.Report(out))
+    assert out.getvalue().count(" stopped (version ") == 2  # they retired when they stopped
+    sqlite = io.StringIO()
+    alone = open_store(tmp_path / "one")
+    await alone.create_api_key("alone", f"{OWNER}/{PROJECT}")
+    await alone.close()
+    await doctor.check(HubSettings(data=tmp_path / "one"), doctor.Report(sqlite))
+    assert "✓ replicas: none: a SQLite hub serves alone" in sqlite.getvalue()
+    gone = io.StringIO()
+    down = doctor.Report(gone)
+    secret = pg_url.split(":")[2].split("@")[0]
+    await doctor.check(HubSettings(store=pg_url.rsplit("/", 1)[0] + "/nosuchdb"), down)
+    assert down.failed and gone.getvalue().startswith("✗ store: ")
+    assert "fix: " in gone.getvalue() and secret not in gone.getvalue()

@@ -274,6 +274,12 @@ def _build_parser() -> _Parser:
     usage.add_argument(
         "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
     )
+    parser.command(
+        sub,
+        "doctor",
+        help="check the hub's store (reachable, migrated) and the replicas it knows (their "
+        "heartbeats, versions, and whether their addresses answer from here)",
+    )
     return parser
 
 
@@ -290,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args, settings)
         if args.command == "usage":
             return _usage(args, settings)
+        if args.command == "doctor":
+            from gateway.hub.doctor import main as doctor_main
+
+            return doctor_main(settings)
         if settings.tls_cert is not None and settings.tls_key is not None:
             _check_tls(settings.tls_cert, settings.tls_key)
         _check_listen(*settings.listen)  # before the data directory and an admin token are made
