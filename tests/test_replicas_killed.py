@@ -1,8 +1,9 @@
-"""A team of hubs losing a replica, and its database, under load (issue 28 points 3 and 6): real
+"""A team of hubs losing a replica under load (issue 28 points 3, 5 and 6): real
 PostgreSQL, the replicas as ``alp-gateway hub`` processes behind a load balancer
 (``tests/balancer.py``, as HAProxy does it), runners and the simulator in this process, clients
-that open a connection per turn. The replica is SIGKILLed while streams are in flight on both;
-the database is stopped and started again with ``pg_ctl``.
+that open a connection per turn. The replica is SIGKILLed while streams are in flight on both.
+The recipe's own HAProxy config (``packaging/team/haproxy.cfg``) runs in front of them too
+(skipped, saying so, where Debian's ``haproxy`` is not installed).
 
 Nothing waits on a sleep: the load's own turns, the balancer's connections and the store's
 notifications (a ``LISTEN`` in a thread, ``Notes``) say when to look again; ``GUARD`` bounds
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 import trio
 from balancer import balancer
 from helpers import ADMIN, OWNER, PROJECT, runner_config, running
@@ -192,13 +195,14 @@ class Load:
                     ) as response,
                 ):
                     turn.status = response.status_code
-                    async for line in response.aiter_lines():
-                        if line == "data: [DONE]":
-                            turn.done = True
-                        elif line.startswith("data: ") and '"error"' in line:
-                            turn.error = line
                     if response.status_code != 200:
                         turn.error = (await response.aread()).decode(errors="replace")
+                    else:
+                        async for line in response.aiter_lines():
+                            if line == "data: [DONE]":
+                                turn.done = True
+                            elif line.startswith("data: ") and '"error"' in line:
+                                turn.error = line
             except httpx.HTTPError as exc:
                 turn.error = f"{type(exc).__name__}: {exc}"
             turn.ended = trio.current_time()
@@ -351,3 +355,97 @@ async def test_a_replica_killed_under_load_loses_no_session_nor_usage_row(
     assert cut, "no turn was cut by the kill"
     assert all(t.error for t in cut)  # each client saw its turn end in an error
     assert sum(n for (_s, o), n in counted.items() if o != "ok") == len(cut)
+
+
+HAPROXY_CFG = Path(__file__).resolve().parent.parent / "packaging" / "team" / "haproxy.cfg"
+
+
+def _haproxy_cfg(port: int, replicas: list[HubProcess]) -> str:
+    """``packaging/team/haproxy.cfg`` as it is, but listening on ``port`` of loopback and with
+    the replicas' loopback addresses for the compose service names."""
+    text = HAPROXY_CFG.read_text()
+    assert "    bind :8787\n" in text
+    text = text.replace("    bind :8787\n", f"    bind 127.0.0.1:{port}\n")
+    for hub, name in zip(replicas, ("hub-a", "hub-b"), strict=True):
+        line = f"    server {name} {name}:8787\n"
+        assert line in text
+        text = text.replace(line, f"    server {name} 127.0.0.1:{hub.port}\n")
+    return text
+
+
+async def _haproxy(cfg: Path, notify: Path) -> trio.Process:
+    """HAProxy on ``cfg`` in master-worker mode, once it says it is ready (``READY=1`` on the
+    ``NOTIFY_SOCKET`` it is given: listening, its servers known)."""
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
+    with sock:
+        await sock.bind(str(notify))
+        proc = await trio.lowlevel.open_process(
+            ["haproxy", "-Ws", "-f", str(cfg)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "NOTIFY_SOCKET": str(notify)},
+        )
+        with trio.fail_after(GUARD):
+            while b"READY=1" not in await sock.recv(4096):
+                pass
+    return proc
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (apt)")
+async def test_the_recipe_s_haproxy_carries_a_team_and_drops_a_killed_replica(
+    pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 28 point 5: the recipe's own HAProxy config (``packaging/team/haproxy.cfg``) in
+    front of two replica processes: runners poll, stream events and hold Chat Channels
+    (WebSocket upgrades) through it, turns are served through it, and when one replica is
+    SIGKILLed every session's later turns are served through it all the same."""
+    store = open_store(pg_url)
+    key = await store.create_api_key("team", f"{OWNER}/{PROJECT}", KeyLimits())
+    await store.close()
+    port = _port()
+    cfg = tmp_path / "haproxy.cfg"
+    async with Notes(pg_url).running() as notes, team(pg_url, tmp_path) as (a, b):
+        cfg.write_text(_haproxy_cfg(port, [a, b]))
+        proxy = await _haproxy(cfg, tmp_path / "notify")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with (
+                running(runner_config(url, sim.url, tmp_path / "r1", name="r1", max_sessions=8)),
+                running(runner_config(url, sim.url, tmp_path / "r2", name="r2", max_sessions=8)),
+            ):
+                for hub in (a, b):
+                    hub_url = f"http://127.0.0.1:{hub.port}"
+                    await until(lambda u=hub_url: _healthy(u, 2), lambda: notes.changed)
+                load = Load(url, key)
+                names = [f"h{n}" for n in range(4)]
+                async with trio.open_nursery() as nursery:
+                    for name in names:
+                        nursery.start_soon(load.session, name)
+
+                    async def served(since: float, turns: int) -> bool:
+                        return all(
+                            len([t for t in load.of(n) if t.started > since and t.ok]) >= turns
+                            for n in names
+                        )
+
+                    await until(lambda: served(-1, 2), lambda: load.changed)
+                    channels = await asql(
+                        pg_url, "SELECT replica, count(*) FROM channels GROUP BY 1"
+                    )
+                    assert b.proc is not None
+                    b.proc.kill()
+                    with trio.fail_after(GUARD):
+                        await b.proc.wait()
+                    killed = trio.current_time()
+                    await until(lambda: served(killed, 2), lambda: load.changed)
+                    load.stop.set()
+                after = await asql(pg_url, "SELECT replica, count(*) FROM channels GROUP BY 1")
+        finally:
+            proxy.terminate()
+            with trio.fail_after(GUARD):
+                await proxy.wait()
+    later = [t for n in names for t in load.of(n) if t.started > killed]
+    print(f"channels by replica: {channels} before the kill, {after} after; {len(later)} turns")
+    assert all(t.ok for t in later), [t for t in later if not t.ok]
+    # every session's channel (opened through HAProxy, a WebSocket upgrade) is on the survivor
+    assert after == [("a", sum(n for _r, n in channels))], (channels, after)
