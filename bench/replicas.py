@@ -10,8 +10,10 @@ as fast as the simulator sends them). Rounds alternate one replica and two (``--
 the medians and the ratio of two to one are printed. Every part shares this machine's cores,
 so the ratio is bounded by what the clients, runners and simulator leave the hubs.
 
-    python -m bench.replicas                     # 3 rounds of each, 8 s each: about 2 min
+    python -m bench.replicas                     # one hub vs two, 3 rounds of each: about 2 min
     python -m bench.replicas --rounds 1 --seconds 5
+    python -m bench.replicas --modes direct,forwarded               # a forwarded turn's cost
+    python -m bench.replicas --modes direct,forwarded --chunks 1    # ... per turn
 """
 
 from __future__ import annotations
@@ -120,9 +122,18 @@ async def _client(url: str, key: str, name: str, chunks: int, until: float, got:
             got[1] += 1
 
 
+MODES = {  # name: (replicas, runners dial, clients reach)
+    "one": (1, "lb", "lb"),
+    "two": (2, "lb", "lb"),
+    "direct": (2, "r1", "r1"),  # every channel on r1, every turn reaching r1
+    "forwarded": (2, "r1", "r0"),  # every channel on r1, every turn reaching r0: forwarded
+}
+
+
 async def one_round(
-    server: pgserver.PgServer, replicas: int, args: argparse.Namespace, tmp: Path
+    server: pgserver.PgServer, mode: str, args: argparse.Namespace, tmp: Path
 ) -> dict[str, float]:
+    replicas, runners_at, clients_at = MODES[mode]
     url = server.database()
     store = open_store(url)
     key = await store.create_api_key("bench", PROJECT, KeyLimits())
@@ -132,7 +143,7 @@ async def one_round(
     try:
         ports = [_port() for _ in range(replicas)]
         for n, port in enumerate(ports):
-            data = tmp / f"hub{replicas}-{n}"
+            data = tmp / f"hub-{mode}-{n}"
             write_admin_token(data, ADMIN)
             argv = [*PY, "hub", "--store", url, "--listen", f"127.0.0.1:{port}"]
             argv += ["--data", str(data), "--replica-id", f"r{n}", "--log-level", "WARNING"]
@@ -145,11 +156,12 @@ async def one_round(
         servers = "\n".join(
             f"    server r{n} 127.0.0.1:{p} check inter 1s" for n, p in enumerate(ports)
         )
-        cfg = tmp / f"haproxy{replicas}.cfg"
+        cfg = tmp / f"haproxy-{mode}.cfg"
         cfg.write_text(HAPROXY.format(port=lb_port, servers=servers))
         procs.append(await trio.lowlevel.open_process(["haproxy", "-f", str(cfg)]))
         lb = f"http://127.0.0.1:{lb_port}"
         await _until_up(lb)
+        at = {"lb": lb, **{f"r{n}": f"http://127.0.0.1:{p}" for n, p in enumerate(ports)}}
         sim_port = _port()
         procs.append(
             await trio.lowlevel.open_process(
@@ -160,10 +172,10 @@ async def one_round(
             )
         )
         for n in range(args.runners):
-            argv = [*PY, "run", "--server", lb, "--project", PROJECT]
+            argv = [*PY, "run", "--server", at[runners_at], "--project", PROJECT]
             argv += ["--backend", f"http://127.0.0.1:{sim_port}/v1", "--model", "sim-model"]
             argv += ["--user-token", ADMIN, "--name", f"runner{n}", "--log-level", "WARNING"]
-            argv += ["--state-dir", str(tmp / f"state{replicas}-{n}"), "--max-sessions", "64"]
+            argv += ["--state-dir", str(tmp / f"state-{mode}-{n}"), "--max-sessions", "64"]
             procs.append(
                 await trio.lowlevel.open_process(argv, env=_env(), stderr=subprocess.DEVNULL)
             )
@@ -174,7 +186,7 @@ async def one_round(
         async with trio.open_nursery() as nursery:
             until = trio.current_time() + 1.0
             for s in range(args.sessions):
-                nursery.start_soon(_client, lb, key, f"s{s}", args.chunks, until, got)
+                nursery.start_soon(_client, at[clients_at], key, f"s{s}", args.chunks, until, got)
         cpu0 = [cpu_seconds(h.pid) for h in hubs]
         pg0 = _pg_cpu(server)
         got = [0, 0, 0]
@@ -182,7 +194,7 @@ async def one_round(
         async with trio.open_nursery() as nursery:
             until = start + args.seconds
             for s in range(args.sessions):
-                nursery.start_soon(_client, lb, key, f"s{s}", args.chunks, until, got)
+                nursery.start_soon(_client, at[clients_at], key, f"s{s}", args.chunks, until, got)
         wall = trio.current_time() - start
         if got[2]:
             print("refused:", got[3:5], file=sys.stderr)
@@ -223,22 +235,27 @@ async def main(args: argparse.Namespace) -> None:
         sys.exit("PostgreSQL is not installed (apt-get install postgresql)")
     server = pgserver.PgServer(path)
     server.start()
-    results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    modes = args.modes.split(",")
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     try:
         with tempfile.TemporaryDirectory(prefix="alp-bench-replicas-") as tmp:
             for r in range(args.rounds):
-                order = (1, 2) if r % 2 == 0 else (2, 1)
-                for replicas in order:
-                    found = await one_round(server, replicas, args, Path(tmp))
-                    results[replicas].append(found)
-                    print(f"round {r + 1}, {replicas} replica(s): {_fmt(found)}", flush=True)
+                for mode in modes if r % 2 == 0 else modes[::-1]:
+                    found = await one_round(server, mode, args, Path(tmp))
+                    results[mode].append(found)
+                    print(f"round {r + 1}, {mode}: {_fmt(found)}", flush=True)
     finally:
         server.destroy()
-    med = {n: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for n, rs in results.items()}
-    for n in (1, 2):
-        print(f"median, {n} replica(s): {_fmt(med[n])}")
-    ratio = med[2]["chunks_per_s"] / med[1]["chunks_per_s"]
-    print(f"two replicas / one: {ratio:.2f}x the chunks per second ({args.rounds} rounds each)")
+    med = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for m, rs in results.items()}
+    for mode in modes:
+        print(f"median, {mode}: {_fmt(med[mode])}")
+    base = med[modes[0]]
+    for mode in modes[1:]:
+        print(
+            f"{mode} / {modes[0]}: {med[mode]['chunks_per_s'] / base['chunks_per_s']:.2f}x the "
+            f"chunks per second, {med[mode]['turns_per_s'] / base['turns_per_s']:.2f}x the "
+            f"turns per second ({args.rounds} rounds each, {args.chunks} chunks a turn)"
+        )
 
 
 def _fmt(found: dict[str, Any]) -> str:
@@ -248,6 +265,12 @@ def _fmt(found: dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
+    parser.add_argument(
+        "--modes",
+        default="one,two",
+        help="what to compare, the first the baseline: one (a hub), two (two replicas behind "
+        "HAProxy), direct (two; channels and turns on one), forwarded (two; every turn forwarded)",
+    )
     parser.add_argument("--seconds", type=float, default=8.0, help="load per measurement")
     parser.add_argument(
         "--sessions",
