@@ -3,7 +3,8 @@ PostgreSQL, the replicas as ``alp-gateway hub`` processes behind a load balancer
 (``tests/balancer.py``, as HAProxy does it), runners and the simulator in this process, clients
 that open a connection per turn. The replica is SIGKILLed while streams are in flight on both.
 The recipe's own HAProxy config (``packaging/team/haproxy.cfg``) runs in front of them too
-(skipped, saying so, where Debian's ``haproxy`` is not installed).
+(skipped, saying so, where Debian's ``haproxy`` is not installed). Their database is stopped and
+started again under load (``pg_ctl``).
 
 Nothing waits on a sleep: the load's own turns, the balancer's connections and the store's
 notifications (a ``LISTEN`` in a thread, ``Notes``) say when to look again; ``GUARD`` bounds
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pgserver
 import psycopg
 import pytest
 import trio
@@ -449,3 +451,72 @@ async def test_the_recipe_s_haproxy_carries_a_team_and_drops_a_killed_replica(
     assert all(t.ok for t in later), [t for t in later if not t.ok]
     # every session's channel (opened through HAProxy, a WebSocket upgrade) is on the survivor
     assert after == [("a", sum(n for _r, n in channels))], (channels, after)
+
+
+async def test_the_database_restarted_under_load_through_a_team(
+    pg_server: pgserver.PgServer, pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 28 points 1 and 6: two replica processes under load through the balancer, their
+    PostgreSQL stopped (``pg_ctl stop -m fast``) and started again. Meanwhile a turn is served
+    or refused 503 ``store_unavailable``, nothing else; each replica says so in one line and
+    one more when it is back, by itself; then every session is served again, on its own job,
+    and the ledger has one row for each turn served, none lost, none doubled."""
+    store = open_store(pg_url)
+    key = await store.create_api_key("team", f"{OWNER}/{PROJECT}", KeyLimits())
+    await store.close()
+    async with (
+        Notes(pg_url).running() as notes,
+        team(pg_url, tmp_path) as (a, b),
+        balancer([a.port, b.port]) as lb,
+        running(runner_config(lb.url, sim.url, tmp_path / "r1", name="r1", max_sessions=8)),
+        running(runner_config(lb.url, sim.url, tmp_path / "r2", name="r2", max_sessions=8)),
+    ):
+        for hub in (a, b):
+            url = f"http://127.0.0.1:{hub.port}"
+            await until(lambda url=url: _healthy(url, 2), lambda: notes.changed)
+        load = Load(lb.url, key)
+        names = [f"d{n}" for n in range(4)]
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(load.session, name)
+
+            async def served(since: float) -> bool:
+                return all(any(t.ok and t.started > since for t in load.of(n)) for n in names)
+
+            await until(lambda: served(-1), lambda: load.changed)
+            before = dict(await asql(pg_url, "SELECT session_id, job_id FROM sessions"))
+            stopped = trio.current_time()
+            await trio.to_thread.run_sync(pg_server.stop)
+
+            async def refused() -> bool:  # a turn that needed the store was told so
+                return any(t.status == 503 for t in load.turns if t.started > stopped)
+
+            try:
+                await until(refused, lambda: load.changed)
+            finally:
+                await trio.to_thread.run_sync(pg_server.start)
+            started = trio.current_time()
+            await until(lambda: served(started), lambda: load.changed)
+            load.stop.set()
+        async with trio.open_nursery() as nursery:  # every usage row written: both stop
+            for hub in (a, b):
+                nursery.start_soon(hub.stop)
+    after = dict(await asql(pg_url, "SELECT session_id, job_id FROM sessions"))
+    rows = await asql(pg_url, "SELECT session, outcome, count(*) FROM usage_turns GROUP BY 1, 2")
+    counted = {(s, o): n for s, o, n in rows}
+    during = [t for t in load.turns if t.ended and t.started > stopped]
+    print(
+        f"{len(during)} turns from the stop on: "
+        f"{len([t for t in during if t.ok])} served, "
+        f"{len([t for t in during if t.status == 503])} refused 503; rows {sorted(counted.items())}"
+    )
+    for turn in during:
+        assert turn.ok or (turn.status == 503 and "store_unavailable" in turn.error), turn
+    for hub in (a, b):
+        assert len([x for x in hub.lines if "is unavailable" in x]) == 1, hub.lines
+        assert len([x for x in hub.lines if "is back after" in x]) == 1, hub.lines
+        assert not [x for x in hub.lines if pg_server.password in x]
+    for name in names:
+        assert after[name] == before[name]
+        ok = len([t for t in load.of(name) if t.ok])
+        assert counted.get((name, "ok"), 0) == ok, (name, counted, ok)
