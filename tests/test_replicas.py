@@ -166,6 +166,28 @@ async def test_a_forwarded_turn_is_the_runners_bytes_as_a_direct_one_is(
             assert len(rows) == 3 and {r["job_id"] for r in rows} == {job_id}
 
 
+async def test_a_job_made_on_one_replica_is_pushed_to_a_runner_on_another(
+    pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 28 point 2: ``runners/events`` pushes reach runners on every replica. The runner
+    holds its events stream on b and polls once an hour, so only b's push of the job a made
+    for a new session (a's board change, notified through the store) can have it claimed."""
+    async with replicas(pg_url, 2) as (a, b):
+        key = await a.hub.store.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        config = runner_config(b.url, sim.url, tmp_path / "state", poll_interval=3600.0)
+        async with running(config) as runner:
+            assert runner.registration is not None
+            runner_id = runner.registration.id
+            await until(lambda: a.hub.board.alive(runner_id), a)
+            answer = await _chat(a.url, key, "pushed")
+            assert answer.status_code == 200, answer.text
+            assert _events(answer.content)[-1] == b"[DONE]" and b'"error"' not in answer.content
+            (session,) = a.hub.sessions.live.values()
+            job = b.hub.board.jobs[session.job_id]
+            assert job.claimed_by == runner_id  # claimed through b, after b pushed it
+            assert b.hub.channels.local(session.job_id) is not None
+
+
 async def test_a_job_is_claimed_once_whatever_replica_each_claim_reaches(pg_url: str) -> None:
     async with replicas(pg_url, 2) as (a, b):
         runners = [
