@@ -113,9 +113,11 @@ class Store(abc.ABC):
             )
         return StoreUnavailable(f"the hub store {self.where}: {detail}")
 
-    def _available(self) -> None:
-        """A call succeeded: if the database was unavailable, say (once) that it is back."""
-        if self._down_since is not None:
+    def _available(self, started: float | None = None) -> None:
+        """A call succeeded: if the database was unavailable, say (once) that it is back. A
+        call ``started`` (``time.monotonic()``) before the database was found unavailable says
+        nothing: it may have finished on a connection the server was still ending."""
+        if self._down_since is not None and (started is None or started >= self._down_since):
             out = time.monotonic() - self._down_since
             self._down_since = None
             log.info("the hub store %s is back after %.1f s", self.where, out)

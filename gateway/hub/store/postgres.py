@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import time
 from typing import Any, Protocol, TypeVar
 
 import trio
@@ -174,6 +175,7 @@ class PostgresStore(Store):
         if self._closed:
             op.close()
             raise StoreUnavailable(f"the hub store {self.where} is closed")
+        started = time.monotonic()
         async with self._slots:
             conn = await self._borrow(op)
             try:
@@ -194,7 +196,7 @@ class PostgresStore(Store):
                 raise
             self._give_back(conn)
         if not self.available:
-            self._available()
+            self._available(started)
         return result
 
     async def _borrow(self, op: ops.Op[Any]) -> _Conn:
