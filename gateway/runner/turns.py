@@ -107,6 +107,7 @@ class Turns:
         self.linger = linger
         self.resume = False  # the connection attached negotiated a resume (its hello said so)
         self.link: Outlet | None = None  # where frames go now (None: down, or awaiting a hello)
+        self._now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
         self.relay = Relay(DOWN, kit.poller, kit.ttft, kit.relay)
         self.forwarder = Forwarder(job_id, kit.pool, self.relay, kit.counters)
         self._expiry: trio.CancelScope | None = None
@@ -298,7 +299,7 @@ class Turns:
         old = self._ended.pop(request_id, None)
         if old is not None and self.buffer is not None:
             self.buffer.release(old)
-        turn = Turn(request_id, protocol.TurnFrames(self.job_id, request_id), trio.current_time())
+        turn = Turn(request_id, protocol.TurnFrames(self.job_id, request_id), self._now())
         if self.resume:
             turn.keep = self.buffer
         self._turns[request_id] = turn
@@ -336,10 +337,10 @@ class Turns:
                 end = turn.stopped or _CANCELLED_END
             await self._conclude(turn, end)
         finally:
+            turn.ended_at = now = self._now()
             if self.limits is not None:
-                self.limits.last_active = trio.current_time()
+                self.limits.last_active = now
             del self._turns[request_id]
-            turn.ended_at = trio.current_time()
             self._keep_ended(turn)
             if not self._turns:
                 self.no_turns.set()
