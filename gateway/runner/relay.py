@@ -82,7 +82,7 @@ class Relay:
     that reads the streaming turns' sockets (None: each turn reads its own), and what is
     measured (time to first token, and backend read -> frames written)."""
 
-    __slots__ = ("out", "poller", "ttft", "seconds")
+    __slots__ = ("out", "poller", "ttft", "seconds", "now")
 
     def __init__(
         self, out: Outlet, poller: Poller | None, ttft: Histogram, seconds: Histogram
@@ -91,6 +91,7 @@ class Relay:
         self.poller = poller
         self.ttft = ttft
         self.seconds = seconds
+        self.now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
 
     async def answer(
         self, turn: Turn, response: http1.Response, stitch: Stitch | None = None
@@ -104,7 +105,7 @@ class Relay:
             problem = payload_problem(payload)
             if problem is not None:
                 raise BadPayload(f"answered {problem}")
-            turn.first_token = trio.current_time()
+            turn.first_token = self.now()
             if turn.span is not None:
                 turn.span.first_token()
             await self.last(turn, [payload], stitch)
@@ -112,6 +113,8 @@ class Relay:
         turn.stream = stream = EventStream(response.parser)
         await Pump(turn, response, self, stitch).run()
         if stream.done:  # the rest of the response is read (briefly), so the connection is reused
+            if response.complete:  # it came with [DONE]: the usual case
+                return
             with trio.move_on_after(_DRAIN_AFTER_DONE):
                 try:
                     await response.discard_rest()
@@ -229,8 +232,8 @@ class Pump:
         turn.pump = self
         self._relay = relay
         self._observe = relay.seconds.observe
-        self._now = trio.lowlevel.current_clock().current_time
-        self._move_at = response.keep_idle(self._now())
+        self._now = relay.now
+        self._move_at = response.fresh_until()  # set as the request went: no move needed yet
 
     def pump(self, head: bool = False) -> int:
         """Relay what has arrived, without waiting: ``IDLE`` (the socket is empty), ``MORE``
