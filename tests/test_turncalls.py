@@ -56,12 +56,12 @@ LATENCY = 0.002
 
 # The bounds (see the module docstring). Measured when they were set, per request or turn (before
 # the cuts of issue 29 in brackets: h11 on the server core, two sends for a whole answer...):
-# the server core 290 in all (918), 97 by the gateway's code (163); the runner, whole answer
+# the server core 291 in all (918), 98 by the gateway's code (163); the runner, whole answer
 # 726 (772) and 170 (192); streamed 826 (949) and 269 (296). A loaded machine only lowers the
 # runner's (its backend's answer already there: one wait fewer). A task hop more per turn
 # costs about 60 calls in all; the gateway's bounds sit 3 above what its code does.
 MAX_SERVER_CALLS = 310
-MAX_SERVER_GATEWAY_CALLS = 100
+MAX_SERVER_GATEWAY_CALLS = 101
 MAX_RUNNER_CALLS = {"whole": 760, "stream": 865}
 MAX_RUNNER_GATEWAY_CALLS = {"whole": 173, "stream": 272}
 

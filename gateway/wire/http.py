@@ -56,8 +56,13 @@ class Exchange(Protocol):
     """What a response reads of the request it answers, when it writes its head (the
     connection's ``HTTPConnection``, kept current)."""
 
-    body_pending: bool  # its body is not all read: no next request on this connection
-    keep_alive: bool  # it lets another request follow it (HTTP/1.1, no Connection: close)
+    @property
+    def body_pending(self) -> bool:
+        """Its body is not all read: no next request on this connection."""
+
+    @property
+    def keep_alive(self) -> bool:
+        """It lets another request follow it (HTTP/1.1, no Connection: close)."""
 
 
 # each status's reason phrase, and its status line (``HTTP/1.1 200 OK``)

@@ -1,7 +1,7 @@
 """One accepted connection of the server core: HTTP/1.1 requests in turn (httptools), or a WebSocket.
 
-httptools (llhttp, in C) parses each request head and body; the server core writes every
-response head itself (``gateway.wire.http.Response``), the 100 and the 101. Why not h11, which
+httptools (llhttp, in C) parses each request head and body (``gateway.wire.httpparse``); the
+server core writes every response head itself (``gateway.wire.http.Response``), the 100 and the 101. Why not h11, which
 did both before: its state machine, header validation and event objects cost ~47 µs of Python
 per short request in process (head, small body, answer) against ~2 µs here, and 918 Python
 calls per request through the whole core (``tests/test_turncalls.py``; bench/README.md,
@@ -24,7 +24,6 @@ import logging
 import math
 import socket
 import ssl
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,6 +34,7 @@ import trio
 
 from gateway.wire.errors import ClientGone, HTTPError, error_envelope
 from gateway.wire.http import STATUS_LINES, Request, Response
+from gateway.wire.httpparse import RequestHead, RequestParser
 from gateway.wire.netio import NET_ERRORS, TLSTransport, Transport
 from gateway.wire.wsconn import (
     Keepalive,
@@ -130,58 +130,12 @@ def _target(target: bytes) -> tuple[bytes, bytes | None]:
     return (path if path[:1] == b"/" else b"/" + path), authority
 
 
-# the headers the core itself reads, noted as they are parsed (no search of the list after)
-_NOTED = frozenset(
-    (b"host", b"content-length", b"transfer-encoding", b"upgrade", b"expect", b"connection")
-)
-
-
-class _Message:
-    """One request as httptools parses it: its head, and its body's pieces until it is served."""
-
-    __slots__ = (
-        "url",
-        "headers",
-        "method",
-        "version",
-        "keep_alive",
-        "head_done",
-        "complete",
-        "upgrade",
-        "switched",
-        "hosts",
-        "length",
-        "chunked",
-        "expect",
-        "body",
-    )
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.method = b""
-        self.version = ""
-        self.keep_alive = False
-        self.head_done = False
-        self.complete = False
-        self.upgrade: bytes | None = None  # its Upgrade header
-        self.switched = False  # llhttp stopped after it: an upgrade (or CONNECT) it took
-        self.hosts = 0  # Host headers
-        self.length: bytes | None = None  # its Content-Length header
-        self.chunked = False  # it has a Transfer-Encoding
-        self.expect = False  # Expect: 100-continue
-        self.body: bytes | None = None  # once complete and no longer being parsed: its body
-
-    def head_size(self) -> int:
-        return len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
-
-
 class HTTPConnection:
     """One accepted connection: HTTP/1.1 requests in turn (keep-alive), or one WebSocket.
 
-    httptools calls its ``on_*`` methods as it parses what was read; the connection serves the
-    heads parsed in order. ``body_pending`` and ``keep_alive`` are the request being served's
-    (its ``Response`` reads them when it writes its head).
+    What is read is fed to its ``RequestParser``; the heads it parsed are served in order.
+    ``body_pending`` and ``keep_alive`` are the request being served's (its ``Response`` reads
+    them when it writes its head).
     """
 
     def __init__(
@@ -195,98 +149,30 @@ class HTTPConnection:
         self.eof = False
         self.body_deadline = math.inf
         self.upgraded = False
-        self.body_pending = False  # the request being served has body bytes still to come
         self.keep_alive = True  # the request being served lets another follow it
         self._now: Callable[[], float] = trio.lowlevel.current_clock().current_time
-        self._heads: deque[_Message] = deque()  # heads parsed, not served yet
-        self._msg: _Message | None = None  # the message being parsed
-        self._req: _Message | None = None  # the message being served
-        self._body: list[bytes] = []  # the pieces of the body being parsed
-        self.on_body = self._body.append  # httptools' callback: no Python frame per piece
+        self._parser = RequestParser()
+        self._req: RequestHead | None = None  # the request being served
         self._method = b""  # the request being served's (a refusal leaves out HEAD's body)
         self._unfed = b""  # bytes read while a response was on its way, parsed next
-        self._broken: httptools.HttpParserError | None = None  # where the parser stopped
-        self._rest = b""  # after an upgrade: the bytes that came after its head
-        self._stopped = False  # the parser stopped: an upgrade, or an error (``_broken``)
         self._head_bytes = 0  # bytes read while waiting for the next head
-        self._parser = httptools.HttpRequestParser(self)
 
-    # -- httptools' callbacks ----------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        self._msg = _Message()
-
-    def on_url(self, url: bytes) -> None:
-        msg = self._msg
-        assert msg is not None
-        msg.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        msg = self._msg
-        assert msg is not None
-        name = name.lower()
-        msg.headers.append((name, value))
-        if name in _NOTED:
-            if name == b"host":
-                msg.hosts += 1
-            elif name == b"content-length":
-                msg.length = value
-            elif name == b"transfer-encoding":
-                msg.chunked = True
-            elif name == b"upgrade":
-                msg.upgrade = value
-            elif name == b"expect":
-                msg.expect = value.lower() == b"100-continue"
-
-    def on_headers_complete(self) -> None:
-        msg = self._msg
-        assert msg is not None
-        parser = self._parser
-        msg.method = parser.get_method()
-        msg.version = parser.get_http_version()
-        msg.keep_alive = parser.should_keep_alive()
-        msg.head_done = True
-        self._heads.append(msg)
-
-    def on_message_complete(self) -> None:
-        msg = self._msg
-        assert msg is not None
-        msg.complete = True
-        body = self._body
-        msg.body = b"".join(body)
-        body.clear()
-        if msg is self._req:
-            self.body_pending = False
-
-    # -- reading ---------------------------------------------------------------------------
-
-    def _feed(self, data: bytes) -> None:
-        """Parse what was read; where the parser stops (an upgrade, an error) is kept."""
-        if self._stopped:
-            if self._broken is None:
-                self._rest += data  # after an upgrade: the new protocol's
-            return
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            assert self._msg is not None
-            self._msg.switched = self._stopped = True
-            self._rest = data[exc.args[0] :]
-        except httptools.HttpParserError as exc:
-            self._broken = exc
-            self._stopped = True
+    @property
+    def body_pending(self) -> bool:
+        """The request being served has body bytes still to come."""
+        req = self._req
+        return req is not None and not req.complete
 
     def upgrade_rest(self) -> bytes:
         """After an upgrade's head: the bytes that came after it (the new protocol's)."""
-        rest, self._rest = self._rest, b""
-        return rest
+        return self._parser.take_rest()
 
     async def _fill(self) -> None:
         """Read what arrived and parse it (waiting for it); the end of the stream noted."""
         data = await self.transport.receive()
         if data:
             self._head_bytes += len(data)
-            self._feed(data)
+            self._parser.feed(data)
         else:
             self.eof = True
 
@@ -306,15 +192,16 @@ class HTTPConnection:
         declared = self._declared_length
         if declared is not None and declared > limit:
             raise _too_large(limit)
-        parts = self._body
+        parser = self._parser
+        parts = parser.body
         if req.expect and not parts:
             resp.write_raw(CONTINUE)  # the client waits for it before it sends the body
         with trio.move_on_at(self.body_deadline):
             try:
                 while not req.complete:
-                    if self._broken is not None:
+                    if parser.broken is not None:
                         raise HTTPError(
-                            400, f"malformed request body: {self._broken}", "invalid_request"
+                            400, f"malformed request body: {parser.broken}", "invalid_request"
                         )
                     if sum(map(len, parts)) > limit:
                         raise _too_large(limit)
@@ -359,10 +246,11 @@ class HTTPConnection:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def _next_head(self) -> _Message | None:
+    async def _next_head(self) -> RequestHead | None:
         """The next request's head, read within ``head_timeout``; None when the connection is
         to end (the client closed it, or it was refused: answered here)."""
-        heads = self._heads
+        parser = self._parser
+        heads = parser.heads
         if not heads:
             self._head_bytes = 0
             limits = self.limits
@@ -372,10 +260,10 @@ class HTTPConnection:
                         if self._unfed:
                             data, self._unfed = self._unfed, b""
                             self._head_bytes += len(data)
-                            self._feed(data)
+                            parser.feed(data)
                             continue
-                        if self._broken is not None:
-                            await self._refuse_broken(self._broken)
+                        if parser.broken is not None:
+                            await self._refuse_broken(parser.broken)
                             return None
                         if self._head_bytes > limits.max_head:
                             await self._too_big()
@@ -402,8 +290,7 @@ class HTTPConnection:
         return heads.popleft()
 
     def _head_begun(self) -> bool:
-        msg = self._msg
-        return self._head_bytes > 0 or (msg is not None and not msg.head_done)
+        return self._head_bytes > 0 or self._parser.head_begun
 
     async def _too_big(self) -> None:
         await self.refuse(431, f"request head over {self.limits.max_head} bytes", "head_too_large")
@@ -454,7 +341,7 @@ class HTTPConnection:
             except NET_ERRORS:
                 pass
 
-    def _scope(self, kind: str, msg: _Message) -> dict[str, Any]:
+    def _scope(self, kind: str, msg: RequestHead) -> dict[str, Any]:
         target = msg.url
         headers = msg.headers
         if target[:1] != b"/":
@@ -478,10 +365,9 @@ class HTTPConnection:
             "scheme": self.scheme,
         }
 
-    async def _request(self, msg: _Message) -> bool:
+    async def _request(self, msg: RequestHead) -> bool:
         """One request through the handler; True when the connection may serve another."""
         self._req = msg
-        self.body_pending = not msg.complete
         # HTTP/1.0 is answered and closed (as h11 did); so is a request after which llhttp
         # stopped (an upgrade not taken, CONNECT): what follows it is not HTTP
         self.keep_alive = keep_alive = msg.keep_alive and msg.version == "1.1" and not msg.switched
@@ -507,7 +393,7 @@ class HTTPConnection:
             return False  # its body was not read (refused first): the connection closes
         return keep_alive and not resp.close_after
 
-    async def _websocket(self, msg: _Message) -> None:
+    async def _websocket(self, msg: RequestHead) -> None:
         length = msg.length
         if (length is not None and length.strip() != b"0") or msg.chunked:
             await self.refuse(400, "a WebSocket handshake carries no body", "invalid_request")
