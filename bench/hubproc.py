@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 import trio
 
 from bench.common import reply_line, serve_commands
@@ -27,6 +28,34 @@ OWNER, PROJECT = DEFAULT_KEY_PROJECT.split("/")
 DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
 
 
+class _Count:
+    """Chunk frames taken by the hub's own receive path, and when the last one came."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.last = 0.0
+
+
+class _Turn:
+    """A sink (``gateway.hub.channel.Sink``) that only counts a turn's chunks."""
+
+    def __init__(self, count: _Count, ended: trio.Event) -> None:
+        self.count, self.ended = count, ended
+
+    def chunk(self, chunk: Any, frame: bytes) -> None:
+        self.count.events += 1
+        self.count.last = time.perf_counter()
+
+    def flush(self) -> None:
+        pass
+
+    def reply(self, frame: Any) -> None:
+        self.ended.set()
+
+    def lost(self) -> None:
+        self.ended.set()
+
+
 async def main() -> None:
     # ``python -m bench.hubproc [DATA_DIR]``: the store in DATA_DIR (SQLite in WAL mode, as
     # ``alp-gateway hub`` keeps it), else in memory
@@ -37,37 +66,29 @@ async def main() -> None:
     async def hubsink(streams: int, body: dict[str, Any]) -> dict[str, Any]:
         if not sink_job:
             sink_job.append(
-                (await hub.enqueue_job(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION))).id
+                (
+                    await hub.board.enqueue(OWNER, PROJECT, [protocol.CAPABILITY], dict(DEFINITION))
+                ).id
             )
         job_id = sink_job[0]
-        ch = await hub.wait_channel(job_id, 30)
+        ch = await hub.channels.wait(job_id, 30)
         assert ch is not None, "no runner took the hub-sink job"
-        events = 0
-        last = 0.0
+        count = _Count()
+        raw = msgspec.json.encode(body)
 
         async def one(rid: str) -> None:
-            nonlocal events, last
-            rx = ch.open_request(rid)
-            frame = {
-                "type": protocol.COMPLETION_REQUEST,
-                "jobId": job_id,
-                "requestId": rid,
-                "body": body,
-            }
-            await ch.send(frame)
-            async for text, at in rx:
-                if text.startswith('{"type":"chat.completion.chunk"'):
-                    events += 1
-                    last = at
-                else:
-                    break
+            ended = trio.Event()
+            ch.open(rid, _Turn(count, ended))
+            frame = protocol.RequestFrame(job_id, rid, msgspec.Raw(raw))
+            await ch.send(protocol.encode_frame(frame))
+            await ended.wait()
             ch.close_request(rid)
 
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for _ in range(streams):
                 nursery.start_soon(one, uuid.uuid4().hex)
-        return {"events": events, "elapsed": last - start}
+        return {"events": count.events, "elapsed": count.last - start}
 
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve_hub, hub)
@@ -75,14 +96,14 @@ async def main() -> None:
 
         async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             if cmd["cmd"] == "apikey":
-                return {"key": await hub.create_api_key(f"bench-{uuid.uuid4().hex[:8]}")}
+                return {"key": await hub.keys.create(f"bench-{uuid.uuid4().hex[:8]}")}
             if cmd["cmd"] == "enqueue":
                 definition = dict(DEFINITION)
                 if cmd.get("channel_url"):
                     definition["channelUrl"] = cmd["channel_url"]
                 ids = [
                     (
-                        await hub.enqueue_job(
+                        await hub.board.enqueue(
                             OWNER, PROJECT, [protocol.CAPABILITY], dict(definition)
                         )
                     ).id
@@ -92,10 +113,10 @@ async def main() -> None:
             if cmd["cmd"] == "hubsink":
                 return await hubsink(cmd["streams"], cmd["body"])
             if cmd["cmd"] == "seen":
-                return {"runners": len(hub.last_seen)}
+                return {"runners": len(hub.board.last_seen)}
             if cmd["cmd"] == "jobs":
                 states: dict[str, int] = {}
-                for job in await hub.jobs.values():
+                for job in await hub.board.all_jobs.values():
                     states[job.status] = states.get(job.status, 0) + 1
                 return {"states": states}
             raise ValueError(f"unknown command {cmd['cmd']!r}")

@@ -975,6 +975,15 @@ class HubSettings:
         metavar="DURATION",
         sample="7d",
     )
+    token_reservation: int = setting(
+        1024,
+        env="ALP_GATEWAY_HUB_TOKEN_RESERVATION",
+        parse=_positive_int,
+        help="tokens a turn that names no max_tokens holds against its API key's token limits "
+        "(tpm, tokens_per_day) while in flight, settled to what it used at its end",
+        group="hub-frontdoor",
+        metavar="TOKENS",
+    )
     client_backlog: int = setting(
         MiB,
         env="ALP_GATEWAY_HUB_CLIENT_BACKLOG",

@@ -65,7 +65,7 @@ class FakeRunner:
         project: str = "chat",
         scripts: dict[str, Script] | None = None,
         default: Script | None = None,
-        models: tuple[str, ...] = (CONTENT_MODEL,),
+        models: tuple[str, ...] | None = None,
         poll_interval: float = 0.02,
         name: str = "fake-runner",
         redials: int = 3,
@@ -75,7 +75,8 @@ class FakeRunner:
         self.base = f"{self.server}/api/owners/{owner}/projects/{project}"
         self.scripts = scripts or {}
         self.default = default or Script()
-        self.models = list(models)
+        # what it lists when asked: by default every model it has a script for
+        self.models = list(models) if models is not None else [CONTENT_MODEL, *self.scripts]
         self.poll_interval = poll_interval
         self.name = name
         self.redials = redials

@@ -7,6 +7,8 @@ import logging
 import math
 import os
 import sys
+import time
+import weakref
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -22,6 +24,8 @@ from gateway.config import Config
 from gateway.hub import Hub, ServerChannel
 from gateway.hub.cli import main as hub_main
 from gateway.runner.supervisor import Runner
+from gateway.wire import protocol
+from gateway.wire.wsframes import OP_BINARY
 
 ADMIN = "alpa_test_admin_credential"
 BACKEND_KEY = "sk-backend-very-secret-4242"
@@ -60,6 +64,123 @@ async def running(config: Config) -> AsyncIterator[Runner]:
         nursery.cancel_scope.cancel()
 
 
+async def register_runner(
+    hub: Hub, owner: str, project: str, name: str, labels: list[str]
+) -> dict[str, Any]:
+    """Register a runner straight in the hub's store (as ``POST {base}/runners`` does)."""
+    registration, token = await hub.store.add_registration(owner, project, name, list(labels))
+    hub.board.seen(registration.id, registration)
+    return {
+        "id": registration.id,
+        "name": registration.name,
+        "token": token,
+        "registeredAt": registration.registered_at,
+    }
+
+
+class Inbox:
+    """Every frame a channel's runner sends that no request of the hub's own is open for (a
+    test playing the Server's part sends its own request frames): ``(text, receipt time)``."""
+
+    def __init__(self, channel: ServerChannel) -> None:
+        self._send, self._receive = trio.open_memory_channel[tuple[str, float]](100_000)
+        channel.unrouted = self._put
+        self._note = channel._note
+        self._closed = channel.closed
+
+    def _put(self, frame: Any, text: bytes) -> None:
+        self._note(frame, text)  # the channel's own bookkeeping (a runner's chat.end) first
+        self._send.send_nowait((text.decode(errors="replace"), time.perf_counter()))
+
+    async def recv(self) -> tuple[str, float]:
+        """The next frame; ``trio.EndOfChannel`` once the channel is closed and every frame it
+        read was taken."""
+        while True:
+            try:
+                return self._receive.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            if self._closed.is_set():
+                raise trio.EndOfChannel
+            got: list[tuple[str, float]] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._take, got, nursery.cancel_scope)
+                await self._closed.wait()
+                nursery.cancel_scope.cancel()
+            if got:
+                return got[0]
+
+    async def _take(self, into: list[tuple[str, float]], done: trio.CancelScope) -> None:
+        into.append(await self._receive.receive())
+        done.cancel()
+
+
+_INBOXES: weakref.WeakKeyDictionary[ServerChannel, Inbox] = weakref.WeakKeyDictionary()
+
+
+def inbox(channel: ServerChannel) -> Inbox:
+    """The channel's inbox (made, and put in place, at the first call)."""
+    found = _INBOXES.get(channel)
+    if found is None:
+        found = _INBOXES[channel] = Inbox(channel)
+    return found
+
+
+class RequestFrames:
+    """One request's frames as a test playing the Server's part reads them (a ``Sink`` the
+    channel routes to): ``(frame text, receipt time)`` on ``rx``, which ends after the request's
+    last frame, or when the channel is lost."""
+
+    def __init__(self, channel: ServerChannel, request_id: str) -> None:
+        self._send, self.rx = trio.open_memory_channel[tuple[str, float]](100_000)
+        self._job, self._rid = channel.job_id, request_id
+
+    def _put(self, text: bytes) -> None:
+        try:
+            self._send.send_nowait((text.decode(errors="replace"), time.perf_counter()))
+        except trio.ClosedResourceError:
+            pass
+
+    def chunk(self, chunk: Any, frame: bytes = b"") -> None:
+        self._put(frame or protocol.encode_frame(protocol.ChunkFrame(self._job, self._rid, chunk)))
+
+    def flush(self) -> None:
+        pass
+
+    def reply(self, frame: Any) -> None:
+        self._put(protocol.encode_frame(frame))
+        self._send.close()
+
+    def lost(self) -> bool:
+        self._send.close()
+        return False
+
+    def resume_count(self) -> int | None:
+        return None  # a test's own request is never resumed
+
+    def resumed(self) -> None:
+        pass
+
+
+def open_request(channel: ServerChannel, request_id: str) -> trio.MemoryReceiveChannel[Any]:
+    """The frames of ``request_id`` (a request the test sends itself) as they are read, until
+    its last frame or the channel's loss (then the iteration ends)."""
+    frames = RequestFrames(channel, request_id)
+    channel.open(request_id, frames)
+    return frames.rx
+
+
+async def send(channel: ServerChannel, frame: dict[str, Any] | str | bytes) -> None:
+    """Send a test's frame on a hub channel: a dict as JSON text, a str as text, bytes as a
+    binary message (which the hub itself never sends)."""
+    if isinstance(frame, bytes):
+        assert channel._ws is not None
+        await channel._ws.send_message(OP_BINARY, frame)
+        return
+    data = json.dumps(frame, separators=(",", ":")) if isinstance(frame, dict) else frame
+    await channel.send(data.encode())
+
+
 async def hub_command(clock: trio.testing.MockClock, argv: list[str]) -> int:
     """``alp-gateway hub ARGV`` as another process on the same store runs it: its own trio run
     (in a thread), the test's virtual clock held still while it runs (no autojump meanwhile)."""
@@ -72,10 +193,11 @@ async def hub_command(clock: trio.testing.MockClock, argv: list[str]) -> int:
 
 
 async def open_chat(hub: Hub, within: float = 10) -> tuple[Any, ServerChannel]:
-    """Queue a Kind B job and wait for the runner's channel."""
-    job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
-    channel = await hub.wait_channel(job.id, within)
+    """Queue a Kind B job and wait for the runner's channel (its inbox in place)."""
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    channel = await hub.channels.wait(job.id, within)
     assert channel is not None, "the runner did not open the chat channel"
+    inbox(channel)
     return job, channel
 
 
@@ -102,6 +224,7 @@ class Turns:
 
     def __init__(self, channel: ServerChannel) -> None:
         self.channel = channel
+        self.inbox = inbox(channel)
         self.frames: dict[str, list[tuple[dict[str, Any], str, float]]] = {}
         self.other: list[dict[str, Any]] = []
 
@@ -129,7 +252,7 @@ class Turns:
                 assert last["type"] != "chat.completion.error", f"turn {rid} failed: {last}"
 
     async def next(self) -> dict[str, Any]:
-        text, at = await self.channel.recv()
+        text, at = await self.inbox.recv()
         frame = json.loads(text)
         rid = frame.get("requestId")
         if rid is None:

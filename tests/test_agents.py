@@ -203,7 +203,7 @@ async def whole_path(tmp_path: Path, **hub_settings: Any) -> AsyncIterator[Setup
             config = runner_config(url, sim.url, tmp_path / "state", user_token=hub.admin_token)
             async with running(config), trio.open_nursery() as nursery:
                 tap = await nursery.start(Tap(int(url.rsplit(":", 1)[1])).serve)
-                key = await hub.create_api_key("agents", f"{OWNER}/{PROJECT}")
+                key = await hub.keys.create("agents", f"{OWNER}/{PROJECT}")
                 yield Setup(hub, url, f"http://127.0.0.1:{tap.port}", key, tap)
                 nursery.cancel_scope.cancel()
 

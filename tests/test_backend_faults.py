@@ -7,7 +7,7 @@ from functools import partial
 from pathlib import Path
 
 import trio
-from helpers import BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running
+from helpers import BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running, send
 
 from gateway.hub import Hub
 from gateway.sim import Simulator
@@ -20,15 +20,15 @@ async def test_faults_end_their_own_turn_only(
         job_a, ch_a = await open_chat(hub[0])
         job_b, ch_b = await open_chat(hub[0])
         # session B streams steadily the whole time; session A meets every fault at once
-        await ch_b.send(request_frame(job_b.id, "steady", sim={"chunks": 30, "interval": 0.05}))
-        await ch_a.send(request_frame(job_a.id, "stall", sim={"fault": "stall", "fault_after": 2}))
-        await ch_a.send(
-            request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3})
+        await send(ch_b, request_frame(job_b.id, "steady", sim={"chunks": 30, "interval": 0.05}))
+        await send(ch_a, request_frame(job_a.id, "stall", sim={"fault": "stall", "fault_after": 2}))
+        await send(
+            ch_a, request_frame(job_a.id, "dies", sim={"fault": "disconnect", "fault_after": 3})
         )
-        await ch_a.send(
-            request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1})
+        await send(
+            ch_a, request_frame(job_a.id, "garbage", sim={"fault": "malformed", "fault_after": 1})
         )
-        await ch_a.send(request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
+        await send(ch_a, request_frame(job_a.id, "fine", sim={"chunks": 4, "interval": 0.05}))
         a, b = Turns(ch_a), Turns(ch_b)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
@@ -50,7 +50,7 @@ async def test_faults_end_their_own_turn_only(
             await stalled.finished.wait()
         assert stalled.client_closed
         # and the session lives on
-        await ch_a.send(request_frame(job_a.id, "after", sim={"chunks": 1}))
+        await send(ch_a, request_frame(job_a.id, "after", sim={"chunks": 1}))
         await a.until("after")
         assert a.last("after")["type"] == "chat.completion.done"
 
@@ -61,8 +61,8 @@ async def test_a_long_silent_generation_is_not_cut_by_an_overall_deadline(
     # each read comes within the idle timeout, the whole turn takes far longer than it
     async with running(runner_config(hub[1], sim.url, tmp_path, idle_timeout=0.3)):
         job, ch = await open_chat(hub[0])
-        await ch.send(
-            request_frame(job.id, "slow", sim={"chunks": 12, "interval": 0.15, "ttft": 0.2})
+        await send(
+            ch, request_frame(job.id, "slow", sim={"chunks": 12, "interval": 0.15, "ttft": 0.2})
         )
         turns = Turns(ch)
         await turns.until("slow")
@@ -102,7 +102,7 @@ async def test_a_backend_error_body_never_relays_the_backend_key(
         backend = f"http://127.0.0.1:{port}/v1"
         async with running(runner_config(hub[1], backend, tmp_path)):
             job, ch = await open_chat(hub[0])
-            await ch.send(request_frame(job.id, "r1"))
+            await send(ch, request_frame(job.id, "r1"))
             turns = Turns(ch)
             await turns.until("r1", errors={"r1"})
         nursery.cancel_scope.cancel()

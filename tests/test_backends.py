@@ -20,6 +20,7 @@ from helpers import (
     request_frame,
     runner_config,
     running,
+    send,
     start_killable_sim,
 )
 
@@ -320,15 +321,15 @@ async def test_busy_backend_through_the_runner(
             backend = runner.pool.backends[0]
             job, ch = await open_chat(hub[0])
             turns = Turns(ch)
-            await ch.send(request_frame(job.id, "r1"))
+            await send(ch, request_frame(job.id, "r1"))
             await (await sim.wait_for_streams(1)).wait_sent(1)
-            await ch.send(request_frame(job.id, "r2", sim={"chunks": 2, "interval": 0}))
+            await send(ch, request_frame(job.id, "r2", sim={"chunks": 2, "interval": 0}))
             with trio.fail_after(5):
                 await backend.wait_until(lambda b: b.waiting == 1)
-            await ch.send(request_frame(job.id, "r3"))
+            await send(ch, request_frame(job.id, "r3"))
             await turns.until("r3", errors={"r3"})
             assert turns.last("r3")["error"] == "backend gpu is busy (1 in flight, 1 waiting)"
-            await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "r1"})
+            await send(ch, {"type": "chat.completion.cancel", "jobId": job.id, "requestId": "r1"})
             await turns.until("r1", "r2", errors={"r1"})
             assert turns.last("r1")["error"] == "cancelled"
             assert turns.last("r2")["type"] == "chat.completion.done"
@@ -356,7 +357,7 @@ async def test_failover_to_another_backend_serving_the_model(
             assert first.up and runner.capabilities() == [CAPABILITY]
             job, ch = await open_chat(hub[0])
             kill.cancel()  # "first" dies; the runner has not noticed yet
-            await ch.send(request_frame(job.id, "t", sim={"chunks": 3}))
+            await send(ch, request_frame(job.id, "t", sim={"chunks": 3}))
             turns = Turns(ch)
             await turns.until("t")
             assert turns.last("t")["type"] == "chat.completion.done"  # served by "second"
@@ -365,10 +366,10 @@ async def test_failover_to_another_backend_serving_the_model(
                 await first.wait_until(lambda b: not b.up)  # probed right after the failed connect
             assert "unreachable" in (first.down_reason or "")
             assert runner.capabilities() == [CAPABILITY]  # "second" is up
-            await ch.send(request_frame(job.id, "u", sim={"chunks": 1}))
+            await send(ch, request_frame(job.id, "u", sim={"chunks": 1}))
             await turns.until("u")
             assert turns.last("u")["type"] == "chat.completion.done" and len(good.streams) == 2
-            await ch.send({"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
+            await send(ch, {"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
             await turns.until("m")
             assert turns.last("m")["models"] == ["m"]
     assert sum("backend first" in line and "is down" in line for line in logs.lines) == 1
@@ -404,7 +405,9 @@ async def test_capability_follows_backend_health(
                 await backend.wait_until(lambda b: not b.up)
             assert runner.capabilities() == []
             polls = runner.counters.get("polls")
-            job = await hub[0].enqueue_job("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
+            job = await hub[0].board.enqueue(
+                "acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"}
+            )
             with trio.fail_after(5):
                 await runner.counters.wait("polls", polls + 2)
             assert job.claimed_by is None  # nothing is advertised while no backend is up
@@ -412,9 +415,9 @@ async def test_capability_follows_backend_health(
                 with trio.fail_after(5):
                     await backend.wait_until(lambda b: b.up)
                 assert runner.capabilities() == [CAPABILITY]
-                ch = await hub[0].wait_channel(job.id, 10)
+                ch = await hub[0].channels.wait(job.id, 10)
                 assert ch is not None
-                await ch.send(request_frame(job.id, "x", sim={"chunks": 1}))
+                await send(ch, request_frame(job.id, "x", sim={"chunks": 1}))
                 turns = Turns(ch)
                 await turns.until("x")
                 assert turns.last("x")["type"] == "chat.completion.done" and len(back.streams) == 1
@@ -445,8 +448,8 @@ async def test_models_response_lists_only_servable_models(
             await runner.pool.probe(dead_b)
             assert not dead_b.up
             job, ch = await open_chat(hub[0])
-            await ch.send({"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
-            await ch.send(request_frame(job.id, "t", model="c"))
+            await send(ch, {"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
+            await send(ch, request_frame(job.id, "t", model="c"))
             turns = Turns(ch)
             await turns.until("m", "t", errors={"t"})
             # a: allowed; b: not allowed, but its alias is; alias-a: target allowed; c: backend down
@@ -466,7 +469,7 @@ async def test_backend_unreachable_error_names_url_and_not_key(
         ):
             job, ch = await open_chat(hub[0])
             kill.cancel()
-            await ch.send(request_frame(job.id, "x"))
+            await send(ch, request_frame(job.id, "x"))
             turns = Turns(ch)
             await turns.until("x", errors={"x"})
             error = turns.last("x")["error"]
@@ -478,7 +481,7 @@ async def test_no_model_and_no_default_uses_the_only_model(
 ) -> None:
     async with running(runner_config(hub[1], sim.url, tmp_path, model=None)):
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "one", sim={"chunks": 2}))  # the body names no model
+        await send(ch, request_frame(job.id, "one", sim={"chunks": 2}))  # the body names no model
         turns = Turns(ch)
         await turns.until("one")
         assert turns.last("one")["type"] == "chat.completion.done"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import ADMIN, Turns, open_chat, request_frame, runner_config, running
+from helpers import ADMIN, Turns, open_chat, request_frame, runner_config, running, send
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -136,8 +136,8 @@ class Live:
         n = next(self.counter)
         sentinel = f"sentinel-{n}"
         for frame in frames:
-            await self.channel.send(frame)
-        await self.channel.send(request_frame(self.job.id, sentinel, sim={"chunks": 1}))
+            await send(self.channel, frame)
+        await send(self.channel, request_frame(self.job.id, sentinel, sim={"chunks": 1}))
         await self.turns.settled(*expect, within=20)  # done or error: the test checks each
         await self.turns.until(sentinel, within=20)
 
@@ -230,10 +230,10 @@ def test_channel_survives_arbitrary_frames(
 def test_duplicate_request_id_in_flight_is_refused(live: Live) -> None:
     async def scenario() -> None:
         job = live.job
-        await live.channel.send(request_frame(job.id, "dup", sim={"chunks": 40, "interval": 0.02}))
+        await send(live.channel, request_frame(job.id, "dup", sim={"chunks": 40, "interval": 0.02}))
         stream = await live.sim.wait_for_streams(len(live.sim.streams) + 1)
         await stream.wait_sent(1)
-        await live.channel.send(request_frame(job.id, "dup", sim={"chunks": 1}))
+        await send(live.channel, request_frame(job.id, "dup", sim={"chunks": 1}))
         await live.turns.until("dup", within=10, errors={"dup"})
         frames = live.turns.of("dup")
         errors = [f for f in frames if f["type"] == "chat.completion.error"]
@@ -251,10 +251,10 @@ def test_oversized_frame_is_refused_and_the_session_survives(live: Live) -> None
         old: ServerChannel = live.channel
         big = request_frame(live.job.id, "big", sim={"chunks": 1})
         big["body"]["messages"][0]["content"] = "x" * (2 << 20)  # over the 1 MiB limit set above
-        await old.send(big)
+        await send(old, big)
         with trio.fail_after(10):
             await old.closed.wait()
-        new = await live.hub.wait_channel(live.job.id, 15)
+        new = await live.hub.channels.wait(live.job.id, 15)
         assert new is not None and new is not old
         live.channel, live.turns = new, Turns(new)
         await live.exchange([], set())

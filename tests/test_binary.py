@@ -27,6 +27,7 @@ from helpers import (
     open_chat,
     request_frame,
     runner_env,
+    send,
 )
 from otlp_receiver import open_receiver
 
@@ -118,7 +119,7 @@ async def test_run_serves_a_turn_and_status_reads_it(
                 log += data
         url = found.group(1).decode()
         job, ch = await open_chat(hub[0], within=20)
-        await ch.send(request_frame(job.id, "t", sim={"chunks": 3}))
+        await send(ch, request_frame(job.id, "t", sim={"chunks": 3}))
         turns = Turns(ch)
         await turns.until("t")
         assert turns.last("t")["type"] == "chat.completion.done"
@@ -153,7 +154,7 @@ async def test_the_binary_traces(hub: tuple[Hub, str], sim: Simulator, tmp_path:
         )
         try:
             job, ch = await open_chat(hub[0], within=30)
-            await ch.send(request_frame(job.id, "t", sim={"chunks": 3}))
+            await send(ch, request_frame(job.id, "t", sim={"chunks": 3}))
             await Turns(ch).until("t")
             proc.send_signal(signal.SIGTERM)  # the session ends; the exporter is flushed at exit
             with trio.fail_after(30):

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 from fake_runner import FakeRunner, Script
-from helpers import hub_command
+from helpers import hub_command, register_runner
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.board import RECENT_ENDED
@@ -82,7 +82,7 @@ class HandRunner:
     async def register(
         cls, hub: Hub, url: str, owner: str = OWNER, project: str = PROJECT
     ) -> HandRunner:
-        registration = await hub.register_runner(owner, project, "by-hand", ["self-hosted"])
+        registration = await register_runner(hub, owner, project, "by-hand", ["self-hosted"])
         return cls(registration, url, owner, project)
 
     async def poll(self, *capabilities: str) -> list[dict[str, Any]]:
@@ -135,7 +135,7 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         # a runner of another project, alive and capable: "no runner" all the same, unnamed
         stranger = await HandRunner.register(hub, url, "secret-owner", "secret-project")
         await stranger.poll("chat-llm:v1")
@@ -150,21 +150,23 @@ async def test_no_runner_for_the_project_is_answered_at_once(
     assert reply.status_code == 503 and models.status_code == 503
     assert error_of(reply) == {
         "message": "no runner is connected for project acme/chat: start one with "
-        "`alp-gateway run --project acme/chat`",
+        f"`alp-gateway run --server {url} --project acme/chat`",
         "type": "service_unavailable",
         "param": None,
         "code": "no_runner",
     }
     assert error_of(models)["code"] == "no_runner"
     assert "secret" not in reply.text and "secret" not in models.text
-    assert not [j for j in await hub.jobs.values() if j.owner == OWNER]  # no job was ever opened
+    assert not [
+        j for j in await hub.board.all_jobs.values() if j.owner == OWNER
+    ]  # no job was ever opened
 
 
 async def test_runners_connected_none_advertising_is_answered_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         down = [await HandRunner.register(hub, url), await HandRunner.register(hub, url)]
         for runner in down:
             assert await runner.poll() == []  # backends down: nothing advertised
@@ -181,13 +183,13 @@ async def test_runners_connected_none_advertising_is_answered_at_once(
         "param": None,
         "code": "no_capable_runner",
     }
-    assert not [j for j in await hub.jobs.values() if j.owner == OWNER]
+    assert not [j for j in await hub.board.all_jobs.values() if j.owner == OWNER]
 
 
 async def _busy_runner(hub: Hub, url: str) -> HandRunner:
     """A runner holding one session and advertising nothing: at its capacity."""
     runner = await HandRunner.register(hub, url)
-    job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     assert [j["id"] for j in await runner.poll("chat-llm:v1")] == [job.id]
     await runner.claim(job.id)
     assert await runner.poll() == []  # at --max-sessions: stops advertising
@@ -198,7 +200,7 @@ async def test_every_runner_busy_waits_queue_wait_then_503_with_retry_after(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(queue_wait=7.0)) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         with trio.fail_after(GUARD):
             started = trio.current_time()
@@ -221,7 +223,7 @@ async def test_every_runner_busy_the_turn_is_served_when_one_frees_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(queue_wait=60.0)) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         await _busy_runner(hub, url)
         replies: list[httpx.Response] = []
         with trio.fail_after(GUARD):
@@ -244,22 +246,25 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, models=("fake-model", "fake-tools")) as (fake, _):
             async with client(url, key) as openai_client:
                 with trio.fail_after(GUARD):
-                    # the list is not known yet: nothing is refused (the runner answers)
-                    served = await chat(url, key, model="not-listed-yet")
+                    # the list is not known yet: the runner's list, asked as its channel opens,
+                    # says it does not serve the model: 404 all the same
+                    first = await chat(url, key, model="not-listed-yet")
                     listed = await openai_client.models.list()  # now it is known
                     claimed = list(fake.claimed)
                     with pytest.raises(openai.NotFoundError) as caught:
                         await openai_client.chat.completions.create(
                             model="gpt-nope", messages=MESSAGES
                         )
+                    after_404 = list(fake.claimed)
                     again = await chat(url, key, model="fake-tools")
                     fake.models.append("fake-new")  # the runner came back with another model
                     renewed = await chat(url, key, model="fake-new")
-    assert served.status_code == 200
+    assert first.status_code == 404 and error_of(first)["code"] == "model_not_found"
+    assert "'fake-model', 'fake-tools'" in error_of(first)["message"]
     assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
     assert caught.value.status_code == 404
     assert caught.value.body == {
@@ -269,8 +274,7 @@ async def test_unknown_model_is_404_naming_the_models_before_any_job(
         "param": None,
         "code": "model_not_found",
     }
-    assert fake.claimed[: len(claimed)] == claimed and again.status_code == 200
-    assert len(fake.claimed) == len(claimed)  # the 404 opened no job (the session's was reused)
+    assert after_404 == claimed and again.status_code == 200  # the 404 opened no job
     assert renewed.status_code == 200  # a kept list is checked again before a model is refused
 
 
@@ -286,8 +290,8 @@ async def test_a_backend_refusing_the_request_is_a_4xx_not_a_retried_502(
         "broken": Script(error_before="backend returned 500: boom"),
     }
     async with open_hub(hub_of()) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
-        async with fake_runner(url, scripts=refusals):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        async with fake_runner(url, scripts=refusals, models=tuple(refusals)):
             with trio.fail_after(GUARD):
                 missing = await chat(url, key, model="missing-model")
                 bad = await chat(url, key, model="bad-request")
@@ -305,17 +309,17 @@ async def test_a_dead_runners_session_moves_at_once_when_another_runner_is_free(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url, name="a") as (a, kill_a):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 (job_id,) = a.claimed
-                job1 = await hub.jobs.get(job_id)
+                job1 = await hub.board.all_jobs.get(job_id)
             async with fake_runner(url, name="b") as (b, _):
                 with trio.fail_after(GUARD):
                     while hub.board.runners[str(b.runner_id)].capabilities is None:
                         await hub.board.changes.wait()  # b polled: it is free
-                    channel = hub.channel(job1.id)
+                    channel = hub.channels.get(job1.id)
                     assert channel is not None
                     kill_a.cancel()  # gone without a word or a report, as after SIGKILL
                     await channel.closed.wait()
@@ -326,7 +330,7 @@ async def test_a_dead_runners_session_moves_at_once_when_another_runner_is_free(
     assert elapsed < NEVER  # the reconnect window was not waited out
     assert hub.counters.failovers_immediate == 1 and hub.counters.redial_waits == 0
     assert hub.counters.failovers == 1
-    job2 = await hub.jobs.get(hub.frontdoor.sessions.listing()[("k", "s")])
+    job2 = await hub.board.all_jobs.get(hub.sessions.listing()[("k", "s")])
     assert job2.id != job1.id and b.claimed == [job2.id]
     assert job1.cancelled and job1.cancel_reason == "channel lost"  # a redial would be refused
 
@@ -335,12 +339,12 @@ async def test_with_no_other_runner_free_the_turn_waits_for_the_redial(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(reconnect_timeout=5.0, runner_wait_timeout=20.0)) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, kill):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 (job_id,) = fake.claimed
-                channel = hub.channel(job_id)
+                channel = hub.channels.get(job_id)
                 assert channel is not None
                 kill.cancel()
                 await channel.closed.wait()
@@ -364,7 +368,7 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
     async with open_hub(hub_of(data)) as (hub, url):
         runner = await HandRunner.register(hub, url)
         jobs = [
-            await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+            await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
             for _ in range(RECENT_ENDED + 2)
         ]
         done = {"status": "completed", "conclusion": "success", "logs": "ok"}
@@ -372,10 +376,10 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
             run_id = await runner.claim(job.id)
             reply = await runner.http.patch(f"{runner.base}/runs/{run_id}/jobs/{job.id}", json=done)
             assert reply.status_code == 200
-        live = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        live = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
         assert list(hub.board.jobs) == [live.id]  # polls scan only what can still run
         assert len(hub.board.recent) == RECENT_ENDED
-        oldest = await hub.jobs.get(jobs[0].id)  # read back from the store
+        oldest = await hub.board.all_jobs.get(jobs[0].id)  # read back from the store
         assert oldest is not jobs[0] and oldest.status == "completed"
         assert oldest.reports == [{"status": "in_progress"}, done]
         # a late report on an ended job is refused as before (409), counted, and not kept
@@ -393,8 +397,8 @@ async def test_ended_jobs_leave_memory_and_are_read_from_the_store(
     await again.board.load()  # as its start does
     assert list(again.board.jobs) == [live.id]  # a restart loads the live ones only
     assert (
-        await again.jobs.get(jobs[-1].id)
-    ).conclusion == "success" and await again.jobs.count() == len(jobs) + 1
+        await again.board.all_jobs.get(jobs[-1].id)
+    ).conclusion == "success" and await again.board.all_jobs.count() == len(jobs) + 1
     await again.store.close()
     await hub.store.close()
 
@@ -404,17 +408,17 @@ async def test_sessions_per_key_bounded_lru_idle_ended_else_429(
 ) -> None:
     gate = trio.Event()
     async with open_hub(hub_of(max_sessions_per_key=2)) as (hub, url):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
-        other_key = await hub.create_api_key("other", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        other_key = await hub.keys.create("other", f"{OWNER}/{PROJECT}")
         scripts = {"gated": Script(gate=gate)}
         async with fake_runner(url, scripts=scripts) as (fake, _):
             with trio.fail_after(GUARD):
                 for session in ("s1", "s2", "s1"):  # s2 is now the least recently used
                     assert (await chat(url, key, session)).status_code == 200
-                jobs = hub.frontdoor.sessions.listing()
+                jobs = hub.sessions.listing()
                 third = await chat(url, key, "s3")
                 await fake.wait_until(lambda: bool(fake.ends))
-                after_third = hub.frontdoor.sessions.listing()
+                after_third = hub.sessions.listing()
                 # both sessions busy with a turn: a third one cannot take a slot
                 replies: list[httpx.Response] = []
                 async with trio.open_nursery() as nursery:
@@ -452,7 +456,7 @@ async def test_a_key_revoked_by_another_process_ends_its_sessions_and_its_name_i
 ) -> None:
     data = tmp_path / "hub"
     async with open_hub(hub_of(data, key_check_interval=3.0)) as (hub, url):
-        key = await hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, _):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
@@ -463,18 +467,18 @@ async def test_a_key_revoked_by_another_process_ends_its_sessions_and_its_name_i
                 revoked_at = trio.current_time()
                 await fake.wait_until(lambda: bool(fake.ends))
                 noticed = trio.current_time() - revoked_at
-                await (await hub.jobs.get(old_job)).completed.wait()
+                await (await hub.board.all_jobs.get(old_job)).completed.wait()
                 refused = await chat(url, key, "s")
-                new_key = await hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+                new_key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
                 fresh = await chat(url, new_key, "s")
     assert fake.ends == [(old_job, "api key revoked")]
     assert noticed <= 3.0  # within key_check_interval
-    assert (await hub.jobs.get(old_job)).cancelled and (
-        await hub.jobs.get(old_job)
+    assert (await hub.board.all_jobs.get(old_job)).cancelled and (
+        await hub.board.all_jobs.get(old_job)
     ).cancel_reason == "api key revoked"
     assert refused.status_code == 401
     assert fresh.status_code == 200 and len(fake.claimed) == 2  # a new session, a new job
-    assert hub.frontdoor.sessions.listing() == {("alice", "s"): fake.claimed[1]}
+    assert hub.sessions.listing() == {("alice", "s"): fake.claimed[1]}
     assert [(s.key_name, s.job_id) for s in await hub.store.load_sessions()] == [
         ("alice", fake.claimed[1])
     ]
@@ -485,35 +489,35 @@ async def test_a_key_revoked_in_the_hub_ends_its_sessions_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_hub(hub_of(key_check_interval=NEVER)) as (hub, url):
-        key = await hub.create_api_key("bob", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("bob", f"{OWNER}/{PROJECT}")
         async with fake_runner(url) as (fake, _):
             with trio.fail_after(GUARD):
                 assert (await chat(url, key, "s")).status_code == 200
                 revoked_at = trio.current_time()
-                assert await hub.revoke_api_key("bob")
+                assert await hub.keys.revoke("bob")
                 await fake.wait_until(lambda: bool(fake.ends))
                 noticed = trio.current_time() - revoked_at
     assert fake.ends == [(fake.claimed[0], "api key revoked")] and noticed < NEVER
-    assert hub.frontdoor.sessions.listing() == {}
+    assert hub.sessions.listing() == {}
 
 
 async def test_a_stored_session_of_a_revoked_key_is_not_restored(tmp_path: Path) -> None:
     data = tmp_path / "hub"
     first = Hub(data, admin_token=ADMIN)
-    key = await first.create_api_key("carol", f"{OWNER}/{PROJECT}")
-    api_key = await first.check_api_key(key)
+    key = await first.keys.create("carol", f"{OWNER}/{PROJECT}")
+    api_key = await first.store.check_api_key(key)
     assert api_key is not None and api_key.id and api_key.id not in key
-    job = await first.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
+    job = await first.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], origin="frontdoor")
     job.claimed_by, job.run_id = "runner-1", "run-1"
-    await first.save_job(job)
+    await first.board.save(job)
     await first.store.save_session(StoredSession("carol", "s", OWNER, PROJECT, job.id, api_key.id))
-    assert await first.revoke_api_key("carol")
+    assert await first.keys.revoke("carol")
     await first.store.close()
     second = Hub(data, admin_token=ADMIN)
     async with open_hub(second):
-        assert second.frontdoor.sessions.listing() == {}
+        assert second.sessions.listing() == {}
         assert (
-            await second.jobs.get(job.id)
+            await second.board.all_jobs.get(job.id)
         ).cancelled  # withdrawn: its runner's redial is refused
     await second.store.close()
 

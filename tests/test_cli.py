@@ -26,6 +26,7 @@ from helpers import (
     runner_config,
     runner_env,
     running,
+    send,
 )
 
 from gateway.hub import Hub, open_hub
@@ -154,7 +155,7 @@ async def test_run_serves_then_sigterm_drains(
         )
         try:
             job, ch = await open_chat(hub[0], within=20)
-            await ch.send(request_frame(job.id, "t", sim={"chunks": 8, "interval": 0.05}))
+            await send(ch, request_frame(job.id, "t", sim={"chunks": 8, "interval": 0.05}))
             stream = await sim.wait_for_streams(1)
             await stream.wait_sent(2)
             proc.send_signal(signal.SIGTERM)
@@ -303,7 +304,7 @@ async def test_second_signal_stops_at_once(
             job, ch = await open_chat(hub[0], within=20)
             for rid in ("long", "long2"):
                 slow = {"chunks": 1000, "interval": 0.05}
-                await ch.send(request_frame(job.id, rid, sim=slow))
+                await send(ch, request_frame(job.id, rid, sim=slow))
             streams = [await sim.wait_for_streams(n) for n in (1, 2)]
             for stream in streams:
                 await stream.wait_sent(2)

@@ -64,7 +64,7 @@ async def rig(tmp_path: Path, *options: SimOptions) -> AsyncIterator[Rig]:
         config = runner_config(url, None, tmp_path, backends=specs)
         async with running(config) as runner:
             definition = {**CHAT_DEFINITION, "channelUrl": server.url}
-            job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], definition)
+            job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], definition)
             with trio.fail_after(GUARD):
                 conn = await server.conn(1)
             yield Rig(server, sims, runner, job.id, conn)

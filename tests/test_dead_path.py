@@ -67,7 +67,7 @@ async def test_a_runner_whose_every_connection_froze_serves_a_new_session_in_tim
         path_proxy(port_of(url)) as proxy,
     ):
         config = runner_config(proxy.url, sim.url, tmp_path, ping_interval=ping, ping_timeout=ping)
-        key = await server.create_api_key("deadpath", f"{OWNER}/{PROJECT}")
+        key = await server.keys.create("deadpath", f"{OWNER}/{PROJECT}")
         async with (
             running(config) as runner,
             httpx.AsyncClient(base_url=url, timeout=120) as client,

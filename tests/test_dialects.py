@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import Turns, open_chat, request_frame
+from helpers import Turns, open_chat, request_frame, send
 
 from gateway.hub import Hub
 from gateway.runner.supervisor import Runner
@@ -32,7 +32,7 @@ async def relay(
         stream_options={"include_usage": True},
         tools=TOOLS,
     )
-    await ch.send(frame)
+    await send(ch, frame)
     turns = Turns(ch)
     await turns.until("r")
     stream = sim.streams[-1]

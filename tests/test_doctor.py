@@ -61,8 +61,8 @@ async def test_healthy_setup(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pat
     assert deep["max_tokens"] == 1 and deep["stream"] is False and deep["model"] == "sim-model"
     for secret in (BACKEND_KEY, ADMIN, reg.token):
         assert secret not in text
-    assert await hub[0].jobs.count() == 0 or all(
-        j.claimed_by is None for j in await hub[0].jobs.values()
+    assert await hub[0].board.all_jobs.count() == 0 or all(
+        j.claimed_by is None for j in await hub[0].board.all_jobs.values()
     )
 
 

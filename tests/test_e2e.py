@@ -23,7 +23,7 @@ async def path(sim: Simulator, tmp_path: Path) -> AsyncIterator[tuple[Hub, str, 
     async with open_hub(Hub(runner_wait_timeout=10)) as (hub, url):
         config = runner_config(url, sim.url, tmp_path, user_token=hub.admin_token)
         async with running(config) as runner:
-            yield hub, await hub.create_api_key("e2e", f"{OWNER}/{PROJECT}"), runner
+            yield hub, await hub.keys.create("e2e", f"{OWNER}/{PROJECT}"), runner
 
 
 def client(
@@ -148,7 +148,7 @@ async def test_two_sessions_two_jobs_interleaved(
         nursery.start_soon(chat, "b", 10, 0.03)
     assert results["a"] == results["b"] == "".join(f"tok{i} " for i in range(10))
     assert len(path[2].sessions) == 2
-    jobs = {j.id for j in await path[0].jobs.values() if j.claimed_by}
+    jobs = {j.id for j in await path[0].board.all_jobs.values() if j.claimed_by}
     assert len(jobs) == 2
     # both streams overlapped in time: neither waited for the other
     a, b = sim.streams[0], sim.streams[1]
@@ -170,7 +170,7 @@ async def test_models_from_the_first_call_with_no_session(sim: Simulator, tmp_pa
     # client's first models.list() is served by a short listing session, not answered []
     hub = Hub(admin_token=ADMIN, models_wait=60.0)  # bounds a slow start here, not a timing
     async with open_hub(hub) as (_, url):
-        key = await hub.create_api_key("models", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("models", f"{OWNER}/{PROJECT}")
         log_path = tmp_path / "runner.log"
         with log_path.open("wb") as log:
             proc = await trio.lowlevel.open_process(
@@ -187,7 +187,7 @@ async def test_models_from_the_first_call_with_no_session(sim: Simulator, tmp_pa
                     await hub.board.changes.wait()
                 listed = await oc.models.list()
                 one = await oc.models.retrieve("sim-model")
-                (job,) = await hub.jobs.values()  # the listing session's job
+                (job,) = await hub.board.all_jobs.values()  # the listing session's job
                 await job.completed.wait()  # ended with chat.end, reported by the runner
                 again = await oc.models.list()  # from the runner's stored answer
         finally:
@@ -198,6 +198,6 @@ async def test_models_from_the_first_call_with_no_session(sim: Simulator, tmp_pa
                 proc.kill()
     assert [m.id for m in listed.data] == ["sim-model"], log_path.read_text()
     assert one.id == "sim-model" and one.object == "model"
-    assert [m.id for m in again.data] == ["sim-model"] and await hub.jobs.count() == 1
+    assert [m.id for m in again.data] == ["sim-model"] and await hub.board.all_jobs.count() == 1
     assert job.cancel_reason == "models listed" and job.conclusion == "success"
-    assert hub.frontdoor.sessions.listing() == {}
+    assert hub.sessions.listing() == {}

@@ -147,12 +147,12 @@ async def runners(
 async def all_polling(hub: Hub, count: int) -> None:
     """Wait until ``count`` runners registered and polled."""
     with trio.fail_after(GUARD):
-        while len(hub.last_seen) < count:
+        while len(hub.board.last_seen) < count:
             await hub.board.changes.wait()
 
 
 def session_job(hub: Hub, session: str) -> str:
-    job_id = hub.frontdoor.sessions.listing()[("failover", session)]
+    job_id = hub.sessions.listing()[("failover", session)]
     assert job_id is not None
     return job_id
 
@@ -177,15 +177,15 @@ async def test_sigkill_between_turns_every_later_turn_served(
     # a long reconnect window: with the other runner free, the turn after the kill must not
     # wait for the dead one's redial at all (issue 18 point 3)
     async with open_hub(hub_of(reconnect_timeout=30.0)) as (hub, url):
-        client = Client(url, await hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+        client = Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
         async with runners(url, sim, tmp_path, "a", "b") as procs:
             await all_polling(hub, 2)
             with trio.fail_after(GUARD):
                 first = await client.turn("s")
-                job1 = await hub.jobs.get(session_job(hub, "s"))
+                job1 = await hub.board.all_jobs.get(session_job(hub, "s"))
                 victim = job1.runner_name
                 assert victim in procs
-                channel = hub.channel(job1.id)
+                channel = hub.channels.get(job1.id)
                 assert channel is not None
                 killed_at = trio.current_time()
                 procs[victim].kill()
@@ -195,7 +195,7 @@ async def test_sigkill_between_turns_every_later_turn_served(
                 later = [await client.turn("s") for _ in range(3)]
     assert first.served and first.text == "tok0 tok1 tok2 "
     assert all(a.served and a.text == "tok0 tok1 tok2 " for a in later), later
-    job2 = await hub.jobs.get(session_job(hub, "s"))
+    job2 = await hub.board.all_jobs.get(session_job(hub, "s"))
     assert job2.id != job1.id and job2.runner_name not in (None, victim)
     assert hub.counters.failovers == 1
     assert job1.cancelled and job1.cancel_reason == "channel lost"  # its redial is refused
@@ -213,12 +213,12 @@ async def test_sigterm_between_turns_fails_over_at_once(
 ) -> None:
     # a long reconnect window: the turn after a graceful stop must not wait for it at all
     async with open_hub(hub_of(reconnect_timeout=30.0)) as (hub, url):
-        client = Client(url, await hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+        client = Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
         async with runners(url, sim, tmp_path, "a", "b") as procs:
             await all_polling(hub, 2)
             with trio.fail_after(GUARD):
                 first = await client.turn("s")
-                job1 = await hub.jobs.get(session_job(hub, "s"))
+                job1 = await hub.board.all_jobs.get(session_job(hub, "s"))
                 victim = job1.runner_name
                 assert victim in procs
                 procs[victim].send_signal(signal.SIGTERM)
@@ -227,7 +227,7 @@ async def test_sigterm_between_turns_fails_over_at_once(
             counters = dataclasses.replace(hub.counters)  # before the other runner is stopped
     assert first.served
     assert all(a.served and a.text == "tok0 tok1 tok2 " for a in later), later
-    job2 = await hub.jobs.get(session_job(hub, "s"))
+    job2 = await hub.board.all_jobs.get(session_job(hub, "s"))
     assert job2.id != job1.id and job2.runner_name not in (None, victim)
     assert job1.conclusion == "success" and not job1.cancelled  # ended by its runner, reported
     finals = [r for r in job1.reports if r.get("status") == "completed"]
@@ -241,7 +241,7 @@ async def test_sigkill_mid_stream_one_error_event_then_the_other_runner(
     sim: Simulator, tmp_path: Path
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        client = Client(url, await hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+        client = Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
         async with runners(url, sim, tmp_path, "a", "b") as procs:
             await all_polling(hub, 2)
             killed: list[float] = []
@@ -255,7 +255,7 @@ async def test_sigkill_mid_stream_one_error_event_then_the_other_runner(
 
             with trio.fail_after(GUARD):
                 cut = await client.turn("s", chunks=400, interval=0.05, on_event=kill_after_three)
-                job1 = await hub.jobs.get(session_job(hub, "s"))
+                job1 = await hub.board.all_jobs.get(session_job(hub, "s"))
                 ended_at = trio.current_time()
                 after = await client.turn("s")
     assert killed, "the stream ended before the kill"
@@ -264,7 +264,7 @@ async def test_sigkill_mid_stream_one_error_event_then_the_other_runner(
     error = json.loads(cut.errors[0])["error"]
     assert error["code"] == "channel_lost" and "lost mid-turn" in error["message"]
     assert after.served and after.text == "tok0 tok1 tok2 "
-    job2 = await hub.jobs.get(session_job(hub, "s"))
+    job2 = await hub.board.all_jobs.get(session_job(hub, "s"))
     assert job2.id != job1.id and job2.runner_name not in (None, job1.runner_name)
     assert hub.counters.failovers == 1
     observed("SIGKILL mid-stream: error event after the kill", ended_at - killed[0])
@@ -277,13 +277,13 @@ async def test_frozen_channel_closed_by_the_hub_and_the_turn_never_hangs(
     async with open_hub(hub_of(runner_wait_timeout=20.0)) as (hub, url):
         port = int(url.rsplit(":", 1)[1])
         async with path_proxy(port) as proxy:
-            client = Client(url, await hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+            client = Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
             async with runners(proxy.url, sim, tmp_path, "a"):
                 await all_polling(hub, 1)
                 with trio.fail_after(GUARD):
                     first = await client.turn("s")
-                    job1 = await hub.jobs.get(session_job(hub, "s"))
-                    channel = hub.channel(job1.id)
+                    job1 = await hub.board.all_jobs.get(session_job(hub, "s"))
+                    channel = hub.channels.get(job1.id)
                     assert channel is not None
                     frozen_at = trio.current_time()
                     assert proxy.freeze() >= 1
@@ -322,12 +322,12 @@ async def test_runner_offline_jobs_force_ended_once_and_the_session_moves_at_onc
     # pings off and a long reconnect window: only the offline limit can move these sessions
     hub = hub_of(ping_interval=0, offline_after=1.0, reconnect_timeout=30.0)
     async with open_hub(hub) as (hub, url):
-        client = Client(url, await hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+        client = Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
         async with runners(url, sim, tmp_path, "a") as first:
             await all_polling(hub, 1)
             with trio.fail_after(GUARD):
                 assert (await client.turn("s1")).served and (await client.turn("s2")).served
-                jobs = [await hub.jobs.get(session_job(hub, s)) for s in ("s1", "s2")]
+                jobs = [await hub.board.all_jobs.get(session_job(hub, s)) for s in ("s1", "s2")]
                 async with runners(url, sim, tmp_path, "b"):
                     await all_polling(hub, 2)
                     stopped_at = trio.current_time()
@@ -353,7 +353,7 @@ async def test_runner_offline_jobs_force_ended_once_and_the_session_moves_at_onc
             }
         ]
     assert moved.served and moved.text == "tok0 tok1 tok2 "
-    assert (await hub.jobs.get(session_job(hub, "s1"))).runner_name == "b"
+    assert (await hub.board.all_jobs.get(session_job(hub, "s1"))).runner_name == "b"
     assert not any("did not reconnect within" in line for line in logs.lines)
     observed("runner offline: jobs force-ended after the runner stopped", forced_after)
     observed("runner offline: time to first token of the moved session's turn", moved.ttft)
@@ -367,19 +367,19 @@ async def test_frozen_path_with_both_ends_pinging_the_turn_is_served_after_the_r
     async with open_hub(hub_of(reconnect_timeout=20.0)) as (hub, url):
         port = int(url.rsplit(":", 1)[1])
         async with path_proxy(port) as proxy:
-            client = Client(url, await hub.create_api_key("failover", f"{OWNER}/{PROJECT}"))
+            client = Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
             pings = ("--ping-interval", str(PING))
             async with runners(proxy.url, sim, tmp_path, "a", extra=pings):
                 await all_polling(hub, 1)
                 with trio.fail_after(GUARD):
                     first = await client.turn("s")
-                    job1 = await hub.jobs.get(session_job(hub, "s"))
-                    channel = hub.channel(job1.id)
+                    job1 = await hub.board.all_jobs.get(session_job(hub, "s"))
+                    channel = hub.channels.get(job1.id)
                     assert channel is not None
                     frozen_at = trio.current_time()
                     assert proxy.freeze() >= 1
                     during = await client.turn("s")
-                    redialled = hub.channel(job1.id)
+                    redialled = hub.channels.get(job1.id)
     assert first.served
     assert during.served and during.text == "tok0 tok1 tok2 "
     assert session_job(hub, "s") == job1.id and hub.counters.failovers == 0  # the same job

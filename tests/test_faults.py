@@ -28,10 +28,12 @@ from helpers import (
     Turns,
     clean_env,
     open_chat,
+    open_request,
     quick_alp_requests,
     request_frame,
     runner_config,
     running,
+    send,
 )
 
 from gateway.hub import Hub, open_hub
@@ -63,9 +65,9 @@ def quick_requests(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def serve_turn(hub: Hub, job_id: str, request_id: str = "t", chunks: int = 3) -> None:
     """One turn down the job's current channel, relayed to the end (done)."""
-    ch = hub.channel(job_id)
+    ch = hub.channels.get(job_id)
     assert ch is not None
-    await ch.send(request_frame(job_id, request_id, sim={"chunks": chunks}))
+    await send(ch, request_frame(job_id, request_id, sim={"chunks": chunks}))
     turns = Turns(ch)
     await turns.until(request_id)
     assert turns.last(request_id)["type"] == "chat.completion.done"
@@ -176,7 +178,7 @@ async def test_status_and_progress_faults_are_logged_and_the_session_goes_on(
         assert job.heartbeats and not ch.closed.is_set()
         text = "\n".join(logs.lines)
         assert "in_progress not recorded" in text and "heartbeat failed" in text
-        await ch.send({"type": "chat.end", "reason": "user left"})
+        await send(ch, {"type": "chat.end", "reason": "user left"})
         with trio.fail_after(20):
             await runner.counters.wait("sessions_ended", 1)
     finals = completed(job.reports)
@@ -197,7 +199,7 @@ async def test_final_report_retried_until_it_lands(
         job, ch = await open_chat(server)
         await serve_turn(server, job.id)
         proxy.faults["status"] = [kind]
-        await ch.send({"type": "chat.end", "reason": "user left"})
+        await send(ch, {"type": "chat.end", "reason": "user left"})
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
     statuses = [h.fault for h in proxy.hits if h.route == "status"]
@@ -221,7 +223,7 @@ async def test_final_report_answer_lost_is_not_recorded_twice(
     async with running(runner_config(url, sim.url, tmp_path)) as runner:
         job, ch = await open_chat(server)
         proxy.faults["status"] = [LOST]
-        await ch.send({"type": "chat.end", "reason": "user left"})
+        await send(ch, {"type": "chat.end", "reason": "user left"})
         with trio.fail_after(30):
             await runner.counters.wait("sessions_ended", 1)
     finals = completed(job.reports)
@@ -242,8 +244,8 @@ async def test_channel_handshake_faults_are_redialled(
     proxy.faults["channel"] = [503, RESET, Hold(2.0)]
     config = runner_config(url, sim.url, tmp_path, connect_timeout=1.0, reconnect_window=30.0)
     async with running(config) as runner:
-        job = await server.enqueue_job("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
-        ch = await server.wait_channel(job.id, 30)
+        job = await server.board.enqueue("acme", "chat", ["chat-llm:v1"], {"jobType": "chat_llm"})
+        ch = await server.channels.wait(job.id, 30)
         assert ch is not None
         await serve_turn(server, job.id)
         assert proxy.hit_counts["channel"] == 4
@@ -452,7 +454,7 @@ async def _backpressure(server: Hub, proxy: FaultProxy, sim: Simulator) -> None:
     chunks, size = 5000, 2000  # ~10 MB of content, sent as fast as the sockets take it
     total = chunks + 3  # the role chunk, the content chunks, the finish chunk, [DONE]
     job, ch = await open_chat(server)
-    rx = ch.open_request("big")
+    rx = open_request(ch, "big")
     texts: list[str] = []
     last: dict[str, Any] = {}
 
@@ -470,8 +472,9 @@ async def _backpressure(server: Hub, proxy: FaultProxy, sim: Simulator) -> None:
     proxy.pause_channels()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read_all)
-        await ch.send(
-            request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0})
+        await send(
+            ch,
+            request_frame(job.id, "big", sim={"chunks": chunks, "chunk_size": size, "interval": 0}),
         )
         with trio.fail_after(10):
             stream = await sim.wait_for_streams(1)

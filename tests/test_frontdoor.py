@@ -52,11 +52,24 @@ class Env:
         )
 
 
+# what the runner lists (the hub asks every runner): every model the tests script
+LISTED = [
+    "fake-model",
+    "fake-tools",
+    "fake-error",
+    "fake-error-late",
+    "fake-slow",
+    "fake-streams-anyway",
+    "fake-tools-anyway",
+    "fake-gated",
+]
+
+
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
     hub = Hub(runner_wait_timeout=5.0, keepalive_interval=5.0)
     async with open_hub(hub) as (hub, base):
-        key = await hub.create_api_key("tester")
+        key = await hub.keys.create("tester")
         runner = FakeRunner(
             base,
             hub.admin_token,
@@ -68,7 +81,7 @@ async def env() -> AsyncIterator[Env]:
                 "fake-streams-anyway": Script(chunks=4, stream_anyway=True),
                 "fake-tools-anyway": Script(tool_calls=True, stream_anyway=True),
             },
-            models=("fake-model", "fake-tools"),
+            models=LISTED,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -221,7 +234,7 @@ async def test_channel_lost_mid_stream_ends_the_turn(env: Env) -> None:
                     received.append(chunk)
                     if len(received) == 1:
                         (job_id,) = env.runner.claimed
-                        await env.hub.channel(job_id).close(1011)
+                        await env.hub.channels.get(job_id).close(1011)
             assert "lost" in caught.value.message
             # the runner redials; the session's next turn waits for it and reuses the job
             chunks = await _stream(client)
@@ -240,7 +253,7 @@ async def test_channel_lost_before_a_whole_answer_is_served_after_the_redial(env
                 async def drop_when_started() -> None:
                     await env.runner.wait_until(lambda: bool(env.runner.turns))
                     (job_id,) = env.runner.claimed
-                    await env.hub.channel(job_id).close(1011)
+                    await env.hub.channels.get(job_id).close(1011)
                     await env.runner.wait_until(lambda: len(env.runner.turns) == 2)
                     gate.set()
 
@@ -298,7 +311,7 @@ async def test_two_sessions_interleaved(env: Env) -> None:
                 gate.set()
             results["a2"] = _text(await _stream(a))
     assert results == {k: "tok0tok1tok2" for k in ("a1", "b1", "b2", "a2")}
-    jobs = env.hub.frontdoor.sessions.listing()
+    jobs = env.hub.sessions.listing()
     job_a, job_b = jobs[("tester", "a")], jobs[("tester", "b")]
     assert job_a != job_b and sorted(env.runner.claimed) == sorted([job_a, job_b])
     assert len(env.runner.turns_of(job_a)) == 2 and len(env.runner.turns_of(job_b)) == 2
@@ -317,7 +330,7 @@ async def test_concurrent_first_requests_open_one_job(env: Env) -> None:
                     nursery.start_soon(turn)
     assert results == ["tok0tok1tok2"] * 3
     assert len(env.runner.claimed) == 1
-    assert len([j for j in await env.hub.jobs.values() if j.owner == "local"]) == 1
+    assert len([j for j in await env.hub.board.all_jobs.values() if j.owner == "local"]) == 1
 
 
 async def test_idle_session_gets_chat_end(env: Env) -> None:
@@ -328,7 +341,7 @@ async def test_idle_session_gets_chat_end(env: Env) -> None:
             (job_id,) = env.runner.claimed
             await env.runner.wait_until(lambda: bool(env.runner.ends))
             assert env.runner.ends == [(job_id, "idle")]
-            assert env.hub.frontdoor.sessions.listing() == {}
+            assert env.hub.sessions.listing() == {}
             await _stream(client)  # the next request opens a new job
     assert len(env.runner.claimed) == 2
 
@@ -339,7 +352,7 @@ async def test_session_ended_by_runner_is_forgotten(env: Env) -> None:
             await _stream(client)
             (job_id,) = env.runner.claimed
             await env.runner.end_session(job_id)
-            await (await env.hub.jobs.get(job_id)).completed.wait()
+            await (await env.hub.board.all_jobs.get(job_id)).completed.wait()
             chunks = await _stream(client)
     assert _text(chunks) == "tok0tok1tok2"
     assert len(env.runner.claimed) == 2 and env.runner.claimed[0] == job_id
@@ -364,7 +377,7 @@ async def test_client_disconnect_cancels_the_turn(env: Env) -> None:
 async def test_no_runner_is_503(env: Env) -> None:
     # no runner of the key's project at all: answered at once (tests/test_causes.py has the rest)
     env.hub.settings.runner_wait_timeout = 30
-    lonely = await env.hub.create_api_key("lonely", "nobody/here")
+    lonely = await env.hub.keys.create("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT):
             started = trio.current_time()
@@ -372,9 +385,9 @@ async def test_no_runner_is_503(env: Env) -> None:
                 await _stream(client)
             elapsed = trio.current_time() - started
     assert caught.value.status_code == 503 and caught.value.body["code"] == "no_runner"
-    assert caught.value.body["message"] == (
+    assert caught.value.body["message"] == (  # the hint names this hub as the runner's Server
         "no runner is connected for project nobody/here: start one with "
-        "`alp-gateway run --project nobody/here`"
+        f"`alp-gateway run --server {env.base} --project nobody/here`"
     )
     assert elapsed < 3
     # concurrent first requests of one session share one wait and one answer
@@ -394,7 +407,7 @@ async def test_no_runner_is_503(env: Env) -> None:
             elapsed = trio.current_time() - started
     assert statuses == [503] * 3 and elapsed < 3
     assert not [
-        j for j in await env.hub.jobs.values() if j.owner == "nobody"
+        j for j in await env.hub.board.all_jobs.values() if j.owner == "nobody"
     ]  # the job was withdrawn
 
 
@@ -410,9 +423,9 @@ async def test_models_lists_open_channels_deduplicated(env: Env) -> None:
             one = await a.models.retrieve("fake-tools")
             with pytest.raises(openai.NotFoundError):
                 await a.models.retrieve("no-such-model")
-    assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
+    assert [m.id for m in listed.data] == LISTED
     assert {(m.object, m.owned_by) for m in listed.data} == {("model", "alp-runner")}
-    assert env.runner.models_requests >= 4  # both channels asked, twice
+    assert env.runner.models_requests == 2  # each channel asked once, as it opened
     assert one.id == "fake-tools"
 
 
@@ -428,15 +441,15 @@ async def test_models_without_a_session_open_a_listing_session(env: Env) -> None
             again = await client.models.list()
             (job_id,) = env.runner.claimed
             await env.runner.wait_until(lambda: bool(env.runner.ends))
-    assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
-    assert [m.id for m in again.data] == ["fake-model", "fake-tools"] and one.id == "fake-tools"
+    assert [m.id for m in listed.data] == LISTED
+    assert [m.id for m in again.data] == LISTED and one.id == "fake-tools"
     assert missing.value.body["code"] == "model_not_found"
     assert env.runner.models_requests == 1  # one listing session; the rest came from the store
     assert env.runner.ends == [(job_id, "models listed")]
-    assert (await env.hub.jobs.get(job_id)).cancelled and env.hub.frontdoor.sessions.listing() == {}
+    assert (await env.hub.board.all_jobs.get(job_id)).cancelled and env.hub.sessions.listing() == {}
     (stored,) = await env.hub.store.load_models("local", "chat")
     assert stored.runner_id == env.runner.runner_id
-    assert stored.models == ("fake-model", "fake-tools")
+    assert stored.models == tuple(LISTED)
 
 
 async def test_models_forget_runners_not_seen_recently(env: Env) -> None:
@@ -447,25 +460,27 @@ async def test_models_forget_runners_not_seen_recently(env: Env) -> None:
     async with env.client() as client:
         with trio.fail_after(LIMIT):
             listed = await client.models.list()
-    assert [m.id for m in listed.data] == ["fake-model", "fake-tools"]
+    assert [m.id for m in listed.data] == LISTED
     assert env.runner.models_requests == 1
 
 
 async def test_models_with_no_runner_is_an_error_naming_the_cause(env: Env) -> None:
     env.hub.settings.models_wait = 30
-    lonely = await env.hub.create_api_key("lonely", "nobody/here")
+    lonely = await env.hub.keys.create("lonely", "nobody/here")
     async with env.client(key=lonely) as client:
         with trio.fail_after(LIMIT), pytest.raises(openai.APIStatusError) as caught:
             await client.models.list()
     assert caught.value.status_code == 503
     assert caught.value.body == {
         "message": "no runner is connected for project nobody/here to list models: start one "
-        "with `alp-gateway run --project nobody/here`",
+        f"with `alp-gateway run --server {env.base} --project nobody/here`",
         "type": "service_unavailable",
         "param": None,
         "code": "no_runner",
     }
-    assert not [j for j in await env.hub.jobs.values() if j.owner == "nobody"]  # withdrawn
+    assert not [
+        j for j in await env.hub.board.all_jobs.values() if j.owner == "nobody"
+    ]  # withdrawn
 
 
 # -- request errors -------------------------------------------------------------------
@@ -523,7 +538,7 @@ async def test_unexpected_error_is_a_short_500(env: Env, monkeypatch: pytest.Mon
     async def broken(*_args: Any) -> list[str]:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(env.hub.frontdoor.models, "listing", broken)
+    monkeypatch.setattr(env.hub.catalog, "listing", broken)
     async with env.http() as http:
         reply = await http.get("/v1/models")
     assert reply.status_code == 500
@@ -544,40 +559,40 @@ async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
     caps = ["chat-llm:v1"]
 
     async def claimed(origin: str) -> Any:
-        job = await first.enqueue_job("local", "chat", caps, origin=origin)
+        job = await first.board.enqueue("local", "chat", caps, origin=origin)
         job.claimed_by, job.run_id = "runner-1", "run-1"
-        await first.save_job(job)
+        await first.board.save(job)
         return job
 
     live, orphan, done, api_job = [
         await claimed(o) for o in ("frontdoor", "frontdoor", "frontdoor", "api")
     ]
-    unclaimed = await first.enqueue_job("local", "chat", caps, origin="frontdoor")
+    unclaimed = await first.board.enqueue("local", "chat", caps, origin="frontdoor")
     done.status, done.conclusion = "completed", "success"
-    await first.save_job(done)
+    await first.board.save(done)
     await first.store.save_session(StoredSession("tester", "s", "local", "chat", live.id))
     await first.store.save_session(StoredSession("tester", "old", "local", "chat", done.id))
     await first.store.close()
 
     second = Hub(data)
     async with open_hub(second):
-        assert second.frontdoor.sessions.listing() == {("tester", "s"): live.id}
+        assert second.sessions.listing() == {("tester", "s"): live.id}
         assert [(s.session_id, s.job_id) for s in await second.store.load_sessions()] == [
             ("s", live.id)
         ]
         # a front-door job no session points at lost its client: withdrawn, its redial refused
         assert (
-            await second.jobs.get(orphan.id)
-        ).cancelled and unclaimed.id not in await second.jobs.ids()
+            await second.board.all_jobs.get(orphan.id)
+        ).cancelled and unclaimed.id not in await second.board.all_jobs.ids()
         assert (
-            not (await second.jobs.get(live.id)).cancelled
-            and not (await second.jobs.get(api_job.id)).cancelled
+            not (await second.board.all_jobs.get(live.id)).cancelled
+            and not (await second.board.all_jobs.get(api_job.id)).cancelled
         )
     await second.store.close()
     third = Hub(data)
     assert (
-        await third.jobs.get(orphan.id)
-    ).cancelled and unclaimed.id not in await third.jobs.ids()
+        await third.board.all_jobs.get(orphan.id)
+    ).cancelled and unclaimed.id not in await third.board.all_jobs.ids()
     await third.store.close()
 
 
@@ -591,7 +606,7 @@ async def test_session_mapping_is_stored_and_follows_the_job(env: Env) -> None:
             (first,) = env.runner.claimed
             assert await stored() == [("tester", "persisted", first)]
             await env.runner.end_session(first)  # the runner ends it: the next turn opens a job
-            await (await env.hub.jobs.get(first)).completed.wait()
+            await (await env.hub.board.all_jobs.get(first)).completed.wait()
             await _stream(client)
     second = env.runner.claimed[1]
     assert second != first and await stored() == [("tester", "persisted", second)]

@@ -31,7 +31,7 @@ async def whole_path(
         async with open_hub(Hub(runner_wait_timeout=10, **hub_settings)) as (hub, url):
             config = runner_config(url, sim.url, tmp_path, user_token=hub.admin_token)
             async with running(config):
-                yield hub, url, await hub.create_api_key("apis", f"{OWNER}/{PROJECT}")
+                yield hub, url, await hub.keys.create("apis", f"{OWNER}/{PROJECT}")
 
 
 async def in_thread(fn: Callable[[], T]) -> T:
@@ -205,7 +205,7 @@ async def test_healthz_and_the_endpoints_not_served(tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=url) as http:
             down = await http.get("/healthz")
             assert down.status_code == 503 and down.json()["reason"] == "no runner is connected"
-            key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+            key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
             for path in ("/v1/completions", "/v1/embeddings"):
                 r = await http.post(path, json={}, headers={"authorization": f"Bearer {key}"})
                 assert r.status_code == 404 and "/v1/messages" in r.json()["error"]["message"]

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
-from gateway.hub.frontdoor import relay
+from gateway.hub.turn import State
 from gateway.runner.backends import BackendPool
 from gateway.runner.channel import Channel, ChannelKit
 from gateway.runner.poller import Poller
@@ -499,27 +499,41 @@ class _CountingTransport(netio.Transport):
 
 
 def _front_door_turn(
-    rid: str, record: Any = None, strip_usage: bool = False
+    rid: str, strip_usage: bool = False
 ) -> tuple[Any, _CountingTransport, Any, Any, socket.socket]:
-    """A channel, and a streamed turn on it whose client is the far end of a socket pair (the
-    turn accounted for in ``record``, its usage chunk kept from the client with
-    ``strip_usage``)."""
+    """A channel, and a streamed turn on it whose client is the far end of a socket pair (its
+    usage chunk kept from the client with ``strip_usage``)."""
     from types import SimpleNamespace
 
     from gateway.hub import Hub
     from gateway.hub.channel import ServerChannel
+    from gateway.hub.frontdoor.dialects import CHAT
     from gateway.hub.http import Response
+    from gateway.hub.turn import Turn
 
     ours, theirs = socket.socketpair()
     transport = _CountingTransport(ours)
     request = SimpleNamespace(body_pending=False, keep_alive=True)  # a POST whose body was read
     resp = Response(request, transport, False, b"POST")
     ch = ServerChannel(JOB, "runner", None, Hub().channels)
-    sink = relay.StreamSink(
-        resp, relay.stream_headers(rid), 1 << 20, record=record, strip_usage=strip_usage
+    turn = Turn(
+        rid,
+        "key-id",
+        "key",
+        "s",
+        b"{}",
+        CHAT,
+        resp,
+        model="m",
+        stream=True,
+        bound=1 << 20,
+        max_answer=1 << 20,
+        strip_usage=strip_usage,
+        now=trio.current_time(),
     )
-    ch.open_turn(rid, sink)
-    return ch, transport, resp, sink, theirs
+    turn.sent(rid, "runner", JOB)
+    ch.open(rid, turn)
+    return ch, transport, resp, turn, theirs
 
 
 def _chunk_frame(rid: str, i: int) -> str:
@@ -550,7 +564,7 @@ async def test_front_door_writes_a_reads_chunks_in_one_write() -> None:
     texts = [_chunk_frame("f1", i).encode() for i in range(100)]
     await ch.on_texts([*texts, protocol.done_frame(JOB, "f1").encode()])
     assert len(transport.writes) == 1
-    assert sink.state == relay.DONE and resp.finished
+    assert sink.state is State.DONE and resp.finished
     events = _events(client.recv(1 << 20))
     assert events[0] == b"data: " + payload(0) and events[99] == b"data: " + payload(99)
     assert events[100:] == [b"data: [DONE]"]
@@ -577,11 +591,8 @@ USAGE_ONLY = (
 async def _front_door_calls(rid: str, accounted: bool) -> tuple[int, Any, list[bytes]]:
     """Python calls (call and c_call events) while a front-door turn of 100 chunks, one a read,
     then the usage chunk the hub asked for and done are handed to the channel's reader; with
-    ``accounted`` the turn has its record and its usage chunk is kept from the client."""
-    from gateway.hub.turns import TurnRecord
-
-    record = TurnRecord("id", "key", "s", "chat", "m", True, 0.0) if accounted else None
-    ch, _transport, resp, _sink, client = _front_door_turn(rid, record, accounted)
+    ``accounted`` the turn's usage chunk (the hub asked for it) is kept from the client."""
+    ch, _transport, resp, record, client = _front_door_turn(rid, accounted)
     texts = [_chunk_frame(rid, i).encode() for i in range(100)]
     usage = protocol.TurnFrames(JOB, rid).chunk(USAGE_ONLY)
     reads = [[t] for t in texts] + [[usage, protocol.done_frame(JOB, rid).encode()]]

@@ -16,8 +16,8 @@ from helpers import PROJECT as PROJECT_NAME
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.hub import Hub
-from gateway.hub.admin import limits_supported
-from gateway.hub.http import HTTPError
+from gateway.hub.accounting import LimitExceeded
+from gateway.hub.dispatcher import WaitStats
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
@@ -70,18 +70,18 @@ async def test_every_data_route_needs_the_admin_credential(env: Env) -> None:
         ("GET", "/metrics"),
         ("POST", "/metrics"),  # no 405 either without the credential
     ]
-    key = await env.hub.create_api_key("tester", PROJECT)
+    key = await env.hub.keys.create("tester", PROJECT)
     async with httpx.AsyncClient(base_url=env.base, timeout=LIMIT) as client:
         for method, path in routes:
             r = await client.request(method, path)
             assert r.status_code == 401, (method, path)
             r = await client.request(method, path, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 403, (method, path)
-    assert [k["revoked"] for k in await env.hub.list_api_keys()] == [False]
+    assert [k["revoked"] for k in await env.hub.keys.listing()] == [False]
 
 
 async def test_runners_sessions_turns_and_keys(env: Env) -> None:
-    key = await env.hub.create_api_key("tester", PROJECT)
+    key = await env.hub.keys.create("tester", PROJECT)
     client = env.client(key)
     with trio.fail_after(LIMIT):
         await client.models.list()  # the runner lists its models
@@ -118,7 +118,7 @@ async def test_runners_sessions_turns_and_keys(env: Env) -> None:
             keys = (await admin.get("/api/hub/keys")).json()
             [entry] = keys["keys"]
             assert entry["name"] == "tester" and entry["revoked"] is False
-            assert "key" not in entry and keys["limitsSupported"] == limits_supported()
+            assert "key" not in entry and keys["limitsSupported"] is True
             # the simulator's usage: a token per word of the prompt, one per chunk
             assert entry["used"] == {
                 "turns": 1,
@@ -146,9 +146,6 @@ async def test_create_and_revoke_keys(env: Env) -> None:
             for bad in ({}, {"name": ""}, {"name": "b", "rpm": 0}, {"name": "b", "rpm": "1"}):
                 assert (await admin.post("/api/hub/keys", json=bad)).status_code == 400, bad
             assert (await admin.post("/api/hub/keys", content=b"[")).status_code == 400
-            if not limits_supported():
-                r = await admin.post("/api/hub/keys", json={"name": "b", "rpm": 1})
-                assert r.status_code == 400 and "limits" in r.json()["error"]["message"]
             r = await admin.post("/api/hub/keys", json={"name": "bob"})
             assert r.status_code == 201
             # revoked: by POST .../revoke or DELETE; its requests are refused at once
@@ -165,7 +162,7 @@ async def test_create_and_revoke_keys(env: Env) -> None:
 
 
 async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = await env.hub.create_api_key("tester", PROJECT)
+    key = await env.hub.keys.create("tester", PROJECT)
     client = env.client(key)
     with trio.fail_after(LIMIT):
         stream = await client.chat.completions.create(
@@ -177,26 +174,21 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
         async for _chunk in stream:
             pass
 
-        # a limit refusal as the usage book answers one: 429 before the turn is served
-        def refuse(record: Any) -> None:
-            raise HTTPError(429, "rpm limit of the key passed", "rate_limited")
+        # a limit refusal as the accounting answers one: 429 before the turn is served
+        async def refuse(turn: Any) -> None:
+            raise LimitExceeded("rpm", "rpm limit of the key passed", 1)
 
-        monkeypatch.setattr(env.hub.frontdoor.usage, "admit", refuse)
+        monkeypatch.setattr(env.hub.accounting, "admit", refuse)
         with pytest.raises(openai.RateLimitError):
             await client.chat.completions.create(model="sim-model", messages=MESSAGES)  # type: ignore[arg-type]
         monkeypatch.undo()
 
-        # the queues, where the sessions report them (Sessions.queue_stats, another branch)
-        @dataclass
-        class QueueStats:
-            depth: dict[str, int]
-            waits: int
-            wait_seconds: float
-            longest_wait: float
-            recent_waits: tuple[float, ...]
-
-        stats = QueueStats({"acme/chat": 3}, 5, 2.5, 1.5, (0.5, 1.0))
-        monkeypatch.setattr(env.hub.frontdoor.sessions, "queue_stats", lambda: stats, raising=False)
+        # the queues, as the dispatcher keeps them
+        waits = WaitStats()
+        for seconds in (0.25, 0.25, 0.5, 1.5, 0.0):
+            waits.add(seconds)
+        monkeypatch.setattr(env.hub.dispatcher, "waits", waits)
+        monkeypatch.setattr(env.hub.dispatcher, "depth", lambda: {"acme/chat": 3})
         async with env.admin() as admin:
             r = await admin.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

@@ -26,11 +26,13 @@ from helpers import (
     LogCapture,
     clean_env,
     open_chat,
+    open_request,
     quick_alp_requests,
     request_frame,
     runner_config,
     runner_env,
     running,
+    send,
 )
 from pathproxy import PathProxy, path_proxy
 
@@ -56,8 +58,8 @@ def observed(what: str, **seconds: float) -> None:
 async def serve_turn(ch: ServerChannel, job_id: str, request_id: str, chunks: int = 3) -> float:
     """One turn on ``ch``, relayed to its done frame; the seconds to its first chunk."""
     sent = trio.current_time()
-    rx = ch.open_request(request_id)
-    await ch.send(request_frame(job_id, request_id, sim={"chunks": chunks}))
+    rx = open_request(ch, request_id)
+    await send(ch, request_frame(job_id, request_id, sim={"chunks": chunks}))
     first: float | None = None
     frames = []
     async with rx:
@@ -102,16 +104,16 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             job, ch = await open_chat(server)
             await serve_turn(ch, job.id, "warm")
             assert list(runner.sessions) == [job.id]
-            long_rx = ch.open_request("long")
-            await ch.send(request_frame(job.id, "long", sim={"chunks": 100_000, "interval": 0.02}))
+            long_rx = open_request(ch, "long")
+            await send(ch, request_frame(job.id, "long", sim={"chunks": 100_000, "interval": 0.02}))
             with trio.fail_after(GUARD):
                 stream = await sim.wait_for_streams(2)
                 assert await stream.wait_sent(1)
             pings_at_freeze = counters.get("pings_sent")
             frozen_at = trio.current_time()
             assert proxy.freeze() >= 1  # the channel and any pooled HTTP connection
-            during_rx = ch.open_request("during")  # a turn sent while the path is dead
-            await ch.send(request_frame(job.id, "during", sim={"chunks": 3}))
+            during_rx = open_request(ch, "during")  # a turn sent while the path is dead
+            await send(ch, request_frame(job.id, "during", sim={"chunks": 3}))
             with trio.fail_after(GUARD):
                 await counters.wait("channels_dead", 1)
                 detected = trio.current_time()
@@ -120,7 +122,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
                 await counters.wait("reconnects", 1)
                 await ch.closed.wait()  # the redial replaced the hub's old channel
                 redialled = trio.current_time()
-                new = server.channel(job.id)
+                new = server.channels.get(job.id)
                 assert new is not None and new is not ch
                 # both turns of the old channel end there, at the redial: none hangs
                 assert [t async for t, _ in long_rx if "chat.completion.done" in t] == []
@@ -135,7 +137,7 @@ async def test_frozen_path_turn_cancelled_channel_redialled_session_goes_on(
             assert len(sim.streams) == 3
             assert counters.get("reconnects") == 1 and counters.get("sessions_started") == 1
             assert list(runner.sessions) == [job.id]  # the same slot, not a second one
-            await server.end_job(job.id, "bye")
+            await server.channels.end_job(job.id, "bye")
             with trio.fail_after(GUARD):
                 await counters.wait("sessions_ended", 1)
             assert len(runner.sessions) == slots_before
@@ -240,7 +242,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
     clear error, never hangs; the next turn is served on the same session; the runner holds one
     session slot throughout; `status` shows the keepalive's counters."""
     server, url = hub
-    key = await server.create_api_key("keepalive", f"{OWNER}/{PROJECT}")
+    key = await server.keys.create("keepalive", f"{OWNER}/{PROJECT}")
     oc = openai.AsyncOpenAI(
         base_url=url + "/v1",
         api_key=key,
@@ -257,8 +259,8 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
                 _, _, line = await runner.line("health and metrics on ")
                 metrics = line.split("health and metrics on ", 1)[1].split("/healthz", 1)[0]
                 assert (await _chat(oc, 5))[0] == whole
-                ((_, job_id),) = server.frontdoor.sessions.listing().items()
-                ch = server.channel(job_id)
+                ((_, job_id),) = server.sessions.listing().items()
+                ch = server.channels.get(job_id)
                 assert ch is not None
                 frozen_at = trio.current_time()
                 assert proxy.freeze() >= 1
@@ -285,7 +287,7 @@ async def test_runner_process_behind_a_frozen_path_redials_and_the_client_never_
             assert outcome[0] == "served" or (
                 outcome[0].startswith("error: ") and "lost" in outcome[0]
             ), outcome
-            assert server.frontdoor.sessions.listing() == {("keepalive", "frozen"): job_id}
+            assert server.sessions.listing() == {("keepalive", "frozen"): job_id}
             lines = report.splitlines()
             assert "sessions    1 open (max 64), 1 started, 0 ended" in lines, report
             assert any(x.startswith("channels    1 redials, ") for x in lines), report
@@ -327,11 +329,11 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
         )
         async with running(config) as runner:
             counters = runner.counters
-            job = await server.enqueue_job(
+            job = await server.board.enqueue(
                 OWNER, PROJECT, ["chat-llm:v1"], channel_definition(proxy)
             )
             with trio.fail_after(GUARD):
-                ch = await server.wait_channel(job.id, GUARD)
+                ch = await server.channels.wait(job.id, GUARD)
                 assert ch is not None
                 await serve_turn(ch, job.id, "first")
             if ping:
@@ -340,22 +342,22 @@ async def test_nat_forgets_an_idle_channel_unless_pinged(
                     await serve_turn(ch, job.id, "after-idle")
                 assert proxy.forgotten == 0 and proxy.connections == 1  # the same connection
                 assert counters.get("pings_sent") >= 1 and counters.get("channels_dead") == 0
-                assert counters.get("reconnects") == 0 and server.channel(job.id) is ch
+                assert counters.get("reconnects") == 0 and server.channels.get(job.id) is ch
                 return
             with trio.fail_after(GUARD):  # forgotten T after the first turn's last byte
                 await proxy.wait_until(lambda: proxy.forgotten == 1)
-            rx = ch.open_request("after-idle")
-            await ch.send(request_frame(job.id, "after-idle", sim={"chunks": 3}))
+            rx = open_request(ch, "after-idle")
+            await send(ch, request_frame(job.id, "after-idle", sim={"chunks": 3}))
             with trio.move_on_after(10 * NAT_IDLE):  # nothing comes back: the turn is lost
                 async for text, _ in rx:
                     raise AssertionError(f"a frame came through a forgotten path: {text}")
             assert len(sim.streams) == 1  # the backend never saw the turn
             assert counters.get("pings_sent") == 0 and counters.get("channels_dead") == 0
             assert counters.get("reconnects") == 0 and proxy.connections == 1
-            assert list(runner.sessions) == [job.id] and server.channel(job.id) is ch
+            assert list(runner.sessions) == [job.id] and server.channels.get(job.id) is ch
             # the Server withdraws the job: its chat.end is lost on the forgotten path too, and
             # its heartbeats are still accepted (over HTTP, a live path): the slot stays taken
-            await server.cancel_job(job.id, "given up by the Server")
+            await server.channels.cancel_job(job.id, "given up by the Server")
             beats = counters.get("heartbeats")
             with trio.fail_after(GUARD):
                 await counters.wait("heartbeats", beats + 2)

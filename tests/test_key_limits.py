@@ -24,7 +24,7 @@ from test_causes import ADMIN, GUARD, MESSAGES, OWNER, PROJECT, chat, client, er
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
 from gateway.hub.store import KeyLimits
-from gateway.hub.turns import TurnRecord
+from gateway.hub.turn import Turn
 
 TOKENS = USAGE["total_tokens"]  # each of the fake runner's turns (it always sends usage here)
 
@@ -35,9 +35,9 @@ class Ended:
     def __init__(self, hub: Hub) -> None:
         self.n = 0
         self._change = trio.Event()
-        hub.frontdoor.usage.observers.append(self._ended)
+        hub.accounting.observers.append(self._ended)
 
-    def _ended(self, _record: TurnRecord) -> None:
+    def _ended(self, _record: Turn) -> None:
         self.n += 1
         self._change.set()
         self._change = trio.Event()
@@ -89,7 +89,7 @@ async def test_rpm_exactly_that_many_of_concurrent_requests_then_the_window_slid
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with served() as (hub, url, _runner, _ended):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}", rpm=3)
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", rpm=3)
         with trio.fail_after(GUARD):
             replies = await concurrently(5, lambda i: chat(url, key, f"s{i}"))
             await let_pass(30.0)
@@ -123,7 +123,7 @@ async def test_max_streams_exactly_two_of_six_concurrent_streams_and_slots_relea
         "broken": Script(error_before="backend returned 500: boom"),
     }
     async with served(scripts=scripts) as (hub, url, runner, ended):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}", max_streams=2)
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", max_streams=2)
         outcomes: list[str] = []
         four_refused = trio.Event()
 
@@ -165,14 +165,14 @@ async def test_max_streams_exactly_two_of_six_concurrent_streams_and_slots_relea
         for o in refused
     )
     assert [r.status_code for r in after] == [200, 200]
-    assert hub.frontdoor.usage.in_flight == {}
+    assert hub.accounting.in_flight == {}
 
 
 async def test_tpm_counts_ended_turns_tokens_and_answers_anthropic_shape_on_messages(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with served() as (hub, url, _runner, ended):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}", tpm=TOKENS + 2)
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", tpm=TOKENS + 2)
         headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
         body = {"model": "fake-model", "max_tokens": 10, "messages": MESSAGES}
         with trio.fail_after(GUARD):
@@ -206,12 +206,12 @@ async def test_tokens_per_day_counts_the_utc_day_and_survives_a_restart(
     wall = [day + 23 * 3600 + 0.5]
 
     def clocked(hub: Hub) -> None:
-        hub.frontdoor.usage.clock = lambda: wall[0]
+        hub.accounting.clock = lambda: wall[0]
 
     data = tmp_path / "hub"
     async with served(data) as (hub, url, _runner, ended):
         clocked(hub)
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}", tokens_per_day=TOKENS + 1)
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", tokens_per_day=TOKENS + 1)
         with trio.fail_after(GUARD):
             first = await chat(url, key)
             await ended.count(1)
@@ -241,7 +241,7 @@ async def test_tokens_per_day_counts_the_utc_day_and_survives_a_restart(
 
 async def test_a_refused_turn_releases_its_slot(autojump_clock: trio.testing.MockClock) -> None:
     async with open_hub(hub_of()) as (hub, url):  # no runner: each turn is refused (503)
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}", max_streams=1)
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", max_streams=1)
         with trio.fail_after(GUARD):
             replies = [await chat(url, key) for _ in range(3)]
     assert [r.status_code for r in replies] == [503, 503, 503]
@@ -254,7 +254,7 @@ async def test_limits_changed_by_another_process_apply_within_key_check_interval
     data = tmp_path / "hub"
     cli_data = ["--data", str(data)]
     async with served(data, key_check_interval=3.0) as (hub, url, _runner, ended):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         with trio.fail_after(GUARD):
             before = await chat(url, key)
             # `alp-gateway hub keys update k --rpm 1` from another process on the same store
@@ -279,22 +279,22 @@ async def test_limits_changed_in_the_hub_apply_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with served(key_check_interval=1000.0) as (hub, url, _runner, ended):
-        key = await hub.create_api_key("k", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         with trio.fail_after(GUARD):
             before = await chat(url, key)
-            assert await hub.update_api_key_limits("k", KeyLimits(rpm=1))
+            assert await hub.keys.update_limits("k", KeyLimits(rpm=1))
             limited = await chat(url, key)
-            assert await hub.api_key_limits("k") == KeyLimits(rpm=1)
-            assert await hub.update_api_key_limits("k", KeyLimits(rpm=0))  # 0: no limit
+            assert await hub.keys.limits("k") == KeyLimits(rpm=1)
+            assert await hub.keys.update_limits("k", KeyLimits(rpm=0))  # 0: no limit
             freed = await chat(url, key)
     assert [before.status_code, limited.status_code, freed.status_code] == [200, 429, 200]
-    assert await hub.api_key_limits("k") == KeyLimits()
-    assert not await hub.update_api_key_limits("nobody", KeyLimits(rpm=1))
-    assert await hub.api_key_limits("nobody") is None
+    assert await hub.keys.limits("k") == KeyLimits()
+    assert not await hub.keys.update_limits("nobody", KeyLimits(rpm=1))
+    assert await hub.keys.limits("nobody") is None
     with pytest.raises(ValueError, match="tpm"):
-        await hub.update_api_key_limits("k", KeyLimits(tpm=-1))
+        await hub.keys.update_limits("k", KeyLimits(tpm=-1))
     with pytest.raises(ValueError, match="max_streams"):
-        await hub.create_api_key("j", f"{OWNER}/{PROJECT}", max_streams=-2)
+        await hub.keys.create("j", f"{OWNER}/{PROJECT}", max_streams=-2)
 
 
 def test_keys_create_update_list_with_limits(
@@ -318,7 +318,7 @@ def test_keys_create_update_list_with_limits(
     assert a[0] == "a" and a[3:] == ["active", "tpm=1000", "tokens/day=9", "streams=2"]
     assert b[0] == "b" and b[3:] == ["active", "-"]
     hub = Hub(tmp_path / "hub")
-    assert trio.run(hub.api_key_limits, "a") == KeyLimits(tpm=1000, tokens_per_day=9, max_streams=2)
+    assert trio.run(hub.keys.limits, "a") == KeyLimits(tpm=1000, tokens_per_day=9, max_streams=2)
     trio.run(hub.store.close)
     assert hub_main(["keys", "update", "nobody", "--rpm", "1", *data]) == 2
     assert hub_main(["keys", "update", "a", *data]) == 2

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from helpers import ADMIN, OWNER, PROJECT, LogCapture, Turns, request_frame, running
+from helpers import ADMIN, OWNER, PROJECT, LogCapture, Turns, request_frame, running, send
 from helpers import runner_config as _runner_config
 
 from gateway.config import Config
@@ -33,13 +33,13 @@ def runner_config(server: str, backend: str | None, state_dir: Path, **overrides
 
 
 async def _chat(hub: Hub, **definition: Any) -> tuple[Any, Any]:
-    job = await hub.enqueue_job(
+    job = await hub.board.enqueue(
         OWNER,
         PROJECT,
         ["chat-llm:v1"],
         {"jobType": "chat_llm", "needs": ["chat-llm:v1"], **definition},
     )
-    channel = await hub.wait_channel(job.id, 30)
+    channel = await hub.channels.wait(job.id, 30)
     assert channel is not None, "the runner did not open the chat channel"
     return job, channel
 
@@ -59,7 +59,7 @@ async def test_idle_limit_ends_the_session_after_the_last_turn(
         job, ch = await _chat(hub[0], idleTimeoutMinutes=2)
         turns = Turns(ch)
         await trio.sleep(90)  # idle 1.5 min: still open
-        await ch.send(request_frame(job.id, "t1", sim={"chunks": 30, "interval": 1.0}))
+        await send(ch, request_frame(job.id, "t1", sim={"chunks": 30, "interval": 1.0}))
         await turns.until("t1", within=120)  # 30 s of generation: in flight is not idle
         ended = trio.current_time()
         end, at = await _chat_end(turns)
@@ -81,8 +81,8 @@ async def test_max_limit_gives_in_flight_turns_the_grace_then_ends(
         started = trio.current_time()
         turns = Turns(ch)
         # one turn ends within the grace (at ~63 s), one would take 1000 s
-        await ch.send(request_frame(job.id, "short", sim={"chunks": 63, "interval": 1.0}))
-        await ch.send(request_frame(job.id, "long", sim={"chunks": 1000, "interval": 1.0}))
+        await send(ch, request_frame(job.id, "short", sim={"chunks": 63, "interval": 1.0}))
+        await send(ch, request_frame(job.id, "long", sim={"chunks": 1000, "interval": 1.0}))
         await turns.until("short", "long", errors={"long"}, within=120)
         reason = "session reached its time limit of 1 min (maxTimeoutMinutes)"
         assert turns.last("long")["error"] == reason
@@ -103,9 +103,9 @@ async def test_a_turn_arriving_after_the_limit_is_refused_with_the_reason(
     async with running(runner_config(hub[1], sim.url, tmp_path, grace=30.0)) as runner:
         job, ch = await _chat(hub[0], maxTimeoutMinutes=0.5)
         turns = Turns(ch)
-        await ch.send(request_frame(job.id, "long", sim={"chunks": 50, "interval": 1.0}))
+        await send(ch, request_frame(job.id, "long", sim={"chunks": 50, "interval": 1.0}))
         await trio.sleep(40)  # past the limit: winding down, "long" in its grace
-        await ch.send(request_frame(job.id, "late", sim={"chunks": 1}))
+        await send(ch, request_frame(job.id, "late", sim={"chunks": 1}))
         await turns.until("late", "long", errors={"late"}, within=120)
         reason = "session reached its time limit of 0.5 min (maxTimeoutMinutes)"
         assert turns.last("late")["error"] == reason
@@ -126,11 +126,11 @@ async def test_absent_or_invalid_limits_mean_none_and_invalid_is_logged_once(
     async with running(runner_config(hub[1], sim.url, tmp_path)) as runner:
         job, ch = await _chat(hub[0], idleTimeoutMinutes=-5, maxTimeoutMinutes=True)
         turns = Turns(ch)
-        await ch.send(request_frame(job.id, "t1", sim={"chunks": 2}))
+        await send(ch, request_frame(job.id, "t1", sim={"chunks": 2}))
         await turns.until("t1")
         await trio.sleep(6 * 3600)  # six hours: no limit applies
         assert list(runner.sessions) == [job.id]
-        await ch.send(request_frame(job.id, "t2", sim={"chunks": 2}))
+        await send(ch, request_frame(job.id, "t2", sim={"chunks": 2}))
         await turns.until("t2")
         assert not any(f["type"] == "chat.end" for f in turns.other)
         assert job.conclusion is None

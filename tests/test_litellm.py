@@ -28,7 +28,7 @@ import h11
 import httpx
 import pytest
 import trio
-from helpers import Turns, clean_env, open_chat, request_frame, runner_config, running
+from helpers import Turns, clean_env, open_chat, request_frame, runner_config, running, send
 
 from gateway.config import BackendSpec
 from gateway.hub import Hub
@@ -281,8 +281,8 @@ async def test_streamed_mock_turn_with_usage(
         config = runner_config(hub[1], None, tmp_path, backends=(spec(tap),), model="mock-chat")
         async with running(config) as runner:
             job, ch = await open_chat(hub[0])
-            await ch.send({"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
-            await ch.send(request_frame(job.id, "t", stream_options={"include_usage": True}))
+            await send(ch, {"type": "chat.models.request", "jobId": job.id, "requestId": "m"})
+            await send(ch, request_frame(job.id, "t", stream_options={"include_usage": True}))
             turns = Turns(ch)
             await turns.until("m", "t")
             assert sorted(turns.last("m")["models"]) == ["mock-chat", "mock-tools", "via-sim"]
@@ -313,7 +313,9 @@ async def test_non_streamed_mock_tool_calls(
         config = runner_config(hub[1], None, tmp_path, backends=(spec(tap),), model="mock-chat")
         async with running(config):
             job, ch = await open_chat(hub[0])
-            await ch.send(request_frame(job.id, "t", model="mock-tools", stream=False, tools=TOOLS))
+            await send(
+                ch, request_frame(job.id, "t", model="mock-tools", stream=False, tools=TOOLS)
+            )
             turns = Turns(ch)
             await turns.until("t")
         checks = await diagnose(config, deep=True)
@@ -341,8 +343,9 @@ async def test_streamed_tool_calls_re_streamed_by_litellm(
             config = runner_config(hub[1], None, tmp_path, backends=(spec(tap),), model="via-sim")
             async with running(config):
                 job, ch = await open_chat(hub[0])
-                await ch.send(
-                    request_frame(job.id, "t", stream_options={"include_usage": True}, tools=TOOLS)
+                await send(
+                    ch,
+                    request_frame(job.id, "t", stream_options={"include_usage": True}, tools=TOOLS),
                 )
                 turns = Turns(ch)
                 await turns.until("t")

@@ -24,6 +24,7 @@ from helpers import (
     clean_env,
     open_chat,
     request_frame,
+    send,
 )
 
 from gateway.hub import Hub
@@ -103,7 +104,7 @@ async def test_runner_process_logs_json_lines(
         )
         try:
             job, ch = await open_chat(hub[0], within=20)
-            await ch.send(request_frame(job.id, "t", sim={"chunks": 3}))
+            await send(ch, request_frame(job.id, "t", sim={"chunks": 3}))
             await Turns(ch).until("t")
             proc.send_signal(signal.SIGTERM)
             with trio.fail_after(20):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 from faultproxy import fault_proxy
-from helpers import EXE, Turns, clean_env, open_chat, request_frame, runner_config, running
+from helpers import EXE, Turns, clean_env, open_chat, request_frame, runner_config, running, send
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
@@ -186,7 +186,7 @@ async def test_healthz_and_metrics_count_a_served_turn(
         assert (await get(url + "/livez")).status_code == 200
 
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "r1", sim={"chunks": 5}))
+        await send(ch, request_frame(job.id, "r1", sim={"chunks": 5}))
         turns = Turns(ch)
         await turns.until("r1")
         with trio.fail_after(5):
@@ -300,7 +300,7 @@ async def test_status_command(hub: tuple[Hub, str], sim: Simulator, tmp_path: Pa
     config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
     async with running(config) as runner:
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "r1", sim={"chunks": 3}))
+        await send(ch, request_frame(job.id, "r1", sim={"chunks": 3}))
         await Turns(ch).until("r1")
         with trio.fail_after(5):
             await runner.counters.wait("turns_done", 1)
@@ -336,7 +336,7 @@ async def test_status_after_a_turn_answered_whole_says_what_is_timed(
     config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
     async with running(config) as runner:
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "whole", sim={"chunks": 3}, stream=False))
+        await send(ch, request_frame(job.id, "whole", sim={"chunks": 3}, stream=False))
         await Turns(ch).until("whole")
         with trio.fail_after(5):
             await runner.counters.wait("turns_done", 1)

@@ -33,7 +33,6 @@ from rawclient import head as raw_head
 from rawclient import request as raw_request
 
 from gateway.hub import Hub
-from gateway.hub.admin import limits_supported
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator
 
@@ -44,9 +43,7 @@ EXPECT_MS = 10_000  # Playwright's waits for what the page shows
 POLL_MS = 250  # the page's poll interval in this test (?poll=)
 MESSAGES = [{"role": "user", "content": "hello there"}]
 SLOW = {"chunks": 40, "interval": 0.1}  # a turn in flight for 4 s: seen live on the page
-# Key limits are being added to Hub.create_api_key by another branch. Until they are there, the
-# key is created without one and the 429 step below is not run (LIMITS_EXIST is False).
-LIMITS_EXIST = limits_supported()
+LIMITS_EXIST = True  # every hub takes key limits now (the 429 step below runs)
 
 
 def _unavailable(reason: str) -> None:
@@ -226,7 +223,7 @@ async def test_status_page(
     # first turn through and refuses the next one with 429.
     with trio.fail_after(STEP):
         alice = await run(create_key, "alice", 1 if LIMITS_EXIST else None)
-    assert [k["name"] for k in await the_hub.list_api_keys()] == ["alice"]
+    assert [k["name"] for k in await the_hub.keys.listing()] == ["alice"]
 
     def turn_in_flight(key_name: str) -> None:
         row = page.locator(f'#turns tbody tr[data-key="{key_name}"]')
@@ -265,7 +262,7 @@ async def test_status_page(
             await run(counted, "alice", 2 + SLOW["chunks"], 1)
 
     # -- the usage chart: the hourly book's rows as bars (none while the book keeps none) ----
-    hourly = await the_hub.frontdoor.usage.hourly(0)
+    hourly = await the_hub.accounting.hourly(0)
 
     def chart() -> None:
         bars = page.locator('#usage-chart svg rect[data-key="alice"]')
@@ -278,7 +275,7 @@ async def test_status_page(
     with trio.fail_after(STEP):
         await run(chart)
 
-    bob = await the_hub.create_api_key("bob", PROJECT)
+    bob = await the_hub.keys.create("bob", PROJECT)
     with trio.fail_after(STEP):
         await _client(base, bob).models.list()  # the runner lists its models: the page shows them
 
@@ -307,7 +304,7 @@ async def test_status_page(
 
     # -- whatever a name holds is shown as text, never run as HTML ------------------------
     odd = '<img src=x onerror="document.title=1">'
-    await the_hub.create_api_key(odd, PROJECT)
+    await the_hub.keys.create(odd, PROJECT)
 
     def literal() -> None:
         expect(page.locator("#keys tbody")).to_contain_text(odd)

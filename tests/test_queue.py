@@ -18,6 +18,7 @@ import httpx
 import trio
 import trio.testing
 import trio_websocket
+from helpers import register_runner
 from test_causes import (
     CHAT_DEFINITION,
     GUARD,
@@ -31,7 +32,7 @@ from test_causes import (
 )
 
 from gateway.hub import Hub, open_hub
-from gateway.hub.frontdoor.queue import Entry, FairQueue
+from gateway.hub.dispatch import FairQueue, Waiter
 from gateway.wire import protocol
 
 DEPTH = f"{OWNER}/{PROJECT}"
@@ -51,7 +52,7 @@ class SlotRunner(HandRunner):
 
     async def fill(self, hub: Hub) -> None:
         """Hold one session (a job claimed, never served) and advertise nothing."""
-        job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
         assert [j["id"] for j in await self.poll("chat-llm:v1")] == [job.id]
         await self.claim(job.id)
         assert await self.poll() == []
@@ -94,9 +95,12 @@ class SlotRunner(HandRunner):
 
 @asynccontextmanager
 async def busy_hub(**settings: Any) -> AsyncIterator[tuple[Hub, str, SlotRunner, trio.Nursery]]:
-    """A hub whose project's only runner holds one session and is at capacity."""
+    """A hub whose project's only runner holds one session and is at capacity (a runner driven
+    by hand: it polls only when the test frees a slot, so the hub must not count it offline
+    while virtual time passes)."""
+    settings.setdefault("offline_after", 10 * GUARD)
     async with open_hub(hub_of(**settings)) as (hub, url), trio.open_nursery() as nursery:
-        registration = await hub.register_runner(OWNER, PROJECT, "by-hand", ["self-hosted"])
+        registration = await register_runner(hub, OWNER, PROJECT, "by-hand", ["self-hosted"])
         runner = SlotRunner(registration, url, nursery)
         await runner.fill(hub)
         yield hub, url, runner, nursery
@@ -118,16 +122,23 @@ async def post(url: str, key: str, text: str) -> httpx.Response:
 
 
 def depth(hub: Hub) -> int:
-    return hub.frontdoor.sessions.queue_stats().depth.get(DEPTH, 0)
+    return hub.snapshot().queue.depth.get(DEPTH, 0)
 
 
 async def until(hub: Hub, predicate: Any) -> None:
-    """Wait on the board's changes (the queue's joins and leaves notify them) until it holds."""
+    """Wait until ``predicate`` holds: looked at on every change of the board (the queue's joins
+    and leaves notify it), and each virtual second (what a hand-driven runner did is no change
+    of the hub's)."""
     while not predicate():
-        await hub.board.changes.wait()
+        with trio.move_on_after(1.0):
+            await hub.board.changes.wait()
 
 
 # -- the order: pure -------------------------------------------------------------------------
+
+
+def Entry(lane: str, arrived: float) -> Waiter:  # noqa: N802 (one waiting turn of a lane)
+    return Waiter(lane, object(), None, arrived)
 
 
 def test_round_robin_across_lanes_fifo_within_one() -> None:
@@ -157,8 +168,8 @@ async def test_a_burst_of_one_key_does_not_starve_another(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
-        key_a = await hub.create_api_key("a", DEPTH)
-        key_b = await hub.create_api_key("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         replies: dict[str, httpx.Response] = {}
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:
@@ -170,7 +181,7 @@ async def test_a_burst_of_one_key_does_not_starve_another(
                 for n, (key, text) in enumerate(arrivals, 1):
                     clients.start_soon(turn, key, text)
                     await until(hub, lambda n=n: depth(hub) == n)  # queued in this order
-                assert hub.frontdoor.sessions.queue_stats().depth == {DEPTH: 6}
+                assert hub.snapshot().queue.depth == {DEPTH: 6}
                 assert len(frontdoor_jobs(hub)) == 1  # only the first holds a job: no race
                 order = []
                 for _ in arrivals:  # slots free up one at a time
@@ -180,7 +191,7 @@ async def test_a_burst_of_one_key_does_not_starve_another(
     assert order == ["A1", "B1", "A2", "A3", "A4", "A5"]
     assert {text: r.status_code for text, r in replies.items()} == dict.fromkeys(order, 200)
     assert replies["B1"].json()["choices"][0]["message"]["content"] == "served B1"
-    stats = hub.frontdoor.sessions.queue_stats()
+    stats = hub.snapshot().queue
     assert stats.depth == {} and stats.waits == 6 and len(stats.recent_waits) == 6
     assert hub.counters.queued == 6 and hub.counters.queue_timeouts == 0
 
@@ -189,8 +200,8 @@ async def test_past_the_bound_503_queue_full_at_once_with_the_position(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_length=2, queue_wait=NEVER) as (hub, url, _runner, _):
-        key_a = await hub.create_api_key("a", DEPTH)
-        key_b = await hub.create_api_key("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:
                 for n, text in enumerate(["A1", "A2"], 1):
@@ -219,7 +230,7 @@ async def test_a_streamed_client_gets_keepalives_while_queued_then_its_answer(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER, keepalive_interval=5.0) as (hub, url, runner, _):
-        key = await hub.create_api_key("a", DEPTH)
+        key = await hub.keys.create("a", DEPTH)
         received = b""
         with trio.fail_after(GUARD):
             async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
@@ -248,7 +259,7 @@ async def test_a_streamed_client_gets_keepalives_while_queued_then_its_answer(
         "content": "served S1"
     }
     assert events[-1] == b"data: [DONE]"
-    stats = hub.frontdoor.sessions.queue_stats()
+    stats = hub.snapshot().queue
     assert stats.waits == 1 and stats.recent_waits[0] >= 10.0 and stats.longest_wait >= 10.0
 
 
@@ -256,7 +267,7 @@ async def test_a_queued_streamed_turn_that_times_out_ends_its_stream_with_queue_
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=12.0, keepalive_interval=5.0) as (hub, url, _runner, _):
-        key = await hub.create_api_key("a", DEPTH)
+        key = await hub.keys.create("a", DEPTH)
         with trio.fail_after(GUARD):
             async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
                 reply = await http.post(
@@ -286,8 +297,8 @@ async def test_a_client_that_leaves_the_queue_is_removed_at_once_and_the_next_is
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
-        key_a = await hub.create_api_key("a", DEPTH)
-        key_b = await hub.create_api_key("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         replies: dict[str, httpx.Response] = {}
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:
@@ -311,15 +322,15 @@ async def test_a_client_that_leaves_the_queue_is_removed_at_once_and_the_next_is
     assert held.cancelled  # A1's job was withdrawn: it never takes the slot
     assert "A1" not in replies and replies["B1"].status_code == 200
     assert runner.served[job_id] == ["B1"]
-    assert hub.frontdoor.sessions.queue_stats().waits == 2
+    assert hub.snapshot().queue.waits == 2
 
 
 async def test_a_job_no_runner_claims_costs_its_waiter_no_place(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with busy_hub(queue_wait=NEVER) as (hub, url, runner, _):
-        key_a = await hub.create_api_key("a", DEPTH)
-        key_b = await hub.create_api_key("b", DEPTH)
+        key_a = await hub.keys.create("a", DEPTH)
+        key_b = await hub.keys.create("b", DEPTH)
         replies: dict[str, httpx.Response] = {}
         with trio.fail_after(GUARD):
             async with trio.open_nursery() as clients:

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 import trio.testing
-from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT
+from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner
 from rawclient import RawConn, bearer, head, request
 
 from gateway.hub import Hub, open_hub
@@ -57,9 +57,9 @@ class Runner:
     @classmethod
     async def open(cls, hub: Hub, url: str) -> Runner:
         runner = cls(hub, url)
-        registered = await hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])
+        registered = await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
         runner.token = registered["token"]
-        job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+        job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
         runner.job_id = job.id
         return runner
 
@@ -208,7 +208,7 @@ async def test_late_reports_are_dropped_counted_and_never_stored(
         error_of(resp, 409, "conflict")
         assert hub.board.late_reports == 22
         assert await runner.stored() == [IN_PROGRESS, DONE]
-        job = await hub.jobs.get(runner.job_id)
+        job = await hub.board.all_jobs.get(runner.job_id)
         assert job.reports == [IN_PROGRESS, DONE] and job.last_progress is None
         conn = await RawConn.open(url)
         await conn.send(head("GET", "/api/hub/jobs", [bearer(ADMIN)]))

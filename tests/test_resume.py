@@ -73,7 +73,7 @@ async def rig(
         config = runner_config(url, sim.url, tmp_path, **overrides)
         async with running(config) as runner:
             definition = {**CHAT_DEFINITION, "channelUrl": server.url}
-            job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], definition)
+            job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], definition)
             with trio.fail_after(GUARD):
                 conn = await server.conn(1)
             yield Rig(server, sim, runner, job.id, conn)
@@ -119,7 +119,7 @@ async def test_a_broken_path_resumes_what_it_swallowed(
         config = runner_config(url, sim.url, tmp_path, ping_interval=1.0, ping_timeout=1.0)
         async with running(config) as runner:
             channel = f"ws://127.0.0.1:{proxy.port}/api/lives/chat/channel/ws"
-            job = await hub.enqueue_job(
+            job = await hub.board.enqueue(
                 OWNER, PROJECT, ["chat-llm:v1"], {**CHAT_DEFINITION, "channelUrl": channel}
             )
             with trio.fail_after(GUARD):

@@ -18,6 +18,7 @@ from helpers import (
     request_frame,
     runner_config,
     running,
+    send,
 )
 
 from gateway.hub import Hub, open_hub
@@ -33,7 +34,7 @@ async def test_one_turn_streams_verbatim_chunks(
 ) -> None:
     job, ch = await open_chat(hub[0])
     assert job.claimed_by is not None
-    await ch.send(request_frame(job.id, "r1", sim={"chunks": 5}))
+    await send(ch, request_frame(job.id, "r1", sim={"chunks": 5}))
     turns = Turns(ch)
     await turns.until("r1")
     frames = turns.of("r1")
@@ -56,8 +57,8 @@ async def test_one_turn_streams_verbatim_chunks(
 
 async def test_two_turns_interleave(hub: tuple[Hub, str], sim: Simulator, runner: Runner) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "slow", sim={"chunks": 6, "interval": 0.15}))
-    await ch.send(request_frame(job.id, "fast", sim={"chunks": 3}))
+    await send(ch, request_frame(job.id, "slow", sim={"chunks": 6, "interval": 0.15}))
+    await send(ch, request_frame(job.id, "fast", sim={"chunks": 3}))
     turns = Turns(ch)
     await turns.until("fast")
     # the fast turn finished while the slow one was still streaming
@@ -72,14 +73,14 @@ async def test_models_request_answered_during_a_generation(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "long", sim={"chunks": 50, "interval": 0.1}))
-    await ch.send({"type": "chat.models.request", "jobId": job.id, "requestId": "m1"})
+    await send(ch, request_frame(job.id, "long", sim={"chunks": 50, "interval": 0.1}))
+    await send(ch, {"type": "chat.models.request", "jobId": job.id, "requestId": "m1"})
     turns = Turns(ch)
     await turns.until("m1")
     assert turns.last("m1")["models"] == ["sim-model"]
     assert not turns.finished("long")
     stream = await sim.wait_for_streams(1)  # the generation has reached the backend
-    await ch.send({"type": "chat.completion.cancel", "jobId": job.id, "requestId": "long"})
+    await send(ch, {"type": "chat.completion.cancel", "jobId": job.id, "requestId": "long"})
     await turns.until("long", errors={"long"})
     assert turns.last("long") == {
         "type": "chat.completion.error",
@@ -96,10 +97,10 @@ async def test_chat_end_mid_generation_closes_backend_and_reports_success(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "r", sim={"chunks": 100, "interval": 0.1}))
+    await send(ch, request_frame(job.id, "r", sim={"chunks": 100, "interval": 0.1}))
     stream = await sim.wait_for_streams(1)
     await stream.wait_sent(1)
-    await ch.send({"type": "chat.end", "reason": "user left"})
+    await send(ch, {"type": "chat.end", "reason": "user left"})
     with trio.fail_after(15):
         await stream.finished.wait()
     assert stream.client_closed and not stream.completed  # cut, not run to its end
@@ -112,7 +113,7 @@ async def test_chat_end_mid_generation_closes_backend_and_reports_success(
 
 async def test_chunks_are_not_bunched(hub: tuple[Hub, str], sim: Simulator, runner: Runner) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "p", sim={"chunks": 10, "interval": 0.05}))
+    await send(ch, request_frame(job.id, "p", sim={"chunks": 10, "interval": 0.05}))
     turns = Turns(ch)
     await turns.until("p")
     received = [at for f, _, at in turns.frames["p"] if f["type"] == "chat.completion.chunk"]
@@ -131,7 +132,7 @@ async def test_frame_model_wins_and_non_stream_reply(
     job, ch = await open_chat(hub[0])
     frame = request_frame(job.id, "n", sim={"chunks": 3}, stream=False, model="sim-model")
     frame["model"] = "other"
-    await ch.send(frame)
+    await send(ch, frame)
     turns = Turns(ch)
     await turns.until("n")
     chunks = turns.chunks("n")
@@ -144,10 +145,10 @@ async def test_backend_errors_become_error_frames(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "e500", sim={"fault": "500"}))
-    await ch.send(request_frame(job.id, "bad", sim={"fault": "malformed", "fault_after": 1}))
-    await ch.send(request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1}))
-    await ch.send(request_frame(job.id, "ok", sim={"chunks": 2}))
+    await send(ch, request_frame(job.id, "e500", sim={"fault": "500"}))
+    await send(ch, request_frame(job.id, "bad", sim={"fault": "malformed", "fault_after": 1}))
+    await send(ch, request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1}))
+    await send(ch, request_frame(job.id, "ok", sim={"chunks": 2}))
     turns = Turns(ch)
     await turns.until("e500", "bad", "cut", "ok", errors={"e500", "bad", "cut"})
     assert turns.last("e500")["error"].startswith("backend returned 500: ")
@@ -173,7 +174,7 @@ async def test_unreachable_backend_names_url_not_key(hub: tuple[Hub, str], tmp_p
         async with running(runner_config(hub[1], url, tmp_path, health_interval=3600)):
             job, ch = await open_chat(hub[0])
             backend_scope.cancel()  # the backend dies after the session opened
-            await ch.send(request_frame(job.id, "x"))
+            await send(ch, request_frame(job.id, "x"))
             turns = Turns(ch)
             await turns.until("x", errors={"x"})
             error = turns.last("x")["error"]
@@ -184,19 +185,20 @@ async def test_bad_frames_leave_the_channel_up(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner, logs: object
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send("this is not json")
-    await ch.send(b"\x00\x01binary")
-    await ch.send({"type": "chat.unknown.type", "x": 1})
-    await ch.send({"type": "chat.completion.request", "requestId": "nobody"})
-    await ch.send(
+    await send(ch, "this is not json")
+    await send(ch, b"\x00\x01binary")
+    await send(ch, {"type": "chat.unknown.type", "x": 1})
+    await send(ch, {"type": "chat.completion.request", "requestId": "nobody"})
+    await send(
+        ch,
         {
             "type": "chat.completion.request",
             "jobId": "other-job",
             "requestId": "foreign",
             "body": {"messages": []},
-        }
+        },
     )
-    await ch.send(request_frame(job.id, "good", sim={"chunks": 2}))
+    await send(ch, request_frame(job.id, "good", sim={"chunks": 2}))
     turns = Turns(ch)
     await turns.until("nobody", "foreign", "good", errors={"nobody", "foreign"})
     assert turns.last("nobody")["type"] == "chat.completion.error"
@@ -209,7 +211,7 @@ async def test_dropped_channel_is_redialled_and_next_turn_served(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "inflight", sim={"chunks": 100, "interval": 0.1}))
+    await send(ch, request_frame(job.id, "inflight", sim={"chunks": 100, "interval": 0.1}))
     stream = await sim.wait_for_streams(1)
     await stream.wait_sent(1)
     await ch.close(1011)
@@ -218,9 +220,9 @@ async def test_dropped_channel_is_redialled_and_next_turn_served(
     assert stream.client_closed  # the dropped turn's backend request was closed
     with trio.fail_after(5):
         await ch.closed.wait()
-    ch2 = await hub[0].wait_channel(job.id, 10)
+    ch2 = await hub[0].channels.wait(job.id, 10)
     assert ch2 is not None and ch2 is not ch
-    await ch2.send(request_frame(job.id, "after", sim={"chunks": 2}))
+    await send(ch2, request_frame(job.id, "after", sim={"chunks": 2}))
     turns = Turns(ch2)
     await turns.until("after")
     assert turns.last("after")["type"] == "chat.completion.done"
@@ -246,8 +248,8 @@ async def test_reconnect_window_gives_up_with_failure(
 async def test_foreign_job_never_claimed(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
-    foreign = await hub[0].enqueue_job(OWNER, PROJECT, [], {"jobType": "dispatch_worker"})
-    other = await hub[0].enqueue_job(OWNER, PROJECT, ["docker"], {})
+    foreign = await hub[0].board.enqueue(OWNER, PROJECT, [], {"jobType": "dispatch_worker"})
+    other = await hub[0].board.enqueue(OWNER, PROJECT, ["docker"], {})
     job, _ = await open_chat(hub[0])
     assert job.claimed_by is not None
     assert foreign.claimed_by is None and foreign.status == "queued"
@@ -268,7 +270,7 @@ async def test_short_polling_without_events(sim: Simulator, tmp_path: Path) -> N
     async with open_hub(Hub(admin_token=ADMIN, events=False)) as (hub, url):
         async with running(runner_config(url, sim.url, tmp_path, poll_interval=0.2)):
             job, ch = await open_chat(hub)
-            await ch.send(request_frame(job.id, "r", sim={"chunks": 1}))
+            await send(ch, request_frame(job.id, "r", sim={"chunks": 1}))
             turns = Turns(ch)
             await turns.until("r")
 
@@ -280,12 +282,12 @@ async def test_max_sessions_stops_advertising(
     async with running(config) as r:
         job1, ch1 = await open_chat(hub[0])
         assert r.capabilities() == []
-        job2 = await hub[0].enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
+        job2 = await hub[0].board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
         with trio.fail_after(5):
             await r.counters.wait("polls", r.counters.get("polls") + 3)
         assert job2.claimed_by is None
-        await ch1.send({"type": "chat.end"})
-        ch2 = await hub[0].wait_channel(job2.id, 5)
+        await send(ch1, {"type": "chat.end"})
+        ch2 = await hub[0].channels.wait(job2.id, 5)
         assert ch2 is not None
 
 
@@ -305,7 +307,7 @@ async def test_graceful_shutdown_lets_turns_finish(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(r.run)
         job, ch = await open_chat(hub[0])
-        await ch.send(request_frame(job.id, "t", sim={"chunks": 5, "interval": 0.05}))
+        await send(ch, request_frame(job.id, "t", sim={"chunks": 5, "interval": 0.05}))
         stream = await sim.wait_for_streams(1)
         await stream.wait_sent(1)
         r.begin_shutdown()
@@ -332,7 +334,7 @@ async def test_server_down_at_start_then_up(sim: Simulator, tmp_path: Path) -> N
             await r.counters.wait("registration_errors", 2)
         async with open_hub(Hub(admin_token=ADMIN), port=port) as (hub, _):
             job, ch = await open_chat(hub, within=15)
-            await ch.send(request_frame(job.id, "r", sim={"chunks": 1}))
+            await send(ch, request_frame(job.id, "r", sim={"chunks": 1}))
             turns = Turns(ch)
             await turns.until("r")
             nursery.cancel_scope.cancel()
@@ -364,9 +366,9 @@ async def test_backend_key_never_reaches_the_hub(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner, logs: object
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "a", sim={"chunks": 2}))
-    await ch.send(request_frame(job.id, "b", sim={"fault": "500"}))
-    await ch.send({"type": "chat.models.request", "requestId": "m"})
+    await send(ch, request_frame(job.id, "a", sim={"chunks": 2}))
+    await send(ch, request_frame(job.id, "b", sim={"fault": "500"}))
+    await send(ch, {"type": "chat.models.request", "requestId": "m"})
     turns = Turns(ch)
     await turns.until("a", "b", "m", errors={"b"})
     seen = json.dumps([t for fr in turns.frames.values() for _, t, _ in fr])

@@ -19,6 +19,7 @@ from helpers import (
     request_frame,
     runner_config,
     running,
+    send,
 )
 
 from gateway.hub import Hub
@@ -56,19 +57,21 @@ async def _exercise(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path, out: i
         )
         async with running(config) as runner:
             job, ch = await open_chat(hub[0])
-            await ch.send(request_frame(job.id, "ok", sim={"chunks": 3}))
-            await ch.send(request_frame(job.id, "fail", sim={"fault": "500"}))
-            await ch.send(
-                request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1})
+            await send(ch, request_frame(job.id, "ok", sim={"chunks": 3}))
+            await send(ch, request_frame(job.id, "fail", sim={"fault": "500"}))
+            await send(
+                ch, request_frame(job.id, "cut", sim={"fault": "disconnect", "fault_after": 1})
             )
-            await ch.send({"type": "chat.models.request", "requestId": "m"})
+            await send(ch, {"type": "chat.models.request", "requestId": "m"})
             # a frame from the Server that carries a credential-looking field, logged verbosely
-            await ch.send(request_frame(job.id, "k", sim={"chunks": 1}, api_key="sk-caller-secret"))
+            await send(
+                ch, request_frame(job.id, "k", sim={"chunks": 1}, api_key="sk-caller-secret")
+            )
             turns = Turns(ch)
             await turns.until("ok", "fail", "cut", "m", "k", errors={"fail", "cut"})
             with trio.fail_after(5):
                 await runner.counters.wait("heartbeats", 1)
-            await ch.send({"type": "chat.end"})
+            await send(ch, {"type": "chat.end"})
             with trio.fail_after(5):
                 await job.completed.wait()
             assert runner.registration is not None
@@ -110,10 +113,10 @@ async def test_error_frames_and_reports_hold_no_secret(
     hub: tuple[Hub, str], sim: Simulator, runner: Runner
 ) -> None:
     job, ch = await open_chat(hub[0])
-    await ch.send(request_frame(job.id, "e", sim={"fault": "500"}))
+    await send(ch, request_frame(job.id, "e", sim={"fault": "500"}))
     turns = Turns(ch)
     await turns.until("e", errors={"e"})
-    await ch.send({"type": "chat.end"})
+    await send(ch, {"type": "chat.end"})
     with trio.fail_after(5):
         await job.completed.wait()
     everything = json.dumps(turns.of("e")) + json.dumps(job.reports) + json.dumps(job.last_progress)

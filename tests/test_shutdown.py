@@ -15,7 +15,19 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import ADMIN, EXE, OWNER, PROJECT, open_chat, request_frame, runner_config, runner_env
+from helpers import (
+    ADMIN,
+    EXE,
+    OWNER,
+    PROJECT,
+    inbox,
+    open_chat,
+    open_request,
+    request_frame,
+    runner_config,
+    runner_env,
+    send,
+)
 
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.runner.supervisor import Runner
@@ -55,7 +67,7 @@ async def _collect(ch: ServerChannel, turn: Turn, rx: trio.MemoryReceiveChannel[
 async def _collect_end(ch: ServerChannel, into: list[dict[str, Any]]) -> None:
     while True:
         try:
-            text, _ = await ch.recv()
+            text, _ = await inbox(ch).recv()
         except trio.EndOfChannel:
             return
         frame = json.loads(text)
@@ -98,9 +110,9 @@ async def test_sigterm_under_load_drains_every_turn_and_session(
                 for t in range(TURNS):
                     turn = Turn(job.id, f"t{t}")
                     turns.append(turn)
-                    nursery.start_soon(_collect, ch, turn, ch.open_request(turn.request_id))
+                    nursery.start_soon(_collect, ch, turn, open_request(ch, turn.request_id))
                     sim_options = {"chunks": CHUNKS, "interval": INTERVAL}
-                    await ch.send(request_frame(job.id, turn.request_id, sim=sim_options))
+                    await send(ch, request_frame(job.id, turn.request_id, sim=sim_options))
             with trio.fail_after(30):  # every turn is streaming
                 for n in range(1, SESSIONS * TURNS + 1):
                     await (await sim.wait_for_streams(n)).wait_sent(1)

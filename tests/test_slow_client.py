@@ -31,7 +31,7 @@ async def test_a_client_that_stops_reading_ends_its_own_turn_only(tmp_path: Path
         async with open_hub(hub) as (hub_, url):
             config = runner_config(url, sim.url, tmp_path, user_token=hub_.admin_token)
             async with running(config) as runner:
-                key = await hub_.create_api_key("k", f"{OWNER}/{PROJECT}")
+                key = await hub_.keys.create("k", f"{OWNER}/{PROJECT}")
                 port = int(url.rsplit(":", 1)[1])
                 oc = openai.AsyncOpenAI(
                     base_url=url + "/v1",

@@ -18,7 +18,17 @@ from typing import Any
 
 import trio
 import trio.testing
-from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, request_frame, runner_config, running
+from helpers import (
+    ADMIN,
+    CHAT_DEFINITION,
+    OWNER,
+    PROJECT,
+    inbox,
+    request_frame,
+    runner_config,
+    running,
+    send,
+)
 
 from gateway.hub import Hub, ServerChannel, open_hub
 from gateway.runner.supervisor import Runner
@@ -72,20 +82,20 @@ def tokens(frames: list[dict[str, Any]]) -> list[int]:
 async def drive(
     hub: Hub, job: Any, turns: int, rng: random.Random, tally: Tally, warm_at: int
 ) -> None:
-    ch: ServerChannel | None = await hub.wait_channel(job.id, 15)
+    ch: ServerChannel | None = await hub.channels.wait(job.id, 15)
     assert ch is not None
     for k in range(turns):
         rid = f"{job.id[:8]}-{k}"
         n = rng.randint(1, 12)
         roll = rng.random()
         cancel, drop = roll < P_CANCEL, P_CANCEL <= roll < P_CANCEL + P_DROP
-        await ch.send(request_frame(job.id, rid, sim={"chunks": n}))
+        await send(ch, request_frame(job.id, rid, sim={"chunks": n}))
         frames: list[dict[str, Any]] = []
         outcome = ""
         with trio.fail_after(30):
             while not outcome:
                 try:
-                    text, _ = await ch.recv()
+                    text, _ = await inbox(ch).recv()
                 except trio.EndOfChannel:
                     outcome = "dropped"
                     break
@@ -104,8 +114,8 @@ async def drive(
                         else "error"
                     )
                 elif len(frames) == 1 and cancel:
-                    await ch.send(
-                        {"type": "chat.completion.cancel", "jobId": job.id, "requestId": rid}
+                    await send(
+                        ch, {"type": "chat.completion.cancel", "jobId": job.id, "requestId": rid}
                     )
                 elif len(frames) == 1 and drop:
                     await ch.close(1011)
@@ -124,7 +134,7 @@ async def drive(
         if tally.finished >= warm_at:
             tally.warm.set()
         if outcome == "dropped":
-            new = await hub.wait_channel(job.id, 15)
+            new = await hub.channels.wait(job.id, 15)
             assert new is not None and new is not ch, "the runner did not redial"
             ch = new
 
@@ -139,11 +149,11 @@ async def test_soak(tmp_path: Path) -> None:
         )
         async with running(config) as runner:
             jobs = [
-                await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+                await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
                 for _ in range(SESSIONS)
             ]
             for job in jobs:
-                assert await hub.wait_channel(job.id, 20) is not None
+                assert await hub.channels.wait(job.id, 20) is not None
             with trio.fail_after(10):
                 await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # every session settled
             baseline_tasks = runner_tasks(runner)
@@ -175,7 +185,7 @@ async def test_soak(tmp_path: Path) -> None:
                 await trio.testing.wait_all_tasks_blocked(cushion=0.05)
             end_tasks = runner_tasks(runner)
             for job in jobs:
-                await hub.end_job(job.id, "soak over")
+                await hub.channels.end_job(job.id, "soak over")
             with trio.fail_after(20):
                 for job in jobs:
                     await job.completed.wait()

@@ -46,7 +46,6 @@ from gateway.hub.store import (
     open_store,
     token_hash,
 )
-from gateway.hub.turns import TurnRecord
 
 Place = Callable[[pytest.FixtureRequest, Path], "Path | str"]  # where a backend's store is
 
@@ -573,9 +572,7 @@ async def test_turns_that_ended_are_in_the_store_when_the_hub_stops(tmp_path: Pa
     hub = Hub(tmp_path / "hub")
     async with open_hub(hub):
         for n in range(3):
-            turn = TurnRecord(f"id-key{n}", f"key{n}", "s", "chat", "m", True, 0.0)
-            turn.ended, turn.outcome = 1.0, "ok"
-            hub.frontdoor.usage.ended(turn)
+            hub.store.queue_usage(_record(f"key{n}"), 1_700_000_000.0 + n)
     reopened = open_store(tmp_path / "hub")
     assert [r["key_name"] for r in await reopened.usage_rows()] == ["key0", "key1", "key2"]
     await reopened.close()

@@ -349,7 +349,7 @@ async def test_the_database_stopped_and_started_under_load_through_a_hub(
     monkeypatch.setattr(gateway.hub.hub, "open_store", lambda _d, **kw: open_store(pg_url, **kw))
     hub = Hub(admin_token=ADMIN)
     assert isinstance(hub.store, PostgresStore)
-    await hub.create_api_key("alice")
+    await hub.keys.create("alice")
     codes: list[int] = []
     served, unavailable, back = trio.Event(), trio.Event(), trio.Event()
     stopped = False

@@ -24,6 +24,7 @@ from helpers import (
     request_frame,
     runner_config,
     running,
+    send,
 )
 
 from gateway.config import SETTINGS, Config
@@ -64,7 +65,7 @@ async def test_untrusted_server_certificate_is_refused(
 ) -> None:
     hub, url, requests = tls_hub
     assert url.startswith("https://")
-    job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], {"jobType": "chat_llm"})
     runner = Runner(runner_config(url, sim.url, tmp_path))  # no ca_file: system CAs only
     with trio.fail_after(20), pytest.raises(RunnerExit) as info:
         await runner.run()  # a certificate failure is not retried: it will not fix itself
@@ -81,7 +82,7 @@ async def test_private_ca_registers_claims_and_serves_over_wss(
     async with running(runner_config(url, sim.url, tmp_path, ca_file=pki.ca)) as runner:
         assert runner.registration is not None and runner.registration.server == url
         job, ch = await open_chat(hub)  # the channel is wss://: this port speaks only TLS
-        await ch.send(request_frame(job.id, "r", sim={"chunks": 3}))
+        await send(ch, request_frame(job.id, "r", sim={"chunks": 3}))
         turns = Turns(ch)
         await turns.until("r")
         assert turns.last("r")["type"] == "chat.completion.done"

@@ -23,6 +23,7 @@ from helpers import (
     request_frame,
     runner_config,
     running,
+    send,
 )
 from otlp_receiver import ReceivedSpan, open_receiver
 
@@ -184,7 +185,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
     child; the first turn span is the session's child, the second (its own traceparent, in its
     frame) the client's child linked to the session; the backend saw each turn span's id."""
     hub_, base = hub
-    key = await hub_.create_api_key("tracer", f"{OWNER}/{PROJECT}")
+    key = await hub_.keys.create("tracer", f"{OWNER}/{PROJECT}")
     async with open_receiver() as receiver:
         runner = Runner(
             runner_config(base, sim.url, tmp_path, otlp_endpoint=receiver.url, grace=1.0)
@@ -200,7 +201,7 @@ async def test_a_trace_runs_from_the_client_through_hub_and_runner_to_the_backen
             spans = await receiver.wait_for(3)
         print_trace(spans)  # the note's example (pytest -s shows it)
 
-    (job,) = await hub_.jobs.values()
+    (job,) = await hub_.board.all_jobs.values()
     assert job.agent_definition["traceparent"] == PARENT
     by_request = {s.attributes.get("alp.request.id"): s for s in spans}
     session = by_request.pop(None)
@@ -247,7 +248,7 @@ async def test_a_failed_turn_is_an_error_span(
         config = runner_config(hub[1], sim.url, tmp_path, otlp_endpoint=receiver.url)
         async with running(config) as runner:
             job, ch = await open_chat(hub[0])
-            await ch.send(request_frame(job.id, "e500", sim={"fault": "500"}))
+            await send(ch, request_frame(job.id, "e500", sim={"fault": "500"}))
             await Turns(ch).until("e500", errors={"e500"})
             assert runner.tracing is not None
             await trio.to_thread.run_sync(runner.tracing.flush)
@@ -263,7 +264,7 @@ _TRACING_OFF = """
 import sys
 sys.path.insert(0, {tests!r})
 import trio
-from helpers import ADMIN, BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running
+from helpers import ADMIN, BACKEND_KEY, Turns, open_chat, request_frame, runner_config, running, send
 from gateway.hub import Hub, open_hub
 from gateway.sim import open_sim
 from pathlib import Path
@@ -273,7 +274,7 @@ async def main():
         async with running(runner_config(hub[1], sim.url, Path({state!r}))) as runner:
             assert runner.tracing is None
             job, ch = await open_chat(hub[0])
-            await ch.send(request_frame(job.id, "t", sim={{"chunks": 3}}))
+            await send(ch, request_frame(job.id, "t", sim={{"chunks": 3}}))
             await Turns(ch).until("t")
             assert runner.counters.get("turns_done") == 1
             assert "traceparent" not in sim.requests[-1].headers

@@ -26,7 +26,7 @@ from helpers import ADMIN, OWNER, PROJECT, runner_config, running
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
 from gateway.hub.store import PRUNE_BATCH, HourlyUsage, KeyLimits, UsageRecord, open_store
-from gateway.hub.turns import TurnRecord
+from gateway.hub.turn import Turn
 from gateway.sim import Simulator
 
 LIMIT = 15.0  # s: no step of a real-time test may take longer
@@ -39,16 +39,16 @@ class Ended:
     """The turns the usage book was told of, and a wait for a count of them."""
 
     def __init__(self, hub: Hub) -> None:
-        self.records: list[TurnRecord] = []
+        self.records: list[Turn] = []
         self._change = trio.Event()
-        hub.frontdoor.usage.observers.append(self._ended)
+        hub.accounting.observers.append(self._ended)
 
-    def _ended(self, record: TurnRecord) -> None:
+    def _ended(self, record: Turn) -> None:
         self.records.append(record)
         self._change.set()
         self._change = trio.Event()
 
-    async def count(self, n: int) -> list[TurnRecord]:
+    async def count(self, n: int) -> list[Turn]:
         while len(self.records) < n:
             await self._change.wait()
         return self.records
@@ -75,7 +75,7 @@ async def served(
     data = tmp_path / "hub"
     async with open_hub(Hub(data, admin_token=ADMIN, runner_wait_timeout=LIMIT)) as (hub, url):
         ended = Ended(hub)
-        key = await hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         async with running(runner_config(url, sim.url, tmp_path / "state")):
             yield hub, url, key, ended, data
     await hub.store.close()
@@ -137,7 +137,7 @@ async def test_turns_streamed_and_not_are_rows_and_hourly_totals_with_the_backen
         ("chat", True),
         ("messages", False),
     ]
-    api_key = await hub.check_api_key(key)
+    api_key = await hub.store.check_api_key(key)
     assert api_key is not None
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == tokens
     for row in rows:
@@ -147,13 +147,13 @@ async def test_turns_streamed_and_not_are_rows_and_hourly_totals_with_the_backen
         assert row["outcome"] == "ok"
         assert row["ttft"] is not None and 0 <= row["ttft"] <= row["duration"]
         assert abs(row["at"] - time.time()) < 3600
-    hourly = await hub.frontdoor.usage.hourly(time.time() - 3600, "alice")
+    hourly = await hub.accounting.hourly(time.time() - 3600, "alice")
     assert {(h.key_name, h.model) for h in hourly} == {("alice", "sim-model")}
     assert sum(h.turns for h in hourly) == 4 and sum(h.errors for h in hourly) == 0
     assert sum(h.prompt_tokens for h in hourly) == sum(p for p, _ in tokens)
     assert sum(h.completion_tokens for h in hourly) == sum(c for _, c in tokens)
-    assert await hub.frontdoor.usage.hourly(0, "bob") == []
-    assert hub.frontdoor.usage.in_flight == {}
+    assert await hub.accounting.hourly(0, "bob") == []
+    assert hub.accounting.in_flight == {}
 
 
 async def test_a_failed_turn_is_an_error_in_the_totals(
@@ -178,10 +178,10 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
 ) -> None:
     wall = [1_700_000_000.0]  # the book's wall clock, set by hand
     hub = Hub(tmp_path / "hub", admin_token=ADMIN, ping_interval=0.0, usage_retention=7 * DAY)
-    hub.frontdoor.usage.clock = lambda: wall[0]
+    hub.accounting.clock = lambda: wall[0]
     async with open_hub(hub) as (hub, url):
         ended = Ended(hub)
-        key = await hub.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        key = await hub.keys.create("alice", f"{OWNER}/{PROJECT}")
         runner = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, default=Script(usage=True))
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -206,7 +206,7 @@ async def test_retention_prunes_rows_and_keeps_the_hourly_totals(
             nursery.cancel_scope.cancel()
     rows = await hub.store.usage_rows()
     assert len(first_rows) == 2 and [r["at"] for r in rows] == [wall[0]]
-    hourly = await hub.frontdoor.usage.hourly(0)
+    hourly = await hub.accounting.hourly(0)
     assert [(h.hour, h.turns, h.prompt_tokens, h.completion_tokens) for h in hourly] == [
         (1_699_999_200, 2, 10, 6),  # the hour of the first two turns, kept
         (1_699_999_200 + 8 * 24 * 3600, 1, 5, 3),
@@ -316,21 +316,35 @@ async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_t
     """Only the usage-only chunk is kept from the client (the turn's choices found where its
     chunks open them, else searched), and its tokens are taken, the chunk frames handed over
     with their bytes or without."""
-    from gateway.hub.channel import Frame
-    from gateway.hub.frontdoor.relay import DONE, StreamSink
+    from gateway.hub.frontdoor.dialects import CHAT
+    from gateway.hub.turn import State, Turn
     from gateway.wire import protocol
 
-    record = TurnRecord("id", "alice", "s", "chat", "m", True, 0.0)
     resp = _Taken()
-    sink = StreamSink(resp, [], 1 << 20, record=record, strip_usage=True)  # type: ignore[arg-type]
+    record = Turn(
+        "id",
+        "key-id",
+        "alice",
+        "s",
+        b"{}",
+        CHAT,
+        resp,  # type: ignore[arg-type]
+        model="m",
+        stream=True,
+        bound=1 << 20,
+        max_answer=1 << 20,
+        strip_usage=True,
+        now=0.0,
+    )
+    record.sent("r", "runner", "job")
     frames = protocol.TurnFrames("job", "r")
     for chunk in chunks:
         frame = frames.chunk(chunk)
-        raw = msgspec.json.decode(frame, type=Frame).chunk
-        sink.chunk(raw, frame) if framed else sink.chunk(raw)
-        sink.flush_batch()
-    sink.frame(Frame(type=protocol.COMPLETION_DONE))
-    assert sink.state == DONE
+        raw = msgspec.json.decode(frame, type=protocol.ChunkFrame).chunk
+        record.chunk(raw, frame) if framed else record.chunk(raw)
+        record.flush()
+    record.reply(protocol.DoneFrame("job", "r"))
+    assert record.state is State.DONE
     sent = b"".join(b"data: " + c + b"\n\n" for c in chunks[:-1]) + b"data: [DONE]\n\n"
     assert resp.out == sent
     assert (record.prompt_tokens, record.completion_tokens, record.chunks) == (4, 3, 3)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT
+from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner
 from rawclient import CONT, PING, TEXT, RawConn, bearer, head, request, upgrade_head, ws_frame
 
 from gateway.hub import Hub, open_hub
@@ -61,8 +61,8 @@ async def exchange(url: str, data: bytes) -> Any:
 async def open_channel(hub: Hub, url: str, rcvbuf: int = 0) -> tuple[str, RawConn]:
     """A claimed job's Chat Channel, dialled with a raw handshake: (job id, connection);
     ``rcvbuf``: the runner's receive buffer, set before it connects (its window)."""
-    runner = await hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])
-    job = await hub.enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
+    runner = await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
+    job = await hub.board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], dict(CHAT_DEFINITION))
     claim = request(
         "POST",
         f"{BASE}/runners/generate-jitconfig",
@@ -80,7 +80,7 @@ async def open_channel(hub: Hub, url: str, rcvbuf: int = 0) -> tuple[str, RawCon
     resp = await conn.head()
     assert resp is not None and resp.status == 101, resp
     assert resp.reason == b"Switching Protocols"
-    assert await hub.wait_channel(job.id, 10) is not None
+    assert await hub.channels.wait(job.id, 10) is not None
     return job.id, conn
 
 
@@ -167,7 +167,7 @@ async def test_an_absolute_form_request_line_is_routed_by_its_path(
         origin = await exchange(url, head("GET", "/healthz"))
         absolute = await exchange(url, head("GET", "http://hub.example:8080/healthz"))
         secure = await exchange(url, head("GET", "HTTPS://Hub.Example/healthz?x=1"))
-        key = await hub.create_api_key("k")
+        key = await hub.keys.create("k")
         models = await exchange(url, head("GET", "http://hub/v1/models", [bearer(key)]))
         nowhere = await exchange(url, head("GET", "http://hub/nowhere"))
     assert origin.status == absolute.status == secure.status == 503  # no runner yet
@@ -226,8 +226,8 @@ async def test_every_status_line_carries_its_reason_phrase(
             resp = await exchange(url, data)
             seen[resp.status] = resp.reason
 
-        key = await hub.create_api_key("k")
-        runner = await hub.register_runner(OWNER, PROJECT, "box", ["chat-llm:v1"])
+        key = await hub.keys.create("k")
+        runner = await register_runner(hub, OWNER, PROJECT, "box", ["chat-llm:v1"])
         await status_of(head("GET", "/api/hub/counters", [bearer(ADMIN)]))  # 200
         await status_of(head("GET", "/v1/models", [bearer(key)]))  # 200, or 503 without a runner
         await status_of(head("GET", "/nowhere"))  # 404

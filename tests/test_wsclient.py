@@ -470,7 +470,7 @@ async def test_runner_finds_a_silent_channel_dead_cancels_its_turn_and_redials(
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(runner.run)
-            job = await hub[0].enqueue_job(OWNER, PROJECT, ["chat-llm:v1"], definition)
+            job = await hub[0].board.enqueue(OWNER, PROJECT, ["chat-llm:v1"], definition)
             job_ids.append(job.id)
             with trio.fail_after(20):
                 stream = await sim.wait_for_streams(1)

@@ -4,17 +4,16 @@ counters; and ``GET /metrics``. docs/hub-api.md describes them."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from typing import Any
 from urllib.parse import parse_qs
 
-import trio
-
+from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
-from gateway.hub.hubmetrics import CONTENT_TYPE
+from gateway.hub.metrics import CONTENT_TYPE
+from gateway.hub.snapshot import as_json
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 
 MAX_KEY_BODY = 4096  # bytes: a key's name, project and limits
@@ -22,12 +21,6 @@ DAY = 24 * 3600
 # the limits a key may be created with: JSON name -> Hub.create_api_key's keyword
 LIMITS = {"rpm": "rpm", "tpm": "tpm", "tokensPerDay": "tokens_per_day", "maxStreams": "max_streams"}
 NO_STORE = [(b"cache-control", b"no-store")]
-
-
-def limits_supported() -> bool:
-    """Whether this hub's ``create_api_key`` takes limits (they are being added)."""
-    params = inspect.signature(Hub.create_api_key).parameters
-    return all(kw in params for kw in LIMITS.values())
 
 
 class AdminApi:
@@ -41,32 +34,17 @@ class AdminApi:
         token = bearer(req.scope)
         if token is None:
             raise HTTPError(401, "the admin credential is required")
-        if not self.hub.is_admin_token(token):
+        if not self.hub.keys.is_admin(token):
             raise HTTPError(403, "only the admin credential may use /api/hub/")
 
     async def jobs(self, req: Request) -> None:
         """Every job with its reports: live ones from memory, ended ones from the store."""
-        jobs = [job.admin_json() for job in await self.hub.jobs.values()]
+        jobs = [job.admin_json() for job in await JobsView(self.hub.board).values()]
         await req.resp.json(200, {"jobs": jobs})
 
     async def sessions(self, req: Request) -> None:
         """The front door's live sessions: key name, session id, job, runner, turns, idle."""
-        board = self.hub.board
-        now = trio.current_time()
-        sessions = []
-        for (key_id, sid), session in self.hub.frontdoor.sessions.live.items():
-            del key_id
-            job = board.jobs.get(session.job_id) if session.job_id else None
-            sessions.append(
-                {
-                    "key": session.key_name,
-                    "session": sid,
-                    "jobId": session.job_id,
-                    "runnerId": job.claimed_by if job is not None else None,
-                    "turns": session.turns,
-                    "idleSeconds": round(max(0.0, now - session.last_used), 1),
-                }
-            )
+        sessions = [as_json(s) for s in self.hub.snapshot().sessions]
         await req.resp.json(200, {"sessions": sessions}, NO_STORE)
 
     async def counters(self, req: Request) -> None:
@@ -74,77 +52,27 @@ class AdminApi:
         await req.resp.json(200, self.hub.counters.as_json())
 
     async def metrics(self, req: Request) -> None:
-        """``GET /metrics``: the hub's Prometheus metrics (``gateway.hub.hubmetrics``)."""
-        body = self.hub.metrics.render().encode()
+        """``GET /metrics``: the hub's Prometheus metrics (``gateway.hub.metrics``)."""
+        body = self.hub.metrics.render(self.hub.snapshot()).encode()
         await req.resp.whole(200, body, [(b"content-type", CONTENT_TYPE.encode()), *NO_STORE])
 
     async def runners(self, req: Request) -> None:
-        """Every runner seen since the hub started: its registration, what it serves, whether
-        it is up."""
-        hub = self.hub
-        board = hub.board
-        door = hub.frontdoor
-        now = trio.current_time()
-        sessions: dict[str, int] = {}
-        for session in door.sessions.live.values():
-            job = board.jobs.get(session.job_id) if session.job_id else None
-            if job is not None and job.claimed_by is not None:
-                sessions[job.claimed_by] = sessions.get(job.claimed_by, 0) + 1
-        in_flight: dict[str, int] = {}
-        for record in list(door.usage.in_flight.values()):
-            if record.runner_id is not None:
-                in_flight[record.runner_id] = in_flight.get(record.runner_id, 0) + 1
-        connected = hub.runners_connected
+        """Every runner seen lately: its registration, what it serves, whether it is up."""
         runners = []
-        for runner_id, state in list(board.runners.items()):
-            registration = await hub.store.registration(runner_id)
-            last = board.last_seen.get(runner_id)
-            runners.append(
-                {
-                    "id": runner_id,
-                    "name": registration.name if registration else None,
-                    "labels": list(registration.labels) if registration else [],
-                    "owner": state.owner,
-                    "project": state.project,
-                    "capabilities": (
-                        sorted(state.capabilities) if state.capabilities is not None else None
-                    ),
-                    "models": await door.models.of_runner(state.owner, state.project, runner_id),
-                    "up": board.alive(runner_id),
-                    "connected": runner_id in connected,
-                    "lastSeenSeconds": None if last is None else round(max(0.0, now - last), 1),
-                    "jobs": board.held(runner_id),
-                    "sessions": sessions.get(runner_id, 0),
-                    "turnsInFlight": in_flight.get(runner_id, 0),
-                }
+        for runner in self.hub.snapshot().runners:
+            found = as_json(runner)
+            found["labels"] = list(runner.labels)
+            found["capabilities"] = (
+                None if runner.capabilities is None else list(runner.capabilities)
             )
+            found["models"] = None if runner.models is None else list(runner.models)
+            runners.append(found)
         await req.resp.json(200, {"runners": runners}, NO_STORE)
 
     async def turns(self, req: Request) -> None:
         """The front-door turns in flight, with their pace (chunks a second since the first)."""
-        now = trio.current_time()
-        found: list[dict[str, Any]] = []
-        for record in list(self.hub.frontdoor.usage.in_flight.values()):
-            first = record.first_token
-            pace = None
-            if first is not None and now - first > 0:
-                pace = round(record.chunks / (now - first), 1)
-            found.append(
-                {
-                    "key": record.key_name,
-                    "session": record.session,
-                    "api": record.api,
-                    "model": record.model,
-                    "stream": record.stream,
-                    "runnerId": record.runner_id,
-                    "ageSeconds": round(max(0.0, now - record.started), 1),
-                    "ttftSeconds": None if record.ttft is None else round(record.ttft, 3),
-                    "chunks": record.chunks,
-                    "tokensPerSecond": pace,
-                }
-            )
-        found.sort(key=lambda t: -float(t["ageSeconds"]))
-        await req.resp.json(200, {"turns": found}, NO_STORE)
+        turns = [as_json(t) for t in self.hub.snapshot().turns]
+        await req.resp.json(200, {"turns": turns}, NO_STORE)
 
     async def usage(self, req: Request) -> None:
         """Hourly usage (``UsageBook.hourly``) since ``since`` (a Unix time; default: 24 h ago),
@@ -161,7 +89,7 @@ class AdminApi:
         else:
             since = time.time() - DAY
         key = (query.get("key") or [None])[0] or None
-        rows = await self.hub.frontdoor.usage.hourly(since, key)
+        rows = await self.hub.accounting.hourly(since, key)
         usage = [
             {
                 "hour": row.hour,
@@ -179,7 +107,7 @@ class AdminApi:
         """Every API key (never the key itself), with its turns and tokens since the hub started."""
         totals = self.hub.metrics.keys
         keys = []
-        for found in await self.hub.list_api_keys():
+        for found in await self.hub.keys.listing():
             entry = dict(found)
             name = str(entry.get("name"))
             kept = totals.get(name)
@@ -188,7 +116,7 @@ class AdminApi:
             if limits is not None and not isinstance(limits, dict):  # a KeyLimits
                 entry["limits"] = {field: getattr(limits, kw, None) for field, kw in LIMITS.items()}
             keys.append(entry)
-        await req.resp.json(200, {"keys": keys, "limitsSupported": limits_supported()}, NO_STORE)
+        await req.resp.json(200, {"keys": keys, "limitsSupported": True}, NO_STORE)
 
     async def create_key(self, req: Request) -> None:
         """``POST /api/hub/keys`` ``{"name", "project"?, "rpm"?, "tpm"?, "tokensPerDay"?,
@@ -210,10 +138,8 @@ class AdminApi:
                     400, f'"{field}" must be a positive integer or null', "invalid_request"
                 )
             limits[keyword] = value
-        if limits and not limits_supported():
-            raise HTTPError(400, "this hub does not support key limits yet", "limits_unsupported")
         try:
-            key = await self.hub.create_api_key(name, project, **limits)
+            key = await self.hub.keys.create(name, project, **limits)
         except ValueError as err:
             status = 409 if "already exists" in str(err) else 400
             raise HTTPError(status, str(err), "invalid_request") from None
@@ -229,6 +155,6 @@ class AdminApi:
             name = body.get("name")
             if not isinstance(name, str) or not name:
                 raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
-        if not await self.hub.revoke_api_key(name):
+        if not await self.hub.keys.revoke(name):
             raise HTTPError(404, f"no active API key is named {name!r}", "unknown_key")
         await req.resp.json(200, {"name": name, "revoked": True}, NO_STORE)

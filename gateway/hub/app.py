@@ -107,8 +107,7 @@ class App:
         capable = [s for s in live if s.capabilities is None or CAPABILITY in s.capabilities]
         models: dict[str, None] = {}
         for owner, project in {(s.owner, s.project) for s in live}:
-            known = await self.hub.frontdoor.models.known(owner, project)
-            models.update(dict.fromkeys(known or []))
+            models.update(dict.fromkeys(self.hub.catalog.live_lists(owner, project)[0]))
         found = {"runners": len(live), "capable": len(capable), "models": len(models)}
         if not live:
             await req.resp.json(

@@ -49,6 +49,12 @@ class Changes:
     async def wait(self) -> None:
         await self._event.wait()
 
+    @property
+    def event(self) -> trio.Event:
+        """The event the next ``notify`` sets (take it before looking, wait on it after: a
+        change in between is not missed)."""
+        return self._event
+
 
 @dataclass(eq=False)
 class Job:
@@ -76,6 +82,9 @@ class Job:
     final_reported: bool = False  # a runner's "completed" report was accepted
     claimed_at: float | None = None  # trio clock; None for a job reloaded at start
     channel_opened: bool = False  # a channel of this job was accepted (since this hub started)
+    # offered only to these runners (None: any capable one): the dispatcher's placement by
+    # model, a listing for one runner; not stored (an unclaimed job does not outlive a restart)
+    runners: frozenset[str] | None = None
 
     @property
     def over(self) -> bool:
@@ -166,6 +175,10 @@ class RunnerState:
     project: str
     capabilities: frozenset[str] | None = None
     polled_at: float | None = None  # trio clock
+    models: frozenset[str] | None = None  # the models it listed last (None: not known yet)
+    listing: bool = False  # asked for its models on a channel it opened; no answer yet
+    name: str | None = None  # its registration's (known once it was seen with it)
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,11 @@ class JobBoard:
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+
+    @property
+    def all_jobs(self) -> JobsView:
+        """Every job by id: live ones from memory, ended ones from the store."""
+        return JobsView(self)
 
     async def load(self) -> None:
         """Read the live jobs back from the store (at start; a job already on the board stays)."""
@@ -306,9 +324,13 @@ class JobBoard:
         its ``registration``, when the caller has it, tells the board its project."""
         first = runner_id not in self.last_seen
         self.last_seen[runner_id] = trio.current_time()
-        if runner_id not in self.runners:
-            if registration is not None:
-                self.runners[runner_id] = RunnerState(registration.owner, registration.project)
+        if registration is not None:
+            state = self.runners.get(runner_id)
+            if state is None:
+                state = self.runners[runner_id] = RunnerState(
+                    registration.owner, registration.project
+                )
+            state.name, state.labels = registration.name, registration.labels
         if first:
             self.changes.notify()
 
@@ -372,7 +394,12 @@ class JobBoard:
 
         def offer(job: Job) -> bool:
             if job.claimed_by is None:
-                return job.status == "queued" and not job.cancelled
+                targets = job.runners
+                return (
+                    job.status == "queued"
+                    and not job.cancelled
+                    and (targets is None or runner_id in targets)
+                )
             claimed_at = -math.inf if job.claimed_at is None else job.claimed_at
             due = now - claimed_at >= self.settings.reoffer_after
             return due and self.unstarted_claim(job, runner_id)

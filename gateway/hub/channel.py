@@ -1,10 +1,19 @@
-"""The Server side of Chat Channels: one accepted WebSocket each, and each job's open one."""
+"""A runner's Chat Channel, the Server's end: every frame it reads goes to the sink its request
+id names.
+
+Each read's text messages are decoded once, where they are read, into the typed Structs of
+``gateway.wire.protocol`` (a chunk's payload stays a ``msgspec.Raw``: never parsed, never
+re-encoded). A chunk goes to its turn's ``Sink`` at once; after the read, each sink that got
+chunks is told to ``flush`` (one write to its client per read). Done, error and models frames go
+to the sink too; a frame for no open request goes to ``unrouted`` (a runner's ``chat.end`` is
+noted there). Nothing is queued in between and no other task is woken per chunk.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -12,61 +21,104 @@ import trio
 
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.counters import HubCounters
-from gateway.hub.http import ClientGone
 from gateway.wire import protocol
+from gateway.wire.errors import ClientGone
+from gateway.wire.protocol import ChunkFrame, DoneFrame, EndFrame, ErrorFrame, ModelsFrame
 from gateway.wire.server import ServerWebSocket
-from gateway.wire.wsframes import OP_BINARY
 
 log = logging.getLogger("gateway.hub")
 
-_CHUNK = protocol.COMPLETION_CHUNK
-REQUEST_BUFFER = 256  # inbound frames buffered per open request before the reader pushes back
-GENERAL_BUFFER = 1024  # inbound frames buffered for recv(); more are dropped
 CLOSE_REPLACED = 4000  # an old channel replaced by a new connection for the same job
 CLOSE_OFFLINE = 1001  # the runner was declared offline
 # ended with no close handshake, failed for a protocol violation, or silent past the ping timeout
 DEAD_CODES = (1002, 1006, 1007, 1009, 1011)
+CLOSE_WAIT = 5.0  # s: ``close`` waits this long for the reader to end
+
+RunnerFrame = ChunkFrame | DoneFrame | ErrorFrame | ModelsFrame | EndFrame
+Reply = DoneFrame | ErrorFrame | ModelsFrame  # what ends a request
 
 
-class Frame(msgspec.Struct):
-    """An inbound frame, decoded once where it is read: the fields that route it and end a turn;
-    ``chunk`` stays raw bytes (never re-encoded), every other field is skipped."""
+class Sink(Protocol):
+    """Where a channel's reader puts one request's frames, as they are read."""
+
+    def chunk(self, chunk: msgspec.Raw, frame: bytes) -> None:
+        """One chunk frame's payload, in order (``frame``: the whole frame, searchable without
+        a copy)."""
+
+    def flush(self) -> None:
+        """Every chunk of the read at hand is in."""
+
+    def reply(self, frame: Reply) -> None:
+        """The frame that ends the request: done, error, or the models answer (after the
+        request's chunks of the same read, not flushed yet: written with the end, in one go)."""
+
+    def lost(self) -> None:
+        """The channel ended before the request's end."""
+
+
+class _Lenient(msgspec.Struct):
+    """A runner frame that did not fit its type (a field of another type, ``jobId`` missing):
+    read leniently, then made the typed frame it meant to be (``_lenient``)."""
 
     type: Any = None
     requestId: Any = None
+    jobId: Any = None
     chunk: msgspec.Raw = msgspec.Raw(b"")
     error: Any = None
+    models: Any = None
     reason: Any = None
 
 
-_frame_decoder = msgspec.json.Decoder(Frame)
-_json_encoder = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder(RunnerFrame).decode
+_decode_lenient = msgspec.json.Decoder(_Lenient).decode
+_CHUNK = ChunkFrame
 
 
-class TurnSink(Protocol):
-    """Where the channel's reader puts a streamed turn's frames (the front door's client)."""
+def model_ids(models: Any) -> list[str]:
+    """The model ids of a ``chat.models.response`` (strings, or objects with an ``id``)."""
+    out: list[str] = []
+    for item in models if isinstance(models, list) else []:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("id"), str):
+            out.append(item["id"])
+    return out
 
-    def chunk(self, chunk: msgspec.Raw, frame: bytes) -> None:
-        """One chunk frame's chunk, in order (``frame``: the whole frame's bytes, to search
-        without a copy)."""
 
-    def flush_batch(self) -> None:
-        """Every chunk of the read at hand is in: write them."""
-
-    def frame(self, frame: Frame) -> None:
-        """Any other frame of the turn (done, error)."""
-
-    def lost(self) -> None:
-        """The channel ended."""
+def _lenient(text: bytes) -> RunnerFrame | None:
+    """The typed frame a frame that failed strict decoding meant, or None (not JSON, an unknown
+    type, no request id where one is needed)."""
+    try:
+        found = _decode_lenient(text)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    kind, rid = found.type, found.requestId
+    job = found.jobId if isinstance(found.jobId, str) else ""
+    if kind == protocol.END:
+        return EndFrame(job, found.reason if isinstance(found.reason, str) else "")
+    if not isinstance(rid, str):
+        return None
+    if kind == protocol.COMPLETION_CHUNK:
+        return ChunkFrame(job, rid, found.chunk)
+    if kind == protocol.COMPLETION_DONE:
+        return DoneFrame(job, rid)
+    if kind == protocol.COMPLETION_ERROR:
+        error = found.error
+        if not isinstance(error, str) or not error:
+            error = (
+                "the runner reported an error"
+                if error is None
+                else msgspec.json.encode(error).decode(errors="replace")
+            )
+        return ErrorFrame(job, rid, error)
+    if kind == protocol.MODELS_RESPONSE:
+        return ModelsFrame(job, rid, model_ids(found.models))
+    return None
 
 
 class ServerChannel:
-    """One accepted Chat Channel WebSocket, seen from the Server side.
-
-    Its reader runs in the connection's own task: each read's frames are decoded once, and a
-    streamed turn's chunks go straight to that turn's ``TurnSink`` (its client's socket); frames
-    of requests opened with ``open_request`` go to their memory channel, the rest to ``recv``.
-    """
+    """One accepted Chat Channel WebSocket: its reader (the connection's own task, ``serve``)
+    hands each frame to the sink its request id names (``open``); ``send`` writes a frame."""
 
     def __init__(
         self, job_id: str, runner_id: str, ws: ServerWebSocket | None, channels: Channels
@@ -76,169 +128,131 @@ class ServerChannel:
         self.closed = trio.Event()
         self._ws = ws
         self._channels = channels
-        self._requests: dict[str, trio.MemorySendChannel[tuple[str, float]]] = {}
-        self._sinks: dict[str, TurnSink] = {}
-        self._general_send, self._general_recv = trio.open_memory_channel[tuple[str, float]](
-            GENERAL_BUFFER
-        )
+        self._sinks: dict[str, Sink] = {}
         self._close_code: int | None = None
         self._terminated = trio.Event()
-        self.dropped = 0  # inbound frames dropped because recv() was not read
         self.end_code: int | None = None  # the close code the channel ended with
         self.runner_ended = False  # the runner sent chat.end on it
+        self.undecodable = 0  # frames that were not a runner frame (ignored)
+        # frames for no open request (late ones, chat.end; undecodable ones as None), with the
+        # frame's text; by default ``_note``d (a Server of its own, a test, may take them)
+        self.unrouted: Callable[[RunnerFrame | None, bytes], None] = self._note
 
     def __repr__(self) -> str:
         state = "closed" if self.closed.is_set() else "open"
         return f"<ServerChannel job={self.job_id} runner={self.runner_id} {state}>"
 
-    async def send(self, frame: dict[str, Any] | str | bytes) -> None:
-        """Send one message: a dict as JSON text, a str as text, bytes as a binary message.
+    @property
+    def requests(self) -> int:
+        """Requests open on the channel now."""
+        return len(self._sinks)
 
-        A send on a closed (or breaking) channel is dropped quietly: its requests see
-        EndOfChannel.
-        """
-        if isinstance(frame, dict):
-            data, binary = _json_encoder.encode(frame), False
-        elif isinstance(frame, str):
-            data, binary = frame.encode(), False
-        elif isinstance(frame, bytes | bytearray | memoryview):
-            data, binary = bytes(frame), True
-        else:
-            raise TypeError(f"cannot send {type(frame).__name__} on a channel")
+    async def send(self, frame: bytes) -> bool:
+        """Send one frame (UTF-8 JSON text, ``protocol.encode_frame``'s); False when the channel
+        is closed or broke under the send (its reader then ends it)."""
         if self.closed.is_set() or self._ws is None:
-            return
+            return False
         try:
-            if binary:
-                await self._ws.send_message(OP_BINARY, data)
-            else:
-                await self._ws.send_text(data)
-        except ClientGone as exc:  # the socket broke: the reader ends the channel
+            await self._ws.send_text(frame)
+        except ClientGone as exc:
             log.debug("channel %s: send failed: %r", self.job_id, exc)
+            return False
+        return True
 
-    def open_request(self, request_id: str) -> trio.MemoryReceiveChannel[tuple[str, float]]:
-        """Route inbound text messages whose ``requestId`` is ``request_id`` to the returned channel.
-
-        Each item is ``(text, time.perf_counter() at receipt)``. When the socket closes the
-        channel ends (EndOfChannel); on an already closed channel it ends at once.
-        """
-        if request_id in self._requests or request_id in self._sinks:
-            raise ValueError(f"request {request_id!r} is already open on this channel")
-        send_ch, recv_ch = trio.open_memory_channel[tuple[str, float]](REQUEST_BUFFER)
-        if self.closed.is_set():
-            send_ch.close()
-        else:
-            self._requests[request_id] = send_ch
-        return recv_ch
-
-    def open_turn(self, request_id: str, sink: TurnSink) -> None:
+    def open(self, request_id: str, sink: Sink) -> None:
         """Hand the frames of ``request_id`` to ``sink`` as they are read (``lost`` at once on a
         closed channel)."""
-        if request_id in self._requests or request_id in self._sinks:
+        if request_id in self._sinks:
             raise ValueError(f"request {request_id!r} is already open on this channel")
         if self.closed.is_set():
             sink.lost()
         else:
             self._sinks[request_id] = sink
 
-    def close_request(self, request_id: str) -> None:
-        """Stop routing ``request_id``; later messages for it go to ``recv()``."""
-        self._sinks.pop(request_id, None)
-        send_ch = self._requests.pop(request_id, None)
-        if send_ch is not None:
-            send_ch.close()
+    def routes(self, request_id: str) -> bool:
+        """Whether ``request_id`` is open here (its end not read yet)."""
+        return request_id in self._sinks
 
-    async def recv(self) -> tuple[str, float]:
-        """The next inbound text message not routed to an open request; EndOfChannel once closed."""
-        return await self._general_recv.receive()
+    def close_request(self, request_id: str) -> None:
+        """Stop routing ``request_id``; later frames of it are unrouted."""
+        self._sinks.pop(request_id, None)
 
     async def close(self, code: int = 1000, reason: str | None = None) -> None:
-        """Close the WebSocket (``code`` != 1000 simulates a dropped channel)."""
+        """Close the WebSocket and wait (bounded) for its reader to end (``code`` != 1000
+        simulates a dropped channel)."""
         self.request_close(code, reason)
-        with trio.move_on_after(5):
+        with trio.move_on_after(CLOSE_WAIT):
             await self._terminated.wait()
 
     def request_close(self, code: int = 1000, reason: str | None = None) -> None:
-        """Close without waiting: end the channel now, the close frame written at once."""
+        """Close without waiting: the channel ends now, the close frame is written at once."""
         if self._close_code is None and not self._terminated.is_set():
             self._close_code = code
         if self._ws is not None:
             self._ws.close_nowait(code, reason or "")
         self._finish()
 
-    # -- internals, driven by the connection's reader --------------------------------------
+    # -- the reader ----------------------------------------------------------------------
+
+    async def on_texts(self, texts: list[bytes]) -> None:
+        """One read's text messages, in order: each decoded once and handed to its sink; each
+        sink that got chunks flushed once, after the read."""
+        self._channels.board.seen(self.runner_id)
+        sinks = self._sinks
+        dirty: dict[int, Sink] | None = None
+        for text in texts:
+            try:
+                frame: Any = _decode(text)
+            except msgspec.ValidationError:
+                frame = _lenient(text)
+            except (msgspec.DecodeError, RecursionError):
+                frame = None
+            if frame is None:
+                self.unrouted(None, text)
+                continue
+            if frame.__class__ is _CHUNK:
+                sink = sinks.get(frame.requestId)
+                if sink is not None:
+                    sink.chunk(frame.chunk, text)
+                    if dirty is None:
+                        dirty = {id(sink): sink}
+                    else:
+                        dirty[id(sink)] = sink
+                    continue
+            elif frame.__class__ is not EndFrame:
+                sink = sinks.pop(frame.requestId, None)
+                if sink is not None:
+                    if dirty is not None:
+                        dirty.pop(id(sink), None)  # its reply writes what it holds, with its end
+                    sink.reply(frame)
+                    continue
+            self.unrouted(frame, text)
+        if dirty is not None:
+            for sink in dirty.values():
+                sink.flush()
+
+    def _note(self, frame: RunnerFrame | None, text: bytes = b"") -> None:
+        """What happens to an unrouted frame by default: a runner's chat.end is noted (no
+        redial will come), anything else was late (its request was closed) and is dropped."""
+        if frame is None:
+            self.undecodable += 1
+            if self.undecodable == 1:
+                log.info("channel %s: ignoring a frame that is not a runner frame", self.job_id)
+        elif isinstance(frame, EndFrame):
+            self.runner_ended = True
+            self._channels.runner_ended.add(self.job_id)
+            log.info("job %s: the runner ended the session (%s)", self.job_id, frame.reason)
+            self._channels.changes.notify()
 
     def _finish(self) -> None:
         if self.closed.is_set():
             return
         self.closed.set()
-        for send_ch in self._requests.values():
-            send_ch.close()
-        self._requests.clear()
         sinks = list(self._sinks.values())
         self._sinks.clear()
         for sink in sinks:
             sink.lost()
-        self._general_send.close()
         self._channels.gone(self)
-
-    async def on_texts(self, texts: list[bytes]) -> None:
-        """One read's text messages, in order (the reader's hand-over): chunks of streamed turns
-        written to their clients (each turn's chunks of this read in one write), the rest routed."""
-        self._seen(self.runner_id)
-        sinks = self._sinks
-        decode = _frame_decoder.decode
-        dirty: dict[int, TurnSink] | None = None
-        for text in texts:
-            try:
-                frame = decode(text)
-            except msgspec.DecodeError:
-                await self._general(text)
-                continue
-            rid = frame.requestId
-            if rid.__class__ is str:
-                sink = sinks.get(rid)
-                if sink is not None:
-                    if frame.type == _CHUNK:
-                        sink.chunk(frame.chunk, text)
-                        if dirty is None:
-                            dirty = {id(sink): sink}
-                        else:
-                            dirty[id(sink)] = sink
-                    else:
-                        sink.frame(frame)
-                    continue
-                send_ch = self._requests.get(rid)
-                if send_ch is not None:
-                    item = (text.decode(), time.perf_counter())
-                    try:
-                        try:
-                            send_ch.send_nowait(item)
-                        except trio.WouldBlock:
-                            await send_ch.send(item)  # that request reads slowly: push back
-                        continue
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        if self._requests.get(rid) is send_ch:
-                            del self._requests[rid]
-            elif rid is None and frame.type == protocol.END:
-                self.runner_ended = True  # known before the close that follows it
-                self._channels.runner_ended.add(self.job_id)
-            await self._general(text)
-        if dirty is not None:
-            for sink in dirty.values():
-                sink.flush_batch()
-
-    async def _general(self, text: bytes) -> None:
-        try:
-            self._general_send.send_nowait((text.decode(), time.perf_counter()))
-        except trio.WouldBlock:
-            self.dropped += 1
-            if self.dropped == 1:
-                log.warning("channel %s: recv() not read, dropping inbound frames", self.job_id)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-
-    def _seen(self, runner_id: str) -> None:
-        self._channels.board.seen(runner_id)
 
     async def serve(self) -> None:
         """Read the WebSocket until it closes (or ``close()`` is asked for)."""
@@ -259,6 +273,8 @@ class Channels:
         self.counters = counters
         self._open: dict[str, ServerChannel] = {}
         self.runner_ended: set[str] = set()  # job ids whose runner sent chat.end (no redial)
+        # told of each channel accepted (the catalog asks it for its models)
+        self.on_open: list[Callable[[ServerChannel], None]] = []
 
     def get(self, job_id: str) -> ServerChannel | None:
         """The job's current open channel, or None."""
@@ -268,7 +284,11 @@ class Channels:
         """Every open channel."""
         return list(self._open.values())
 
-    def accept(self, job_id: str, runner_id: str, ws: ServerWebSocket) -> ServerChannel:
+    def runners(self) -> set[str]:
+        """Runner ids with an open channel."""
+        return {ch.runner_id for ch in self._open.values()}
+
+    def accept(self, job_id: str, runner_id: str, ws: ServerWebSocket | None) -> ServerChannel:
         """A new channel for the job (its handshake accepted); an older one is closed."""
         ch = ServerChannel(job_id, runner_id, ws, self)
         old = self._open.get(job_id)
@@ -276,6 +296,8 @@ class Channels:
         if old is not None:
             old.request_close(CLOSE_REPLACED, "replaced by a new connection")
         self.changes.notify()
+        for observe in self.on_open:
+            observe(ch)
         return ch
 
     def gone(self, ch: ServerChannel) -> None:
@@ -299,7 +321,7 @@ class Channels:
         """Send ``chat.end`` on the job's channel if one is open."""
         ch = self._open.get(job_id)
         if ch is not None:
-            await ch.send(protocol.end_frame(job_id, reason))
+            await ch.send(protocol.encode_frame(EndFrame(job_id, reason)))
 
     async def cancel_job(self, job_id: str, reason: str = "cancelled") -> None:
         """Withdraw a job: a queued one leaves the queue; an open one gets ``chat.end`` first."""
@@ -310,6 +332,12 @@ class Channels:
             job.cancel_reason = reason
             await self.end_job(job_id, reason)
         await self.board.withdraw(job_id, reason)
+
+    def close_runner(self, runner_id: str, code: int, reason: str) -> None:
+        """Close every open channel of a runner (declared offline)."""
+        for ch in list(self._open.values()):
+            if ch.runner_id == runner_id:
+                ch.request_close(code, reason)
 
     async def wait(self, job_id: str, within: float | None = None) -> ServerChannel | None:
         """The job's open channel, waiting ``within`` s for a (re)connect: None after that, and

@@ -1,40 +1,36 @@
-"""One hub: settings, store, admin token, job board, channels, front door, background work."""
+"""One hub, wired: its store, credentials, job board, channels, sessions, dispatcher, model
+catalog, accounting, serving and front door, and the background work they do while it serves."""
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import pathlib
 from typing import Any
 
 import trio
 
-from gateway.hub.board import Changes, Job, JobBoard, JobsView
-from gateway.hub.channel import CLOSE_OFFLINE, Channels, ServerChannel
+from gateway.hub.accounting import Accounting
+from gateway.hub.board import Changes, Job, JobBoard
+from gateway.hub.channel import CLOSE_OFFLINE, Channels
 from gateway.hub.counters import HubCounters
-from gateway.hub.frontdoor import FrontDoor
-from gateway.hub.hubmetrics import HubMetrics
+from gateway.hub.dispatcher import Dispatcher
+from gateway.hub.frontdoor.door import FrontDoor
+from gateway.hub.keys import Keys
+from gateway.hub.metrics import HubMetrics
+from gateway.hub.models import Catalog
+from gateway.hub.serving import Serving
+from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import (
-    ADMIN_TOKEN_PREFIX,
-    DEFAULT_KEY_PROJECT,
-    ApiKey,
-    KeyLimits,
-    Registration,
-    limits_of,
-    load_or_create_admin_token,
-    new_token,
-    open_store,
-    token_hash,
-)
+from gateway.hub.snapshot import HubSnapshot, take
+from gateway.hub.store import open_store, token_hash
 
 log = logging.getLogger("gateway.hub")
 
 
 class Hub:
-    """The ALP Server emulator's state: ``Hub(data_dir, settings=...)`` or with settings by name
-    (``Hub(offline_after=5)``); served by ``gateway.hub.app.serve_hub``."""
+    """The hub's parts, made and wired here and nothing more: ``Hub(data_dir, settings=...)``
+    or with settings by name (``Hub(offline_after=5)``); served by ``gateway.hub.app``."""
 
     def __init__(
         self,
@@ -44,103 +40,97 @@ class Hub:
         settings: HubSettings | None = None,
         **overrides: Any,
     ) -> None:
-        self.settings = dataclasses.replace(settings or HubSettings(), **overrides)
+        self.settings = settings = dataclasses.replace(settings or HubSettings(), **overrides)
         self.data_dir = pathlib.Path(data_dir).expanduser() if data_dir is not None else None
-        self.store = open_store(self.data_dir, usage_retention=self.settings.usage_retention)
+        self.store = store = open_store(
+            settings.store or self.data_dir,
+            pool_size=settings.store_pool,
+            usage_retention=settings.usage_retention,
+        )
+        # the admin credential: given, or the store's (made at the first start; on PostgreSQL
+        # a later replica knows only its hash, and ``admin_token`` is None there)
+        self.admin_token: str | None
         if admin_token is not None:
             self.admin_token, self.admin_token_created = admin_token, False
-        elif self.data_dir is not None:
-            self.admin_token, self.admin_token_created = load_or_create_admin_token(self.data_dir)
+            admin_hash = token_hash(admin_token)
         else:
-            self.admin_token, self.admin_token_created = new_token(ADMIN_TOKEN_PREFIX), True
-        self._admin_hash = token_hash(self.admin_token)
-        self.counters = HubCounters()
+            credential = store.admin_credential(self.data_dir)
+            self.admin_token, admin_hash = credential.token, credential.hash
+            self.admin_token_created = credential.created
+        self.counters = counters = HubCounters()
         changes = Changes()
-        self.board = JobBoard(self.store, self.settings, changes)
-        self.channels = Channels(self.board, changes, self.counters)
-        self.frontdoor = FrontDoor(
-            self.store, self.settings, self.board, self.channels, self.counters
+        self.keys = keys = Keys(store, settings, admin_hash)
+        self.board = board = JobBoard(store, settings, changes)
+        self.channels = channels = Channels(board, changes, counters)
+        self.sessions = sessions = Sessions(
+            store,
+            idle_timeout=lambda: settings.session_idle_timeout,
+            max_per_key=lambda: settings.max_sessions_per_key,
+            key_check_interval=lambda: settings.key_check_interval,
+            job_over=self._job_over,
+            end_job=channels.cancel_job,
         )
-        # /metrics and the status page's per-key totals: told of every ended turn
-        self.metrics = HubMetrics(self)
-        self.frontdoor.usage.observers.append(self.metrics.observe)
+        self.dispatcher = dispatcher = Dispatcher(settings, board, channels, sessions, counters)
+        self.catalog = catalog = Catalog(store, settings, board, channels)
+        self.accounting = accounting = Accounting(store, settings, label=catalog.label)
+        self.frontdoor = FrontDoor(
+            settings, keys, catalog, Serving(settings, accounting, sessions, dispatcher)
+        )
+        self.metrics = HubMetrics()
+        accounting.observers.append(self.metrics.observe)
+        keys.on_revoked.append(sessions.check_keys)
+        keys.on_limits.append(accounting.forget_limits)
+        sessions.on_key_check.append(keys.keep_active)
+
+    def _job_over(self, job_id: str) -> bool:
+        """No further turn can be served by this job (completed, cancelled, its runner ended it)."""
+        job = self.board.jobs.get(job_id)
+        return job is None or job.over or job_id in self.channels.runner_ended
+
+    def snapshot(self) -> HubSnapshot:
+        """What the admin routes, ``/metrics`` and the status page read."""
+        return take(
+            board=self.board,
+            channels=self.channels,
+            sessions=self.sessions,
+            dispatcher=self.dispatcher,
+            catalog=self.catalog,
+            accounting=self.accounting,
+            counters=self.counters,
+        )
+
+    async def restore(self) -> None:
+        """The live jobs and the stored sessions back (before serving); a front-door job no
+        stored session points at lost its client in the restart (or its key was revoked):
+        withdrawn, so its runner's redial is refused and the runner reports the job's outcome."""
+        await self.board.load()
+        kept = await self.sessions.restore()
+        for job in list(self.board.jobs.values()):
+            if job.origin in ("frontdoor", "listing") and job.id not in kept and not job.over:
+                await self.board.withdraw(job.id, "its chat session was lost in a hub restart")
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Everything the hub does on its own while it serves, until cancelled: the live jobs and
-        the front door's sessions (read back before ``started``), offline runners' jobs
-        force-ended, the store's writer (its queued usage rows written at stop)."""
-        await self.board.load()
-        await self.frontdoor.restore()
+        """Everything the hub does on its own while it serves, until cancelled: its jobs and
+        sessions (read back before ``started``), the dispatcher, the model catalog, offline
+        runners, the store's writer (its queued usage rows written at stop)."""
+        await self.restore()
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.store.run)
-                nursery.start_soon(self.frontdoor.run)
+                nursery.start_soon(self.sessions.run)
+                nursery.start_soon(self.dispatcher.run)
+                nursery.start_soon(self.catalog.run)
                 nursery.start_soon(self._watch_offline)
         finally:
-            log.info("hub counters at stop: %s", self.counters.as_json())
-
-    # -- jobs and channels ------------------------------------------------------------
-
-    @property
-    def jobs(self) -> JobsView:
-        """Every job by id: live ones from memory, ended ones from the store (``JobsView``)."""
-        return JobsView(self.board)
-
-    @property
-    def last_seen(self) -> dict[str, float]:
-        """Runner id -> trio clock of its last sign of life."""
-        return self.board.last_seen
-
-    async def enqueue_job(
-        self,
-        owner: str,
-        project: str,
-        needs: list[str],
-        agent_definition: dict[str, Any] | None = None,
-        *,
-        origin: str = "api",
-    ) -> Job:
-        """Queue a Job for ``owner/project`` and tell every events subscriber of that project."""
-        return await self.board.enqueue(owner, project, needs, agent_definition, origin=origin)
-
-    async def save_job(self, job: Job) -> None:
-        await self.board.save(job)
-
-    async def withdraw_job(self, job_id: str, reason: str) -> None:
-        await self.board.withdraw(job_id, reason)
-
-    def channel(self, job_id: str) -> ServerChannel | None:
-        """The job's current open channel, or None."""
-        return self.channels.get(job_id)
-
-    def open_channels(self) -> list[ServerChannel]:
-        return self.channels.all()
-
-    @property
-    def runners_connected(self) -> set[str]:
-        """Runner ids with an open channel."""
-        return {ch.runner_id for ch in self.channels.all()}
-
-    async def wait_channel(
-        self,
-        job_id: str,
-        timeout: float | None = None,  # noqa: ASYNC109 (the shared API)
-    ) -> ServerChannel | None:
-        """The job's open channel, waiting for a (re)connect (None on timeout or once it is over)."""
-        return await self.channels.wait(job_id, timeout)
-
-    async def end_job(self, job_id: str, reason: str) -> None:
-        """Send ``chat.end`` on the job's channel if one is open."""
-        await self.channels.end_job(job_id, reason)
-
-    async def cancel_job(self, job_id: str, reason: str = "cancelled") -> None:
-        """Withdraw a job: a queued one leaves the queue; an open one gets ``chat.end`` first."""
-        await self.channels.cancel_job(job_id, reason)
+            log.info(
+                "hub stopped; counters: %s",
+                ", ".join(f"{k} {v}" for k, v in self.counters.as_json().items() if v) or "none",
+            )
 
     async def check_offline(self) -> list[Job]:
-        """Force-complete the open jobs of runners silent for ``offline_after`` s, close their
-        channels; returns those jobs."""
+        """Force-complete the open jobs of runners silent for ``offline_after`` s, and close
+        their channels; returns those jobs."""
         forced = await self.board.check_offline()
         for job in forced:
             ch = self.channels.get(job.id)
@@ -152,69 +142,3 @@ class Hub:
         while True:
             await trio.sleep(min(max(self.settings.offline_after / 5, 0.02), 5.0))
             await self.check_offline()
-
-    # -- registrations and credentials ------------------------------------------------------
-
-    async def register_runner(
-        self, owner: str, project: str, name: str, labels: list[str]
-    ) -> dict[str, Any]:
-        """Register a runner for ``owner/project``: ``{"id","name","token","registeredAt"}``."""
-        registration, token = await self.store.add_registration(owner, project, name, list(labels))
-        self.board.seen(registration.id, registration)  # a registration: its first sign of life
-        return {
-            "id": registration.id,
-            "name": registration.name,
-            "token": token,
-            "registeredAt": registration.registered_at,
-        }
-
-    async def registration_by_token(self, token: str) -> Registration | None:
-        return await self.store.registration_by_token(token)
-
-    def is_admin_token(self, token: str) -> bool:
-        return hmac.compare_digest(token_hash(token), self._admin_hash)
-
-    async def create_api_key(
-        self,
-        name: str,
-        project: str = DEFAULT_KEY_PROJECT,
-        *,
-        rpm: int | None = None,
-        tpm: int | None = None,
-        tokens_per_day: int | None = None,
-        max_streams: int | None = None,
-    ) -> str:
-        """Create an API key (returned, shown once) with its limits (None or 0: no limit);
-        ValueError on a bad name, project or limit."""
-        limits = limits_of(rpm, tpm, tokens_per_day, max_streams)
-        key = await self.store.create_api_key(name, project, limits)
-        self.frontdoor.forget_keys()
-        self.frontdoor.usage.forget_limits()
-        return key
-
-    async def update_api_key_limits(self, name: str, limits: KeyLimits) -> bool:
-        """Replace the active key ``name``'s limits (None or 0: no limit), applied at once;
-        False when there is no such key, ValueError on a bad limit."""
-        limits = limits_of(limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams)
-        updated = await self.store.set_key_limits(name, limits)
-        self.frontdoor.usage.forget_limits()
-        return updated
-
-    async def api_key_limits(self, name: str) -> KeyLimits | None:
-        """The active key ``name``'s limits, or None when there is no such key."""
-        found = await self.store.key_limits(name)
-        return None if found is None else found[1]
-
-    async def list_api_keys(self) -> list[dict[str, Any]]:
-        return await self.store.list_api_keys()
-
-    async def revoke_api_key(self, name: str) -> bool:
-        """Revoke the active key ``name``: its chat sessions end at once (``chat.end``)."""
-        revoked = await self.store.revoke_api_key(name)
-        self.frontdoor.forget_keys()
-        if revoked:
-            self.frontdoor.sessions.check_keys()
-        return revoked
-
-    async def check_api_key(self, token: str) -> ApiKey | None:
-        return await self.store.check_api_key(token)

@@ -11,6 +11,7 @@ import msgspec
 import trio
 
 from gateway.hub.board import REPORT_MAX_BYTES, BoardError, Job
+from gateway.hub.frontdoor.shapes import SSE_HEADERS
 from gateway.hub.http import (
     HTTPError,
     Request,
@@ -28,11 +29,6 @@ log = logging.getLogger("gateway.hub")
 CHANNEL_PATH = "/api/lives/chat/channel/ws"
 
 _STATUS_OF_REFUSAL = {"not_found": 404, "conflict": 409, "forbidden": 403, "invalid": 400}
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 _encoder = msgspec.json.Encoder()
 
 
@@ -67,15 +63,19 @@ class RunnerApi:
         token = bearer(req.scope)
         if token is None:
             raise HTTPError(401, "a user credential is required to register a runner")
-        if not self.hub.is_admin_token(token):
+        if not self.hub.keys.is_admin(token):
             store = self.hub.store
             if await store.registration_by_token(token) is not None:
                 raise HTTPError(
-                    403, "a runner token was presented: only a user credential registers a runner"
+                    403,
+                    "a runner token was presented: only a user credential registers a runner "
+                    "(on this hub: its admin credential, alpa_…)",
                 )
             if await store.check_api_key(token) is not None:
                 raise HTTPError(
-                    403, "an API key was presented: only a user credential registers a runner"
+                    403,
+                    "an API key (alpk_…) was presented: a runner registers with the hub's admin "
+                    "credential (alpa_…, in the hub's data directory as admin-token)",
                 )
             raise HTTPError(401, "unknown credential")
         obj = json_object(await req.body(self.hub.settings.max_body))
@@ -84,7 +84,19 @@ class RunnerApi:
             raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
         labels = string_list(obj, "labels", required=False)
         owner, project = req.params["owner"], req.params["project"]
-        await req.resp.json(201, await self.hub.register_runner(owner, project, name, labels))
+        registration, runner_token = await self.hub.store.add_registration(
+            owner, project, name, labels
+        )
+        self.board.seen(
+            registration.id, registration
+        )  # a registration is the runner's first sign of life
+        answer = {
+            "id": registration.id,
+            "name": registration.name,
+            "token": runner_token,
+            "registeredAt": registration.registered_at,
+        }
+        await req.resp.json(201, answer)
 
     async def poll(self, req: Request) -> None:
         runner = await self._runner(req)  # the credential before the body is read
@@ -148,7 +160,7 @@ class RunnerApi:
         await self._runner(req)
         resp = req.resp
         with self.board.subscribe(req.params["owner"], req.params["project"]) as queued:
-            await resp.start(200, list(_SSE_HEADERS))
+            await resp.start(200, list(SSE_HEADERS))
             async with trio.open_nursery() as nursery:
 
                 async def until_disconnect() -> None:

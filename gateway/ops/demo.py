@@ -66,7 +66,7 @@ async def _demo(args: argparse.Namespace) -> int:
             label = f"built-in simulator at {backend_url} (numbered tokens, 100 ms to the first, 30 ms apart)"
         hub = Hub(None)
         hub_url: str = await nursery.start(partial(serve_hub, hub))
-        api_key = await hub.create_api_key("demo", PROJECT)
+        api_key = await hub.keys.create("demo", PROJECT)
         with tempfile.TemporaryDirectory(prefix="alp-gateway-demo-") as state:
             config = Config(
                 server=hub_url,

@@ -13,7 +13,14 @@ import trio
 from gateway.observe import Redactor
 from gateway.runner.relay import Outlet
 from gateway.runner.turn import Ending, TurnEnd
-from gateway.runner.turns import HELLO_WAIT, SESSION_END, SHUTTING_DOWN, ChannelKit, Turns
+from gateway.runner.turns import (
+    HELLO_WAIT,
+    SESSION_END,
+    SHUTTING_DOWN,
+    ChannelKit,
+    SessionLimits,
+    Turns,
+)
 from gateway.wire import protocol
 from gateway.wire.wsclient import ChannelClosed, WebSocket
 
@@ -29,25 +36,6 @@ log = logging.getLogger("gateway.channel")
 
 _CANCELLED_END = TurnEnd(Ending.CANCELLED, protocol.CANCELLED)
 _SHUTDOWN_END = TurnEnd(Ending.SHUTDOWN, SHUTTING_DOWN)
-
-
-@dataclass
-class SessionLimits:
-    """A Chat Job's time limits (``agentDefinition``, in seconds; None: none) and the clock they
-    run on, kept by the runner across the job's redials."""
-
-    idle: float | None
-    total: float | None
-    started: float  # trio clock: when the session started
-    last_active: float  # trio clock: when the last turn ended (or the session started)
-
-    def idle_reason(self) -> str:
-        assert self.idle is not None
-        return f"session idle for {self.idle / 60:g} min (idleTimeoutMinutes)"
-
-    def total_reason(self) -> str:
-        assert self.total is not None
-        return f"session reached its time limit of {self.total / 60:g} min (maxTimeoutMinutes)"
 
 
 @dataclass

@@ -23,9 +23,9 @@ from gateway.config import Config
 from gateway.observe import Redactor
 from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
-from gateway.runner.channel import Channel, ChannelEnd, ChannelKit, SessionLimits
+from gateway.runner.channel import Channel, ChannelEnd, ChannelKit
 from gateway.runner.turn import Ending, TurnEnd
-from gateway.runner.turns import Turns
+from gateway.runner.turns import SessionLimits, Turns
 from gateway.wire.traceparent import valid_traceparent
 from gateway.wire.wsclient import HandshakeError, WebSocket
 from gateway.wire.wsclient import connect as dial_channel

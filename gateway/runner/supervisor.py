@@ -271,8 +271,8 @@ class Runner:
                 wrong = None
                 with trio.move_on_after(BACKEND_URL_CHECK_S):
                     wrong = await missing_v1(backend)
-                if wrong is not None:
-                    log.warning("backend %s: %s", backend.name, wrong.line)
+                if wrong is not None:  # our own words: whole (a value is capped at 200)
+                    log.warning("backend %s: " + wrong.line.replace("%", "%%"), backend.name)
 
     def _say_lost_reports(self) -> None:
         """One line for every final report the stop left unsent (the Server was unreachable):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -18,8 +18,6 @@ if (
     TYPE_CHECKING
 ):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
     from gateway.runner.otel import TurnTrace
-    from gateway.runner.relay import Pump
-    from gateway.runner.resume import ResumeBuffer
     from gateway.wire.stream import EventStream
 
 
@@ -66,8 +64,10 @@ class Turn:
     chunks: int = 0  # chunk frames offered
     last_payload: bytes = b""  # the last of them (the usage chunk, if any)
     # -- a resume (docs/protocol.md §6), when its channel negotiated one --
-    keep: ResumeBuffer | None = None  # where its frames are kept (None: they are not)
-    pump: Pump | None = None  # its stream's pump while it streams (its outlet is swapped)
+    # where its frames are kept (a ``gateway.runner.resume.ResumeBuffer``; None: they are not)
+    keep: Any = None
+    # its stream's ``gateway.runner.relay.Pump`` while it streams (its outlet is swapped)
+    pump: Any = None
     kept_from: int = 0  # the index of its first chunk frame still kept
     kept_bytes: int = 0  # the bytes of its frames kept
     kept_entries: int = 0  # the entries (one backend read's frames each) kept

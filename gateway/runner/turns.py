@@ -40,7 +40,6 @@ from gateway.wire.wsclient import ChannelClosed
 if (
     TYPE_CHECKING
 ):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
-    from gateway.runner.channel import SessionLimits
     from gateway.runner.otel import SessionTrace
 
 log = logging.getLogger("gateway.channel")
@@ -57,6 +56,25 @@ _WINDOW = TurnEnd(Ending.UNRESUMED, "no redialled channel resumed it within resu
 _UNAVAILABLE = TurnEnd(Ending.UNRESUMED, "resume_unavailable: its frames were no longer kept")
 
 _TRACED_ERRORS = (Ending.FAILED, Ending.SHUTDOWN)  # a turn span's error status: not the client's
+
+
+@dataclass
+class SessionLimits:
+    """A Chat Job's time limits (``agentDefinition``, in seconds; None: none) and the clock they
+    run on, kept by the runner across the job's redials."""
+
+    idle: float | None
+    total: float | None
+    started: float  # trio clock: when the session started
+    last_active: float  # trio clock: when the last turn ended (or the session started)
+
+    def idle_reason(self) -> str:
+        assert self.idle is not None
+        return f"session idle for {self.idle / 60:g} min (idleTimeoutMinutes)"
+
+    def total_reason(self) -> str:
+        assert self.total is not None
+        return f"session reached its time limit of {self.total / 60:g} min (maxTimeoutMinutes)"
 
 
 @dataclass(frozen=True, kw_only=True)

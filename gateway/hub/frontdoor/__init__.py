@@ -1,5 +1,1 @@
-"""The hub's OpenAI-compatible front door (/v1): chat sessions, turns, models."""
-
-from gateway.hub.frontdoor.door import FrontDoor
-
-__all__ = ["FrontDoor"]
+"""The hub's front door (/v1): the routes, and each API's request and answer as one chat turn."""

@@ -55,3 +55,67 @@ class Chunk(msgspec.Struct):
 
 
 chunk_decoder = msgspec.json.Decoder(Chunk)
+
+
+# -- what the hub reads of a chunk without decoding it (a byte search), and its usage -----------
+
+
+def has_usage(raw: bytes | memoryview | msgspec.Raw) -> bool:
+    """Whether a chunk carries a ``usage`` object (a byte search, no decode: the backends' JSON
+    writes it ``"usage":{`` or ``"usage": {``; ``"usage":null`` is none)."""
+    data = bytes(raw) if not isinstance(raw, bytes) else raw
+    return b'"usage":{' in data or b'"usage": {' in data
+
+
+def is_usage_only(raw: bytes | memoryview | msgspec.Raw) -> bool:
+    """A chunk with ``choices`` empty: the extra usage chunk ``include_usage`` asks for (the
+    chunk, or the whole frame that carries it: a byte search, no decode)."""
+    data = bytes(raw) if not isinstance(raw, bytes) else raw
+    return b'"choices":[]' in data or b'"choices": []' in data
+
+
+_CHOICES = b'"choices":'
+
+
+def choices_mark(data: bytes) -> tuple[bytes, int] | None:
+    """Where a chunk (or the frame that carries it) opens a non-empty ``choices``: the bytes
+    from its key to the first choice's ``{`` and their offset, or None (no ``choices``, an empty
+    one, or laid out otherwise).
+
+    A backend writes every chunk of a stream with the same head (id, object, created, model...),
+    so the next chunk of the turn that has these bytes at this offset is not a usage-only chunk:
+    one ``startswith`` per chunk instead of ``is_usage_only``'s search of the whole frame. (A
+    string cannot hold ``"choices":`` unescaped, so the first one found is a key: the chunk's
+    own, the envelope and the head before it have none.)"""
+    at = data.find(_CHOICES)
+    if at < 0:
+        return None
+    end = at + len(_CHOICES)
+    while data[end : end + 1] == b" ":
+        end += 1
+    if not data.startswith(b"[{", end):
+        return None
+    return data[at : end + 2], at
+
+
+class _WithUsage(msgspec.Struct):
+    usage: Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+
+
+def read_usage(raw: bytes | memoryview | msgspec.Raw) -> tuple[int | None, int | None] | None:
+    """(prompt tokens, completion tokens) of a chunk or completion that carries ``usage`` (each
+    None where it is not a whole number), or None without one."""
+    try:
+        usage = _usage_decoder.decode(raw).usage
+    except msgspec.DecodeError:
+        return None
+    if usage is None:
+        return None
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    return (
+        prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None,
+        completion if isinstance(completion, int) and not isinstance(completion, bool) else None,
+    )

@@ -1,16 +1,16 @@
-"""The front door's three APIs side by side: each request becomes one chat turn (``Turn``),
-and each turn's chunks, end and errors become that API's own answer.
+"""The front door's three APIs side by side: each request becomes the spec of one chat turn
+(``TurnSpec``), and each dialect says how that turn's chunks, end and errors are written in its
+own API (``Dialect``).
 
 Chat completions passes the runner's chunks through as SSE events, bytes verbatim; Anthropic
-Messages (``messages``) and the Responses API (``responses``) translate them, each chunk into
-its events at once. Pure: no I/O, no trio.
+Messages and the Responses API translate them, each chunk into its events at once. Pure: no
+I/O, no trio.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,11 +20,14 @@ from gateway.hub.frontdoor import messages, responses
 from gateway.hub.frontdoor.shapes import (
     DONE_EVENT,
     KEEPALIVE,
+    ChatBody,
+    estimate_prompt_tokens,
     sse_data,
     stream_error_event,
     whole_completion,
 )
 from gateway.wire.errors import HTTPError
+from gateway.wire.protocol import with_model
 
 
 class Translation(Protocol):
@@ -41,6 +44,40 @@ class Translation(Protocol):
 
     def keepalive(self) -> bytes:
         """What keeps the client patient while no token has come yet."""
+
+
+class Dialect(Protocol):
+    """How one API answers a chat turn: its stream's events, a non-streamed answer, errors."""
+
+    api: str  # "chat", "messages" or "responses" (usage rows and metrics name it)
+
+    def stream(self) -> Translation:
+        """A new translation for one streamed answer."""
+
+    def fold(self, chunks: list[bytes]) -> bytes:
+        """A non-streamed turn's chunks (or one whole completion) → the answer's body."""
+
+    def error_body(self, err: HTTPError) -> bytes:
+        """An error in this API's shape."""
+
+    def prompt_estimate(self, body: bytes) -> int:
+        """The prompt's tokens, estimated (when the backend did not say)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSpec:
+    """A client's request as one chat turn: the chat body for the channel, whether it streams,
+    the model asked of the runner, and its dialect."""
+
+    body: bytes  # the chat-completions body sent down the channel
+    stream: bool
+    model: str | None  # the model asked of the runner (None: the runner's default)
+    dialect: Dialect
+    strip_usage: bool = False  # the hub asked for usage the client did not: keep it from it
+    max_tokens: int | None = None  # the answer's bound the client set (token reservations)
+
+
+# -- chat completions ------------------------------------------------------------------
 
 
 class ChatStream:
@@ -60,7 +97,74 @@ class ChatStream:
         return KEEPALIVE
 
 
+class ChatDialect:
+    """Chat completions: chunks verbatim, errors in OpenAI's envelope."""
+
+    __slots__ = ()
+    api = "chat"
+
+    def stream(self) -> Translation:
+        return ChatStream()
+
+    def fold(self, chunks: list[bytes]) -> bytes:
+        return whole_completion(chunks)
+
+    def error_body(self, err: HTTPError) -> bytes:
+        return err.body()
+
+    def prompt_estimate(self, body: bytes) -> int:
+        return estimate_prompt_tokens(body)
+
+
+CHAT = ChatDialect()
+_USAGE_OPTION = b'{"stream_options":{"include_usage":true},'
+
+
+def chat_spec(parsed: ChatBody, model: str | None, count_usage: bool = True) -> TurnSpec:
+    """A chat-completions turn asking the runner for ``model`` (the client's own unless the hub
+    maps it); when it streams without asking for usage and ``count_usage``, the body asks for
+    it (``stream_options.include_usage``) and the usage chunk is kept from the client (the hub
+    counts the tokens)."""
+    body = parsed.body
+    if model is not None and model != parsed.model:
+        body = with_model(body, model)
+    strip = False
+    if parsed.stream and count_usage and not parsed.usage_asked:
+        strip = True
+        if parsed.stream_options is None:  # the common case: a splice, no re-encoding
+            body = _USAGE_OPTION + body.lstrip()[1:]
+        else:
+            obj = msgspec.json.decode(body)
+            options = obj.get("stream_options")
+            obj["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+            body = msgspec.json.encode(obj)
+    return TurnSpec(body, parsed.stream, model or parsed.model, CHAT, strip, parsed.max_tokens)
+
+
+# -- Anthropic Messages ----------------------------------------------------------------
+
+
 _ANTHROPIC_TYPE_OF_CODE = {"channel_lost": "overloaded_error", "client_too_slow": "api_error"}
+_ANTHROPIC_TYPES = {
+    "authentication_error",
+    "invalid_request_error",
+    "not_found_error",
+    "overloaded_error",
+    "rate_limit_error",
+    "api_error",
+    "permission_error",
+    "request_too_large",
+}
+
+
+def anthropic_error_body(err: HTTPError) -> bytes:
+    """An error in Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``)."""
+    own = err.type in _ANTHROPIC_TYPES and err.type != "invalid_request_error"
+    type_ = err.type if own else messages.error_type_for_status(err.status)
+    return messages.error_body(type_, err.message)
 
 
 class MessagesStream:
@@ -84,6 +188,51 @@ class MessagesStream:
         return self._stream.ping()
 
 
+class MessagesDialect:
+    """Anthropic Messages: translated events, errors in Anthropic's shape."""
+
+    __slots__ = ("shown", "estimate")
+    api = "messages"
+
+    def __init__(self, shown: str, estimate: int) -> None:
+        self.shown = shown  # the model the client sees named
+        self.estimate = estimate  # the request's input tokens, estimated
+
+    def stream(self) -> Translation:
+        return MessagesStream(self.shown, self.estimate)
+
+    def fold(self, chunks: list[bytes]) -> bytes:
+        return messages.fold(chunks, self.shown, messages.new_message_id(), self.estimate)
+
+    def error_body(self, err: HTTPError) -> bytes:
+        return anthropic_error_body(err)
+
+    def prompt_estimate(self, body: bytes) -> int:
+        return self.estimate
+
+
+def messages_request(body: bytes) -> messages.ChatRequest:
+    """The Messages request translated; HTTPError (Anthropic's type) when it is refused."""
+    try:
+        return messages.translate(body)
+    except messages.MessagesError as exc:
+        raise HTTPError(exc.status, exc.message, None, type_=exc.type) from None
+
+
+def messages_spec(request: messages.ChatRequest, model: str | None) -> TurnSpec:
+    """A Messages turn asking the runner for ``model`` (None: as the client asked); the client
+    sees the model it named (or the runner's when it named none)."""
+    body = request.body if model is None else request.body_for(model)
+    dialect = MessagesDialect(request.model or model or "", request.input_tokens_estimate)
+    limit = request.chat.get("max_tokens")
+    return TurnSpec(
+        body, request.stream, model or request.model, dialect, False, _whole_number(limit)
+    )
+
+
+# -- the Responses API -----------------------------------------------------------------
+
+
 class ResponsesStream:
     """Responses API events (``responses.ResponsesStream``), an SSE comment while waiting."""
 
@@ -105,80 +254,27 @@ class ResponsesStream:
         return self._stream.keepalive()
 
 
-@dataclass
-class Turn:
-    """A request as one chat turn: the chat body for the channel, and how its answer is
-    written in the client's API."""
+class ResponsesDialect:
+    """The Responses API: translated events, errors in OpenAI's envelope."""
 
-    body: str  # the chat-completions body text sent down the channel
-    stream: bool
-    new_stream: Callable[[], Translation]  # one per turn
-    fold: Callable[[list[bytes]], bytes]  # a non-streamed turn's chunks → the answer
-    error_body: Callable[[HTTPError], bytes]  # an error before anything was sent
-    api: str = "chat"  # "chat", "messages" or "responses"
-    model: str | None = None  # the model asked of the runner (None: the runner's default)
-    strip_usage: bool = False  # the hub asked for usage the client did not: keep it from it
+    __slots__ = ("shown", "request")
+    api = "responses"
 
+    def __init__(self, shown: str, request: dict[str, Any]) -> None:
+        self.shown = shown
+        self.request = request  # the Responses request as decoded
 
-def chat_turn(body: str, stream: bool, model: str | None, count_usage: bool = True) -> Turn:
-    """A chat-completions turn; when it streams without asking for usage and ``count_usage``,
-    the body asks for it (``stream_options.include_usage``) and the usage chunk is kept from
-    the client (the hub counts the tokens)."""
-    strip = False
-    if stream and count_usage:
-        obj = msgspec.json.decode(body)
-        options = obj.get("stream_options")
-        if not (isinstance(options, dict) and options.get("include_usage") is True):
-            obj["stream_options"] = {
-                **(options if isinstance(options, dict) else {}),
-                "include_usage": True,
-            }
-            body = msgspec.json.encode(obj).decode()
-            strip = True
-    return Turn(body, stream, ChatStream, whole_completion, HTTPError.body, "chat", model, strip)
+    def stream(self) -> Translation:
+        return ResponsesStream(self.shown, self.request)
 
+    def fold(self, chunks: list[bytes]) -> bytes:
+        return responses.fold(chunks, self.shown, _response_id(), int(time.time()), self.request)
 
-def anthropic_error_body(err: HTTPError) -> bytes:
-    """An error in Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``)."""
-    own = err.type in _ANTHROPIC_TYPES and err.type != "invalid_request_error"
-    type_ = err.type if own else messages.error_type_for_status(err.status)
-    return messages.error_body(type_, err.message)
+    def error_body(self, err: HTTPError) -> bytes:
+        return err.body()
 
-
-_ANTHROPIC_TYPES = {
-    "authentication_error",
-    "invalid_request_error",
-    "not_found_error",
-    "overloaded_error",
-    "rate_limit_error",
-    "api_error",
-    "permission_error",
-    "request_too_large",
-}
-
-
-def messages_request(body: bytes) -> messages.ChatRequest:
-    """The Messages request translated; HTTPError (Anthropic's type) when it is refused."""
-    try:
-        return messages.translate(body)
-    except messages.MessagesError as exc:
-        raise HTTPError(exc.status, exc.message, None, type_=exc.type) from None
-
-
-def messages_turn(request: messages.ChatRequest, model: str | None, shown: str) -> Turn:
-    """A Messages turn asking the runner for ``model`` (None: as the client asked); the client
-    sees ``shown`` as the model."""
-    body = request.body if model is None else request.body_for(model)
-    estimate = request.input_tokens_estimate
-    return Turn(
-        body.decode(),
-        request.stream,
-        lambda: MessagesStream(shown, estimate),
-        lambda chunks: messages.fold(chunks, shown, messages.new_message_id(), estimate),
-        anthropic_error_body,
-        "messages",
-        model or request.model,
-    )
+    def prompt_estimate(self, body: bytes) -> int:
+        return estimate_prompt_tokens(body)
 
 
 def responses_request(body: bytes) -> responses.ChatRequest:
@@ -189,27 +285,18 @@ def responses_request(body: bytes) -> responses.ChatRequest:
         raise HTTPError(exc.status, exc.message, exc.code) from None
 
 
-def responses_turn(request: responses.ChatRequest, model: str | None, shown: str) -> Turn:
+def responses_spec(request: responses.ChatRequest, model: str | None) -> TurnSpec:
     """A Responses turn asking the runner for ``model`` (None: as the client asked)."""
     chat = request.chat if model is None else with_model(request.chat, model)
-    return Turn(
-        chat.decode(),
-        request.stream,
-        lambda: ResponsesStream(shown, request.request),
-        lambda chunks: responses.fold(
-            chunks, shown, _response_id(), int(time.time()), request.request
-        ),
-        HTTPError.body,
-        "responses",
-        model or request.model,
+    dialect = ResponsesDialect(request.model or model or "", request.request)
+    limit = request.request.get("max_output_tokens")
+    return TurnSpec(
+        chat, request.stream, model or request.model, dialect, False, _whole_number(limit)
     )
 
 
-def with_model(body: bytes, model: str) -> bytes:
-    """A chat body asking for ``model`` instead (re-encoded: not on the per-chunk path)."""
-    obj = msgspec.json.decode(body)
-    obj["model"] = model
-    return msgspec.json.encode(obj)
+def _whole_number(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _response_id() -> str:

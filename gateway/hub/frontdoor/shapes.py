@@ -6,6 +6,7 @@ import math
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,12 +46,13 @@ def no_runner(within: float, what: str = "") -> HTTPError:
     return HTTPError(503, message, Code.NO_RUNNER)
 
 
-def no_runner_connected(owner: str, project: str, what: str = "") -> HTTPError:
+def no_runner_connected(owner: str, project: str, server: str = "", what: str = "") -> HTTPError:
     """503 at once: no runner of the key's project gave a sign of life lately (other projects'
-    runners are never named)."""
+    runners are never named); the hint names this hub (``server``) as the runner's Server."""
+    at = f" --server {server}" if server else ""
     message = (
         f"no runner is connected for project {owner}/{project}{what}: start one with "
-        f"`alp-gateway run --project {owner}/{project}`"
+        f"`alp-gateway run{at} --project {owner}/{project}`"
     )
     return HTTPError(503, message, Code.NO_RUNNER)
 
@@ -149,15 +151,30 @@ def no_key() -> HTTPError:
 # -- the chat body ------------------------------------------------------------------------
 
 
-class _ChatBody(msgspec.Struct):
-    """What the front door checks in a chat-completions body (the rest is passed on unread)."""
+class _ChatFields(msgspec.Struct):
+    """What the front door reads of a chat-completions body (the rest is passed on unread)."""
 
     messages: list[msgspec.Raw]
     stream: bool | None = None
     model: Any = None
+    stream_options: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
 
 
-_chat_body_decoder = msgspec.json.Decoder(_ChatBody)
+_chat_fields_decoder = msgspec.json.Decoder(_ChatFields)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatBody:
+    """A valid chat-completions body as the front door read it (one decode)."""
+
+    body: bytes  # as the client sent it
+    stream: bool
+    model: str | None  # its ``model`` when a string
+    stream_options: Any  # as given (None: absent)
+    usage_asked: bool  # ``stream_options.include_usage`` is true
+    max_tokens: int | None  # ``max_completion_tokens`` or ``max_tokens`` when a positive int
 
 
 def _invalid_json(why: str) -> HTTPError:
@@ -166,19 +183,13 @@ def _invalid_json(why: str) -> HTTPError:
     )
 
 
-def parse_chat_body(body: bytes) -> tuple[str, bool]:
-    """(body as text, stream?) for a valid chat-completions body; HTTPError 400 otherwise."""
-    text, stream, _model = parse_chat_request(body)
-    return text, stream
-
-
-def parse_chat_request(body: bytes) -> tuple[str, bool, str | None]:
-    """(body as text, stream?, its ``model`` when a string) for a valid chat-completions body;
-    HTTPError 400 otherwise."""
+def parse_chat_request(body: bytes) -> ChatBody:
+    """A valid chat-completions body, read once; HTTPError 400 otherwise (not JSON, not UTF-8,
+    nested too deeply, ``messages`` missing or not a list, ``stream`` not a boolean)."""
     if not body.strip():
         raise _invalid_json("it is empty.")
     try:
-        parsed = _chat_body_decoder.decode(body)
+        parsed = _chat_fields_decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise HTTPError(
             400, f"Invalid chat completions request: {exc}", "invalid_request"
@@ -188,11 +199,63 @@ def parse_chat_request(body: bytes) -> tuple[str, bool, str | None]:
     except RecursionError:
         raise _invalid_json("it is nested too deeply.") from None
     try:
-        text = body.decode("utf-8")
+        body.decode("utf-8")
     except UnicodeDecodeError:
         raise _invalid_json("it is not UTF-8.") from None
+    options = parsed.stream_options
+    asked = isinstance(options, dict) and options.get("include_usage") is True
+    limit = parsed.max_completion_tokens
+    if limit is None:
+        limit = parsed.max_tokens
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        limit = None
     model = parsed.model if isinstance(parsed.model, str) else None
-    return text, bool(parsed.stream), model
+    return ChatBody(body, bool(parsed.stream), model, options, asked, limit)
+
+
+IMAGE_TOKENS = 1600  # an image in a prompt estimate (as Anthropic's count_tokens counts one)
+
+
+class _Message(msgspec.Struct):
+    content: Any = None
+    tool_calls: Any = None
+
+
+class _Prompt(msgspec.Struct):
+    messages: list[_Message] = []
+    tools: Any = None
+
+
+_prompt_decoder = msgspec.json.Decoder(_Prompt)
+
+
+def estimate_prompt_tokens(body: bytes) -> int:
+    """A chat body's prompt tokens, ESTIMATED as ``count_tokens`` does (the hub has no
+    tokenizer): ``ceil(chars / 4)`` over the messages' text, tool calls and tools, plus
+    ``IMAGE_TOKENS`` per image. Read only when a turn ended without the backend's usage."""
+    try:
+        prompt = _prompt_decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return math.ceil(len(body) / 4)
+    chars = 0
+    images = 0
+    for message in prompt.messages:
+        content = message.content
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    continue
+                if isinstance(part.get("text"), str):
+                    chars += len(part["text"])
+                elif part.get("type") in ("image_url", "input_image", "image"):
+                    images += 1
+        if message.tool_calls is not None:
+            chars += len(msgspec.json.encode(message.tool_calls))
+    if prompt.tools is not None:
+        chars += len(msgspec.json.encode(prompt.tools))
+    return math.ceil(chars / 4) + images * IMAGE_TOKENS
 
 
 # -- SSE and whole completions -----------------------------------------------------------------

@@ -9,11 +9,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.hub import turns
-
 HOUR = 3600
 DEFAULT_KEY_PROJECT = "local/chat"
-ERROR_OUTCOMES = (turns.ERROR, turns.LOST, turns.REFUSED)  # counted as errors in the totals
+# the outcomes counted as errors in the totals (``gateway.hub.turn.State``: failed, lost, refused,
+# cut by the hub stopping)
+ERROR_OUTCOMES = ("error", "lost", "refused", "cut")
 LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "max_streams")
 
 

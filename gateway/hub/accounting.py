@@ -1,0 +1,264 @@
+"""The hub's accounting: each API key's limits, the turns in flight, and every ended turn's
+tokens in the usage ledger; a limit passed is a ``LimitExceeded`` (the edge answers 429).
+
+``admit`` enforces a key's limits before a turn is served: requests a minute (a sliding 60 s
+window of admitted turns), tokens a minute and tokens a UTC day (ended turns' tokens plus what
+the turns in flight reserved: their ``max_tokens``, or ``token_reservation``), and turns in
+flight at once. ``admit`` does not await, so it is exact under any number of concurrent turns,
+and concurrent turns overshoot a token limit by at most one turn's reservation. ``ended`` frees
+the turn's slot and reservation and charges what it used: the backend's usage, or, for a turn
+that ended without one (client gone, cancelled, channel lost), the tokens it delivered (a chunk
+a token) and its prompt estimated, marked estimated in the ledger. Nothing here runs per chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
+from gateway.hub.turn import Turn
+
+log = logging.getLogger("gateway.hub.accounting")
+
+WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
+DAY = 86400
+
+
+class LimitExceeded(Exception):
+    """A turn would pass one of its key's limits (``limit``: rpm, tpm, tokens_per_day,
+    max_streams); ``retry_after``: seconds until it would not."""
+
+    def __init__(self, limit: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class _KeyState:
+    """One key's counters (by key id: a new key with a revoked key's name starts afresh)."""
+
+    requests: deque[float] = field(default_factory=deque)  # admitted turns' times, last 60 s
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)  # ended turns', last 60 s
+    window_tokens: int = 0  # the sum of ``tokens``
+    in_flight: int = 0  # admitted, not ended
+    reserved: int = 0  # tokens the turns in flight reserved
+    day: int = -1  # the UTC day (its start, Unix time) ``day_tokens`` counts; -1: not read yet
+    day_tokens: int = 0
+
+    def expire(self, now: float) -> None:
+        since = now - WINDOW
+        requests, tokens = self.requests, self.tokens
+        while requests and requests[0] <= since:
+            requests.popleft()
+        while tokens and tokens[0][0] <= since:
+            self.window_tokens -= tokens.popleft()[1]
+
+
+def _retry_after(seconds: float) -> int:
+    return max(1, math.ceil(seconds))
+
+
+class Accounting:
+    """Every front-door turn passes here: ``admit`` before it is served, ``started`` once it
+    is, ``ended`` when it is over, whatever the outcome; ``observers`` are told of each ended
+    turn (the metrics), a turn refused by a limit included (it is never in the ledger).
+
+    With a store, each ended turn is written to it (a row, and its key's hourly totals) and the
+    keys' limits are read from it (each key's again after ``key_check_interval`` s). ``clock``:
+    the wall clock (Unix time) of the rows and of the UTC day; the windows use trio's clock."""
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        settings: HubSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        label: Callable[[str | None], str] = lambda model: model or "",
+    ) -> None:
+        self.store = store
+        self.settings = settings or HubSettings()
+        self.clock = clock
+        self.label = label  # the model as the ledger and the metrics name it
+        self.in_flight: dict[int, Turn] = {}
+        self.observers: list[Callable[[Turn], None]] = []
+        self._keys: dict[str, _KeyState] = {}  # key id -> its counters
+        self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
+
+    # -- limits ----------------------------------------------------------------------
+
+    async def limits(self, key_id: str, key_name: str) -> KeyLimits:
+        """The key's limits: read from the store, kept ``key_check_interval`` s (a change by
+        another process applies within that; one made through the hub at once)."""
+        now = trio.current_time()
+        kept = self._limits.get(key_id)
+        if kept is not None and kept[1] > now:
+            return kept[0]
+        limits = KeyLimits()
+        if self.store is not None:
+            found = await self.store.key_limits(key_name)
+            if found is not None and found[0] == key_id:
+                limits = found[1]
+        self._limits[key_id] = (limits, now + self.settings.key_check_interval)
+        return limits
+
+    def forget_limits(self) -> None:
+        """Drop the kept limits (a key was created or its limits changed in this process)."""
+        self._limits.clear()
+
+    def _state(self, key_id: str) -> _KeyState:
+        state = self._keys.get(key_id)
+        if state is None:
+            state = self._keys[key_id] = _KeyState()
+        return state
+
+    async def _read_day(self, state: _KeyState, key_id: str) -> None:
+        """The key's tokens of ended turns this UTC day, read from the store once a day."""
+        day = int(self.clock()) // DAY * DAY
+        if state.day != day:
+            used = await self.store.tokens_since(key_id, day) if self.store else 0
+            if state.day != day:  # nobody read it meanwhile
+                state.day, state.day_tokens = day, used
+
+    def reservation(self, max_tokens: int | None) -> int:
+        """The tokens a turn holds against its key's token limits while in flight."""
+        return max_tokens if max_tokens is not None else self.settings.token_reservation
+
+    async def admit(self, turn: Turn) -> None:
+        """LimitExceeded when the turn would pass one of its key's limits; else count it (a
+        request of the minute, a turn in flight and its reservation until ``ended``). What the
+        store has is read first; the check and the count then run with no await between, so
+        they are exact under any number of concurrent turns."""
+        limits = await self.limits(turn.key_id, turn.key_name)
+        state = self._state(turn.key_id)
+        if limits.tokens_per_day is not None:
+            await self._read_day(state, turn.key_id)
+        now = trio.current_time()
+        state.expire(now)
+        if not (limits.tpm or limits.tokens_per_day):
+            turn.reserved = 0  # nothing to hold tokens against
+        if limits.tokens_per_day is not None:
+            used = state.day_tokens
+            if used + state.reserved >= limits.tokens_per_day:
+                wait = _retry_after(state.day + DAY - self.clock())
+                raise LimitExceeded(
+                    "tokens_per_day",
+                    f"this API key is limited to {limits.tokens_per_day} tokens per day "
+                    f"(tokens_per_day, UTC) and has used {used} today"
+                    + (f", {state.reserved} more held by turns in flight" if state.reserved else "")
+                    + f": retry in {wait} s",
+                    wait,
+                )
+        if limits.tpm is not None and state.window_tokens + state.reserved >= limits.tpm:
+            left = state.window_tokens + state.reserved
+            wait_until = now
+            for at, tokens in state.tokens:  # until enough of the minute's tokens age out
+                left -= tokens
+                wait_until = at + WINDOW
+                if left < limits.tpm:
+                    break
+            wait = _retry_after(wait_until - now)
+            raise LimitExceeded(
+                "tpm",
+                f"this API key is limited to {limits.tpm} tokens per minute (tpm) and has used "
+                f"{state.window_tokens} in the last minute"
+                + (f", {state.reserved} more held by turns in flight" if state.reserved else "")
+                + f": retry in {wait} s",
+                wait,
+            )
+        if limits.rpm is not None and len(state.requests) >= limits.rpm:
+            oldest = state.requests[len(state.requests) - limits.rpm]
+            wait = _retry_after(oldest + WINDOW - now)
+            raise LimitExceeded(
+                "rpm",
+                f"this API key is limited to {limits.rpm} requests per minute (rpm): "
+                f"retry in {wait} s",
+                wait,
+            )
+        if limits.max_streams is not None and state.in_flight >= limits.max_streams:
+            raise LimitExceeded(
+                "max_streams",
+                f"this API key is limited to {limits.max_streams} turns in flight at once "
+                f"(max_streams) and has {state.in_flight}: retry when one ends",
+                1,
+            )
+        state.requests.append(now)
+        state.in_flight += 1
+        state.reserved += turn.reserved
+        self.in_flight[id(turn)] = turn
+
+    def refused(self, turn: Turn) -> None:
+        """A turn refused before it was admitted (a limit): only the observers are told (no
+        store write per refused request)."""
+        turn.model_label = self.label(turn.model)
+        for observe in self.observers:
+            observe(turn)
+
+    def ended(self, turn: Turn) -> None:
+        """The turn is over: its slot and reservation freed, its tokens charged (estimated
+        where the backend said nothing), its row written, observers told."""
+        if self.in_flight.pop(id(turn), None) is None:
+            self.refused(turn)
+            return
+        state = self._state(turn.key_id)
+        state.in_flight -= 1
+        state.reserved -= turn.reserved
+        turn.model_label = self.label(turn.model)
+        try:
+            if turn.estimated and turn.prompt_tokens is None:
+                turn.prompt_tokens = turn.dialect.prompt_estimate(turn.body)
+            tokens = turn.tokens
+            if tokens:
+                state.tokens.append((trio.current_time(), tokens))
+                state.window_tokens += tokens
+            wall = self.clock()
+            if self.store is not None:
+                self._write(turn, wall)
+            day = int(wall) // DAY * DAY
+            if state.day != day and self.store is None:  # nowhere to read the day from
+                state.day, state.day_tokens = day, 0
+            if state.day == day:  # else read from the store (this turn included) when needed
+                state.day_tokens += tokens
+        finally:
+            for observe in self.observers:
+                observe(turn)
+
+    def _write(self, turn: Turn, wall: float) -> None:
+        """The turn's row, queued for the store's writer (written in a batch, off the turn's
+        path; old rows pruned there)."""
+        assert self.store is not None
+        self.store.queue_usage(
+            UsageRecord(
+                turn.key_id,
+                turn.key_name,
+                turn.session,
+                turn.api,
+                turn.model_label,
+                turn.stream,
+                turn.outcome or "",
+                turn.runner_id,
+                turn.job_id,
+                turn.prompt_tokens,
+                turn.completion_tokens,
+                turn.ttft,
+                turn.duration,
+                turn.estimated,
+            ),
+            wall,
+        )
+
+    async def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
+        """The hourly totals from ``since`` (a Unix time; the hour it falls in included) on,
+        of one key or of all, oldest first."""
+        if self.store is None:
+            return []
+        return await self.store.hourly_usage(since, key_name)

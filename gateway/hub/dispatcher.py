@@ -1,0 +1,386 @@
+"""The dispatcher: finds each turn its channel, at once when its session's channel is open and
+serves its model, else by the step of ``gateway.hub.dispatch`` (a function of the turns, the
+runners and the jobs), which it applies: jobs opened, retargeted and withdrawn on the board,
+sessions moved, turns woken or refused.
+
+A waiting turn sleeps in its own task (``Turn.sleep``: keepalives to a streamed client, the
+client watched); the dispatcher's task (``run``) steps each project whose turns wait whenever
+the board or the channels change, or a wait falls due, and wakes the turns it decided for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+
+from gateway.hub.board import Changes, JobBoard
+from gateway.hub.channel import Channels, ServerChannel
+from gateway.hub.counters import HubCounters
+from gateway.hub.dispatch import (
+    RECENT_WAITS,
+    Assign,
+    FairQueue,
+    JobView,
+    Limits,
+    Move,
+    Open,
+    Refusal,
+    Refuse,
+    Retarget,
+    RunnerView,
+    Waiter,
+    Withdraw,
+    plan,
+)
+from gateway.hub.sessions import Session, Sessions
+from gateway.hub.settings import HubSettings
+from gateway.hub.turn import Turn
+from gateway.wire import protocol
+from gateway.wire.http import Connection
+
+log = logging.getLogger("gateway.hub.dispatcher")
+
+CHAT_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
+CANCEL_WITHIN = 2.0  # s: bound on telling a runner its session moved (chat.end)
+Project = tuple[str, str]
+
+
+class Unplaced(Exception):
+    """No channel for the turn: ``refusal`` says why (the edge answers it in the caller's API)."""
+
+    def __init__(self, refusal: Refuse) -> None:
+        super().__init__(refusal.why.value)
+        self.refusal = refusal
+
+
+@dataclass
+class WaitStats:
+    """How long turns waited in the queues (those that did: ``Waiter.queued``), however their
+    wait ended: served, timed out, or the client left."""
+
+    count: int = 0
+    total: float = 0.0  # s, summed
+    longest: float = 0.0  # s
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_WAITS))
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        self.longest = max(self.longest, seconds)
+        self.recent.append(seconds)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """One turn the dispatcher decides for: its view for the step, and what was decided."""
+
+    view: Waiter
+    session: Session
+    turn: Turn
+    traceparent: str | None
+    job_id: str | None = None  # the job whose open channel it was given
+    refusal: Refuse | None = None
+
+
+@dataclass
+class _Project:
+    waiting: list[_Waiting] = field(default_factory=list)  # in arrival order
+    queue: FairQueue = field(default_factory=FairQueue)
+
+
+class Dispatcher:
+    """Every waiting turn of one hub, per project (``channel_for``), and the task that decides
+    for them (``run``)."""
+
+    def __init__(
+        self,
+        settings: HubSettings,
+        board: JobBoard,
+        channels: Channels,
+        sessions: Sessions,
+        counters: HubCounters,
+    ) -> None:
+        self.settings = settings
+        self.board = board
+        self.channels = channels
+        self.sessions = sessions
+        self.counters = counters
+        self.changes: Changes = board.changes
+        self._projects: dict[Project, _Project] = {}
+        self.waits = WaitStats()
+
+    # -- a turn's side -----------------------------------------------------------------
+
+    def open_channel(self, session: Session, model: str | None) -> ServerChannel | None:
+        """The session's open channel when it serves ``model`` and no turn of the session waits
+        (the common case: no step, no task hop), else None."""
+        job_id = session.job_id
+        if job_id is None:
+            return None
+        ch = self.channels.get(job_id)
+        if ch is None:
+            return None
+        if model is not None:
+            state = self.board.runners.get(ch.runner_id)
+            if state is not None and state.models is not None and model not in state.models:
+                return None
+        project = self._projects.get((session.owner, session.project))
+        if project is not None and any(w.session is session for w in project.waiting):
+            return None
+        return ch
+
+    async def channel_for(
+        self,
+        session: Session,
+        turn: Turn,
+        conn: Connection,
+        traceparent: str | None = None,
+    ) -> tuple[ServerChannel, bool] | None:
+        """The channel for ``turn`` of ``session`` and whether its job was opened for this turn
+        (then the job's definition carries ``traceparent``); None when the client left while it
+        waited (the turn has ended). Unplaced when no channel can be had. The turn's client is
+        kept patient meanwhile (keepalives)."""
+        while True:
+            ch = self.open_channel(session, turn.model)
+            if ch is not None:
+                return ch, False
+            waiting = self._join(session, turn, traceparent)
+            try:
+                await self._wait(waiting, conn)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._leave(waiting)
+            if waiting.refusal is not None:
+                raise Unplaced(waiting.refusal)
+            if waiting.job_id is None:  # the client left
+                return None
+            ch = self.channels.get(waiting.job_id)
+            if ch is not None:
+                return ch, waiting.view.opened
+
+    def _join(self, session: Session, turn: Turn, traceparent: str | None) -> _Waiting:
+        view = Waiter(
+            lane=session.key[0],
+            session=session,
+            model=turn.model,
+            arrived=trio.current_time(),
+            job_id=session.job_id,
+        )
+        waiting = _Waiting(view, session, turn, traceparent)
+        key = (session.owner, session.project)
+        project = self._projects.get(key)
+        if project is None:
+            project = self._projects[key] = _Project()
+        project.waiting.append(waiting)
+        self.changes.notify()
+        return waiting
+
+    async def _wait(self, waiting: _Waiting, conn: Connection) -> None:
+        turn = waiting.turn
+        interval = self.settings.keepalive_interval
+        next_keepalive = trio.current_time() + interval if interval > 0 else math.inf
+        while waiting.job_id is None and waiting.refusal is None and not turn.state.final:
+            await turn.sleep(conn, next_keepalive)
+            if trio.current_time() >= next_keepalive:
+                turn.keepalive()
+                next_keepalive = trio.current_time() + interval
+
+    async def _leave(self, waiting: _Waiting) -> None:
+        """The turn stops waiting (decided for, or its client left): out of its project's
+        lists; a job opened for it and never given is taken back."""
+        key = (waiting.session.owner, waiting.session.project)
+        project = self._projects.get(key)
+        view = waiting.view
+        if project is not None:
+            if waiting in project.waiting:
+                project.waiting.remove(waiting)
+            project.queue.leave(view)
+            if not project.waiting:
+                del self._projects[key]
+        if view.queued:
+            self.waits.add(trio.current_time() - view.arrived)
+        if view.opened and view.job_id is not None and waiting.job_id is None:
+            job = self.board.jobs.get(view.job_id)
+            if job is not None and not job.over:
+                if job.claimed_by is None:
+                    await self.board.withdraw(view.job_id, "its turn is no longer waiting")
+                elif waiting.session.job_id is None and self.channels.get(job.id) is None:
+                    # claimed, its channel not there yet: the session keeps it for its next turn
+                    await self.sessions.bind(waiting.session, job.id)
+        self.changes.notify()
+
+    # -- the dispatcher's task -------------------------------------------------------------
+
+    def _limits(self) -> Limits:
+        s = self.settings
+        return Limits(
+            queue_length=s.queue_length,
+            queue_wait=s.queue_wait,
+            dial_within=s.runner_wait_timeout,
+            redial_within=min(s.reconnect_timeout, s.runner_wait_timeout),
+        )
+
+    def _runners(self, key: Project) -> dict[str, RunnerView]:
+        board = self.board
+        held: dict[str, int] = {}
+        for job in board.jobs.values():
+            if job.claimed_by is not None and not job.over:
+                held[job.claimed_by] = held.get(job.claimed_by, 0) + 1
+        out = {}
+        for runner_id, state in board.runners.items():
+            if (state.owner, state.project) != key:
+                continue
+            caps = state.capabilities
+            out[runner_id] = RunnerView(
+                runner_id,
+                board.alive(runner_id),
+                None if caps is None else protocol.CAPABILITY in caps,
+                held.get(runner_id, 0),
+                state.models,
+                state.listing,
+            )
+        return out
+
+    def _jobs(self, project: _Project) -> dict[str, JobView]:
+        out = {}
+        for waiting in project.waiting:
+            job_id = waiting.view.job_id
+            if job_id is None or job_id in out:
+                continue
+            job = self.board.jobs.get(job_id)
+            if job is None:
+                continue
+            over = job.over or job_id in self.channels.runner_ended
+            out[job_id] = JobView(
+                job_id, job.claimed_by, over, self.channels.get(job_id) is not None
+            )
+        return out
+
+    async def step(self) -> float:
+        """One step for every project with waiting turns; when the next falls due."""
+        wake = math.inf
+        limits = self._limits()
+        for key, project in list(self._projects.items()):
+            for waiting in project.waiting:  # a session's new job, taken by its other turns
+                view = waiting.view
+                if view.job_id is None and not view.opened:
+                    view.job_id = waiting.session.job_id
+            now = trio.current_time()
+            views = [w.view for w in project.waiting if w.job_id is None and w.refusal is None]
+            depth = len(project.queue)
+            decided = plan(
+                project.queue, views, self._runners(key), self._jobs(project), limits, now
+            )
+            if len(project.queue) != depth:
+                self.changes.notify()  # whoever watches the queue (its depth) sees it
+            self.counters.queued += len(decided.newly_queued)
+            self.counters.redial_waits += len(decided.redialling)
+            by_view = {id(w.view): w for w in project.waiting}
+            for action in decided.actions:
+                await self._apply(key, project, by_view, action)
+            wake = min(wake, decided.wake)
+        return wake
+
+    async def _apply(
+        self, key: Project, project: _Project, by_view: dict[int, _Waiting], action: object
+    ) -> None:
+        if isinstance(action, Retarget):
+            job = self.board.jobs.get(action.job_id)
+            if job is not None:
+                job.runners = action.runners
+            return
+        waiting = by_view.get(id(action.waiter)) if hasattr(action, "waiter") else None
+        if waiting is None:
+            return
+        view = waiting.view
+        session = waiting.session
+        if isinstance(action, Assign):
+            if view.opened:
+                await self._bind_new(session, action.job_id)
+            waiting.job_id = action.job_id
+            waiting.turn.wake()
+        elif isinstance(action, Open):
+            definition = dict(CHAT_DEFINITION)
+            if waiting.traceparent is not None:
+                definition["traceparent"] = waiting.traceparent
+            job = await self.board.enqueue(
+                key[0], key[1], [protocol.CAPABILITY], definition, origin="frontdoor"
+            )
+            job.runners = action.runners
+            view.job_id, view.opened = job.id, True
+        elif isinstance(action, Withdraw):
+            await self.board.withdraw(action.job_id, "queued behind another request")
+        elif isinstance(action, Move):
+            await self._move(session, action)
+        elif isinstance(action, Refuse):
+            self._refuse(project, waiting, action)
+
+    async def _bind_new(self, session: Session, job_id: str) -> None:
+        """The session's new job (a failover when it had one)."""
+        old = session.job_id or session.had_job
+        await self.sessions.bind(session, job_id)
+        self.changes.notify()  # its session's other waiting turns take the job too
+        job = self.board.jobs.get(job_id)
+        runner = job.claimed_by if job is not None else None
+        if old is not None and old != job_id:
+            self.counters.failovers += 1
+            log.warning(
+                "session %s: job %s is gone, failed over to job %s (runner %s); failovers: %d",
+                session.name,
+                old,
+                job_id,
+                runner,
+                self.counters.failovers,
+            )
+        else:
+            log.info("session %s opened chat job %s (runner %s)", session.name, job_id, runner)
+
+    async def _move(self, session: Session, action: Move) -> None:
+        if action.immediate:
+            self.counters.failovers_immediate += 1
+            log.warning(
+                "job %s: channel gone and another runner free: moving session %s at once "
+                "(immediate failovers: %d)",
+                action.job_id,
+                session.name,
+                self.counters.failovers_immediate,
+            )
+        else:
+            log.warning("session %s leaves job %s: %s", session.name, action.job_id, action.reason)
+        if session.job_id == action.job_id:
+            session.had_job = action.job_id
+            await self.sessions.bind(session, None)
+        with trio.move_on_after(CANCEL_WITHIN) as scope:
+            scope.shield = True
+            await self.channels.cancel_job(action.job_id, action.reason)
+
+    def _refuse(self, project: _Project, waiting: _Waiting, action: Refuse) -> None:
+        counters = self.counters
+        if action.why is Refusal.QUEUE_FULL:
+            counters.queue_full += 1
+        elif action.why is Refusal.QUEUE_TIMEOUT:
+            counters.queue_timeouts += 1
+        for other in project.waiting:  # the turns of its session behind it share its answer
+            if other is waiting or (other.view.follows is waiting.view and other.refusal is None):
+                other.refusal = action
+                other.turn.wake()
+
+    async def run(self) -> None:
+        """Step whenever the board or the channels change or a wait falls due, until cancelled."""
+        while True:
+            event = self.changes.event
+            wake = await self.step() if self._projects else math.inf
+            if event.is_set():
+                continue
+            with trio.move_on_at(wake):
+                await event.wait()
+
+    # -- for the metrics ------------------------------------------------------------------
+
+    def depth(self) -> dict[str, int]:
+        """Turns waiting in each project's queue now (projects with any)."""
+        return {f"{o}/{p}": len(q.queue) for (o, p), q in self._projects.items() if len(q.queue)}

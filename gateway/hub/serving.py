@@ -1,0 +1,242 @@
+"""One front-door turn served, from its admission to its end: its key's limits, its session, a
+channel from the dispatcher, its request frame, its answer relayed (the turn writes it), and
+another channel when the one it was on went before it sent anything. Domain refusals become
+HTTP errors here, in the caller's API (``Turn.refuse``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+
+import msgspec
+import trio
+
+from gateway.hub.accounting import Accounting, LimitExceeded
+from gateway.hub.channel import ServerChannel
+from gateway.hub.dispatch import Refusal, Refuse
+from gateway.hub.dispatcher import Dispatcher, Unplaced
+from gateway.hub.frontdoor.dialects import TurnSpec
+from gateway.hub.frontdoor.shapes import (
+    channel_lost,
+    model_not_found,
+    no_capable_runner,
+    no_runner,
+    no_runner_connected,
+    queue_full,
+    queue_timeout,
+    too_many_sessions,
+)
+from gateway.hub.sessions import Session, Sessions, TooManySessions
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import ApiKey
+from gateway.hub.turn import State, Turn, TurnLost
+from gateway.wire import protocol
+from gateway.wire.errors import HTTPError
+from gateway.wire.http import Request, header
+
+log = logging.getLogger("gateway.hub.serving")
+
+DEFAULT_SESSION = "default"
+MAX_ATTEMPTS = 3  # channels a turn may lose before it answers with an error
+CANCEL_SEND_TIMEOUT = 2.0  # s: bound on sending chat.completion.cancel
+
+
+def limit_error(exc: LimitExceeded) -> HTTPError:
+    """A key's limit passed: 429 with Retry-After."""
+    return HTTPError(
+        429,
+        exc.message,
+        "rate_limit_exceeded",
+        type_="rate_limit_error",
+        headers=[(b"retry-after", str(exc.retry_after).encode())],
+    )
+
+
+class Serving:
+    """Serves the front door's turns (``serve``) with the hub's accounting, sessions and
+    dispatcher."""
+
+    def __init__(
+        self,
+        settings: HubSettings,
+        accounting: Accounting,
+        sessions: Sessions,
+        dispatcher: Dispatcher,
+    ) -> None:
+        self.settings = settings
+        self.accounting = accounting
+        self.sessions = sessions
+        self.dispatcher = dispatcher
+
+    async def serve(
+        self,
+        req: Request,
+        key: ApiKey,
+        spec: TurnSpec,
+        session_id: str,
+        traceparent: str | None = None,
+    ) -> None:
+        """Serve one turn of the key's session ``session_id`` ("" for the default one)."""
+        settings = self.settings
+        turn = Turn(
+            uuid.uuid4().hex,
+            key.id,
+            key.name,
+            session_id or DEFAULT_SESSION,
+            spec.body,
+            spec.dialect,
+            req.resp,
+            model=spec.model,
+            stream=spec.stream,
+            bound=settings.client_backlog,
+            max_answer=settings.max_body,
+            strip_usage=spec.strip_usage,
+            reserved=self.accounting.reservation(spec.max_tokens),
+            now=trio.current_time(),
+        )
+        try:
+            await self.accounting.admit(turn)
+        except LimitExceeded as exc:
+            turn.refuse(limit_error(exc))
+            self.accounting.refused(turn)
+            return
+        turn.on_end = self.accounting.ended
+        try:
+            try:
+                session, evicted = await self.sessions.enter(key, turn.session)
+            except TooManySessions as exc:
+                turn.refuse(too_many_sessions(exc.limit))
+                return
+            try:
+                if evicted is not None:
+                    await self.sessions.end_evicted(evicted)
+                await self._attempts(req, turn, session, traceparent)
+            finally:
+                self.sessions.leave(session)
+        finally:
+            if not turn.state.final:  # cancelled under it (the hub stopping)
+                turn.cut()
+            if turn.state is State.OVERRUN:
+                self.dispatcher.counters.turns_overrun += 1
+
+    async def _attempts(
+        self, req: Request, turn: Turn, session: Session, traceparent: str | None
+    ) -> None:
+        """The turn on a channel; again on another when one is lost before the client got
+        anything, up to ``MAX_ATTEMPTS``."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                placed = await self.dispatcher.channel_for(
+                    session, turn, req.connection, traceparent
+                )
+            except Unplaced as exc:
+                turn.refuse(self._refusal(exc.refusal, req, session))
+                return
+            if placed is None:  # the client left while it waited
+                return
+            ch, opened = placed
+            # a job opened for this turn carries its traceparent; else the turn's frame does
+            if await self._on(req, turn, ch, None if opened else traceparent):
+                return
+            log.warning(
+                "job %s: channel lost before the turn sent anything (attempt %d of %d)",
+                ch.job_id,
+                attempt,
+                MAX_ATTEMPTS,
+            )
+        turn.refuse(
+            channel_lost(f"the chat channel was lost {MAX_ATTEMPTS} times before an answer")
+        )
+
+    async def _on(
+        self, req: Request, turn: Turn, ch: ServerChannel, traceparent: str | None
+    ) -> bool:
+        """The turn on one channel: True once it is over, False when the channel went before
+        the client got anything (it can be served again)."""
+        settings = self.settings
+        rid = uuid.uuid4().hex
+        turn.sent(rid, ch.runner_id, ch.job_id)
+        ch.open(rid, turn)
+        frame = protocol.RequestFrame(ch.job_id, rid, msgspec.Raw(turn.body), traceparent)
+        try:
+            if not await ch.send(protocol.encode_frame(frame)):
+                turn.unsent()
+                return False
+            first_within = math.inf if settings.ping_interval > 0 else settings.first_frame_timeout
+            try:
+                await turn.relay(req.connection, settings.keepalive_interval, first_within)
+            except TurnLost:
+                if turn.state is State.SENT:  # no frame within first_within
+                    log.warning(
+                        "job %s: no frame for turn %s within %g s: closing its channel",
+                        ch.job_id,
+                        turn.id,
+                        first_within,
+                    )
+                    ch.request_close(1011, f"no frame within {first_within:g} s")
+                    turn.unsent()
+                return False
+            return True
+        finally:
+            if ch.routes(rid):  # the runner has not ended it: nobody reads it any more
+                ch.close_request(rid)
+                await _send_cancel(ch, rid)
+
+    def _refusal(self, refusal: Refuse, req: Request, session: Session) -> HTTPError:
+        """The HTTP answer to the dispatcher's refusal (logged once)."""
+        s = self.settings
+        owner, project = session.owner, session.project
+        why = refusal.why
+        if why is Refusal.NO_RUNNER_CONNECTED:
+            return no_runner_connected(owner, project, server_url(req))
+        if why is Refusal.NO_CAPABLE_RUNNER:
+            return no_capable_runner(refusal.live)
+        if why is Refusal.UNKNOWN_MODEL:  # learnt as the runners' lists came in
+            return model_not_found(refusal.waiter.model or "", list(refusal.models))
+        if why is Refusal.QUEUE_FULL:
+            log.warning(
+                "%s/%s: every runner busy and the queue full: refused (position %d of %d)",
+                owner,
+                project,
+                refusal.position,
+                refusal.of,
+            )
+            return queue_full(
+                refusal.busy, s.queue_length, refusal.position, refusal.of, s.queue_wait
+            )
+        if why is Refusal.QUEUE_TIMEOUT:
+            log.warning(
+                "%s/%s: every runner busy for %g s: a turn gave up at position %d of %d",
+                owner,
+                project,
+                s.queue_wait,
+                refusal.position,
+                refusal.of,
+            )
+            return queue_timeout(refusal.busy, s.queue_wait, refusal.position, refusal.of)
+        log.warning(
+            "no runner with %s connected within %g s (session %s)",
+            protocol.CAPABILITY,
+            s.runner_wait_timeout,
+            session.name,
+        )
+        return no_runner(s.runner_wait_timeout)
+
+
+async def _send_cancel(ch: ServerChannel, rid: str) -> None:
+    """``chat.completion.cancel`` for a turn nobody reads any more (shielded, bounded)."""
+    if ch.closed.is_set():
+        return
+    frame = protocol.encode_frame(protocol.CancelFrame(ch.job_id, rid))
+    with trio.move_on_after(CANCEL_SEND_TIMEOUT) as scope:
+        scope.shield = True
+        if await ch.send(frame):
+            log.info("sent chat.completion.cancel for request %s of job %s", rid, ch.job_id)
+
+
+def server_url(req: Request) -> str:
+    """The hub's URL as the client reached it (for a hint naming ``--server``)."""
+    host = header(req.scope, b"host")
+    scheme = req.scope.get("scheme", "http")
+    return f"{scheme}://{host.decode('latin-1')}" if host else ""

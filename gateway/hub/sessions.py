@@ -1,0 +1,277 @@
+"""The chat sessions table: (API key, X-Chat-Session) -> one Chat Job, stored, ended when idle,
+when its key is revoked, or to make room for the key's next one.
+
+Sessions only keep the table and its persistence; which job a session's turn runs on is the
+dispatcher's to decide (``gateway.hub.dispatcher``), and ending a job on the channel is the
+``end_job`` it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from gateway.hub.store import ApiKey, Store, StoredSession
+
+log = logging.getLogger("gateway.hub.sessions")
+
+SessionKey = tuple[str, str]  # (API key id, session id)
+LEGACY_KEY = "name:"  # the key part of a restored session whose key is known by name only
+EndJob = Callable[[str, str], Awaitable[None]]  # (job id, reason): chat.end, then withdrawn
+
+
+class TooManySessions(Exception):
+    """The key holds ``limit`` sessions, each busy with a turn: none can be ended for a new one."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the key holds {limit} busy sessions")
+        self.limit = limit
+
+
+@dataclass(eq=False)
+class Session:
+    """One chat session: (API key, X-Chat-Session) -> its Chat Job."""
+
+    key: SessionKey  # (the key's id, the session id): a new key with an old name starts afresh
+    owner: str
+    project: str
+    key_name: str = ""  # for listings and log lines
+    job_id: str | None = None
+    turns: int = 0  # turns in flight (waiting for a channel or relaying)
+    last_used: float = field(default_factory=trio.current_time)
+    used: int = 0  # the order of last use among the hub's sessions (a tie on the clock breaks)
+    had_job: str | None = None  # the job it lost (its runner ended it): its next is a failover
+
+    @property
+    def name(self) -> str:
+        """``key name/session id``, for log lines (never the key itself)."""
+        return f"{self.key_name}/{self.key[1]}"
+
+    @property
+    def key_checked(self) -> bool:
+        """Whether the key's revocation is watched (not for a session restored by name only)."""
+        return not self.key[0].startswith(LEGACY_KEY)
+
+
+class Sessions:
+    """Every live session of one hub, and their background work (``run``): idle ones ended,
+    those of revoked keys ended, finished ones forgotten."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        idle_timeout: Callable[[], float],
+        max_per_key: Callable[[], int],
+        key_check_interval: Callable[[], float],
+        job_over: Callable[[str], bool],
+        end_job: EndJob,
+    ) -> None:
+        self.store = store
+        self.live: dict[SessionKey, Session] = {}
+        self._idle_timeout = idle_timeout
+        self._max_per_key = max_per_key
+        self._key_check_interval = key_check_interval
+        self._job_over = job_over
+        self._end_job = end_job
+        self._changed = trio.Event()
+        self._restored = False
+        self._uses = 0  # sessions left so far (their ``used`` order)
+        self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
+        # told the active key ids at each check (the front door drops what it kept of others)
+        self.on_key_check: list[Callable[[set[str]], None]] = []
+
+    def listing(self) -> dict[tuple[str, str], str | None]:
+        """The live sessions: (API key name, session id) -> job id."""
+        return {(s.key_name, key[1]): s.job_id for key, s in self.live.items()}
+
+    def poke(self) -> None:
+        """Wake ``run``: a session changed."""
+        self._changed.set()
+
+    def check_keys(self) -> None:
+        """Check the live sessions' API keys now (one was revoked in this process)."""
+        self._next_key_check = -math.inf
+        self.poke()
+
+    # -- one session's turns ----------------------------------------------------------
+
+    async def enter(self, key: ApiKey, session_id: str) -> tuple[Session, Session | None]:
+        """The session ``session_id`` of ``key`` (created if new), counted busy until ``leave``,
+        and the session ended to make room for it, if one was (its job is the caller's to end).
+        A key holds at most ``max_sessions_per_key``: a new one past it ends the key's least
+        recently used idle session; when none is idle, TooManySessions."""
+        skey = (key.id or LEGACY_KEY + key.name, session_id)
+        session = self.live.get(skey)
+        evicted: Session | None = None
+        if session is None:
+            limit = self._max_per_key()
+            if limit > 0:
+                held = [s for k, s in self.live.items() if k[0] == skey[0]]
+                if len(held) >= limit:
+                    idle = [s for s in held if not s.turns]
+                    if not idle:
+                        log.warning(
+                            "API key %s holds %d busy sessions: session %s refused",
+                            key.name,
+                            len(held),
+                            session_id,
+                        )
+                        raise TooManySessions(limit)
+                    evicted = min(idle, key=lambda s: (s.last_used, s.used))
+                    del self.live[evicted.key]  # out of the table at once (no await before)
+                    log.info(
+                        "API key %s at %d sessions: ending its least recently used session %s",
+                        key.name,
+                        limit,
+                        evicted.name,
+                    )
+            session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
+            self.poke()  # ``run`` checks its key from now on
+        session.turns += 1
+        if evicted is not None:  # then out of the store
+            await self.store.delete_session(evicted.key_name, evicted.key[1], evicted.job_id)
+        return session, evicted
+
+    def leave(self, session: Session) -> None:
+        session.turns -= 1
+        session.last_used = trio.current_time()
+        self._uses += 1
+        session.used = self._uses
+        if session.job_id is None and not session.turns and self.live.get(session.key) is session:
+            del self.live[session.key]
+        self.poke()
+
+    async def bind(self, session: Session, job_id: str | None) -> None:
+        """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
+        before = session.job_id
+        if before == job_id:
+            return
+        session.job_id = job_id
+        if job_id is None:
+            await self.store.delete_session(session.key_name, session.key[1], before)
+        else:
+            session.had_job = None
+            key_id = "" if not session.key_checked else session.key[0]
+            stored = StoredSession(
+                session.key_name, session.key[1], session.owner, session.project, job_id, key_id
+            )
+            await self.store.save_session(stored)
+
+    async def forget(self, session: Session) -> None:
+        """The session leaves the table (at once) and the store."""
+        if self.live.get(session.key) is session:
+            del self.live[session.key]
+        await self.store.delete_session(session.key_name, session.key[1], session.job_id)
+
+    # -- across restarts ---------------------------------------------------------------
+
+    async def restore(self) -> set[str]:
+        """Reload the stored sessions whose job can still serve and whose key is active (once,
+        before serving); the jobs they point at."""
+        if self._restored:
+            return set()
+        self._restored = True
+        now = trio.current_time()
+        kept: set[str] = set()
+        active = await self.store.active_key_ids()
+        for stored in await self.store.load_sessions():
+            key_id = stored.key_id or await self.store.active_key_id(stored.key_name)
+            if key_id is None:  # stored before keys had ids, and no active key has its name
+                key_id = LEGACY_KEY + stored.key_name
+            key = (key_id, stored.session_id)
+            revoked = not key_id.startswith(LEGACY_KEY) and key_id not in active
+            if key in self.live or revoked or self._job_over(stored.job_id):
+                if key not in self.live:
+                    await self.store.delete_session(
+                        stored.key_name, stored.session_id, stored.job_id
+                    )
+                continue
+            self.live[key] = Session(
+                key,
+                stored.owner,
+                stored.project,
+                stored.key_name,
+                job_id=stored.job_id,
+                last_used=now,
+            )
+            kept.add(stored.job_id)
+        if self.live:
+            log.info("restored %d chat session(s)", len(self.live))
+        return kept
+
+    # -- background work ----------------------------------------------------------------
+
+    async def _end(self, job_id: str, reason: str) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await self._end_job(job_id, reason)
+        except Exception as exc:
+            log.warning("could not end job %s: %r", job_id, exc)
+
+    async def end_evicted(self, session: Session) -> None:
+        """End the job of a session ended to make room (``enter``)."""
+        if session.job_id is not None:
+            await self._end(session.job_id, "session ended: its API key opened too many")
+
+    async def _end_revoked(self) -> None:
+        """End every live session whose API key is no longer active (revoked here, or by another
+        process on the same store): chat.end "api key revoked", the job withdrawn."""
+        active = await self.store.active_key_ids()
+        for observe in self.on_key_check:
+            observe(active)
+        for key, session in list(self.live.items()):
+            if self.live.get(key) is not session or not session.key_checked or key[0] in active:
+                continue
+            await self.forget(session)
+            log.info(
+                "session %s: its API key was revoked: ending job %s", session.name, session.job_id
+            )
+            if session.job_id is not None and not self._job_over(session.job_id):
+                await self._end(session.job_id, "api key revoked")
+
+    async def _reap(self) -> float:
+        """Forget finished sessions, end idle ones and those of revoked keys; returns when the
+        next one falls due."""
+        idle = self._idle_timeout()
+        now = trio.current_time()
+        next_due = math.inf
+        if self.live and now >= self._next_key_check:
+            self._next_key_check = now + self._key_check_interval()
+            await self._end_revoked()
+        if self.live:
+            next_due = self._next_key_check
+        for key, session in list(self.live.items()):
+            if self.live.get(key) is not session or session.turns:
+                continue  # replaced while we awaited, or busy
+            if session.job_id is None and session.had_job is None:
+                await self.forget(session)
+                continue
+            if session.job_id is not None and self._job_over(session.job_id):
+                session.had_job = session.job_id  # its next turn is a failover
+                await self.bind(session, None)
+            due = session.last_used + idle if idle and idle > 0 else math.inf
+            if due > now:
+                next_due = min(next_due, due)
+                continue
+            await self.forget(session)
+            if session.job_id is None:
+                continue
+            log.info("session %s idle for %g s: ending job %s", session.name, idle, session.job_id)
+            await self._end(session.job_id, "idle")
+        return next_due
+
+    async def run(self) -> None:
+        """End idle sessions with ``chat.end`` ("idle"), forget finished ones, end revoked
+        keys' sessions, until cancelled."""
+        while True:
+            self._changed = trio.Event()
+            next_due = await self._reap()
+            if self._changed.is_set():
+                continue
+            with trio.move_on_at(next_due):
+                await self._changed.wait()

@@ -1,0 +1,259 @@
+"""The dispatcher's pure step (``gateway.hub.dispatch.plan``) driven in memory, as h11's tests
+drive a Connection: which waiting turn is served, which jobs are opened, retargeted or withdrawn,
+which session moves, who is refused and why, and when the next step falls due. No socket, no
+trio: a step is a function of the turns, the runners and the jobs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+
+from gateway.hub.dispatch import (
+    Assign,
+    FairQueue,
+    JobView,
+    Limits,
+    Move,
+    Open,
+    Plan,
+    Refusal,
+    Refuse,
+    Retarget,
+    RunnerView,
+    Waiter,
+    Withdraw,
+    eligible,
+    plan,
+)
+
+LIMITS = Limits(queue_length=3, queue_wait=10.0, dial_within=30.0, redial_within=5.0)
+_sessions = itertools.count()
+
+
+def waiter(lane: str = "k", model: str | None = "m", at: float = 0.0, **kw: object) -> Waiter:
+    return Waiter(lane, kw.pop("session", next(_sessions)), model, at, **kw)  # type: ignore[arg-type]
+
+
+def runner(
+    rid: str, *, alive: bool = True, free: bool | None = True, held: int = 0, models: object = None
+) -> RunnerView:
+    listed = None if models is None else frozenset(models)  # type: ignore[arg-type]
+    return RunnerView(rid, alive, free, held, listed)
+
+
+def kinds(out: Plan) -> list[str]:
+    return [type(a).__name__ for a in out.actions]
+
+
+def step(
+    queue: FairQueue,
+    waiters: list[Waiter],
+    runners: list[RunnerView],
+    jobs: dict[str, JobView] | None = None,
+    now: float = 0.0,
+    limits: Limits = LIMITS,
+) -> Plan:
+    return plan(queue, waiters, {r.id: r for r in runners}, jobs or {}, limits, now)
+
+
+# -- no runner: refused at once, naming why ------------------------------------------------
+
+
+def test_no_runner_alive_is_refused_at_once() -> None:
+    w = waiter()
+    out = step(FairQueue(), [w], [runner("r", alive=False)])
+    assert out.actions == [Refuse(w, Refusal.NO_RUNNER_CONNECTED, live=0)]
+
+
+def test_runners_alive_none_capable_none_busy_is_refused_at_once() -> None:
+    w = waiter()
+    out = step(FairQueue(), [w], [runner("r", free=False)])
+    assert out.actions == [Refuse(w, Refusal.NO_CAPABLE_RUNNER, live=1)]
+
+
+# -- a new session's job --------------------------------------------------------------------
+
+
+def test_a_free_runner_gets_a_job_for_the_turn_and_the_job_goes_only_where_the_model_is() -> None:
+    w = waiter(model="coder")
+    runners = [runner("a", models={"chat"}), runner("b", models={"coder"})]
+    out = step(FairQueue(), [w], runners)
+    assert out.actions == [Open(w, frozenset({"b"}))]  # never to a runner without the model
+    assert out.wake == LIMITS.dial_within and not w.queued
+
+
+def test_a_runner_whose_models_are_not_known_yet_may_take_the_job() -> None:
+    w = waiter(model="coder")
+    out = step(FairQueue(), [w], [runner("a", models={"chat"}), runner("new")])
+    assert out.actions == [Open(w, frozenset({"new"}))]
+    assert eligible([runner("x")], None) is None  # no model asked: any runner
+
+
+def test_a_model_no_runner_lists_is_refused_once_every_list_is_known() -> None:
+    w = waiter(model="gpt-nope")
+    runners = [runner("a", models={"chat"}), runner("b", free=False, models={"coder"})]
+    out = step(FairQueue(), [w], runners)
+    assert out.actions == [Refuse(w, Refusal.UNKNOWN_MODEL, models=("chat", "coder"))]
+    # while a runner's list is not known, it may serve it: the turn is not refused
+    out = step(FairQueue(), [w], [*runners, runner("new")])
+    assert kinds(out) == ["Open"]
+
+
+def test_the_claimed_job_is_served_once_its_channel_is_open() -> None:
+    queue = FairQueue()
+    w = waiter()
+    step(queue, [w], [runner("r", models={"m"})])
+    w.job_id, w.opened = "j", True
+    claimed = {"j": JobView("j", "r", over=False, channel=False)}
+    dialling = step(queue, [w], [runner("r", free=False, held=1, models={"m"})], claimed, 1.0)
+    assert dialling.actions == [] and dialling.wake == 1.0 + LIMITS.dial_within
+    assert w not in queue  # served: out of the queue, its lane's turn over
+    opened = {"j": JobView("j", "r", over=False, channel=True)}
+    assert step(queue, [w], [runner("r", free=False, held=1)], opened, 2.0).actions == [
+        Assign(w, "j")
+    ]
+
+
+def test_a_turn_waits_for_its_runners_first_model_list_before_it_is_served() -> None:
+    w = waiter(job_id="j", opened=True, claimed_at=0.0)
+    learning = replace(runner("r", free=False, held=1), listing=True)
+    opened = {"j": JobView("j", "r", over=False, channel=True)}
+    assert step(FairQueue(), [w], [learning], opened).actions == []  # the answer is a change
+    assert step(FairQueue(), [w], [runner("r", free=False, held=1)], opened).actions == [
+        Assign(w, "j")
+    ]
+
+
+def test_a_job_claimed_but_never_dialled_is_refused_after_dial_within() -> None:
+    w = waiter(job_id="j", opened=True, claimed_at=0.0)
+    claimed = {"j": JobView("j", "r", over=False, channel=False)}
+    out = step(FairQueue(), [w], [runner("r", free=False, held=1)], claimed, LIMITS.dial_within)
+    assert out.actions == [Refuse(w, Refusal.NO_RUNNER)]
+
+
+# -- the fair queue -----------------------------------------------------------------------
+
+
+def test_while_every_runner_is_busy_only_the_first_holds_a_job_the_rest_queue_fairly() -> None:
+    queue = FairQueue()
+    a1, a2, b1 = waiter("A"), waiter("A", at=0.1), waiter("B", at=0.2)
+    busy = [runner("r", free=False, held=1, models={"m"})]
+    out = step(queue, [a1, a2, b1], busy)
+    assert kinds(out) == ["Open"] and out.actions[0] == Open(a1, frozenset({"r"}))
+    assert queue.order() == [a1, b1, a2]  # lanes take turns: B's one before A's second
+    assert out.newly_queued == [a1, b1, a2] and out.wake == LIMITS.queue_wait
+
+
+def test_past_queue_length_a_newcomer_is_refused_at_once_with_its_place() -> None:
+    queue = FairQueue()
+    busy = [runner("r", free=False, held=1)]
+    early = [waiter(at=float(i)) for i in range(3)]
+    step(queue, early, busy)
+    late = waiter("other", at=5.0)
+    out = step(queue, [*early, late], busy, now=5.0)
+    assert Refuse(late, Refusal.QUEUE_FULL, busy=1, position=2, of=4) in out.actions
+    assert late not in queue and len(queue) == 3
+
+
+def test_a_queued_turn_gives_up_after_queue_wait() -> None:
+    queue = FairQueue()
+    busy = [runner("r", free=False, held=1)]
+    w = waiter()
+    step(queue, [w], busy)
+    w.job_id = None  # (its job taken back: it waits without one)
+    out = step(queue, [w], busy, now=LIMITS.queue_wait)
+    assert Refuse(w, Refusal.QUEUE_TIMEOUT, busy=1, position=1, of=1) in out.actions
+
+
+def test_a_job_no_runner_claims_is_given_back_by_all_but_the_first() -> None:
+    queue = FairQueue()
+    a, b = waiter("A"), waiter("B", at=0.1)
+    out = step(queue, [a, b], [runner("r", models={"m"})])
+    assert kinds(out) == ["Open", "Open"]  # a runner was free: both opened at once
+    a.job_id, a.opened, b.job_id, b.opened = "ja", True, "jb", True
+    jobs = {j: JobView(j, None, over=False, channel=False) for j in ("ja", "jb")}
+    now_busy = [runner("r", free=False, held=1, models={"m"})]
+    out = step(queue, [a, b], now_busy, jobs, 1.0)
+    assert Withdraw(b, "jb") in out.actions and Retarget("ja", frozenset({"r"})) in out.actions
+    assert queue.order() == [a, b]  # its place is kept: by arrival and lane, never by job
+
+
+def test_turns_of_one_session_share_its_new_job() -> None:
+    session = object()
+    first, second = waiter(session=session), waiter(session=session, at=0.5)
+    out = step(FairQueue(), [first, second], [runner("r")])
+    assert out.actions == [Open(first, frozenset({"r"}))] and second.follows is first
+
+
+# -- a session's channel gone: wait for the redial, or move at once ------------------------
+
+
+def test_the_channel_gone_and_another_runner_free_moves_the_session_at_once() -> None:
+    w = waiter(job_id="j")
+    jobs = {"j": JobView("j", "dead", over=False, channel=False)}
+    out = step(FairQueue(), [w], [runner("dead", free=False, held=1), runner("b")], jobs)
+    assert out.actions[0] == Move(w, "j", "channel lost", immediate=True)
+    assert isinstance(out.actions[1], Open)  # and a new job for it, in the same step
+
+
+def test_with_no_other_runner_the_redial_is_waited_for_then_the_session_moves() -> None:
+    w = waiter(job_id="j")
+    jobs = {"j": JobView("j", "r", over=False, channel=False)}
+    alone = [runner("r", free=False, held=1)]
+    out = step(FairQueue(), [w], alone, jobs)
+    assert out.actions == [] and out.wake == LIMITS.redial_within and out.redialling == [w]
+    back = {"j": JobView("j", "r", over=False, channel=True)}
+    assert step(FairQueue(), [w], alone, back, 1.0).actions == [Assign(w, "j")]
+    w2 = waiter(job_id="j")
+    step(FairQueue(), [w2], alone, jobs)
+    late = step(FairQueue(), [w2], alone, jobs, LIMITS.redial_within)
+    assert late.actions[0] == Move(w2, "j", "channel lost")
+
+
+def test_a_job_its_runner_ended_needs_no_redial() -> None:
+    w = waiter(job_id="j")
+    ended = {"j": JobView("j", "r", over=True, channel=False)}
+    out = step(FairQueue(), [w], [runner("r")], ended)
+    assert kinds(out) == ["Open"] and w.redial_until is None
+
+
+def test_a_turn_for_a_model_its_runner_lacks_moves_the_session() -> None:
+    w = waiter(model="coder", job_id="j")
+    jobs = {"j": JobView("j", "chatbox", over=False, channel=True)}
+    runners = [runner("chatbox", models={"chat"}), runner("coderbox", models={"coder"})]
+    out = step(FairQueue(), [w], runners, jobs)
+    assert out.actions[0] == Move(w, "j", "its runner does not serve coder")
+    assert out.actions[1] == Open(w, frozenset({"coderbox"}))
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_placement_by_model_never_wrong_among_many(n: int) -> None:
+    """Each of n sessions for each model opens a job only runners listing its model may take."""
+    runners = [runner("a", models={"sim-model"}), runner("b", models={"slow-model"})]
+    waiters = [waiter(f"k{i}", model=m) for i in range(n) for m in ("sim-model", "slow-model")]
+    out = step(FairQueue(), waiters, runners)
+    for action in out.actions:
+        if isinstance(action, Open):
+            want = "a" if action.waiter.model == "sim-model" else "b"
+            assert action.runners == frozenset({want})
+    assert math.isfinite(out.wake)
+
+
+def test_a_new_job_claimed_by_a_runner_found_not_to_serve_the_model_is_left() -> None:
+    """A runner whose list was not known yet took the job; its list came without the model: the
+    job is left (its runner told) and the turn seeks another, its place kept."""
+    queue = FairQueue()
+    w = waiter(model="coder")
+    step(queue, [w], [runner("new"), runner("coderbox", models={"coder"})])
+    w.job_id, w.opened = "j", True
+    claimed = {"j": JobView("j", "new", over=False, channel=True)}
+    known = [
+        runner("new", free=False, held=1, models={"chat"}),
+        runner("coderbox", models={"coder"}),
+    ]
+    out = step(queue, [w], known, claimed, 1.0)
+    assert out.actions[0] == Move(w, "j", "its runner does not serve coder")
+    assert out.actions[1] == Open(w, frozenset({"coderbox"})) and w in queue

@@ -1,0 +1,68 @@
+"""Sessions placed by model (issue 31, point 1), on trio's autojump clock: a real hub on loopback
+and two fake runners of one project, one serving ``sim-model`` and one ``slow-model``. Every new
+session's job goes only to the runner that serves its model, a later turn for a model its
+runner lacks moves the session, and ``/v1/models`` is the union of the runners' lists, steady."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import trio
+import trio.testing
+from fake_runner import FakeRunner
+from test_causes import ADMIN, GUARD, OWNER, PROJECT, chat, hub_of
+
+from gateway.hub import open_hub
+
+
+async def test_new_sessions_go_only_to_the_runner_that_serves_their_model_and_models_are_steady(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_hub(hub_of()) as (hub, url), trio.open_nursery() as runners:
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        fakes: dict[str, FakeRunner] = {}
+        for name, model in (("a", "sim-model"), ("b", "slow-model")):
+            fake = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=(model,), name=name)
+            fakes[model] = fake
+            await runners.start(fake.run)
+        wrong = 0
+        with trio.fail_after(GUARD):
+            for n in range(100):
+                model = ("sim-model", "slow-model")[n % 2]
+                reply = await chat(url, key, f"s{n}", model=model)
+                assert reply.status_code == 200, reply.text
+                other = fakes["slow-model" if model == "sim-model" else "sim-model"]
+                wrong += sum(t.body.get("model") == model for t in other.turns.values())
+            listings: list[Any] = []
+            async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+                for _ in range(20):
+                    found = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+                    listings.append(sorted(m["id"] for m in found.json()["data"]))
+        runners.cancel_scope.cancel()
+    assert wrong == 0  # no turn ever reached a runner that does not serve its model
+    assert listings == [["sim-model", "slow-model"]] * 20  # the union, on every read
+
+
+async def test_a_later_turn_for_a_model_its_runner_lacks_moves_the_session(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_hub(hub_of()) as (hub, url), trio.open_nursery() as runners:
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        a = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=("sim-model",), name="a")
+        b = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=("slow-model",), name="b")
+        await runners.start(a.run)
+        await runners.start(b.run)
+        with trio.fail_after(GUARD):
+            assert (await chat(url, key, "s", model="sim-model")).status_code == 200
+            (first,) = a.claimed
+            moved = await chat(url, key, "s", model="slow-model")
+            assert moved.status_code == 200, moved.text
+            back = await chat(url, key, "s", model="slow-model")
+        runners.cancel_scope.cancel()
+    assert back.status_code == 200
+    assert [t.body["model"] for t in a.turns.values()] == ["sim-model"]
+    assert [t.body["model"] for t in b.turns.values()] == ["slow-model", "slow-model"]
+    # (b may have taken the first session's job before its list was known, and left it)
+    assert hub.sessions.listing()[("k", "s")] == b.claimed[-1]
+    assert (first, "its runner does not serve slow-model") in a.ends

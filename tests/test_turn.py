@@ -1,0 +1,292 @@
+"""The hub's ``Turn`` driven in memory over a socket pair, as h11's tests drive a Connection:
+every path to every outcome (done, failed, lost, client gone, overrun, refused, cut), each set in
+one place and once, and what the client's socket gets on each path, in each API."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import h11
+import msgspec
+import pytest
+import trio
+
+from gateway.hub.frontdoor.dialects import CHAT, MessagesDialect
+from gateway.hub.turn import State, Turn, TurnLost
+from gateway.wire import netio, protocol
+from gateway.wire.errors import HTTPError
+from gateway.wire.http import Response
+
+JOB, RID = "job-1", "req-1"
+
+
+def chunk(i: int, text: str | None = None) -> bytes:
+    delta = {"content": text if text is not None else f"tok{i}"}
+    return json.dumps(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+        }
+    ).encode()
+
+
+class _Conn:
+    """What a turn needs of its client's connection: a wait for it to leave (never, here)."""
+
+    async def wait_disconnect(self) -> None:
+        await trio.sleep_forever()
+
+
+class Rig:
+    """A turn whose client is the far end of a socket pair; ``ended``: what ``on_end`` got."""
+
+    def __init__(self, stream: bool = True, dialect: Any = CHAT, bound: int = 1 << 20, **kw: Any):
+        ours, self.client = socket.socketpair()
+        self.client.setblocking(False)
+        self.transport = netio.Transport(ours)
+        request = SimpleNamespace(body_pending=False, keep_alive=True)  # its body was read
+        self.resp = Response(request, self.transport, False, b"POST")
+        self.ended: list[State] = []
+        self.turn = Turn(
+            "turn-1",
+            "key-id",
+            "key",
+            "s",
+            b'{"messages":[{"role":"user","content":"hello there"}]}',
+            dialect,
+            self.resp,
+            model="m",
+            stream=stream,
+            bound=bound,
+            max_answer=kw.pop("max_answer", 1 << 20),
+            now=0.0,
+            **kw,
+        )
+        self.turn.on_end = lambda turn: self.ended.append(turn.state)
+
+    def send(self) -> None:
+        self.turn.sent(RID, "runner-1", JOB)
+
+    def chunks(self, *payloads: bytes) -> None:
+        for payload in payloads:
+            frame = protocol.TurnFrames(JOB, RID).chunk(payload)
+            self.turn.chunk(msgspec.json.decode(frame, type=protocol.ChunkFrame).chunk, frame)
+        self.turn.flush()
+
+    def received(self) -> bytes:
+        out = b""
+        while True:
+            try:
+                data = self.client.recv(1 << 20)
+            except BlockingIOError:
+                return out
+            if not data:
+                return out
+            out += data
+
+    def events(self) -> list[bytes]:
+        """The SSE events of the response body, as a client reads them."""
+        client = h11.Connection(h11.CLIENT)
+        client.send(
+            h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")])
+        )
+        client.send(h11.EndOfMessage())
+        client.receive_data(self.received())
+        body = b""
+        self.status = 0
+        while not isinstance(ev := client.next_event(), h11.EndOfMessage | type(h11.NEED_DATA)):
+            if isinstance(ev, h11.Response):
+                self.status = ev.status_code
+            if isinstance(ev, h11.Data):
+                body += ev.data
+        self.body = body
+        return body.split(b"\n\n")[:-1]
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    made = Rig()
+    yield made
+    made.client.close()
+
+
+async def test_a_streamed_turn_done_writes_its_chunks_the_end_and_ends_ok_once(rig: Rig) -> None:
+    rig.send()
+    assert rig.turn.state is State.SENT
+    rig.chunks(chunk(0), chunk(1))
+    assert rig.turn.state is State.ANSWERING and rig.turn.first_token is not None
+    rig.turn.reply(protocol.DoneFrame(JOB, RID))
+    rig.turn.reply(protocol.ErrorFrame(JOB, RID, "late"))  # after the end: nothing changes
+    rig.turn.lost()
+    assert rig.turn.state is State.DONE and rig.ended == [State.DONE]
+    assert rig.turn.outcome == "ok" and rig.resp.finished
+    assert rig.events() == [b"data: " + chunk(0), b"data: " + chunk(1), b"data: [DONE]"]
+
+
+async def test_an_error_before_any_chunk_is_a_whole_error_answer(rig: Rig) -> None:
+    rig.send()
+    rig.turn.reply(protocol.ErrorFrame(JOB, RID, "backend returned 404: model missing-model"))
+    assert rig.turn.state is State.FAILED and rig.turn.status == 404
+    rig.events()
+    assert rig.status == 404 and json.loads(rig.body)["error"]["code"] == "model_not_found"
+
+
+async def test_an_error_after_chunks_ends_the_stream_with_an_error_event(rig: Rig) -> None:
+    rig.send()
+    rig.chunks(chunk(0))
+    rig.turn.reply(protocol.ErrorFrame(JOB, RID, "backend returned 500: boom"))
+    assert rig.turn.state is State.FAILED and rig.ended == [State.FAILED]
+    events = rig.events()
+    assert events[0] == b"data: " + chunk(0)
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+
+
+async def test_a_channel_lost_before_any_chunk_lets_the_turn_be_served_again(rig: Rig) -> None:
+    rig.send()
+    rig.turn.lost()
+    assert rig.turn.state is State.WAITING and rig.ended == []
+    with pytest.raises(TurnLost):
+        await rig.turn.relay(_Conn(), keepalive=0, first_within=100)
+
+
+async def test_a_channel_lost_mid_answer_ends_it_lost_with_an_error_event(rig: Rig) -> None:
+    rig.send()
+    rig.chunks(chunk(0), chunk(1), chunk(2))
+    rig.turn.lost()
+    assert rig.turn.state is State.LOST and rig.turn.outcome == "lost"
+    # the tokens it delivered are charged: a chunk a token, marked estimated
+    assert (rig.turn.completion_tokens, rig.turn.estimated) == (3, True)
+    events = rig.events()
+    assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "channel_lost"
+
+
+async def test_a_client_that_is_gone_ends_the_turn_client_gone(rig: Rig) -> None:
+    rig.send()
+    rig.client.close()
+    for i in range(50):  # until a write fails (the peer's reset)
+        rig.chunks(chunk(i))
+        if rig.turn.state.final:
+            break
+    assert rig.turn.state is State.CLIENT_GONE and rig.ended == [State.CLIENT_GONE]
+
+
+async def test_a_client_too_slow_ends_its_turn_overrun_and_its_connection() -> None:
+    rig = Rig(bound=1024)
+    rig.send()
+    big = chunk(0, "x" * 4096)
+    for _ in range(200):  # the client never reads: the socket's buffer fills, then the bound
+        rig.chunks(big)
+        if rig.turn.state.final:
+            break
+    assert rig.turn.state is State.OVERRUN and rig.turn.outcome == "client_gone"
+    assert rig.resp.gone
+    rig.client.close()
+
+
+async def test_a_big_last_chunk_then_done_stays_done_no_write_after_the_end() -> None:
+    """Issue 30 row 8: one 4 MiB chunk then done to a fast client; the body's end is the last
+    thing written (no error event after it) and the turn is done."""
+    rig = Rig(bound=1024)
+    rig.send()
+    frame_chunk = chunk(0, "y" * (4 << 20))
+    frame = protocol.TurnFrames(JOB, RID).chunk(frame_chunk)
+    rig.turn.chunk(msgspec.json.decode(frame, type=protocol.ChunkFrame).chunk, frame)
+    rig.turn.reply(protocol.DoneFrame(JOB, RID))  # chunk and done in one read, one write
+    assert rig.turn.state is State.DONE and rig.resp.finished and not rig.resp.gone
+    got = b""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rig.turn.flush_backlog)
+        while not got.endswith(b"0\r\n\r\n"):
+            await trio.lowlevel.wait_readable(rig.client)
+            got += rig.client.recv(1 << 20)
+    assert got.count(b"data: [DONE]") == 1 and b"client_too_slow" not in got
+    rig.client.close()
+
+
+async def test_a_non_streamed_turn_gathers_and_answers_once() -> None:
+    rig = Rig(stream=False)
+    rig.send()
+    rig.chunks(chunk(0), chunk(1))
+    assert not rig.received()  # nothing until the whole answer
+    rig.turn.reply(protocol.DoneFrame(JOB, RID))
+    assert rig.turn.state is State.DONE
+    rig.events()
+    answer = json.loads(rig.body)
+    assert rig.status == 200 and answer["choices"][0]["message"]["content"] == "tok0tok1"
+    rig.client.close()
+
+
+async def test_a_non_streamed_answer_past_the_bound_is_a_clean_error() -> None:
+    """Issue 30 row 4: an answer gathered without a cap grew the hub; now one over max_answer
+    ends the turn with a 502 at once."""
+    rig = Rig(stream=False, max_answer=10_000)
+    rig.send()
+    for i in range(100):
+        rig.chunks(chunk(i, "z" * 500))
+        if rig.turn.state.final:
+            break
+    assert rig.turn.state is State.FAILED and rig.turn.gathered_bytes <= 10_000
+    rig.events()
+    assert rig.status == 502 and json.loads(rig.body)["error"]["code"] == "answer_too_large"
+    rig.client.close()
+
+
+async def test_done_without_a_completion_is_an_error(rig: Rig) -> None:
+    stream = Rig(stream=False)
+    stream.send()
+    stream.turn.reply(protocol.DoneFrame(JOB, RID))
+    assert stream.turn.state is State.FAILED
+    stream.events()
+    assert json.loads(stream.body)["error"]["code"] == "empty_completion"
+    stream.client.close()
+
+
+async def test_refused_before_a_runner_is_refused_and_in_the_callers_api() -> None:
+    rig = Rig(dialect=MessagesDialect("claude-x", 10))
+    rig.turn.refuse(HTTPError(429, "slow down", "rate_limit_exceeded", type_="rate_limit_error"))
+    assert rig.turn.state is State.REFUSED and rig.turn.status == 429
+    rig.events()
+    assert json.loads(rig.body) == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+    }
+    rig.client.close()
+
+
+async def test_keepalives_start_the_stream_then_an_error_ends_it_as_an_event() -> None:
+    rig = Rig()
+    rig.turn.keepalive()
+    rig.turn.refuse(HTTPError(503, "no runner", "no_runner"))
+    assert rig.turn.state is State.REFUSED
+    events = rig.events()
+    assert rig.status == 200 and events[0] == b": keepalive"
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "no_runner"
+    rig.client.close()
+
+
+async def test_cut_by_the_hub_stopping(rig: Rig) -> None:
+    rig.send()
+    rig.chunks(chunk(0))
+    rig.turn.cut()
+    rig.turn.cut()
+    assert rig.turn.state is State.CUT and rig.ended == [State.CUT]
+    assert rig.turn.outcome == "cut" and rig.turn.estimated
+
+
+async def test_the_usage_chunk_is_taken_at_the_end_and_not_estimated(rig: Rig) -> None:
+    rig.send()
+    usage = (
+        b'{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}'
+    )
+    rig.chunks(chunk(0), chunk(1), usage)
+    rig.turn.reply(protocol.DoneFrame(JOB, RID))
+    assert (rig.turn.prompt_tokens, rig.turn.completion_tokens) == (7, 2)
+    assert not rig.turn.estimated and rig.turn.tokens == 9
