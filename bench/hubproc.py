@@ -52,8 +52,15 @@ class _Turn:
     def reply(self, frame: Any) -> None:
         self.ended.set()
 
-    def lost(self) -> None:
+    def lost(self) -> bool:
         self.ended.set()
+        return False
+
+    def resume_count(self) -> int:
+        return 0
+
+    def resumed(self) -> None:
+        pass
 
 
 async def main() -> None:

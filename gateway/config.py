@@ -866,6 +866,15 @@ class HubSettings:
         group="hub-runners",
         metavar="S",
     )
+    resume_within: float = setting(
+        5.0,
+        env="ALP_GATEWAY_HUB_RESUME_WITHIN",
+        parse=_non_negative_float,
+        help="seconds a turn that has begun its answer waits for its dropped channel's redial to "
+        "resume it byte for byte, before it is continued on another runner (0: at once)",
+        group="hub-runners",
+        metavar="S",
+    )
     keepalive_interval: float = setting(
         15.0,
         env="ALP_GATEWAY_HUB_KEEPALIVE_INTERVAL",

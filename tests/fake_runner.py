@@ -360,9 +360,18 @@ def stream_chunks(body: dict[str, Any], script: Script) -> Iterator[dict[str, An
             yield _chunk(body, {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
         yield _chunk(body, {}, "tool_calls")
     else:
-        for i in range(script.chunks):
-            delta: dict[str, Any] = {"content": f"{script.text}{i}"}
-            if i == 0:
+        pieces = [f"{script.text}{i}" for i in range(script.chunks)]
+        # a trailing assistant message (a continuation) is continued, as llama.cpp does: the
+        # pieces it already holds are not sent again
+        messages = body.get("messages") or [{}]
+        so_far = messages[-1].get("content") if messages[-1].get("role") == "assistant" else None
+        if isinstance(so_far, str) and "".join(pieces).startswith(so_far):
+            while pieces and so_far.startswith(pieces[0]):
+                so_far = so_far[len(pieces[0]) :]
+                pieces.pop(0)
+        for n, piece in enumerate(pieces):
+            delta: dict[str, Any] = {"content": piece}
+            if n == 0:
                 delta["role"] = "assistant"
             yield _chunk(body, delta)
         yield _chunk(body, {}, "stop")

@@ -16,7 +16,8 @@ from gateway.hub.frontdoor.dialects import CHAT
 from gateway.hub.sessions import Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, KeyLimits, open_store
-from gateway.hub.turn import State, Turn
+from gateway.hub.turn import Turn
+from gateway.hub.turnstate import State
 
 
 class _Resp:
@@ -119,7 +120,7 @@ async def test_a_turn_ended_early_is_charged_what_it_delivered_estimated() -> No
     assert caught.value.limit == "tokens_per_day"
     rows = await book.store.usage_rows()  # type: ignore[union-attr]
     assert [(r["outcome"], r["completion_tokens"], r["estimated"]) for r in rows] == [
-        ("client_gone", 150, 1)
+        ("client_gone", 150, True)
     ]
 
 

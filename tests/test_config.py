@@ -237,6 +237,7 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "ping_timeout": ("4", 4, 4.0),
     "first_frame_timeout": ("9", 9, 9.0),
     "reconnect_timeout": ("2", 2, 2.0),
+    "resume_within": ("0", 0, 0.0),
     "keepalive_interval": ("1.5", 1.5, 1.5),
     "runner_wait_timeout": ("12", 12, 12.0),
     "session_idle_timeout": ("0", 0, 0.0),

@@ -67,7 +67,7 @@ LISTED = [
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
-    hub = Hub(runner_wait_timeout=5.0, keepalive_interval=5.0)
+    hub = Hub(runner_wait_timeout=5.0, keepalive_interval=5.0, resume_within=0.5)
     async with open_hub(hub) as (hub, base):
         key = await hub.keys.create("tester")
         runner = FakeRunner(
@@ -222,24 +222,32 @@ async def test_runner_error_after_first_chunk_is_an_error_event(env: Env) -> Non
     assert caught.value.body["type"] == "upstream_error"
 
 
-async def test_channel_lost_mid_stream_ends_the_turn(env: Env) -> None:
+async def test_channel_lost_mid_stream_with_a_runner_that_cannot_resume_is_continued(
+    env: Env,
+) -> None:
+    """The fake runner redials but knows no resume: after ``resume_within`` the answer so far
+    is continued (on a new job: the old one is cancelled) and the client sees one answer."""
     received: list[Any] = []
+    env.runner.scripts["fake-slow"] = Script(chunks=3, pace=0.3)  # short, paced
     async with env.client() as client:
         with trio.fail_after(LIMIT):
             stream = await client.chat.completions.create(
                 model="fake-slow", messages=MESSAGES, stream=True
             )
-            with pytest.raises(openai.APIError) as caught:
-                async for chunk in stream:
-                    received.append(chunk)
-                    if len(received) == 1:
-                        (job_id,) = env.runner.claimed
-                        await env.hub.channels.get(job_id).close(1011)
-            assert "lost" in caught.value.message
-            # the runner redials; the session's next turn waits for it and reuses the job
-            chunks = await _stream(client)
+            async for chunk in stream:
+                received.append(chunk)
+                if len(received) == 1:
+                    (job_id,) = env.runner.claimed
+                    await env.hub.channels.get(job_id).close(1011)
+            chunks = await _stream(client)  # the session goes on, on the continuation's job
+    assert _text(received) == "tok0tok1tok2" and received[-1].choices[0].finish_reason == "stop"
+    assert len({c.id for c in received}) == 1
+    assert env.hub.counters.turns_continued == 1 and env.hub.counters.turns_resumed == 0
+    assert env.runner.dials[job_id] == 2 and len(env.runner.claimed) == 2
+    so_far = list(env.runner.turns.values())[-2].body["messages"][-1]  # what the client had
+    assert so_far["role"] == "assistant" and "tok0tok1tok2".startswith(so_far["content"])
+    assert so_far["content"].startswith("tok0")
     assert _text(chunks) == "tok0tok1tok2"
-    assert env.runner.claimed == [job_id] and env.runner.dials[job_id] == 2
 
 
 async def test_channel_lost_before_a_whole_answer_is_served_after_the_redial(env: Env) -> None:

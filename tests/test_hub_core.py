@@ -55,11 +55,13 @@ def ws_url(client: httpx.AsyncClient, job_id: str, token: str) -> str:
 
 
 async def message(ws: trio_websocket.WebSocketConnection) -> str | bytes:
-    """The next message the hub sends on a channel but the models request it sends every channel
-    as it opens (the runner's model list: asked, not answered here)."""
+    """The next message the hub sends on a channel but those it sends every channel as it opens:
+    its hello (docs/protocol.md §6) and the models request (asked, not answered here)."""
     while True:
         found = await ws.get_message()
-        if isinstance(found, bytes) or protocol.MODELS_REQUEST not in found:
+        if isinstance(found, bytes) or (
+            protocol.MODELS_REQUEST not in found and protocol.HELLO not in found
+        ):
             return found
 
 
@@ -341,8 +343,15 @@ class Recording:
     def reply(self, frame: Any) -> None:
         self.replies.append(frame)
 
-    def lost(self) -> None:
+    def lost(self) -> bool:
         self.gone.set()
+        return False
+
+    def resume_count(self) -> int:
+        return len(self.chunks)
+
+    def resumed(self) -> None:
+        pass
 
 
 async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClient]) -> None:
@@ -353,7 +362,13 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
             ch = await hub.channels.wait(job_id, 5)
             assert isinstance(ch, ServerChannel) and ch is hub.channels.get(job_id)
             assert hub.channels.runners() == {runner["id"]} and hub.channels.all() == [ch]
-            asked = json.loads(await ws.get_message())  # every channel: its runner's models
+            hello = json.loads(await ws.get_message())  # first on every channel: the extensions
+            assert hello == {
+                "type": protocol.HELLO,
+                "jobId": job_id,
+                "extensions": ["resume", "continue"],
+            }
+            asked = json.loads(await ws.get_message())  # then its runner's models
             assert asked["type"] == protocol.MODELS_REQUEST and asked["jobId"] == job_id
             unrouted = inbox(ch)
             sink = Recording()

@@ -151,7 +151,7 @@ async def test_no_pings_when_off() -> None:
                     assert opened is not None
                     for n in range(3):  # frames both ways; no ping among them
                         await send(opened, {"type": "chat.end", "reason": f"r{n}"})
-                    await ch.wait_until(lambda: len(ch.texts) == 3)
+                    await ch.wait_until(lambda: sum("chat.end" in t for t in ch.texts) == 3)
                     nursery.cancel_scope.cancel()
     assert ch.pings == 0 and hub.counters.pings_sent == 0 and ch.close is None
 

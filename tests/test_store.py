@@ -261,7 +261,8 @@ async def test_usage_rows_hourly_totals_and_tokens(store: Store) -> None:
         "ttft": 0.25,
         "duration": 1.0,
         "outcome": "ok",
-        "estimated": 0,
+        "estimated": False,
+        "continued": False,
     }
     assert len(await store.usage_rows(hour + 25)) == 2
     assert await store.hourly_usage(hour, "alice") == [
@@ -388,11 +389,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3] and SCHEMA_VERSION == 3
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4] and SCHEMA_VERSION == 4
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3]
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4]
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -498,14 +499,20 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     before = _shape(path)
     store = open_store(tmp_path)
     # migration 1 is that schema; migration 2 adds the usage's ``estimated`` columns (0: said);
-    # migration 3 the credentials table (empty: SQLite's admin token stays in its file)
+    # migration 3 the credentials table (empty: SQLite's admin token stays in its file);
+    # migration 4 the turns' ``continued`` column (0: answered by one runner)
     after = _shape(path)
-    assert _versions(path) == [1, 2, 3] and after.keys() == before.keys() | {"credentials"}
+    assert _versions(path) == [1, 2, 3, 4] and after.keys() == before.keys() | {"credentials"}
     assert after.pop("credentials")[1] == []
-    for table in ("usage_turns", "usage_hourly"):
+    for table, added in (
+        ("usage_turns", ["estimated", "continued"]),
+        ("usage_hourly", ["estimated"]),
+    ):
         columns, rows = after[table]
-        assert columns[:-1] == before[table][0] and columns[-1][1] == "estimated"
-        assert [row[:-1] for row in rows] == before[table][1] and {row[-1] for row in rows} == {0}
+        width = len(before[table][0])
+        assert columns[:width] == before[table][0] and [c[1] for c in columns[width:]] == added
+        assert [row[:width] for row in rows] == before[table][1]
+        assert {v for row in rows for v in row[width:]} <= {0}
     assert {t: v for t, v in after.items() if not t.startswith("usage_")} == {
         t: v for t, v in before.items() if not t.startswith("usage_")
     }
@@ -530,7 +537,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2, 3]
+    assert _versions(path) == [1, 2, 3, 4]
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -552,7 +559,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 4, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 

@@ -94,7 +94,7 @@ async def test_migrations_make_the_schema_once_and_a_reopened_store_is_unchanged
     store = open_store(pg_url)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,)]
+    assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,), (4,)]
     types = dict(
         _sql(
             pg_url,
@@ -110,7 +110,7 @@ async def test_migrations_make_the_schema_once_and_a_reopened_store_is_unchanged
     again = open_store(pg_url)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,)]
+    assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,), (4,)]
 
 
 def test_hubs_starting_together_migrate_once(pg_url: str) -> None:
@@ -131,7 +131,7 @@ def test_hubs_starting_together_migrate_once(pg_url: str) -> None:
     for thread in threads:
         thread.join(60)
     assert errors == []
-    assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,)]
+    assert _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1") == [(1,), (2,), (3,), (4,)]
 
 
 def test_a_newer_schema_is_refused_with_one_line(

@@ -16,7 +16,8 @@ import pytest
 import trio
 
 from gateway.hub.frontdoor.dialects import CHAT, MessagesDialect
-from gateway.hub.turn import State, Turn, TurnLost
+from gateway.hub.turn import Turn
+from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire import netio, protocol
 from gateway.wire.errors import HTTPError
 from gateway.wire.http import Response
@@ -156,10 +157,27 @@ async def test_a_channel_lost_before_any_chunk_lets_the_turn_be_served_again(rig
         await rig.turn.relay(_Conn(), keepalive=0, first_within=100)
 
 
-async def test_a_channel_lost_mid_answer_ends_it_lost_with_an_error_event(rig: Rig) -> None:
+async def test_a_channel_lost_mid_answer_suspends_it_then_resumed_it_goes_on(rig: Rig) -> None:
+    rig.send()
+    rig.chunks(chunk(0), chunk(1))
+    assert rig.turn.lost() and rig.turn.state is State.SUSPENDED and rig.ended == []
+    with pytest.raises(TurnSuspended):  # its task waits for the redial (``Serving._resume``)
+        await rig.turn.relay(_Conn(), keepalive=0, first_within=100)
+    assert rig.turn.resume_count() == 2  # what the hello names: the chunk frames it got
+    rig.turn.resumed()
+    assert rig.turn.state is State.ANSWERING and rig.turn.resumes == 1
+    rig.chunks(chunk(2))
+    rig.turn.reply(protocol.DoneFrame(JOB, RID))
+    assert rig.turn.state is State.DONE and rig.turn.frames == 3
+    events = rig.events()
+    assert events[:3] == [b"data: " + chunk(i) for i in range(3)]  # none lost, none twice
+
+
+async def test_a_channel_lost_mid_answer_and_never_resumed_ends_it_lost(rig: Rig) -> None:
     rig.send()
     rig.chunks(chunk(0), chunk(1), chunk(2))
-    rig.turn.lost()
+    assert rig.turn.lost()
+    rig.turn.lose()  # neither resumed nor continued
     assert rig.turn.state is State.LOST and rig.turn.outcome == "lost"
     # the tokens it delivered are charged: a chunk a token, marked estimated
     assert (rig.turn.completion_tokens, rig.turn.estimated) == (3, True)

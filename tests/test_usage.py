@@ -317,7 +317,8 @@ async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_t
     chunks open them, else searched), and its tokens are taken, the chunk frames handed over
     with their bytes or without."""
     from gateway.hub.frontdoor.dialects import CHAT
-    from gateway.hub.turn import State, Turn
+    from gateway.hub.turn import Turn
+    from gateway.hub.turnstate import State
     from gateway.wire import protocol
 
     resp = _Taken()

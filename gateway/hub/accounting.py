@@ -24,6 +24,7 @@ import trio
 
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
+from gateway.hub.store.journal import CUT
 from gateway.hub.turn import Turn
 
 log = logging.getLogger("gateway.hub.accounting")
@@ -195,6 +196,9 @@ class Accounting:
         state.in_flight += 1
         state.reserved += turn.reserved
         self.in_flight[id(turn)] = turn
+        journal = self.store.journal if self.store is not None else None
+        if journal is not None:  # a hub killed under it still records it, as cut
+            journal.started(turn.id, _record(turn, CUT), self.clock())
 
     def refused(self, turn: Turn) -> None:
         """A turn refused before it was admitted (a limit): only the observers are told (no
@@ -214,8 +218,6 @@ class Accounting:
         state.reserved -= turn.reserved
         turn.model_label = self.label(turn.model)
         try:
-            if turn.estimated and turn.prompt_tokens is None:
-                turn.prompt_tokens = turn.dialect.prompt_estimate(turn.body)
             tokens = turn.tokens
             if tokens:
                 state.tokens.append((trio.current_time(), tokens))
@@ -233,28 +235,14 @@ class Accounting:
                 observe(turn)
 
     def _write(self, turn: Turn, wall: float) -> None:
-        """The turn's row, queued for the store's writer (written in a batch, off the turn's
-        path; old rows pruned there)."""
+        """The turn's row, journalled and queued for the store's writer (written in a batch,
+        off the turn's path; old rows pruned there)."""
         assert self.store is not None
-        self.store.queue_usage(
-            UsageRecord(
-                turn.key_id,
-                turn.key_name,
-                turn.session,
-                turn.api,
-                turn.model_label,
-                turn.stream,
-                turn.outcome or "",
-                turn.runner_id,
-                turn.job_id,
-                turn.prompt_tokens,
-                turn.completion_tokens,
-                turn.ttft,
-                turn.duration,
-                turn.estimated,
-            ),
-            wall,
-        )
+        record = _record(turn, turn.outcome or "")
+        journal = self.store.journal
+        if journal is not None:
+            journal.ended(turn.id, record, wall)
+        self.store.queue_usage(record, wall)
 
     async def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
         """The hourly totals from ``since`` (a Unix time; the hour it falls in included) on,
@@ -262,3 +250,24 @@ class Accounting:
         if self.store is None:
             return []
         return await self.store.hourly_usage(since, key_name)
+
+
+def _record(turn: Turn, outcome: str) -> UsageRecord:
+    """The turn's row in the ledger, with ``outcome``."""
+    return UsageRecord(
+        turn.key_id,
+        turn.key_name,
+        turn.session,
+        turn.api,
+        turn.model_label,
+        turn.stream,
+        outcome,
+        turn.runner_id,
+        turn.job_id,
+        turn.prompt_tokens,
+        turn.completion_tokens,
+        turn.ttft,
+        turn.duration,
+        turn.estimated,
+        turn.continued,
+    )

@@ -23,7 +23,16 @@ from gateway.hub.board import Changes, JobBoard
 from gateway.hub.counters import HubCounters
 from gateway.wire import protocol
 from gateway.wire.errors import ClientGone
-from gateway.wire.protocol import ChunkFrame, DoneFrame, EndFrame, ErrorFrame, ModelsFrame
+from gateway.wire.protocol import (
+    CONTINUE,
+    RESUME,
+    ChunkFrame,
+    DoneFrame,
+    EndFrame,
+    ErrorFrame,
+    HelloFrame,
+    ModelsFrame,
+)
 from gateway.wire.server import ServerWebSocket
 
 log = logging.getLogger("gateway.hub")
@@ -31,7 +40,8 @@ log = logging.getLogger("gateway.hub")
 CLOSE_REPLACED = 4000  # an old channel replaced by a new connection for the same job
 CLOSE_OFFLINE = 1001  # the runner was declared offline
 # ended with no close handshake, failed for a protocol violation, or silent past the ping timeout
-DEAD_CODES = (1002, 1006, 1007, 1009, 1011)
+DEAD_CODES = (1002, 1006, 1007, 1008, 1009, 1011)
+EXTENSIONS = [RESUME, CONTINUE]  # docs/protocol.md §6: what this Server's hello offers
 CLOSE_WAIT = 5.0  # s: ``close`` waits this long for the reader to end
 
 RunnerFrame = ChunkFrame | DoneFrame | ErrorFrame | ModelsFrame | EndFrame
@@ -52,8 +62,16 @@ class Sink(Protocol):
         """The frame that ends the request: done, error, or the models answer (after the
         request's chunks of the same read, not flushed yet: written with the end, in one go)."""
 
-    def lost(self) -> None:
-        """The channel ended before the request's end."""
+    def lost(self) -> bool:
+        """The channel ended before the request's end; True when the request waits for the
+        job's redialled channel to resume it (``Channels.accept`` names it in the hello)."""
+
+    def resume_count(self) -> int | None:
+        """How many chunk frames of the request arrived (what a resume names); None when it
+        is not to be resumed (its client gone)."""
+
+    def resumed(self) -> None:
+        """The request goes on, on the job's redialled channel."""
 
 
 class _Lenient(msgspec.Struct):
@@ -133,6 +151,7 @@ class ServerChannel:
         self._terminated = trio.Event()
         self.end_code: int | None = None  # the close code the channel ended with
         self.runner_ended = False  # the runner sent chat.end on it
+        self.hello = b""  # its first frame (``Channels.accept``): sent before any other
         self.undecodable = 0  # frames that were not a runner frame (ignored)
         # frames for no open request (late ones, chat.end; undecodable ones as None), with the
         # frame's text; by default ``_note``d (a Server of its own, a test, may take them)
@@ -248,10 +267,11 @@ class ServerChannel:
         if self.closed.is_set():
             return
         self.closed.set()
-        sinks = list(self._sinks.values())
+        sinks = list(self._sinks.items())
         self._sinks.clear()
-        for sink in sinks:
-            sink.lost()
+        for request_id, sink in sinks:
+            if sink.lost():
+                self._channels.suspend(self.job_id, request_id, sink)
         self._channels.gone(self)
 
     async def serve(self) -> None:
@@ -273,6 +293,9 @@ class Channels:
         self.counters = counters
         self._open: dict[str, ServerChannel] = {}
         self.runner_ended: set[str] = set()  # job ids whose runner sent chat.end (no redial)
+        # requests whose channel dropped mid-answer, by job: resumed when the job's channel is
+        # accepted again (the hello names each with its count), unless given up first
+        self.suspended: dict[str, dict[str, Sink]] = {}
         # told of each channel accepted (the catalog asks it for its models)
         self.on_open: list[Callable[[ServerChannel], None]] = []
 
@@ -289,12 +312,22 @@ class Channels:
         return {ch.runner_id for ch in self._open.values()}
 
     def accept(self, job_id: str, runner_id: str, ws: ServerWebSocket | None) -> ServerChannel:
-        """A new channel for the job (its handshake accepted); an older one is closed."""
+        """A new channel for the job (its handshake accepted); an older one is closed. Its
+        ``hello`` is the first frame to send on it: the extensions, and the requests it
+        resumes (those of a dropped channel of the job) with their counts."""
         ch = ServerChannel(job_id, runner_id, ws, self)
         old = self._open.get(job_id)
         self._open[job_id] = ch
         if old is not None:
             old.request_close(CLOSE_REPLACED, "replaced by a new connection")
+        counts: dict[str, int] = {}
+        for rid, sink in self.suspended.pop(job_id, {}).items():
+            count = sink.resume_count()
+            if count is not None:
+                counts[rid] = count
+                ch.open(rid, sink)
+                sink.resumed()
+        ch.hello = protocol.encode_frame(HelloFrame(job_id, EXTENSIONS, counts or None))
         self.changes.notify()
         for observe in self.on_open:
             observe(ch)
@@ -332,6 +365,19 @@ class Channels:
             job.cancel_reason = reason
             await self.end_job(job_id, reason)
         await self.board.withdraw(job_id, reason)
+
+    def suspend(self, job_id: str, request_id: str, sink: Sink) -> None:
+        """A request waits for the job's channel to be accepted again (``accept`` resumes it)."""
+        self.suspended.setdefault(job_id, {})[request_id] = sink
+
+    def unsuspend(self, job_id: str, request_id: str) -> bool:
+        """It waits no more (given up, continued elsewhere); whether it was waiting."""
+        waiting = self.suspended.get(job_id)
+        if waiting is None or waiting.pop(request_id, None) is None:
+            return False
+        if not waiting:
+            del self.suspended[job_id]
+        return True
 
     def close_runner(self, runner_id: str, code: int, reason: str) -> None:
         """Close every open channel of a runner (declared offline)."""

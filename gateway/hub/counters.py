@@ -25,6 +25,8 @@ class HubCounters:
     queued: int = 0  # requests for a new session that waited in the queue (runners at capacity)
     queue_timeouts: int = 0  # of those: 503 queue_timeout (no runner took them within queue_wait)
     queue_full: int = 0  # requests refused at once with 503 queue_full (queue_length waiting)
+    turns_resumed: int = 0  # turns whose channel dropped mid-answer, resumed on its redial
+    turns_continued: int = 0  # turns continued on another runner (their runner or path gone)
 
     def as_json(self) -> dict[str, int]:
         """The counters by name, camelCase as the admin routes answer."""

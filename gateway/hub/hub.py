@@ -24,6 +24,7 @@ from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
 from gateway.hub.store import open_store, token_hash
+from gateway.hub.store.journal import Journal
 
 log = logging.getLogger("gateway.hub")
 
@@ -102,7 +103,17 @@ class Hub:
     async def restore(self) -> None:
         """The live jobs and the stored sessions back (before serving); a front-door job no
         stored session points at lost its client in the restart (or its key was revoked):
-        withdrawn, so its runner's redial is refused and the runner reports the job's outcome."""
+        withdrawn, so its runner's redial is refused and the runner reports the job's outcome.
+        With a data directory, its usage journal is taken on first: the turns a kill left out of
+        the ledger (ended, or cut by it) are written."""
+        if self.data_dir is not None and self.store.journal is None:
+            recovered = await self.store.recover_journal(Journal(self.data_dir))
+            if recovered:
+                log.warning(
+                    "usage of %d turn(s) that ended or were cut as the hub last stopped: "
+                    "recorded from its journal",
+                    recovered,
+                )
         await self.board.load()
         kept = await self.sessions.restore()
         for job in list(self.board.jobs.values()):

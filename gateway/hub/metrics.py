@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.hub.snapshot import HubSnapshot
-from gateway.hub.turn import State, Turn
+from gateway.hub.turn import Turn
+from gateway.hub.turnstate import State
 from gateway.observe import Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -47,8 +47,15 @@ class ModelsAnswer:
             self.models = list(frame.models)
         self.done.set()
 
-    def lost(self) -> None:
+    def lost(self) -> bool:
         self.done.set()
+        return False
+
+    def resume_count(self) -> int:
+        return 0
+
+    def resumed(self) -> None:
+        pass
 
 
 class Catalog:

@@ -170,13 +170,23 @@ class RunnerApi:
                 nursery.start_soon(until_disconnect)
                 while True:
                     job_id: str | None = None
-                    with trio.move_on_after(self.hub.settings.keepalive_interval):
+                    with trio.move_on_after(self._events_quiet()):
                         job_id = await queued.receive()
                     if job_id is None:
                         await resp.body(b": keepalive\n\n")
                     else:
                         data = _encoder.encode({"jobId": job_id})
                         await resp.body(b"event: job_available\ndata: " + data + b"\n\n")
+
+    def _events_quiet(self) -> float:
+        """The longest the events stream stays quiet: ``keepalive_interval``, and at most half
+        the ping interval (a runner reads a stream silent past its ping interval and timeout as
+        a dead path: docs/protocol.md §2)."""
+        s = self.hub.settings
+        quiet = s.keepalive_interval
+        if s.ping_interval > 0:
+            quiet = min(quiet, s.ping_interval / 2)
+        return quiet
 
     async def channel(self, req: WebSocketRequest) -> None:
         """The Chat Channel handshake (``?jobId=&token=``), then the channel until it closes.
@@ -197,4 +207,5 @@ class RunnerApi:
         ws = await req.accept()
         job.channel_opened = True
         ch = self.hub.channels.accept(job.id, runner.id, ws)
+        await ch.send(ch.hello)  # the first frame: written before anything else is
         await ch.serve()

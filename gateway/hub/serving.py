@@ -14,6 +14,7 @@ import trio
 
 from gateway.hub.accounting import Accounting, LimitExceeded
 from gateway.hub.channel import ServerChannel
+from gateway.hub.continuation import answer_so_far, continuation_body
 from gateway.hub.dispatch import Refusal, Refuse
 from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.frontdoor.dialects import TurnSpec
@@ -30,7 +31,8 @@ from gateway.hub.frontdoor.shapes import (
 from gateway.hub.sessions import Session, Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey
-from gateway.hub.turn import State, Turn, TurnLost
+from gateway.hub.turn import Turn
+from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire import protocol
 from gateway.wire.errors import HTTPError
 from gateway.wire.http import Request, header
@@ -39,6 +41,7 @@ log = logging.getLogger("gateway.hub.serving")
 
 DEFAULT_SESSION = "default"
 MAX_ATTEMPTS = 3  # channels a turn may lose before it answers with an error
+QUICK_DEATH = 1.0  # s: a broken channel's runner silent this long is taken for dead (``_resume``)
 CANCEL_SEND_TIMEOUT = 2.0  # s: bound on sending chat.completion.cancel
 
 
@@ -137,7 +140,7 @@ class Serving:
                 return
             ch, opened = placed
             # a job opened for this turn carries its traceparent; else the turn's frame does
-            if await self._on(req, turn, ch, None if opened else traceparent):
+            if await self._on(req, turn, session, ch, None if opened else traceparent):
                 return
             log.warning(
                 "job %s: channel lost before the turn sent anything (attempt %d of %d)",
@@ -150,38 +153,144 @@ class Serving:
         )
 
     async def _on(
-        self, req: Request, turn: Turn, ch: ServerChannel, traceparent: str | None
+        self,
+        req: Request,
+        turn: Turn,
+        session: Session,
+        ch: ServerChannel,
+        traceparent: str | None,
+        continuation: bool = False,
     ) -> bool:
         """The turn on one channel: True once it is over, False when the channel went before
-        the client got anything (it can be served again)."""
+        the client got anything (it can be served again). A channel that goes mid-answer is
+        waited for (``_resume``), else the answer is continued on another runner."""
         settings = self.settings
         rid = uuid.uuid4().hex
         turn.sent(rid, ch.runner_id, ch.job_id)
         ch.open(rid, turn)
-        frame = protocol.RequestFrame(ch.job_id, rid, msgspec.Raw(turn.body), traceparent)
+        frame = protocol.RequestFrame(
+            ch.job_id, rid, msgspec.Raw(turn.body), traceparent, continuation
+        )
         try:
             if not await ch.send(protocol.encode_frame(frame)):
                 turn.unsent()
-                return False
+                if turn.state is not State.SUSPENDED:
+                    return False
             first_within = math.inf if settings.ping_interval > 0 else settings.first_frame_timeout
-            try:
-                await turn.relay(req.connection, settings.keepalive_interval, first_within)
-            except TurnLost:
-                if turn.state is State.SENT:  # no frame within first_within
-                    log.warning(
-                        "job %s: no frame for turn %s within %g s: closing its channel",
-                        ch.job_id,
-                        turn.id,
-                        first_within,
-                    )
-                    ch.request_close(1011, f"no frame within {first_within:g} s")
-                    turn.unsent()
-                return False
-            return True
+            while True:
+                try:
+                    await turn.relay(req.connection, settings.keepalive_interval, first_within)
+                    return True
+                except TurnLost:
+                    if turn.state is State.SENT:  # no frame within first_within
+                        log.warning(
+                            "job %s: no frame for turn %s within %g s: closing its channel",
+                            ch.job_id,
+                            turn.id,
+                            first_within,
+                        )
+                        ch.request_close(1011, f"no frame within {first_within:g} s")
+                        turn.unsent()
+                    return False
+                except TurnSuspended:
+                    if not await self._resume(req, turn, ch, rid):
+                        return await self._continue(req, turn, session)
+                    ch = self.dispatcher.channels.get(ch.job_id) or ch
         finally:
             if ch.routes(rid):  # the runner has not ended it: nobody reads it any more
                 ch.close_request(rid)
                 await _send_cancel(ch, rid)
+
+    async def _resume(self, req: Request, turn: Turn, old: ServerChannel, rid: str) -> bool:
+        """Wait (``resume_within``, keeping the client patient) for the job's channel to come
+        back and resume the turn (``Channels.accept`` names it in its hello) and for the runner
+        to go on with it (a frame of it on the new channel: a runner without the extension never
+        sends one). True when it went on (or ended meanwhile); False when the runner may be gone
+        (the turn is then continued elsewhere, if it can be).
+
+        A channel that broke (not one found silent by the pings, whose runner may not know yet)
+        while the runner gives no sign of life for ``QUICK_DEATH`` s is taken for a runner that
+        died: a runner whose connections were cut redials in a fraction of that."""
+        settings = self.settings
+        channels = self.dispatcher.channels
+        board = self.dispatcher.board
+        job_id, runner_id = old.job_id, old.runner_id
+        dropped = trio.current_time()
+        deadline = dropped + settings.resume_within
+        dead_by = dropped + QUICK_DEATH if old.end_code != 1011 else math.inf
+        interval = settings.keepalive_interval if settings.keepalive_interval > 0 else math.inf
+        log.info("job %s: channel lost mid-answer: turn %s waits for its redial", job_id, turn.id)
+        resumes = turn.resumes
+        while not turn.state.final and not turn.unresumable:
+            if turn.state is State.ANSWERING and turn.frames > turn.resumed_from:
+                break  # the runner goes on with it on the new channel
+            now = trio.current_time()
+            job = board.jobs.get(job_id)
+            if now >= deadline or job is None or job.over or job_id in channels.runner_ended:
+                break
+            if now >= dead_by and turn.resumes == resumes:
+                if board.last_seen.get(runner_id, -math.inf) < dropped:
+                    log.info("job %s: runner %s gave no sign of life since", job_id, runner_id)
+                    break
+                dead_by = math.inf  # it lives: its redial gets the whole window
+            await turn.sleep(req.connection, min(deadline, dead_by, now + interval))
+            if turn.state is not State.ANSWERING and trio.current_time() < deadline:
+                turn.keepalive()
+        channels.unsuspend(job_id, rid)
+        if turn.resumes > resumes and (
+            turn.frames > turn.resumed_from or turn.state in (State.DONE, State.FAILED)
+        ):
+            self.dispatcher.counters.turns_resumed += 1
+            log.info("job %s: turn %s resumed on the redialled channel", job_id, turn.id)
+            return True
+        if turn.state.final:
+            return True
+        new = channels.get(job_id)
+        if new is not None and new.routes(rid):
+            new.close_request(rid)  # resumed, but the runner never went on with it
+        if turn.state is State.ANSWERING:
+            turn.state = State.SUSPENDED
+        return False
+
+    async def _continue(self, req: Request, turn: Turn, session: Session) -> bool:
+        """The answer so far continued on another runner (docs/protocol.md §6): one answer for
+        the client. A turn that had begun a tool call, or whose client left, ends as it is."""
+        if turn.state.final:
+            return True
+        found = answer_so_far(turn.parts or turn.gathered)
+        if found is None:
+            turn.lose()
+            return True
+        first_id, text = found
+        old = turn.job_id
+        dispatcher = self.dispatcher
+        if old is not None:
+            if session.job_id == old:
+                session.had_job = old
+                await self.sessions.bind(session, None)
+            with trio.move_on_after(CANCEL_SEND_TIMEOUT) as scope:
+                scope.shield = True
+                await dispatcher.channels.cancel_job(old, "its turn is continued on another runner")
+        prompt = turn.dialect.prompt_estimate(turn.body)
+        turn.body = continuation_body(turn.body, text)
+        turn.continue_as(first_id, prompt)
+        try:
+            placed = await dispatcher.channel_for(session, turn, req.connection)
+        except Unplaced:
+            turn.lose()
+            return True
+        if placed is None:
+            return True
+        ch, _opened = placed
+        dispatcher.counters.turns_continued += 1
+        log.warning(
+            "turn %s: continued on runner %s (job %s) after %d chunks",
+            turn.id,
+            ch.runner_id,
+            ch.job_id,
+            turn.chunks,
+        )
+        return await self._on(req, turn, session, ch, None, continuation=True)
 
     def _refusal(self, refusal: Refuse, req: Request, session: Session) -> HTTPError:
         """The HTTP answer to the dispatcher's refusal (logged once)."""

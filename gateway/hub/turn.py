@@ -12,7 +12,6 @@ says what may still be written. Its outcome is set in one place (``_end``).
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Callable
@@ -21,42 +20,18 @@ from typing import Any
 import msgspec
 import trio
 
+from gateway.hub.continuation import Stitch
 from gateway.hub.frontdoor.chunks import choices_mark, has_usage, is_usage_only, read_usage
 from gateway.hub.frontdoor.dialects import Dialect, Translation
 from gateway.hub.frontdoor.shapes import SSE_HEADERS, upstream_error
+from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.http import Connection, Response
-from gateway.wire.protocol import DoneFrame, ErrorFrame, ModelsFrame
+from gateway.wire.protocol import RESUME_UNAVAILABLE, DoneFrame, ErrorFrame, ModelsFrame
 
 log = logging.getLogger("gateway.hub.turn")
 
 _NOWHERE = 1 << 62  # past the end of any frame: ``startswith`` there is False
-
-
-class State(enum.Enum):
-    """Where a turn is. A final state carries the outcome its usage row and metrics record, and
-    whether the client is owed an error event (its answer was cut)."""
-
-    WAITING = ("waiting", "", False)  # admitted; looking for a channel (queue, dial, redial)
-    SENT = ("sent", "", False)  # its request is on a channel; no chunk yet
-    ANSWERING = ("answering", "", False)  # chunks came (to the client, or gathered)
-    DONE = ("done", "ok", True)  # the runner finished it
-    FAILED = ("failed", "error", True)  # the runner (its backend) reported an error
-    LOST = ("lost", "lost", True)  # its channel was lost mid-answer
-    CLIENT_GONE = ("client_gone", "client_gone", True)  # the client left before the end
-    OVERRUN = ("overrun", "client_gone", True)  # the client read too slowly (backlog bound)
-    REFUSED = ("refused", "refused", True)  # answered with an error before a runner served it
-    CUT = ("cut", "cut", True)  # the hub stopped under it
-
-    def __init__(self, label: str, outcome: str, final: bool) -> None:
-        self.label = label
-        self.outcome = outcome
-        self.final = final
-
-
-class TurnLost(Exception):
-    """The turn's channel ended before its client got any of the answer: it can be served again
-    (the same job redialled, or another runner)."""
 
 
 class Turn:
@@ -98,6 +73,15 @@ class Turn:
         "gathered",
         "gathered_bytes",
         "last",
+        "frames",
+        "parts",
+        "unresumable",
+        "resumed_from",
+        "resumes",
+        "stitch",
+        "continued",
+        "prior_prompt",
+        "prior_completion",
         "error",
         "_choices",
         "_choices_at",
@@ -160,6 +144,17 @@ class Turn:
         self.gathered: list[bytes] = []  # a non-streamed turn's chunks
         self.gathered_bytes = 0
         self.last: Any = None  # the last chunk (where a usage is)
+        self.frames = 0  # chunk frames received on its current request (what a resume names)
+        # a streamed turn's chunks, by reference, for a continuation (up to ``max_answer``
+        # bytes, counted in ``gathered_bytes``)
+        self.parts: list[Any] = []
+        self.unresumable = False  # the runner said it cannot resume it (or its window passed)
+        self.resumed_from = 0  # ``frames`` when it was last resumed (what the hello named)
+        self.resumes = 0  # times a redialled channel resumed it
+        self.stitch: Callable[[Any], bytes | None] | None = None  # a continuation's chunks
+        self.continued = False  # another runner continued its answer
+        self.prior_prompt = 0  # tokens of the part before a continuation (estimated)
+        self.prior_completion = 0
         self.error: str | None = None
         # how this turn's frames open a non-empty choices, and where (``choices_mark``)
         self._choices = b""
@@ -216,6 +211,13 @@ class Turn:
         if self.completion_tokens is None and self.chunks:
             self.estimated = True  # the backend said nothing: charged a token a chunk delivered
             self.completion_tokens = self.chunks
+        elif self.continued and self.completion_tokens is not None:
+            self.completion_tokens += self.prior_completion  # the part before, estimated
+            self.estimated = True
+        if self.estimated and self.prompt_tokens is None:
+            self.prompt_tokens = self.dialect.prompt_estimate(self.body)
+        if self.continued and self.prompt_tokens is not None:
+            self.prompt_tokens += self.prior_prompt  # both parts' prompts were read
         if self._flushing is not None and (state is State.CLIENT_GONE or state is State.OVERRUN):
             self._flushing.cancel()  # a flush to a client that does not read would never end
         self.wake()
@@ -227,8 +229,9 @@ class Turn:
         self.request_id = request_id
         self.runner_id, self.job_id = runner_id, job_id
         self.attempts += 1
-        if not self.state.final:
-            self.state = State.SENT
+        self.frames = 0
+        if not self.state.final:  # a continuation goes on answering: its client has a part
+            self.state = State.ANSWERING if self.answered or self.gathered else State.SENT
 
     def unsent(self) -> None:
         """Its channel went before the client got anything: it waits for another."""
@@ -243,8 +246,16 @@ class Turn:
 
     def chunk(self, chunk: msgspec.Raw, frame: bytes = b"") -> None:
         state = self.state
-        if (state is not State.SENT and state is not State.ANSWERING) or not len(chunk):
+        if state is not State.SENT and state is not State.ANSWERING:
             return
+        self.frames += 1
+        if not len(chunk):
+            return
+        if self.stitch is not None:  # a continuation's chunk, made the first part's own
+            stitched = self.stitch(chunk)
+            if stitched is None:
+                return
+            chunk, frame = msgspec.Raw(stitched), b""
         self.last = chunk
         self.chunks += 1
         encode = self._encode
@@ -263,6 +274,12 @@ class Turn:
             and self._usage_only(frame or bytes(chunk))
         ):
             return  # the usage chunk the hub added: counted at the end, not this client's
+        size = self.gathered_bytes + len(chunk)
+        if size <= self.max_answer:  # kept (a reference) for a continuation, bounded
+            self.parts.append(chunk)
+        elif self.parts:
+            self.parts = []  # an answer longer than a continuation may carry: not kept
+        self.gathered_bytes = size
         events = encode(chunk)
         if events:
             self.pending.append(events)
@@ -291,27 +308,66 @@ class Turn:
             return
         self.flush()
         if isinstance(frame, ErrorFrame):
+            if frame.error == RESUME_UNAVAILABLE and (self.answered or self.gathered):
+                self.unresumable = True  # its frames are gone: continued elsewhere, if it can be
+                self.state = State.SUSPENDED
+                self.wake()
+                return
             self._failed(frame.error or "the runner reported an error")
         # a models answer for a chat turn: not this turn's (ignored)
 
-    def lost(self) -> None:
+    def lost(self) -> bool:
+        """The channel ended under the request: True when the turn waits for the job's
+        redialled channel to resume it (it had answered part: ``SUSPENDED``)."""
         state = self.state
-        if state.final or state is State.WAITING:
-            return
+        if state.final or state is State.WAITING or state is State.SUSPENDED:
+            return state is State.SUSPENDED
         self.flush()
         if self.state.final:
-            return
+            return False
         if not self.answered:  # nothing reached the client: it can be served again
             self.state = State.WAITING
             self.chunks = 0
             self.gathered = []
             self.gathered_bytes = 0
+            self.parts = []
             self.last = None
             self.wake()
-            return
+            return False
+        self.state = State.SUSPENDED  # resumed on the redial, else continued, else lost
+        self.wake()
+        return True
+
+    def lose(self) -> None:
+        """It could be neither resumed nor continued: ends ``LOST``, its client told."""
         message = "the chat channel to the runner was lost mid-turn"
         log.warning("%s (job %s, turn %s)", message, self.job_id, self.id)
         self._cut(State.LOST, message, "channel_lost")
+
+    def resume_count(self) -> int | None:
+        """What a resume names for it: the chunk frames received on its request (None: it
+        waits no more, its client gone)."""
+        return None if self.state.final else self.frames
+
+    def resumed(self) -> None:
+        """Its request goes on, on the job's redialled channel (the rest of its frames next)."""
+        if self.state is State.SUSPENDED and not self.unresumable:
+            self.state = State.ANSWERING
+            self.resumed_from = self.frames
+            self.resumes += 1
+            self.wake()
+
+    def continue_as(self, first_id: str, prompt_estimate: int) -> None:
+        """Another runner continues its answer: what came before is charged as estimated, and
+        the continuation's chunks are made the first part's own (``continuation.Stitch``)."""
+        self.prior_prompt += prompt_estimate
+        self.prior_completion += self.chunks
+        self.continued = True
+        self.stitch = Stitch(first_id)
+        self.unresumable = False
+        self.frames = 0
+        if self.state is State.SUSPENDED:
+            self.state = State.ANSWERING
 
     # -- writing the response ----------------------------------------------------------
 
@@ -457,10 +513,11 @@ class Turn:
         self._refuse_late(err, State.REFUSED if self.runner_id is None else State.FAILED)
 
     def keepalive(self) -> None:
-        """Keep a streamed turn's client (and proxies) patient while no chunk came: the stream's
-        head, then a keepalive in the client's API."""
+        """Keep a streamed turn's client (and proxies) patient while no chunk comes (before the
+        first, or while the turn waits to be resumed or continued): the stream's head if it
+        has not gone yet, then a keepalive in the client's API."""
         translation = self.translation
-        if translation is None or self.state.final or self.answered:
+        if translation is None or self.state.final:
             return
         try:
             self.resp.write_nowait(translation.keepalive(), self._head())
@@ -518,6 +575,8 @@ class Turn:
                 return
             if state is State.WAITING:
                 raise TurnLost()
+            if state is State.SUSPENDED:
+                raise TurnSuspended()
             if state is State.ANSWERING:
                 await self.sleep(conn)
                 continue

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported only when tracing is on
     from gateway.runner.otel import SessionTrace, Tracing
 
 log = logging.getLogger("gateway.runner")
+REDIAL_CAP = 1.0  # s: the longest wait between two redials of a dropped channel
 
 PROGRESS_STAGE = "chat_llm_active"
 REPORT_ATTEMPTS = 8
@@ -306,7 +307,9 @@ class Session:
                     f"gave up redialling the chat channel after {window:.0f} s: {last_problem}",
                 )
             failures += 1
-            delay = min(backoff_delay(failures, 0.25, 5.0), window - (now - dropped_at))
+            # at most REDIAL_CAP between tries: a Server back from a restart has its channels
+            # again within that (docs/protocol.md §6), and a refused connection costs nothing
+            delay = min(backoff_delay(failures, 0.25, REDIAL_CAP), window - (now - dropped_at))
             with trio.move_on_after(delay):
                 await kit.shutdown.wait()
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # imported only when tracing is on
     from gateway.runner.otel import Tracing
 
 log = logging.getLogger("gateway.runner")
+UNREACHABLE_CAP = 1.5  # s: the longest wait between polls of a Server that cannot be reached
 
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
 STOP_NOW_S = 1.0  # after a second signal, how long the turns in flight have to say they stopped
@@ -370,7 +371,10 @@ class Runner:
                 await self._consider(jobs)
             except ServerUnavailable as exc:
                 failures += 1
-                delay = backoff_delay(failures, interval, interval * 6)
+                # a Server down or unreachable: tried again within UNREACHABLE_CAP, so that a
+                # Server back from a restart has its runners polling at once (a refused
+                # connection costs it nothing)
+                delay = backoff_delay(failures, min(interval, 0.25), UNREACHABLE_CAP)
                 if isinstance(exc, ServerSilent) and failures == 1:
                     delay = 0.0  # a dead kept-alive connection, dropped: at once, on a new one
                 log.warning("poll failed: %s; next try in %.1f s", exc, delay)
@@ -475,8 +479,14 @@ class Runner:
                 )
                 await trio.sleep(600)
                 continue
-            except (ServerUnavailable, TokenRefused) as exc:
+            except ServerUnavailable as exc:
                 failures += 1
                 log.debug("events subscription: %s", exc)
                 self._wake.set()  # a job_available may have been lost: poll now
+                await trio.sleep(backoff_delay(failures, 0.25, UNREACHABLE_CAP))
+                continue
+            except TokenRefused as exc:
+                failures += 1
+                log.debug("events subscription: %s", exc)
+                self._wake.set()
             await trio.sleep(backoff_delay(failures + 1, 1.0, self.config.poll_interval * 6))

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from gateway.config import STORE_POOL
+from gateway.hub.store.journal import Journal
 from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
     AdminCredential,
@@ -88,6 +89,7 @@ class Store(abc.ABC):
         self._closed = False
         self.rows_written = 0  # usage rows written since opened
         self._down_since: float | None = None  # time.monotonic() when it became unavailable
+        self.journal: Journal | None = None  # every turn's start and end, till its row is in
         self._dropped = 0  # usage rows dropped (past KEEP_ROWS) while unavailable
 
     # -- the database's availability, said once each way ----------------------------------
@@ -132,7 +134,22 @@ class Store(abc.ABC):
         """An ended turn written now (with any queued before it); StoreError when it cannot be."""
         self._pending.append((record, at))
         rows, self._pending = self._pending, []
-        await self._write_batch(rows)
+        await self._write_batch(rows, self._seal())
+
+    def _seal(self) -> int | None:
+        """The journal's segment sealed as a batch is taken (None: no journal)."""
+        return self.journal.seal() if self.journal is not None else None
+
+    async def recover_journal(self, journal: Journal) -> int:
+        """Take on ``journal``: the rows it holds that the ledger lacks (turns that ended, or
+        were cut, while the hub was killed) written now; how many."""
+        committed = await self.journal_mark(journal.id)
+        rows, last = journal.recover(committed)
+        self.journal = journal
+        if rows:
+            await self._write_batch(rows, last)
+        journal.committed(last)  # and any a kill left after their rows were written
+        return len(rows)
 
     async def flush_usage(self) -> None:
         """Write the queued rows now, in one transaction (then prune when due). A database that
@@ -146,8 +163,9 @@ class Store(abc.ABC):
         if not self._pending:
             return True
         rows, self._pending = self._pending, []
+        sealed = self._seal()
         try:
-            await self._write_batch(rows)
+            await self._write_batch(rows, sealed)
         except StoreUnavailable as exc:
             if self._closed:
                 log.warning("could not record the usage of %d turn(s): %s", len(rows), exc)
@@ -175,8 +193,12 @@ class Store(abc.ABC):
             self._dropped = 0
         return True
 
-    async def _write_batch(self, rows: list[UsageRow]) -> None:
-        await self._write_usage(rows)
+    async def _write_batch(self, rows: list[UsageRow], sealed: int | None) -> None:
+        journal = self.journal
+        mark = (journal.id, sealed) if journal is not None and sealed is not None else None
+        await self._write_usage(rows, mark)
+        if journal is not None and sealed is not None:
+            journal.committed(sealed)
         self.rows_written += len(rows)
         newest = max(at for _record, at in rows)
         if not math.isfinite(self.usage_retention) or newest < self._next_prune:
@@ -212,6 +234,8 @@ class Store(abc.ABC):
         """Write what is queued, then let the database go (idempotent)."""
         await self.flush_usage()
         self._closed = True
+        if self.journal is not None:
+            self.journal.close()
         if self._pending:  # the database is unavailable: they cannot be written
             log.warning(
                 "could not record the usage of %d turn(s): the hub store %s is unavailable",
@@ -232,8 +256,13 @@ class Store(abc.ABC):
         once, before serving. StoreError (one line) when the store cannot say it."""
 
     @abc.abstractmethod
-    async def _write_usage(self, rows: list[UsageRow]) -> None:
-        """The rows and their keys' hourly totals, in one transaction."""
+    async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
+        """The rows and their keys' hourly totals, in one transaction (with ``mark``: a usage
+        journal's name, and the number of the segment these rows complete)."""
+
+    @abc.abstractmethod
+    async def journal_mark(self, name: str) -> int:
+        """The last segment of usage journal ``name`` whose rows are written (0: none)."""
 
     # jobs
 

@@ -27,6 +27,7 @@ import trio
 
 from gateway.hub.store import dburl
 from gateway.hub.store import postgres_ops as ops
+from gateway.hub.store import postgres_usage as usage_ops
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
@@ -239,8 +240,11 @@ class PostgresStore(Store):
         while self._idle:
             self._drop(self._idle.pop())
 
-    async def _write_usage(self, rows: list[UsageRow]) -> None:
-        await self._run(ops.write_usage(rows))
+    async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
+        await self._run(usage_ops.write_usage(rows, mark))
+
+    async def journal_mark(self, name: str) -> int:
+        return await self._run(usage_ops.journal_mark(name))
 
     # -- jobs -------------------------------------------------------------------------------------
 
@@ -327,28 +331,28 @@ class PostgresStore(Store):
 
     async def prune_usage(self, before: float, limit: int) -> int:
         await self.flush_usage()
-        return await self._run(ops.prune_usage(before, limit))
+        return await self._run(usage_ops.prune_usage(before, limit))
 
     async def usage_turns_from(self) -> float:
         await self.flush_usage()
-        return await self._run(ops.usage_turns_from())
+        return await self._run(usage_ops.usage_turns_from())
 
     async def usage_rows(
         self, since: float = 0.0, key_name: str | None = None
     ) -> list[dict[str, Any]]:
         await self.flush_usage()
-        return await self._run(ops.usage_rows(since, key_name))
+        return await self._run(usage_ops.usage_rows(since, key_name))
 
     async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
         await self.flush_usage()
-        return await self._run(ops.hourly_usage(since, key_name))
+        return await self._run(usage_ops.hourly_usage(since, key_name))
 
     async def usage_totals(
         self, since: float, key_name: str | None = None
     ) -> tuple[list[UsageTotal], bool]:
         await self.flush_usage()
-        return await self._run(ops.usage_totals(since, key_name))
+        return await self._run(usage_ops.usage_totals(since, key_name))
 
     async def tokens_since(self, key_id: str, hour: int) -> int:
         await self.flush_usage()
-        return await self._run(ops.tokens_since(key_id, hour))
+        return await self._run(usage_ops.tokens_since(key_id, hour))

@@ -109,7 +109,9 @@ class UsageRecord:
     """One ended front-door turn as the usage ledger keeps it (a row; its key's hourly totals).
 
     ``model`` is the ledger's name of the model (``""``: the runner's default); ``estimated``:
-    the tokens are the hub's estimate (the turn ended before the backend said its usage)."""
+    the tokens are the hub's estimate (the turn ended before the backend said its usage);
+    ``continued``: another runner or backend finished the answer after a fault (the tokens are
+    both parts', the continuation's prompt counted)."""
 
     key_id: str
     key_name: str
@@ -125,6 +127,7 @@ class UsageRecord:
     ttft: float | None = None
     duration: float | None = None
     estimated: bool = False
+    continued: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,6 +176,12 @@ MIGRATIONS: tuple[Migration, ...] = (
 )""",
         ),
     ),
+    Migration(
+        4,
+        "usage marked continued: a turn whose answer another runner or backend finished",
+        (),
+        columns=(("usage_turns", "continued", "INTEGER NOT NULL DEFAULT 0"),),
+    ),
 )
 LATEST = MIGRATIONS[-1].version
 

@@ -145,8 +145,11 @@ class SqliteStore(Store):
             token, created = load_or_create_admin_token(data_dir)
         return AdminCredential(token, token_hash(token), created)
 
-    async def _write_usage(self, rows: list[UsageRow]) -> None:
-        await self._run(ops.write_usage, rows)
+    async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
+        await self._run(ops.write_usage, rows, mark)
+
+    async def journal_mark(self, name: str) -> int:
+        return await self._run(ops.journal_mark, name)
 
     # -- jobs --------------------------------------------------------------------------------
 

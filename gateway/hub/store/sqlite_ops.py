@@ -51,7 +51,7 @@ _JOB_COLUMNS = (
 _RUNNER_COLUMNS = "id, name, owner, project, labels, registered_at, token_hash"
 _USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
-    " completion_tokens ttft duration outcome estimated"
+    " completion_tokens ttft duration outcome estimated continued"
 ).split()
 
 
@@ -380,14 +380,23 @@ def active_key_id(db: Db, name: str) -> str | None:
 # -- usage ----------------------------------------------------------------------------------
 
 
-def write_usage(db: Db, rows: list[tuple[UsageRecord, float]]) -> None:
-    """The turns' rows and their keys' hourly totals (summed per hour, key and model first)."""
+def write_usage(
+    db: Db, rows: list[tuple[UsageRecord, float]], mark: tuple[str, int] | None = None
+) -> None:
+    """The turns' rows and their keys' hourly totals (summed per hour, key and model first);
+    ``mark``: a usage journal's name and the segment these rows complete, kept with them."""
     hourly = hourly_totals(rows)
     with transaction(db):
+        if mark is not None:
+            db.execute(
+                "INSERT INTO usage_meta (name, value) VALUES (?, ?)"
+                " ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+                mark,
+            )
         db.executemany(
             "INSERT INTO usage_turns (at, key_id, key_name, session, runner_id, job_id, model,"
-            " api, stream, prompt_tokens, completion_tokens, ttft, duration, outcome, estimated)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " api, stream, prompt_tokens, completion_tokens, ttft, duration, outcome, estimated,"
+            " continued) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     at,
@@ -405,6 +414,7 @@ def write_usage(db: Db, rows: list[tuple[UsageRecord, float]]) -> None:
                     record.duration,
                     record.outcome,
                     int(record.estimated),
+                    int(record.continued),
                 )
                 for record, at in rows
             ],
@@ -437,6 +447,11 @@ def prune_usage(db: Db, before: float, limit: int) -> int:
     return len(rows)
 
 
+def journal_mark(db: Db, name: str) -> int:
+    row = db.execute("SELECT value FROM usage_meta WHERE name = ?", (name,)).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
 def usage_turns_from(db: Db) -> float:
     row = db.execute("SELECT value FROM usage_meta WHERE name = 'turns_from'").fetchone()
     return float(row[0]) if row is not None else -float("inf")
@@ -451,7 +466,8 @@ def usage_rows(db: Db, since: float, key_name: str | None) -> list[dict[str, Any
     rows = db.execute(query + " ORDER BY at, id", args).fetchall()
     found = [dict(zip(_USAGE_COLUMNS, row, strict=True)) for row in rows]
     for row in found:
-        row["stream"] = bool(row["stream"])
+        for flag in ("stream", "estimated", "continued"):
+            row[flag] = bool(row[flag])
     return found
 
 

@@ -1,0 +1,182 @@
+"""PostgreSQL's statements of the usage ledger, sans-IO (as ``postgres_ops``): each turn's row,
+the hourly totals per key and model, written in one statement a batch, pruned, and read back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
+from gateway.hub.store.records import (
+    ERROR_OUTCOMES,
+    HourlyUsage,
+    UsageRecord,
+    UsageTotal,
+    hour_of,
+    hourly_totals,
+)
+
+_USAGE_COLUMNS = (
+    "at key_id key_name session runner_id job_id model api stream prompt_tokens"
+    " completion_tokens ttft duration outcome estimated continued"
+).split()
+_USAGE_TYPES = (
+    "float8 text text text text text text text int8 int8 int8 float8 float8 text int8 int8".split()
+)
+_ERRORS = ", ".join(f"'{outcome}'" for outcome in ERROR_OUTCOMES)  # our own constants
+
+
+# -- usage ----------------------------------------------------------------------------------
+
+
+def _turn(record: UsageRecord, at: float) -> tuple[Any, ...]:
+    """A turn's row in ``_USAGE_COLUMNS`` order (its flags as 0 or 1)."""
+    values = (getattr(record, column) for column in _USAGE_COLUMNS[1:])
+    return (at, *(int(v) if isinstance(v, bool) else v for v in values))
+
+
+_WRITE_USAGE = (
+    f"WITH turns AS (INSERT INTO usage_turns ({', '.join(_USAGE_COLUMNS)}) SELECT * FROM unnest("
+    + ", ".join(f"${n}::{kind}[]" for n, kind in enumerate(_USAGE_TYPES, 1))
+    + ")) INSERT INTO usage_hourly (hour, key_id, key_name, model, turns, prompt_tokens,"
+    " completion_tokens, errors, estimated) SELECT * FROM unnest("
+    + ", ".join(
+        f"${n}::{kind}[]"
+        for n, kind in enumerate(
+            "int8 text text text int8 int8 int8 int8 int8".split(), len(_USAGE_TYPES) + 1
+        )
+    )
+    + ") ON CONFLICT (hour, key_id, model) DO UPDATE SET"
+    " turns = usage_hourly.turns + excluded.turns,"
+    " prompt_tokens = usage_hourly.prompt_tokens + excluded.prompt_tokens,"
+    " completion_tokens = usage_hourly.completion_tokens + excluded.completion_tokens,"
+    " errors = usage_hourly.errors + excluded.errors,"
+    " estimated = usage_hourly.estimated + excluded.estimated, key_name = excluded.key_name"
+)
+
+
+_N = len(_USAGE_TYPES) + 9  # the parameters of _WRITE_USAGE; then a journal's name and mark
+_WRITE_USAGE_MARKED = _WRITE_USAGE.replace(
+    "WITH turns AS",
+    f"WITH meta AS (INSERT INTO usage_meta (name, value) VALUES (${_N + 1}, ${_N + 2})"
+    " ON CONFLICT (name) DO UPDATE SET value = excluded.value), turns AS",
+)
+
+
+def write_usage(
+    rows: list[tuple[UsageRecord, float]], mark: tuple[str, int] | None = None
+) -> Op[None]:
+    """The turns' rows and their keys' hourly totals, in one statement (so one transaction and
+    one round trip, however many rows): each column sent as an array. ``mark``: a usage
+    journal's name and the segment these rows complete, kept with them."""
+    turns = [_turn(record, at) for record, at in rows]
+    hourly = [
+        (hour, key_id, t[0], model, *t[1:])
+        for (hour, key_id, model), t in hourly_totals(rows).items()
+    ]
+    columns = (*_columns(turns, len(_USAGE_COLUMNS)), *_columns(hourly, 9))
+    if mark is None:
+        yield Query(_WRITE_USAGE, columns)
+    else:
+        yield Query(_WRITE_USAGE_MARKED, (*columns, mark[0], float(mark[1])))
+
+
+def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
+    """Rows as columns (each a list, sent as an array)."""
+    if not rows:
+        return tuple([] for _ in range(width))
+    return tuple(list(column) for column in zip(*rows, strict=True))
+
+
+def prune_usage(before: float, limit: int) -> Op[int]:
+    yield BEGIN
+    rows = yield Query(
+        "SELECT id, at FROM usage_turns WHERE at < $1 ORDER BY at, id LIMIT $2", (before, limit)
+    )
+    if rows:
+        yield Query("DELETE FROM usage_turns WHERE id = ANY($1::int8[])", ([r[0] for r in rows],))
+    kept_from = before if len(rows) < limit else rows[-1][1]
+    yield Query(
+        "INSERT INTO usage_meta (name, value) VALUES ('turns_from', $1)"
+        " ON CONFLICT (name) DO UPDATE SET value = GREATEST(usage_meta.value, excluded.value)",
+        (kept_from,),
+    )
+    yield COMMIT
+    return len(rows)
+
+
+def journal_mark(name: str) -> Op[int]:
+    return int((yield from _meta(name, 0.0)))
+
+
+def usage_turns_from() -> Op[float]:
+    return (yield from _meta("turns_from", -float("inf")))
+
+
+def _meta(name: str, default: float) -> Op[float]:
+    rows = yield Query("SELECT value FROM usage_meta WHERE name = $1", (name,))
+    return float(rows[0][0]) if rows else default
+
+
+def usage_rows(since: float, key_name: str | None) -> Op[list[dict[str, Any]]]:
+    query = f"SELECT {', '.join(_USAGE_COLUMNS)} FROM usage_turns WHERE at >= $1"
+    args: tuple[Any, ...] = (since,)
+    if key_name is not None:
+        query += " AND key_name = $2"
+        args = (*args, key_name)
+    rows = yield Query(query + " ORDER BY at, id", args)
+    found = [dict(zip(_USAGE_COLUMNS, row, strict=True)) for row in rows]
+    for row in found:
+        for flag in ("stream", "estimated", "continued"):
+            row[flag] = bool(row[flag])
+    return found
+
+
+def hourly_usage(since: float, key_name: str | None) -> Op[list[HourlyUsage]]:
+    query = (
+        "SELECT hour, key_name, model, SUM(turns)::int8, SUM(prompt_tokens)::int8,"
+        " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8"
+        " FROM usage_hourly WHERE hour >= $1"
+    )
+    args: tuple[Any, ...] = (hour_of(since),)
+    if key_name is not None:
+        query += " AND key_name = $2"
+        args = (*args, key_name)
+    query += (
+        ' GROUP BY hour, key_name, model ORDER BY hour, key_name COLLATE "C", model COLLATE "C"'
+    )
+    rows = yield Query(query, args)
+    return [HourlyUsage(r[0], r[1], r[2] or None, r[3], r[4], r[5], r[6], r[7]) for r in rows]
+
+
+def usage_totals(since: float, key_name: str | None) -> Op[tuple[list[UsageTotal], bool]]:
+    exact = since >= (yield from usage_turns_from())
+    if exact:
+        query = (
+            "SELECT key_name, model, COUNT(*), SUM(COALESCE(prompt_tokens, 0))::int8,"
+            " SUM(COALESCE(completion_tokens, 0))::int8,"
+            f" COUNT(*) FILTER (WHERE outcome IN ({_ERRORS})), SUM(estimated)::int8"
+            " FROM usage_turns WHERE at >= $1"
+        )
+        args: tuple[Any, ...] = (since,)
+    else:
+        query = (
+            "SELECT key_name, model, SUM(turns)::int8, SUM(prompt_tokens)::int8,"
+            " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8"
+            " FROM usage_hourly WHERE hour >= $1"
+        )
+        args = (hour_of(since),)
+    if key_name is not None:
+        query += " AND key_name = $2"
+        args = (*args, key_name)
+    query += ' GROUP BY key_name, model ORDER BY key_name COLLATE "C", model COLLATE "C"'
+    rows = yield Query(query, args)
+    return [UsageTotal(*row) for row in rows], exact
+
+
+def tokens_since(key_id: str, hour: int) -> Op[int]:
+    rows = yield Query(
+        "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0)::int8 FROM usage_hourly"
+        " WHERE key_id = $1 AND hour >= $2",
+        (key_id, hour),
+    )
+    return int(rows[0][0])
