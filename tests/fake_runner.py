@@ -69,6 +69,7 @@ class FakeRunner:
         poll_interval: float = 0.02,
         name: str = "fake-runner",
         redials: int = 3,
+        poll_until_claimed: bool = False,
     ) -> None:
         self.server = server.rstrip("/")
         self.admin_token = admin_token
@@ -80,6 +81,7 @@ class FakeRunner:
         self.poll_interval = poll_interval
         self.name = name
         self.redials = redials
+        self.poll_until_claimed = poll_until_claimed  # no poll once it holds a job
         self.runner_id: str | None = None
         self.token: str | None = None
         # observations
@@ -163,6 +165,8 @@ class FakeRunner:
                     self.claimed.append(job["id"])
                     self._changed()
                     nursery.start_soon(self._session, http, auth, job["id"], run_id)
+                if self.poll_until_claimed and self.claimed:
+                    await trio.sleep_forever()
                 await trio.sleep(self.poll_interval)
 
     async def _report(
