@@ -286,12 +286,14 @@ class Catalog:
                 state.listing = False  # answered, or not within models_timeout: no more waiting
                 self.board.changes.notify()
         listing = self._listing.get(ch.runner_id)
-        if listing is not None and listing[0].id == ch.job_id:
+        ours = listing is not None and listing[0].id == ch.job_id  # a listing job's channel
+        if ours:
             del self._listing[ch.runner_id]
             if models is None:
                 self._failed[ch.runner_id] = trio.current_time() + RETRY_LISTING
         if models is None:
             self._wake()  # no list comes from it: a listing() waiting for it looks again
+        if ours:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 await self.channels.cancel_job(ch.job_id, "models listed")
 
