@@ -161,7 +161,15 @@ class App:
                 "method_not_allowed",
                 headers=[(b"allow", allow.encode())],
             )
-        raise HTTPError(404, f"Invalid URL ({method} {path})", "unknown_url")
+        message = f"Invalid URL ({method} {path})"
+        if not path.startswith("/v1/") and any(
+            route.method == method and route.pattern.match("/v1" + path) for route in self.routes
+        ):  # a client given the hub's root as its base URL
+            message += (
+                f": did you mean {method} /v1{path}? (a client's base URL is the hub's address "
+                "with /v1)"
+            )
+        raise HTTPError(404, message, "unknown_url")
 
     async def http(self, req: Request) -> None:
         """One HTTP request through its route; every failure answered in the error shape."""
