@@ -202,6 +202,7 @@ class Accounting:
         self.in_flight[id(turn)] = turn
         journal = self.store.journal if self.store is not None else None
         if journal is not None:  # a hub killed under it still records it, as cut
+            turn.model_label = self.label(turn.model)  # never a client's made-up name
             journal.started(turn.id, _record(turn, CUT), self.clock())
 
     def refused(self, turn: Turn) -> None:
