@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import gc
 import logging
 import os
 import pathlib
@@ -522,6 +523,11 @@ def _serve(settings: HubSettings) -> int:
         )
         print(f"  {hub.admin_token}", flush=True)
     host, port = settings.listen
+    # as the runner does (gateway/cli.py): what lives as long as the process (the imported
+    # modules, the hub's parts) goes to the permanent generation, so a full collection walks
+    # only the sessions and turns made since, and no longer pauses every turn in flight
+    gc.collect()
+    gc.freeze()
     try:
         trio.run(_run, hub, settings)
     except KeyboardInterrupt:
