@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import trio
 from helpers import clean_env
-from rawclient import CLOSE, CONT, PING, TEXT, RawConn, bearer, head, request, upgrade_head
+from rawclient import CLOSE, CONT, PING, TEXT, RawConn, bearer, request, upgrade_head
 
 from gateway.wire import protocol
 
@@ -73,6 +73,13 @@ def frame(opcode: int, payload: bytes = b"", fin: bool = True) -> bytes:
     else:
         out = bytes([first, 0x80 | 127]) + size.to_bytes(8, "big")
     return out + b"\0\0\0\0" + payload
+
+
+async def polled(check: Callable[[], Awaitable[bool]]) -> None:
+    """Wait until ``check`` holds: the hub is another process, read over HTTP (no event of its
+    can be awaited here), so it is asked again every 50 ms."""
+    while not await check():  # noqa: ASYNC110 (another process's state)
+        await trio.sleep(0.05)
 
 
 def rss_of(pid: int) -> int:
@@ -115,10 +122,15 @@ class HubProc:
     async def settle(self, channels: int, protocol_errors: int) -> None:
         """Wait until the hub has ``channels`` channels open (the flooded one closed) and has
         counted ``protocol_errors`` WebSocket protocol errors (the flood's among them)."""
-        while await self.channels_open() != channels:
-            await trio.sleep(0.05)
-        while (await self.counters())["wsProtocolErrors"] < protocol_errors:
-            await trio.sleep(0.05)
+
+        async def closed() -> bool:
+            return await self.channels_open() == channels
+
+        async def counted() -> bool:
+            return (await self.counters())["wsProtocolErrors"] >= protocol_errors
+
+        await polled(closed)
+        await polled(counted)
 
 
 @asynccontextmanager
@@ -197,8 +209,13 @@ class HostileRunner:
 
     async def claim_next(self) -> tuple[str, str]:
         """(job id, run id) of the next job the hub offers, claimed."""
-        while not (jobs := await self.poll()):
-            await trio.sleep(0.05)
+        jobs: list[dict[str, Any]] = []
+
+        async def offered() -> bool:
+            jobs[:] = await self.poll()
+            return bool(jobs)
+
+        await polled(offered)
         job_id = jobs[0]["id"]
         reply = await self.rest(
             "POST", f"{BASE}/runners/generate-jitconfig", {"jobId": job_id, "name": "hostile"}
@@ -354,8 +371,11 @@ class BigAnswers:
                     break
         (reply,) = replies
         assert reply.status_code == 502 and reply.json()["error"]["code"] == "answer_too_large"
-        while (await self.runner.hub.get("/api/hub/turns"))["turns"]:
-            await trio.sleep(0.02)
+
+        async def over() -> bool:
+            return not (await self.runner.hub.get("/api/hub/turns"))["turns"]
+
+        await polled(over)
 
 
 async def reports(runner: HostileRunner, job_id: str, run_id: str) -> None:
@@ -427,9 +447,11 @@ async def test_the_hub_stays_its_size_through_the_same_floods_twice(tmp_path: Pa
     assert counters["wsProtocolErrors"] == 2 * ROUNDS  # each round's 1008 and 1009
     worst = max(figures, key=lambda figure: figure[2])
     assert worst[2] <= start + CEILING, (
-        f"round {worst[0]} {worst[1]}: RSS {start / MiB:.1f} -> {worst[2] / MiB:.1f} MiB", figures
+        f"round {worst[0]} {worst[1]}: RSS {start / MiB:.1f} -> {worst[2] / MiB:.1f} MiB",
+        figures,
     )
     for n, (before, after) in enumerate(rounds[WARM_UP:], start=WARM_UP + 1):
         assert after <= before * SLACK, (
-            f"round {n}: RSS {before / MiB:.1f} -> {after / MiB:.1f} MiB", figures
+            f"round {n}: RSS {before / MiB:.1f} -> {after / MiB:.1f} MiB",
+            figures,
         )
