@@ -177,17 +177,65 @@ async def test_a_client_that_reads_part_of_an_answer_and_leaves_is_charged_what_
             refused = await post(
                 url, "/v1/chat/completions", {"model": "long", "messages": MESSAGES}, headers(key)
             )
+            async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+                hourly = await http.get(
+                    "/api/hub/usage", headers={"Authorization": f"Bearer {ADMIN}"}
+                )
         rows = await hub.store.usage_rows()
     assert read == 150
     ((row),) = rows
     assert row["outcome"] == "client_gone" and row["estimated"]
     assert 150 <= row["completion_tokens"] < 300  # what reached the client's socket
     assert row["prompt_tokens"] >= 1  # estimated: the backend never said
+    # the admin API marks it too: one turn of the hour's, its tokens the hub's estimate
+    ((hour),) = hourly.json()["usage"]
+    assert hour["turns"] == 1 and hour["estimated"] == 1
+    assert hour["completionTokens"] == row["completion_tokens"]
     assert refused.status_code == 429
     assert error_of(refused)["message"].startswith(
         f"this API key is limited to 100 tokens per day (tokens_per_day, UTC) and has used "
         f"{row['prompt_tokens'] + row['completion_tokens']} today"
     )
+
+
+def chunks_then_error(count: int) -> Callable[[Send, Turn], Awaitable[None]]:
+    """``count`` content chunks, then the runner's error: no usage, no done."""
+
+    async def play(send: Send, turn: Turn) -> None:
+        frames = protocol.TurnFrames(turn.job_id, turn.request_id)
+        for i in range(count):
+            await send(frames.chunk(chunk_json(turn, f"t{i} ")).decode())
+            turn.sent_chunks += 1
+        await send(protocol.error_frame(turn.job_id, turn.request_id, "the backend died"))
+
+    return play
+
+
+async def test_a_turn_its_runner_fails_midway_is_charged_what_the_client_got(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A runner that sends 50 chunks then an error (no usage ever): the client reads the 50 and
+    one error event; the turn is charged 50 completion tokens and its prompt estimated, marked
+    estimated, and counts against ``tokens_per_day``."""
+    scripts = {"dies": Script(play=chunks_then_error(50))}
+    async with served(tmp_path / "hub", scripts) as (hub, url, _runner, ended):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", tokens_per_day=40)
+        body = {"model": "dies", "messages": MESSAGES, "stream": True}
+        with trio.fail_after(GUARD):
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=GUARD) as http,
+                http.stream("POST", "/v1/chat/completions", json=body, headers=headers(key)) as r,
+            ):
+                assert r.status_code == 200
+                events = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+            await ended.count(1)
+            refused = await post(url, "/v1/chat/completions", body, headers(key))
+        rows = await hub.store.usage_rows()
+    assert len(events) == 51 and '"error"' in events[-1]
+    ((row),) = rows
+    assert row["outcome"] == "error" and row["estimated"]
+    assert row["completion_tokens"] == 50 and row["prompt_tokens"] >= 1
+    assert refused.status_code == 429
 
 
 # -- row 9: token limits reserve what turns in flight may use -----------------------------------
