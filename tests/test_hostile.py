@@ -1,16 +1,18 @@
-"""The hub against a hostile key holder and a hostile runner (issue 30, rows 2, 4, 5, 8, 9, 10),
+"""The hub against a hostile key holder and a hostile runner (issue 30, rows 2, 4, 5, 6, 8, 9, 10),
 over loopback sockets to an in-process hub: the key holder is a plain HTTP client, the runner the
 fake runner of tests/fake_runner.py answering with frames the test scripts (``Script.play``).
 
-- a client that reads part of an answer and leaves is charged what it got (a token a chunk, its
-  prompt estimated, the row marked ``estimated``), and its key's token limits bite on it;
+- a client that reads part of an answer and leaves, or a runner that fails midway, is charged
+  what the client got (a token a chunk, its prompt estimated, the row marked ``estimated``, and
+  so is ``/api/hub/usage``), and its key's token limits bite on it;
 - token limits hold what the turns in flight may use: six turns at once on ``tpm 20`` overshoot
   it by one turn's reservation at most;
 - a non-streamed answer of many 1 MiB chunks is gathered up to ``max_body`` bytes, then the client
   gets a clean error in its API's shape at once;
 - one 4 MiB chunk then ``done`` to a fast client: the whole answer, nothing after the body's end,
   no traceback;
-- a model a client made up is a metrics label and a stored row only as ``unlisted``;
+- a model a client made up is a metrics label and a stored row only as ``unlisted``; one a runner
+  listed with a terminal's escape sequences in its name is printed escaped by ``hub usage``;
 - a session id over 200 characters is a 400 in the caller's shape, in every API and in Claude
   Code's header;
 - a runner's usage numbers that are not token counts (negative, past any count) are not taken.
@@ -37,6 +39,7 @@ from test_causes import ADMIN, GUARD, MESSAGES, OWNER, PROJECT, error_of, hub_of
 from test_key_limits import Ended
 
 from gateway.hub import Hub, open_hub
+from gateway.hub.cli import main as hub_main
 from gateway.hub.models import MAX_LABEL, UNLISTED
 from gateway.wire import protocol
 
@@ -560,6 +563,37 @@ async def test_a_model_a_runner_listed_is_its_own_label_capped_in_length(
     assert refused.status_code == 404  # lists known: a made-up model is refused before a turn
     assert [r["model"] for r in rows] == ["real-model", long[:MAX_LABEL]]
     assert f'model="{long[:MAX_LABEL]}"' in metrics and "z" * MAX_LABEL not in metrics
+
+
+# -- row 6: what clients chose reaches the admin's terminal escaped ---------------------------------
+
+EVIL_MODEL = "evil\x1b]0;pwned\x07\x1b[2J\u2028x\r\nFAKE-ROW  k  m  999  999  999  0  0"
+
+
+async def test_a_model_name_with_terminal_escapes_is_printed_escaped_by_hub_usage(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A runner lists a model whose name holds a terminal's title and clear-screen sequences and
+    a line break, a key holder chats with it over the front door; ``hub usage`` then prints it
+    as the logs would (``gateway.logsafe``): no control character reaches the admin's terminal,
+    no row is forged (before: printed raw)."""
+    data = tmp_path / "hub"
+    async with served(data, models=(EVIL_MODEL,)) as (hub, url, _r, ended):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        with trio.fail_after(GUARD):
+            body = {"model": EVIL_MODEL, "messages": MESSAGES}
+            reply = await post(url, "/v1/chat/completions", body, headers(key))
+            assert reply.status_code == 200, reply.text
+            await ended.count(1)
+    capsys.readouterr()
+    # the command runs trio itself: in a thread of its own, once the hub has stopped
+    assert await trio.to_thread.run_sync(hub_main, ["usage", "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert all(ch.isprintable() for ch in out.replace("\n", "")), repr(out)
+    _title, header, *rows = out.splitlines()
+    assert header.split()[:2] == ["KEY", "MODEL"]
+    (row,) = rows  # no forged row
+    assert row.startswith("k  ") and "evil\\x1b]0;pwned\\x07\\x1b[2J\\u2028x\\r\\n" in row
 
 
 # -- row 10: a session id is at most 200 characters -------------------------------------------------
