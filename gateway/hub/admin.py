@@ -103,6 +103,7 @@ class AdminApi:
                 "turns": row.turns,
                 "promptTokens": row.prompt_tokens,
                 "completionTokens": row.completion_tokens,
+                "estimated": row.estimated,  # of ``turns``: tokens the hub's estimate
             }
             for row in rows
         ]

@@ -269,7 +269,7 @@ def _build_parser() -> _Parser:
     usage = parser.command(
         sub,
         "usage",
-        help="print the front-door usage per API key and model (turns, tokens, errors)",
+        help="print the front-door usage per API key and model (turns, tokens, errors, estimated)",
     )
     usage.add_argument("--key", metavar="NAME", help="only this API key")
     usage.add_argument(
@@ -472,7 +472,7 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
         print(f"no usage{whose} since {when}{note}")
         return 0
     print(f"usage{whose} since {when}{note}")
-    header = ("KEY", "MODEL", "TURNS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS")
+    header = ("KEY", "MODEL", "TURNS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS", "ESTIMATED")
     rows = [
         (
             t.key_name,
@@ -481,6 +481,7 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
             str(t.prompt_tokens),
             str(t.completion_tokens),
             str(t.errors),
+            str(t.estimated),  # turns whose tokens are the hub's estimate
         )
         for t in totals
     ]
