@@ -41,7 +41,11 @@ def summarize(fault: str, runs: list[dict[str, Any]], args: argparse.Namespace) 
         }
         if fault == "rest-frozen":
             waits = [r["wait_s"] for r in rows if r.get("wait_s") is not None]
+            client = [r["client_wait_s"] for r in rows if r.get("client_wait_s") is not None]
             found.update(
+                client_wait_p50_s=_pct(client, 50),
+                client_wait_max_s=round(max(client), 4) if client else None,
+                served=len(waits),
                 wait_p50_s=_pct(waits, 50),
                 wait_p99_s=_pct(waits, 99),
                 wait_max_s=round(max(waits), 4) if waits else None,
@@ -99,7 +103,9 @@ def table(results: dict[str, Any]) -> str:
                 own = (
                     f"freeze → first delta p50 {_s(f['wait_p50_s'])} s, p99 "
                     f"{_s(f['wait_p99_s'])} s, max {_s(f['wait_max_s'])} s; ≤ "
-                    f"{f['bound_s']:g} s: {f['within_bound']}/{f['runs']}"
+                    f"{f['bound_s']:g} s: {f['within_bound']}/{f['runs']}; the first client "
+                    f"waited p50 {_s(f.get('client_wait_p50_s'))} s, max "
+                    f"{_s(f.get('client_wait_max_s'))} s"
                 )
             elif fault == "hub-restart":
                 own = (
