@@ -19,9 +19,11 @@ content delta, n drawn in [3, chunks - 10] (``--seed``). Faults (``--faults``):
 - ``backend``: one runner with two backends serving the model (two simulators); the one serving
   the turn SIGKILLed (started again on its port after).
 - ``rest-frozen``: one runner, every connection it holds frozen, then a new session's turn at
-  once (and while one fails, another new session's, until one is served): the figures are the
-  freeze → the first content delta of a new session (issue 27 point 4: ≤ 2 × ping + 1 s), and
-  what the first client waited (for its first delta, or for its error: counted as an error).
+  once (and while one fails, another new session's, until one is served). The freeze falls at a
+  random time up to ``--spread`` s after the runner is ready: anywhere in a poll's cycle, whether
+  the kept-alive connection the next poll takes is fresh or was closed. Figures: the freeze →
+  the first content delta of a new session (issue 27 point 4: ≤ 2 × ping + 1 s), and what the
+  first client waited (for its first delta, or for its error: counted as an error).
 - ``hub-restart``: two runners; a session's turn 1 whole, turn 2 cut by a SIGKILL of the hub, the
   hub started again on its port and data directory, turn 3 sent as soon as it answers. Figures:
   the runners' return (every runner listed ready and as many channels open as before the kill,
@@ -45,6 +47,7 @@ import datetime
 import json
 import random
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -271,7 +274,8 @@ class Bench:
         for run in range(self.args.runs):
             for api in self.order(run):
                 await rig.ready([runner.name], within=2 * self.args.within)
-                await trio.sleep(0.3 * self.args.ping)  # polls and keepalives go on as usual
+                # polls and keepalives go on as usual; the freeze falls anywhere in a poll's cycle
+                await trio.sleep(0.3 * self.args.ping + self.rng.uniform(0, self.args.spread))
                 frozen_at = time.perf_counter()
                 frozen = runner.proxy.freeze()
                 first = answer = await turn(
@@ -469,7 +473,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "settings": {
             k: getattr(args, k)
-            for k in ("runs", "chunks", "interval", "ping", "within", "seed", "tree")
+            for k in ("runs", "chunks", "interval", "ping", "within", "seed", "spread", "tree")
         },
         "faults": {},
     }
@@ -494,6 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ping", type=float, default=0.5, help="hub's and runners' ping, s (0.5)")
     parser.add_argument("--within", type=float, default=30.0, help="bound on every wait, s (30)")
     parser.add_argument("--seed", type=int, default=1, help="where the faults fall (1)")
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=10.0,
+        help="rest-frozen: the freeze falls up to this many s after the runner is ready (10: "
+        "the runner's default poll interval, so that it falls anywhere in a poll's cycle)",
+    )
     parser.add_argument("--tree", help="run the hub and runners of this checkout (default: this)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directories")
     parser.add_argument(
@@ -510,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown API {api!r}; one of {', '.join(APIS)}")
     if args.chunks < 14:
         parser.error("--chunks must be at least 14 (the fault falls in [3, chunks - 10])")
+    # a SIGTERM (``timeout``, a CI runner) ends it as Ctrl-C does: every rig stops its processes
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     results = trio.run(main_async, args)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print()
