@@ -5,7 +5,7 @@ keeps a steady open-loop load of short turns (``bench/reqload.py``: 20-token ans
 clients over 8 sessions, ``--rate`` turns/s, well under what the path sustains, so nothing
 queues) and samples the hub and the runner with ``py-spy record`` at once for ``--seconds``.
 Each process's CPU per turn over the same window comes from its /proc counters; each sample is
-put in the part of the turn its deepest frame of ours (or of h11) belongs to, trio's
+put in the part of the turn its deepest frame of ours (or of h11, httptools) belongs to, trio's
 scheduler when there is none (``HUB_PARTS``, ``RUNNER_PARTS``), and a part's µs per turn is its share of the
 process's samples times the process's CPU per turn (kernel time included: a send is counted in
 the part that sent). py-spy leaves out the samples where a thread waits (epoll), so the shares
@@ -33,15 +33,18 @@ from bench.run import Bench, parse_args
 OUT = Path(__file__).parent / "profiles"
 _LINE = re.compile(r"^(.*) (\d+)$")
 
+HTTP_PARSE = "HTTP: request head and body (h11, or httptools)"
 # (part, module path prefix, function names or None for any): the deepest frame of a sample that
 # matches a rule names its part; the order of the rules only breaks ties within one frame
 HUB_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
-    ("h11: request head and body", "h11/", None),
-    ("h11: request head and body", "gateway/wire/server.py", ("next_event", "_fill", "read_body")),
+    (HTTP_PARSE, "h11/", None),
+    (HTTP_PARSE, "httptools/", None),
+    (HTTP_PARSE, "gateway/wire/httpparse.py", None),  # httptools' callbacks (llhttp is C)
+    (HTTP_PARSE, "gateway/wire/httpconn.py", ("next_event", "_fill", "read_body")),
     (
         "HTTP connection loop and request object",
-        "gateway/wire/server.py",
-        ("serve", "_request", "_scope", "_declared_length"),
+        "gateway/wire/httpconn.py",
+        ("serve", "_next_head", "_request", "_scope", "_declared_length", "_head_begun"),
     ),
     (
         "HTTP connection loop and request object",
@@ -72,12 +75,13 @@ HUB_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("request frame write (channel send)", "gateway/hub/channel.py", ("send",)),
     (
         "request frame write (channel send)",
-        "gateway/wire/server.py",
+        "gateway/wire/wsserver.py",
         ("send_text", "send_message", "_write", "flush"),
     ),
     ("channel reader: the runner's frames", "gateway/hub/channel.py", None),
     ("channel reader: the runner's frames", "gateway/wire/wsframes.py", None),
-    ("channel reader: the runner's frames", "gateway/wire/server.py", ("run", "_read", "_hand")),
+    ("channel reader: the runner's frames", "gateway/wire/wsconn.py", None),
+    ("channel reader: the runner's frames", "gateway/wire/wsserver.py", ("run", "_read", "_hand")),
     (
         "the answer: fold and wait (non-streamed)",
         "gateway/hub/frontdoor/relay.py",
@@ -115,15 +119,21 @@ RUNNER_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
     (
         "channel: frames in (read, decode, dispatch)",
         "gateway/wire/wsframes.py",
-        ("feed", "frames", "_parse", "unmask"),
+        ("feed", "_parse", "unmask"),  # FrameReader's (ClientFramer.frames is frames out)
     ),
     ("channel: frames out (encode, mask, write)", "gateway/wire/wsclient.py", None),
     ("channel: frames out (encode, mask, write)", "gateway/wire/wsframes.py", None),
+    ("channel: frames in (read, decode, dispatch)", "gateway/wire/wsconn.py", None),
     ("request frame decode and turn start", "gateway/runner/channel.py", None),
     ("request frame decode and turn start", "gateway/runner/session.py", None),
     ("request frame decode and turn start", "gateway/wire/protocol.py", None),
+    ("request frame decode and turn start", "gateway/runner/turns.py", ("start", "__contains__")),
+    ("turn (route, slot, request, end)", "gateway/runner/turns.py", None),
     ("turn (route, slot, request, end)", "gateway/runner/turn.py", None),
+    ("turn (route, slot, request, end)", "gateway/runner/forward.py", None),
     ("turn (route, slot, request, end)", "gateway/runner/backends.py", None),
+    ("turn (route, slot, request, end)", "gateway/runner/backend.py", None),
+    ("turn (route, slot, request, end)", "gateway/observe.py", None),
     ("backend HTTP client (connection, head, send)", "gateway/wire/http1.py", None),
     ("backend HTTP client (connection, head, send)", "gateway/wire/proxy.py", None),
     ("relay: the answer into frames (SSE, poller, pump)", "gateway/runner/relay.py", None),

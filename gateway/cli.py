@@ -23,7 +23,13 @@ log = logging.getLogger("gateway")
 
 def _add_settings(parser: argparse.ArgumentParser, *, register_only: bool = False) -> None:
     """``--config`` and one flag per runner setting (``gateway.config.add_flags``)."""
-    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of these settings, each under its flag's name with underscores "
+        '(poll_interval = 5); several backends as [[backend]] tables of name = "…", url = "…"',
+    )
     add_flags(parser, [s for s in SETTINGS if s.register or not register_only])
 
 

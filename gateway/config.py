@@ -933,7 +933,8 @@ class HubSettings:
         15.0,
         env="ALP_GATEWAY_HUB_MODELS_WAIT",
         parse=_positive_float,
-        help="seconds GET /v1/models waits for a runner when no model list is known yet",
+        help="seconds GET /v1/models waits for the model lists of live runners not known yet "
+        "(it answers with all of them together)",
         group="hub-frontdoor",
         metavar="S",
     )

@@ -66,24 +66,33 @@ class Counters:
     def __init__(self) -> None:
         self.values: dict[str, int] = {}
         self._changed = trio.Event()
+        self._waiting = 0  # tasks waiting for a change: without any, a change wakes nobody
 
     def inc(self, name: str, by: int = 1) -> None:
         self.values[name] = self.values.get(name, 0) + by
-        self._changed.set()
-        self._changed = trio.Event()
+        if self._waiting:  # (counted on every turn: no event made when nobody waits)
+            self._changed.set()
+            self._changed = trio.Event()
 
     def get(self, name: str) -> int:
         return self.values.get(name, 0)
 
+    async def _change(self) -> None:
+        self._waiting += 1
+        try:
+            await self._changed.wait()
+        finally:
+            self._waiting -= 1
+
     async def wait(self, name: str, at_least: int) -> None:
         """Return once counter ``name`` has reached ``at_least``."""
         while self.values.get(name, 0) < at_least:
-            await self._changed.wait()
+            await self._change()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once ``predicate()`` holds, checked again whenever any counter changes."""
         while not predicate():
-            await self._changed.wait()
+            await self._change()
 
 
 LATENCY_BUCKETS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,9 @@ class Script:
     gate: trio.Event | None = None  # wait for this before the first chunk
     stream_anyway: bool = False  # chunk frames even when the body says stream: false
     text: str = "tok"
+    # a hostile runner's own frames instead of the above: called with a ``send`` of one text
+    # message and the turn (chunk frames, done, error, however many and however large)
+    play: Callable[[Callable[[str], Awaitable[None]], Turn], Awaitable[None]] | None = None
 
 
 SLOW = Script(chunks=100_000, pace=0.01)
@@ -69,6 +72,8 @@ class FakeRunner:
         poll_interval: float = 0.02,
         name: str = "fake-runner",
         redials: int = 3,
+        poll_until_claimed: bool = False,
+        lists_models: bool = True,
     ) -> None:
         self.server = server.rstrip("/")
         self.admin_token = admin_token
@@ -80,6 +85,8 @@ class FakeRunner:
         self.poll_interval = poll_interval
         self.name = name
         self.redials = redials
+        self.poll_until_claimed = poll_until_claimed  # no poll once it holds a job
+        self.lists_models = lists_models  # False: models requests go unanswered
         self.runner_id: str | None = None
         self.token: str | None = None
         # observations
@@ -163,6 +170,8 @@ class FakeRunner:
                     self.claimed.append(job["id"])
                     self._changed()
                     nursery.start_soon(self._session, http, auth, job["id"], run_id)
+                if self.poll_until_claimed and self.claimed:
+                    await trio.sleep_forever()
                 await trio.sleep(self.poll_interval)
 
     async def _report(
@@ -243,6 +252,8 @@ class FakeRunner:
                     elif kind == protocol.MODELS_REQUEST:
                         self.models_requests += 1
                         self._changed()
+                        if not self.lists_models:
+                            continue
                         await ws.send_message(
                             protocol.models_frame(job_id, frame["requestId"], self.models)
                         )
@@ -276,6 +287,9 @@ class FakeRunner:
                 self._changed()
                 if script.gate is not None:
                     await script.gate.wait()
+                if script.play is not None:
+                    await script.play(ws.send_message, turn)
+                    return
                 if script.error_before is not None:
                     await ws.send_message(
                         protocol.error_frame(turn.job_id, turn.request_id, script.error_before)

@@ -89,19 +89,41 @@ async def test_max_streams_counts_turns_in_flight_until_they_end() -> None:
 async def test_token_limits_reserve_a_turns_max_tokens_so_concurrent_turns_cannot_overshoot() -> (
     None
 ):
-    """Issue 30 row 9: a key with tpm 20 starting 6 turns at once had all 6 admitted."""
-    book, key = await keyed(KeyLimits(tpm=20))
-    admitted = 0
+    """Issue 30 row 9: a key with tpm 20 starting 6 turns at once had all 6 admitted. A turn
+    holds its max_tokens and its prompt's estimate (here 200 characters: 50 tokens)."""
+    book, key = await keyed(KeyLimits(tpm=200))
+    admitted: list[Turn] = []
     for _ in range(6):
         t = turn(key, reserved=book.reservation(16))
         try:
             await book.admit(t)
-            admitted += 1
+            admitted.append(t)
         except LimitExceeded as exc:
             assert exc.limit == "tpm" and "held by turns in flight" in exc.message
-    # the first admitted on 0 held, the second on 16 held (< 20); the rest refused: what the
-    # turns in flight may use passes the limit by at most one turn's reservation
-    assert admitted == 2
+    # admitted on 0, 66, 132 and 198 held (< 200); the rest refused: what the turns in flight
+    # may use passes the limit by at most one turn's reservation
+    assert [t.reserved for t in admitted] == [16 + 50] * 4
+
+
+async def test_a_long_prompt_with_a_small_max_tokens_holds_its_prompt_too() -> None:
+    """A turn is charged its prompt as well as its answer: six turns of 1,000-token prompts and
+    ``max_tokens: 1`` held 1 token each, so a tpm of 2,000 admitted all six (6,000 tokens)."""
+    book, key = await keyed(KeyLimits(tpm=2000))
+    body = b'{"messages":[{"role":"user","content":"' + b"x" * 4000 + b'"}]}'
+    admitted = 0
+    for _ in range(6):
+        t = turn(key, reserved=book.reservation(1))
+        t.body = body
+        try:
+            await book.admit(t)
+            admitted += 1
+        except LimitExceeded:
+            pass
+    assert admitted == 2 and book._keys[key.id].reserved == 2 * 1001
+    unlimited, free_key = await keyed(KeyLimits(rpm=100))
+    t = turn(free_key, reserved=unlimited.reservation(1))
+    await unlimited.admit(t)
+    assert t.reserved == 0  # no token limit: nothing held (and no prompt read)
 
 
 async def test_a_turn_ended_early_is_charged_what_it_delivered_estimated() -> None:

@@ -51,6 +51,17 @@ async def test_version() -> None:
     assert result.returncode == 0 and result.stdout.startswith(b"alp-gateway ")
 
 
+async def test_help_points_only_at_what_every_install_has() -> None:
+    """``--config``'s help says how a setting is written in the file instead of naming
+    ``config/*.example.toml``, which pip and binary installs lack (issue 31, point 9's kin)."""
+    for command in (("run",), ("hub",), ("doctor",)):
+        result = await cli(*command, "--help")
+        text = result.stdout.decode()
+        assert result.returncode == 0 and "--config FILE" in text, text
+        assert "example.toml" not in text, command
+        assert "with underscores" in " ".join(text.split()), command
+
+
 async def test_register_saves_owner_only_state(hub: tuple[Hub, str], tmp_path: Path) -> None:
     state = tmp_path / "state"
     result = await cli(

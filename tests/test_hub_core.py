@@ -553,6 +553,14 @@ async def test_dispatch_unknown(served: tuple[Hub, httpx.AsyncClient]) -> None:
         }
     }
     assert (await client.post(f"{BASE}/runners/unknown")).status_code == 404
+    # a client given the hub's root as its base URL (without /v1) is told where the API is
+    r = await client.post("/chat/completions", json={})
+    assert r.status_code == 404 and r.json()["error"]["message"] == (
+        "Invalid URL (POST /chat/completions): did you mean POST /v1/chat/completions? "
+        "(a client's base URL is the hub's address with /v1)"
+    )
+    r = await client.get("/models")
+    assert "did you mean GET /v1/models?" in r.json()["error"]["message"]
     r = await client.delete(f"{BASE}/runners/jobs")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     r = await client.post(f"{BASE}/runners/jobs", json={"capabilities": CAPS})

@@ -1,7 +1,9 @@
 """Sessions placed by model (issue 31, point 1), on trio's autojump clock: a real hub on loopback
 and two fake runners of one project, one serving ``sim-model`` and one ``slow-model``. Every new
 session's job goes only to the runner that serves its model, a later turn for a model its
-runner lacks moves the session, and ``/v1/models`` is the union of the runners' lists, steady."""
+runner lacks moves the session, and ``/v1/models`` is the union of the runners' lists, steady
+(from its first read). The status page shows an idle runner's models and forgets a runner long
+gone (issue 31, point 12)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from fake_runner import FakeRunner
 from test_causes import ADMIN, GUARD, OWNER, PROJECT, chat, hub_of
 
 from gateway.hub import open_hub
+from gateway.hub.snapshot import FORGET_DOWN_AFTER
 
 
 async def test_new_sessions_go_only_to_the_runner_that_serves_their_model_and_models_are_steady(
@@ -66,3 +69,65 @@ async def test_a_later_turn_for_a_model_its_runner_lacks_moves_the_session(
     # (b may have taken the first session's job before its list was known, and left it)
     assert hub.sessions.listing()[("k", "s")] == b.claimed[-1]
     assert (first, "its runner does not serve slow-model") in a.ends
+
+
+async def test_the_first_models_read_is_the_union_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two runners whose lists are not known yet, one slower to answer: the first read of
+    ``/v1/models`` waits for both, instead of answering with the first runner's list."""
+    async with open_hub(hub_of()) as (hub, url), trio.open_nursery() as runners:
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        a = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=("sim-model",), name="a")
+        b = FakeRunner(
+            url,
+            ADMIN,
+            owner=OWNER,
+            project=PROJECT,
+            models=("slow-model",),
+            name="b",
+            poll_interval=1.0,  # it claims its listing job a second after a does
+        )
+        await runners.start(a.run)
+        await runners.start(b.run)
+        listings: list[list[str]] = []
+        with trio.fail_after(GUARD):
+            async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+                for _ in range(3):
+                    found = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+                    listings.append(sorted(m["id"] for m in found.json()["data"]))
+        runners.cancel_scope.cancel()
+    assert listings == [["sim-model", "slow-model"]] * 3
+
+
+async def runners_shown(url: str) -> list[dict[str, Any]]:
+    """The status page's runners (``/api/hub/runners``), on a connection of its own."""
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=url, timeout=GUARD, headers=auth) as admin:
+        found: list[dict[str, Any]] = (await admin.get("/api/hub/runners")).json()["runners"]
+    return found
+
+
+async def test_the_status_page_shows_an_idle_runners_models_and_forgets_a_runner_long_gone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A runner with no session yet: the first read of the runners asks it for its models, so
+    that the page shows them (not "not listed yet"); a runner silent for FORGET_DOWN_AFTER
+    leaves the list (it is not kept as "down" for ever)."""
+    async with open_hub(hub_of()) as (hub, url):
+        a = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=("sim-model",), name="a")
+        async with trio.open_nursery() as runners:
+            await runners.start(a.run)  # its registration was a sign of life: it is up
+            with trio.fail_after(60):  # virtual seconds (the runner polls every 0.02 s)
+                await runners_shown(url)
+                while hub.catalog.of_runner(str(a.runner_id)) is None:
+                    await hub.catalog.answered.wait()
+            [shown] = await runners_shown(url)
+            runners.cancel_scope.cancel()
+        autojump_clock.jump(FORGET_DOWN_AFTER / 2)
+        [down] = await runners_shown(url)
+        autojump_clock.jump(FORGET_DOWN_AFTER)
+        gone = await runners_shown(url)
+    assert (shown["models"], shown["up"]) == (["sim-model"], True)
+    assert (down["id"], down["up"]) == (a.runner_id, False)
+    assert gone == []

@@ -1,5 +1,6 @@
 """Graceful shutdown under load: `alp-gateway run` gets SIGTERM while 20 turns stream in 4 sessions;
-a stop with the Server gone is short and says once what it lost."""
+a stop with the Server gone is short and says once what it lost; a Server gone for minutes is
+said once a minute."""
 
 from __future__ import annotations
 
@@ -200,3 +201,29 @@ async def test_a_stop_with_the_server_gone_is_short_and_says_once_what_it_lost(
     assert line.startswith("stopped without the final report of 3 job(s) ("), line
     assert "was unreachable (connection refused" in line and "ends them itself" in line
     assert runner.counters.get("reports_lost") == 3
+
+
+async def test_a_server_gone_for_minutes_is_said_once_a_minute_not_at_every_poll(
+    autojump_clock: trio.testing.MockClock, sim: Simulator, tmp_path: Path
+) -> None:
+    """The runner polls an unreachable Server every 1.5 s at most (so that it is back at once
+    after a restart), but a hub down for the night must not fill the log with a WARNING per
+    poll: the first failure is said, then one line a minute saying how many in a row."""
+    async with trio.open_nursery() as nursery:
+        async with open_hub(Hub(admin_token=ADMIN)) as (_hub, url):
+            runner = Runner(runner_config(url, sim.url, tmp_path))
+            nursery.start_soon(runner.run)
+            with trio.fail_after(10):
+                await runner.first_poll.wait()
+        with records(logging.WARNING) as said:
+            runner._wake.set()  # poll now: the hub is gone
+            with trio.fail_after(10):
+                await runner.counters.wait("poll_errors", 1)
+            await trio.sleep(150)  # the clock's seconds
+        failed = runner.counters.get("poll_errors")
+        nursery.cancel_scope.cancel()
+    lines = [r.getMessage() for r in said if r.getMessage().startswith("poll failed")]
+    assert failed >= 100  # it kept polling at most 1.5 s apart
+    assert len(lines) == 3, lines  # at once, then after one and two minutes
+    assert "connection refused" in lines[0]
+    assert "in a row" in lines[1] and "in a row" in lines[2], lines

@@ -11,6 +11,7 @@ import json
 import sqlite3
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,8 @@ def test_hub_usage_prints_per_key_and_model(
         await store.create_api_key("dave")  # a key that chatted not at all
         await store.add_usage(_record("alice", "m1"), now - 10)
         await store.add_usage(_record("alice", "m1", "error"), now - 20)
+        # a turn that ended before its backend said its usage: its tokens the hub's estimate
+        await store.add_usage(replace(_record("alice", "m1"), estimated=True), now - 25)
         await store.add_usage(_record("alice", None), now - 30)
         await store.add_usage(_record("bob", "m2"), now - 2 * 3600)
         await store.add_usage(_record("carol", "m1"), now - 3 * DAY)
@@ -373,16 +376,18 @@ def test_hub_usage_prints_per_key_and_model(
     assert hub_main(["usage", "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("usage since ") and "hourly" not in out[0]
-    assert out[1].split() == "KEY MODEL TURNS PROMPT TOKENS COMPLETION TOKENS ERRORS".split()
+    assert out[1].split() == (
+        "KEY MODEL TURNS PROMPT TOKENS COMPLETION TOKENS ERRORS ESTIMATED".split()
+    )
     assert [line.split() for line in out[2:]] == [
-        ["alice", "-", "1", "2", "3", "0"],
-        ["alice", "m1", "2", "4", "6", "1"],
-        ["bob", "m2", "1", "2", "3", "0"],
+        ["alice", "-", "1", "2", "3", "0", "0"],
+        ["alice", "m1", "3", "6", "9", "1", "1"],
+        ["bob", "m2", "1", "2", "3", "0", "0"],
     ]
     assert hub_main(["usage", "--since", "30m", "--key", "alice", "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "of API key 'alice'" in out[0]
-    assert [line.split()[:3] for line in out[2:]] == [["alice", "-", "1"], ["alice", "m1", "2"]]
+    assert [line.split()[:3] for line in out[2:]] == [["alice", "-", "1"], ["alice", "m1", "3"]]
     assert hub_main(["usage", "--since", "7d", "--data", str(data)]) == 0
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == [
         "alice",

@@ -3,12 +3,13 @@ tokens in the usage ledger; a limit passed is a ``LimitExceeded`` (the edge answ
 
 ``admit`` enforces a key's limits before a turn is served: requests a minute (a sliding 60 s
 window of admitted turns), tokens a minute and tokens a UTC day (ended turns' tokens plus what
-the turns in flight reserved: their ``max_tokens``, or ``token_reservation``), and turns in
-flight at once. ``admit`` does not await, so it is exact under any number of concurrent turns,
-and concurrent turns overshoot a token limit by at most one turn's reservation. ``ended`` frees
-the turn's slot and reservation and charges what it used: the backend's usage, or, for a turn
-that ended without one (client gone, cancelled, channel lost), the tokens it delivered (a chunk
-a token) and its prompt estimated, marked estimated in the ledger. Nothing here runs per chunk.
+the turns in flight reserved: each its prompt's estimate and its ``max_tokens``, or
+``token_reservation``), and turns in flight at once. ``admit`` does not await, so it is exact
+under any number of concurrent turns, and concurrent turns overshoot a token limit by at most
+one turn's reservation. ``ended`` frees the turn's slot and reservation and charges what it
+used: the backend's usage, or, for a turn that ended without one (client gone, cancelled,
+channel lost), the tokens it delivered (a chunk a token) and its prompt estimated, marked
+estimated in the ledger. Nothing here runs per chunk.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ class Accounting:
                 state.day, state.day_tokens = day, used
 
     def reservation(self, max_tokens: int | None) -> int:
-        """The tokens a turn holds against its key's token limits while in flight."""
+        """The tokens a turn's answer holds against its key's token limits while in flight
+        (``admit`` adds its prompt's estimate)."""
         return max_tokens if max_tokens is not None else self.settings.token_reservation
 
     async def admit(self, turn: Turn) -> None:
@@ -147,6 +149,8 @@ class Accounting:
         state.expire(now)
         if not (limits.tpm or limits.tokens_per_day):
             turn.reserved = 0  # nothing to hold tokens against
+        else:  # its prompt is charged too: a long one with a small max_tokens holds it
+            turn.reserved += turn.dialect.prompt_estimate(turn.body)
         if limits.tokens_per_day is not None:
             used = state.day_tokens
             if used + state.reserved >= limits.tokens_per_day:
@@ -198,6 +202,7 @@ class Accounting:
         self.in_flight[id(turn)] = turn
         journal = self.store.journal if self.store is not None else None
         if journal is not None:  # a hub killed under it still records it, as cut
+            turn.model_label = self.label(turn.model)  # never a client's made-up name
             journal.started(turn.id, _record(turn, CUT), self.clock())
 
     def refused(self, turn: Turn) -> None:

@@ -57,9 +57,14 @@ class AdminApi:
         await req.resp.whole(200, body, [(b"content-type", CONTENT_TYPE.encode()), *NO_STORE])
 
     async def runners(self, req: Request) -> None:
-        """Every runner seen lately: its registration, what it serves, whether it is up."""
+        """Every runner seen lately: its registration, what it serves, whether it is up. A live
+        runner whose models are not known yet is asked for them (the next read shows them)."""
         runners = []
-        for runner in self.hub.snapshot().runners:
+        snapshot = self.hub.snapshot()
+        unknown = {(r.owner, r.project) for r in snapshot.runners if r.up and r.models is None}
+        for owner, project in sorted(unknown):
+            await self.hub.catalog.discover(owner, project)
+        for runner in snapshot.runners:
             found = as_json(runner)
             found["labels"] = list(runner.labels)
             found["capabilities"] = (
@@ -98,6 +103,7 @@ class AdminApi:
                 "turns": row.turns,
                 "promptTokens": row.prompt_tokens,
                 "completionTokens": row.completion_tokens,
+                "estimated": row.estimated,  # of ``turns``: tokens the hub's estimate
             }
             for row in rows
         ]

@@ -40,6 +40,9 @@ class Route:
     handler: Handler
 
 
+_LITERALS = 64  # (method, path) pairs memoised at most (a pattern without groups may match many)
+
+
 def _route(method: str, path: str, handler: Handler) -> Route:
     return Route(method, re.compile("^" + path + "$"), handler)
 
@@ -55,6 +58,9 @@ class App:
         door = hub.frontdoor
         settings = hub.settings
         self.runners = runners
+        # (method, path) → the handler of a route without params that matched it (memoised: the
+        # routes are fixed, so it resolves the same each time; a front-door turn tried 18 patterns)
+        self._literal: dict[tuple[str, str], Handler] = {}
         self.routes: list[Route] = [
             *(
                 _route("POST", _BASE + re.escape(path), runners.register)
@@ -131,6 +137,10 @@ class App:
         for prefix, guard in self._guards:
             if path.startswith(prefix):
                 guard(req)
+        known = self._literal.get((method, path))
+        if known is not None:  # a route without params, found before (no pattern tried)
+            req.params = {}
+            return known
         allowed: list[str] = []
         for route in self.routes:
             m = route.pattern.match(path)
@@ -139,6 +149,8 @@ class App:
             if route.method != method:
                 allowed.append(route.method)
                 continue
+            if not route.pattern.groups and len(self._literal) < _LITERALS:  # always so
+                self._literal[method, path] = route.handler
             req.params = {k: v for k, v in m.groupdict().items() if v is not None}
             return route.handler
         if allowed:
@@ -149,7 +161,15 @@ class App:
                 "method_not_allowed",
                 headers=[(b"allow", allow.encode())],
             )
-        raise HTTPError(404, f"Invalid URL ({method} {path})", "unknown_url")
+        message = f"Invalid URL ({method} {path})"
+        if not path.startswith("/v1/") and any(
+            route.method == method and route.pattern.match("/v1" + path) for route in self.routes
+        ):  # a client given the hub's root as its base URL
+            message += (
+                f": did you mean {method} /v1{path}? (a client's base URL is the hub's address "
+                "with /v1)"
+            )
+        raise HTTPError(404, message, "unknown_url")
 
     async def http(self, req: Request) -> None:
         """One HTTP request through its route; every failure answered in the error shape."""

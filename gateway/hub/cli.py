@@ -204,7 +204,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         type=pathlib.Path,
         metavar="FILE",
         default=argparse.SUPPRESS,
-        help="a TOML file of hub settings (config/hub.example.toml shows every one)",
+        help="a TOML file of hub settings, each under its flag's name with underscores "
+        "(key_check_interval = 10)",
     )
     add_flags(parser, [s for s in HUB_SETTINGS if s.key in _COMMON])
 
@@ -216,11 +217,11 @@ def _build_parser() -> _Parser:
         "chat jobs, and clients reach their models through its OpenAI-, Anthropic- and "
         "Responses-compatible front door (/v1), with API keys, limits and usage. Or manage "
         "its API keys, or print their usage.",
-        epilog="Settings: flags > environment > --config FILE (TOML) > defaults; "
-        "config/hub.example.toml shows every one. Runners, API keys, Chat Jobs (with every "
-        "report) and the front door's chat sessions live in DATA/hub.sqlite3, or in the "
-        "PostgreSQL database of --store: a restarted hub goes on with them. With the admin credential, GET /api/hub/jobs and GET "
-        "/api/hub/sessions list them; GET /api/hub/counters gives pings sent, pong timeouts, "
+        epilog="Settings: flags > environment > --config FILE (TOML) > defaults. Runners, API "
+        "keys, Chat Jobs (with every report) and the front door's chat sessions live in "
+        "DATA/hub.sqlite3, or in the PostgreSQL database of --store: a restarted hub goes on "
+        "with them. With the admin credential, GET /api/hub/jobs and GET /api/hub/sessions "
+        "list them; GET /api/hub/counters gives pings sent, pong timeouts, "
         "channels declared dead and failovers. Each front-door turn's usage is kept (`hub usage` "
         "prints it).",
     )
@@ -268,7 +269,7 @@ def _build_parser() -> _Parser:
     usage = parser.command(
         sub,
         "usage",
-        help="print the front-door usage per API key and model (turns, tokens, errors)",
+        help="print the front-door usage per API key and model (turns, tokens, errors, estimated)",
     )
     usage.add_argument("--key", metavar="NAME", help="only this API key")
     usage.add_argument(
@@ -471,7 +472,7 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
         print(f"no usage{whose} since {when}{note}")
         return 0
     print(f"usage{whose} since {when}{note}")
-    header = ("KEY", "MODEL", "TURNS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS")
+    header = ("KEY", "MODEL", "TURNS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS", "ESTIMATED")
     rows = [
         (
             t.key_name,
@@ -480,6 +481,7 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
             str(t.prompt_tokens),
             str(t.completion_tokens),
             str(t.errors),
+            str(t.estimated),  # turns whose tokens are the hub's estimate
         )
         for t in totals
     ]

@@ -138,19 +138,40 @@ class Catalog:
         return models
 
     async def listing(self, owner: str, project: str) -> list[str] | None:
-        """The models for ``/v1/models``: the live runners' lists; when none is known yet but
-        runners are live, waits (``models_wait``) for a first one. None: no runner is live."""
+        """The models for ``/v1/models``: the live runners' lists; a live runner whose list is
+        not known yet but can be asked is asked, and waited for (``models_wait`` at most), so
+        that a first read is the union too, not the first runner's answer. None: no runner is
+        live."""
         await self.load(owner, project)
         deadline = trio.current_time() + self.settings.models_wait
         while True:
-            models, unknown = self.live_lists(owner, project)
-            if models or not unknown:
-                return models if models or unknown else None
             await self._want(owner, project)
+            models, unknown = self.live_lists(owner, project)
+            if not self._coming(owner, project):
+                return models if models or unknown else None
             with trio.move_on_at(deadline) as waited:
                 await self.answered.wait()
             if waited.cancelled_caught:
-                return []
+                return self.live_lists(owner, project)[0]
+
+    async def discover(self, owner: str, project: str) -> None:
+        """Ask the project's live runners whose models are not known yet, without waiting for
+        their answers (the status page shows them at its next read)."""
+        await self.load(owner, project)
+        await self._want(owner, project)
+
+    def _coming(self, owner: str, project: str) -> bool:
+        """Whether a live runner of the project whose list is not known is being asked for it
+        (on its channel, or on a listing job offered to it)."""
+        board = self.board
+        for runner_id, state in board.runners.items():
+            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+                continue
+            if runner_id in self._lists:
+                continue
+            if runner_id in self._asking or runner_id in self._listing:
+                return True
+        return False
 
     async def refresh(self, owner: str, project: str) -> None:
         """Ask the project's open channels again (a kept list may be stale: a runner restarted
@@ -243,13 +264,17 @@ class Catalog:
             changed = True
         self._lists[ch.runner_id] = tuple(models)
         self._failed.pop(ch.runner_id, None)
-        event, self.answered = self.answered, trio.Event()
-        event.set()
+        self._wake()
         if changed:
             self.board.changes.notify()  # the dispatcher places by model
         await self.store.save_models(
             ModelList(ch.runner_id, owner, project, tuple(models), time.time())
         )
+
+    def _wake(self) -> None:
+        """Wake whoever waits for a runner's list (``answered``, renewed)."""
+        event, self.answered = self.answered, trio.Event()
+        event.set()
 
     async def _serve(self, ch: ServerChannel) -> None:
         try:
@@ -261,10 +286,14 @@ class Catalog:
                 state.listing = False  # answered, or not within models_timeout: no more waiting
                 self.board.changes.notify()
         listing = self._listing.get(ch.runner_id)
-        if listing is not None and listing[0].id == ch.job_id:
+        ours = listing is not None and listing[0].id == ch.job_id  # a listing job's channel
+        if ours:
             del self._listing[ch.runner_id]
             if models is None:
                 self._failed[ch.runner_id] = trio.current_time() + RETRY_LISTING
+        if models is None:
+            self._wake()  # no list comes from it: a listing() waiting for it looks again
+        if ours:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 await self.channels.cancel_job(ch.job_id, "models listed")
 
@@ -295,3 +324,4 @@ class Catalog:
                     await self.board.withdraw(job.id, "its runner did not take it")
                     del self._listing[runner_id]
                     self._failed[runner_id] = now + RETRY_LISTING
+                    self._wake()

@@ -82,6 +82,7 @@ class Sessions:
         self._restored = False
         self._uses = 0  # sessions left so far (their ``used`` order)
         self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
+        self._next_due = -math.inf  # trio clock: when ``run`` looks next (-inf: it is looking)
         # told the active key ids at each check (the front door drops what it kept of others)
         self.on_key_check: list[Callable[[set[str]], None]] = []
 
@@ -139,12 +140,18 @@ class Sessions:
 
     def leave(self, session: Session) -> None:
         session.turns -= 1
-        session.last_used = trio.current_time()
+        session.last_used = now = trio.current_time()
         self._uses += 1
         session.used = self._uses
-        if session.job_id is None and not session.turns and self.live.get(session.key) is session:
+        if session.turns:
+            return
+        if session.job_id is None and self.live.get(session.key) is session:
             del self.live[session.key]
-        self.poke()
+        # ``run`` is woken only when this session falls idle before it would look anyway (a
+        # wake per turn was a task step and a walk over every session, per turn)
+        idle = self._idle_timeout()
+        if idle and idle > 0 and now + idle < self._next_due:
+            self.poke()
 
     async def bind(self, session: Session, job_id: str | None) -> None:
         """Point the session at ``job_id`` (None: at no job), in memory and in the store."""
@@ -270,8 +277,10 @@ class Sessions:
         keys' sessions, until cancelled."""
         while True:
             self._changed = trio.Event()
+            self._next_due = -math.inf
             next_due = await self._reap()
             if self._changed.is_set():
                 continue
+            self._next_due = next_due
             with trio.move_on_at(next_due):
                 await self._changed.wait()

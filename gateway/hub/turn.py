@@ -389,7 +389,9 @@ class Turn:
             if self.state is State.SENT:
                 self.state = State.ANSWERING
         if not done:
-            if resp.backlog > self.bound and not resp.finished:
+            # behind by more than ``bound`` before this write: one chunk larger than the bound,
+            # to a client that reads, is no overrun (its write is bounded by ``max_body``)
+            if resp.backlog - len(data) > self.bound and not resp.finished:
                 self._overrun()
             else:
                 self.wake()  # the turn's task flushes the rest

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
@@ -222,6 +223,7 @@ class Backend:
         self.turns_total = 0
         self._waiters: deque[trio.Event] = deque()
         self._changed = trio.Event()
+        self._watchers = 0  # tasks in ``wait_until``
 
     @classmethod
     def from_spec(
@@ -274,11 +276,9 @@ class Backend:
 
     # -- HTTP ----------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def stream(
-        self, body: bytes, traceparent: str | None = None
-    ) -> AsyncIterator[http1.Response]:
-        """POST one chat-completions body (as it is) and yield the response once its head is in.
+    def stream(self, body: bytes, traceparent: str | None = None) -> Exchange:
+        """POST one chat-completions body (as it is) and yield the response once its head is in:
+        ``async with backend.stream(body) as response``.
 
         ``traceparent`` (tracing on): the turn span's W3C header, sent with this request only.
 
@@ -287,33 +287,11 @@ class Backend:
         with ``BackendIdle``. The connection is closed (the generation abandoned) when the
         block exits before the response was read to its end, cancellation included; else it
         is kept for the next turn."""
-        idle = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
-        response: http1.Response | None = None
         head = self._turn_head
         if traceparent is not None:
             headers = [*self._turn_headers, (b"traceparent", traceparent.encode())]
             head = self.http.prepare(b"POST", self._turn_target, headers)
-        try:
-            with idle:
-                try:
-                    response = await self.http.send(head, body)
-                except http1.ConnectFailed as exc:
-                    raise BackendUnreachable(f"backend {self.url} unreachable: {exc}") from None
-                except http1.ConnectionLost as exc:
-                    raise BackendLost(f"backend {self.url} {_broke(exc)}") from None
-                except http1.ExchangeFailed as exc:
-                    raise BackendError(f"backend {self.url} {_broke(exc)}") from None
-                response.idle = idle
-                response.idle_timeout = self.idle_timeout
-                yield response
-        finally:
-            if response is not None:
-                if response.reusable:
-                    self.http.release(response)
-                else:
-                    response.close()
-        if idle.cancelled_caught:
-            raise BackendIdle(f"backend {self.url} sent nothing for too long (idle timeout)")
+        return Exchange(self, head, body)
 
     async def fetch(
         self,
@@ -416,13 +394,18 @@ class Backend:
         return len(self._waiters) < self.queue_limit
 
     def _touch(self) -> None:
-        changed, self._changed = self._changed, trio.Event()
-        changed.set()
+        if self._watchers:  # (twice a turn: no event made when nobody waits)
+            changed, self._changed = self._changed, trio.Event()
+            changed.set()
 
     async def wait_until(self, predicate: Callable[[Backend], bool]) -> None:
         """Wait until ``predicate(self)`` holds; rechecked whenever a slot, the queue or health changes."""
         while not predicate(self):
-            await self._changed.wait()
+            self._watchers += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self._watchers -= 1
 
     def busy_text(self) -> str:
         return f"backend {self.name} is busy ({self.in_flight} in flight, {self.waiting} waiting)"
@@ -468,3 +451,64 @@ class Backend:
         else:
             self.in_flight -= 1
         self._touch()
+
+
+class Exchange:
+    """``Backend.stream``'s block: a plain class rather than a generator-based context manager,
+    as it runs on every turn. Entered, the request is sent under the idle deadline and the
+    response's head read; exited, the connection is kept or closed, and a deadline that
+    passed is ``BackendIdle``."""
+
+    __slots__ = ("backend", "head", "body", "idle", "response")
+
+    def __init__(self, backend: Backend, head: bytes, body: bytes) -> None:
+        self.backend = backend
+        self.head = head
+        self.body = body
+        self.idle = trio.CancelScope(deadline=trio.current_time() + backend.idle_timeout)
+        self.response: http1.Response | None = None
+
+    def _idle_error(self) -> BackendIdle:
+        return BackendIdle(f"backend {self.backend.url} sent nothing for too long (idle timeout)")
+
+    async def __aenter__(self) -> http1.Response:
+        backend = self.backend
+        idle = self.idle
+        idle.__enter__()
+        try:
+            try:
+                response = await backend.http.send(self.head, self.body)
+            except http1.ConnectFailed as exc:
+                raise BackendUnreachable(f"backend {backend.url} unreachable: {exc}") from None
+            except http1.ConnectionLost as exc:
+                raise BackendLost(f"backend {backend.url} {_broke(exc)}") from None
+            except http1.ExchangeFailed as exc:
+                raise BackendError(f"backend {backend.url} {_broke(exc)}") from None
+        except BaseException as exc:
+            if idle.__exit__(type(exc), exc, exc.__traceback__):
+                raise self._idle_error() from None  # the deadline passed: swallowed by its scope
+            raise
+        response.idle = idle
+        response.idle_timeout = backend.idle_timeout
+        self.response = response
+        return response
+
+    async def __aexit__(
+        self,
+        etype: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        idle = self.idle
+        try:
+            idle.__exit__(etype, exc, tb)
+        finally:
+            response = self.response
+            if response is not None:
+                if response.reusable:
+                    self.backend.http.release(response)
+                else:
+                    response.close()
+        if idle.cancelled_caught:
+            raise self._idle_error() from None
+        return False

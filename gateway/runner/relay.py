@@ -82,7 +82,7 @@ class Relay:
     that reads the streaming turns' sockets (None: each turn reads its own), and what is
     measured (time to first token, and backend read -> frames written)."""
 
-    __slots__ = ("out", "poller", "ttft", "seconds")
+    __slots__ = ("out", "poller", "ttft", "seconds", "now")
 
     def __init__(
         self, out: Outlet, poller: Poller | None, ttft: Histogram, seconds: Histogram
@@ -91,6 +91,7 @@ class Relay:
         self.poller = poller
         self.ttft = ttft
         self.seconds = seconds
+        self.now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
 
     async def answer(
         self, turn: Turn, response: http1.Response, stitch: Stitch | None = None
@@ -99,29 +100,28 @@ class Relay:
         frame. ``BadPayload`` or ``ExchangeFailed`` (the backend's fault) when it cannot; what was
         relayed is on ``turn`` (``chunks``, ``last_payload``) whatever happens. ``stitch``: the
         payloads are a continuation's, made the turn's own before they are framed."""
-        frames = turn.frames
         if b"text/event-stream" not in (response.header(b"content-type") or b""):
             payload = (await response.read_body()).strip()
             problem = payload_problem(payload)
             if problem is not None:
                 raise BadPayload(f"answered {problem}")
-            turn.first_token = trio.current_time()
+            turn.first_token = self.now()
             if turn.span is not None:
                 turn.span.first_token()
-            await self.chunks(turn, [payload], stitch)
-            await self.end(turn, frames.done)
+            await self.last(turn, [payload], stitch)
             return
         turn.stream = stream = EventStream(response.parser)
         await Pump(turn, response, self, stitch).run()
         if stream.done:  # the rest of the response is read (briefly), so the connection is reused
+            if response.complete:  # it came with [DONE]: the usual case
+                return
             with trio.move_on_after(_DRAIN_AFTER_DONE):
                 try:
                     await response.discard_rest()
                 except ExchangeFailed:
                     pass  # the turn is done; the connection is just not kept
             return
-        await self.chunks(turn, stream.finish(), stitch)  # a last event without its blank line
-        await self.end(turn, frames.done)
+        await self.last(turn, stream.finish(), stitch)  # a last event without its blank line
 
     async def chunks(self, turn: Turn, payloads: list[bytes], stitch: Stitch | None) -> None:
         """Send chunk frames off the per-read path (a whole answer, a last event), each waiting
@@ -138,6 +138,35 @@ class Relay:
             turn.chunks += 1
             turn.last_payload = payload
             await self._send(turn, frame)
+
+    async def last(self, turn: Turn, payloads: list[bytes], stitch: Stitch | None) -> None:
+        """``chunks`` and then the done frame, all in one write (a whole answer's one chunk and
+        its done frame cost one frame write and one ``send``, not two)."""
+        if stitch is not None:
+            payloads = stitch(payloads)
+        if turn.relayed is not None:
+            turn.relayed.append(payloads)
+        template = turn.frames.template
+        frames = [template % payload for payload in payloads]
+        keep = turn.keep
+        if keep is not None:
+            for frame in frames:
+                keep.add(turn, frame)
+                turn.chunks += 1
+        else:
+            turn.chunks += len(frames)
+        if payloads:
+            turn.last_payload = payloads[-1]
+        turn.end_frame = done = turn.frames.done
+        frames.append(done)
+        out = self.out
+        try:
+            if not out.offer_batch(frames):
+                await out.wait_room()
+        except ChannelClosed:
+            if keep is None:
+                raise
+            keep.lost(out)  # kept: a redial may resume it
 
     async def end(self, turn: Turn, frame: bytes) -> None:
         """Send a turn's done or error frame (kept as its end frame when it keeps frames)."""
@@ -203,8 +232,8 @@ class Pump:
         turn.pump = self
         self._relay = relay
         self._observe = relay.seconds.observe
-        self._now = trio.lowlevel.current_clock().current_time
-        self._move_at = response.keep_idle(self._now())
+        self._now = relay.now
+        self._move_at = response.fresh_until()  # set as the request went: no move needed yet
 
     def pump(self, head: bool = False) -> int:
         """Relay what has arrived, without waiting: ``IDLE`` (the socket is empty), ``MORE``
@@ -229,6 +258,7 @@ class Pump:
         stream = self._stream
         payloads = stream.feed(data)
         room = True
+        last = False  # this read's frames went out with the done frame
         if payloads:
             if turn.first_token is None:
                 self._first_token(read_at)
@@ -240,7 +270,10 @@ class Pump:
                 if turn.chunks >= CONTINUE_KEEP_CHUNKS:
                     self._relayed = turn.relayed = None
             n = len(payloads)
-            if self._keep is not None:  # kept (by reference) for a resume
+            if stream.done:  # the last read: its frames and the done frame in one write
+                self._last(payloads)
+                last = True
+            elif self._keep is not None:  # kept (by reference) for a resume
                 room = self._kept(payloads)
             elif n == 1:  # written now, unless a write is in progress
                 room = self._offer(self._template % payloads[0])
@@ -252,8 +285,9 @@ class Pump:
                 turn.last_payload = payloads[-1]
             self._observe(self._now() - read_at)  # backend read -> frames written
         if stream.done:
-            turn.end_frame = done = turn.frames.done
-            self._offer_done(done)
+            if not last:  # [DONE] came in a read of no chunk
+                turn.end_frame = done = turn.frames.done
+                self._offer_done(done)
             return END
         if stream.ended:
             return END
@@ -282,6 +316,25 @@ class Pump:
         except ChannelClosed:
             keep.lost(self._out, unsent=1)
             return True
+
+    def _last(self, payloads: list[bytes]) -> None:
+        """``pump``'s offer for the read that ends the stream: its chunk frames (kept, for a
+        resume, as one entry) and the done frame, in one write."""
+        turn = self._turn
+        template = self._template
+        frames = [template % p for p in payloads]
+        keep = self._keep
+        if keep is not None and frames:
+            keep.add_batch(turn, frames)
+            frames = [*frames]  # the entry kept is the chunk frames alone
+        turn.end_frame = done = turn.frames.done
+        frames.append(done)
+        try:
+            self._offer_batch(frames)
+        except ChannelClosed:
+            if keep is None:
+                raise
+            keep.lost(self._out, unsent=1)
 
     def _offer_done(self, done: bytes) -> None:
         if self._keep is None:

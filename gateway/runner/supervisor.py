@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # imported only when tracing is on
 
 log = logging.getLogger("gateway.runner")
 UNREACHABLE_CAP = 1.5  # s: the longest wait between polls of a Server that cannot be reached
+POLL_FAILED_EVERY = 60.0  # s: a Server that stays unreachable is said again this often at most
 
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
 STOP_NOW_S = 1.0  # after a second signal, how long the turns in flight have to say they stopped
@@ -356,6 +357,7 @@ class Runner:
         assert self.alp is not None
         interval = self.config.poll_interval
         failures = 0
+        said_at = -POLL_FAILED_EVERY  # when a failed poll was last said (at WARNING)
         while not self.shutdown.is_set():
             self._wake = trio.Event()
             delay = interval
@@ -377,7 +379,21 @@ class Runner:
                 delay = backoff_delay(failures, min(interval, 0.25), UNREACHABLE_CAP)
                 if isinstance(exc, ServerSilent) and failures == 1:
                     delay = 0.0  # a dead kept-alive connection, dropped: at once, on a new one
-                log.warning("poll failed: %s; next try in %.1f s", exc, delay)
+                now = trio.current_time()
+                if failures == 1:
+                    said_at = now
+                    log.warning("poll failed: %s; next try in %.1f s", exc, delay)
+                elif now - said_at >= POLL_FAILED_EVERY:  # not a line per poll for a night
+                    said_at = now
+                    log.warning(
+                        "poll failed %d times in a row, the last: %s; trying again every %.1f s "
+                        "at most (said once a minute)",
+                        failures,
+                        exc,
+                        UNREACHABLE_CAP,
+                    )
+                else:
+                    log.debug("poll failed: %s; next try in %.1f s", exc, delay)
                 self.counters.inc("poll_errors")
                 self.last_poll_error = str(exc)
             except TokenRefused as exc:

@@ -114,7 +114,8 @@ class Turns:
         self.trace = trace  # tracing on: the session's span; off: None, and turns do no tracing
         self.limits = limits
         self._turns: dict[str, Turn] = {}
-        self._ended: dict[str, Turn] = {}  # ended, their frames kept a while (resume)
+        # ended, their frames kept a while (resume), in the order their lingers began
+        self._ended: dict[str, Turn] = {}
         self.no_turns = trio.Event()  # set while no turn is in flight (one per busy spell)
         self.no_turns.set()
         self.turn_began: trio.Event | None = None  # set when a turn starts (idle limit only)
@@ -125,6 +126,7 @@ class Turns:
         self.linger = linger
         self.resume = False  # the connection attached negotiated a resume (its hello said so)
         self.link: Outlet | None = None  # where frames go now (None: down, or awaiting a hello)
+        self._now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
         self.relay = Relay(DOWN, kit.poller, kit.ttft, kit.relay)
         self.forwarder = Forwarder(job_id, kit.pool, self.relay, kit.counters)
         self._expiry: trio.CancelScope | None = None
@@ -191,6 +193,8 @@ class Turns:
                     out.offer(turn.end_frame)
                 if turn.ended_at is not None:  # its linger starts again: just sent again
                     turn.ended_at = trio.current_time()
+                    if self._ended.pop(request_id, None) is not None:  # the last to end now
+                        self._ended[request_id] = turn
                 self.counters.inc("turns_resumed")
                 log.info(
                     "job %s request %s: resumed from chunk %d (%d sent again)",
@@ -297,16 +301,24 @@ class Turns:
                 self._unresume(turn, _WINDOW)
 
     def _expire_ended(self) -> None:
-        """While a channel is up: let go of ended turns whose ``linger`` is over."""
-        if self.link is None or not self._ended:
+        """While a channel is up: let go of ended turns whose ``linger`` is over. ``_ended`` is
+        in the order their lingers began, so only the expired ones at its head are looked at
+        (it runs as each turn ends: a scan of every turn kept made a turn's end cost grow
+        with the turns ended within ``linger``, thousands under load)."""
+        ended = self._ended
+        if self.link is None or not ended:
             return
-        now = trio.current_time()
-        for request_id, turn in list(self._ended.items()):
+        until = self._now() - self.linger
+        buffer = self.buffer
+        while ended:
+            request_id = next(iter(ended))
+            turn = ended[request_id]
             assert turn.ended_at is not None
-            if turn.ended_at + self.linger <= now:
-                del self._ended[request_id]
-                if self.buffer is not None:
-                    self.buffer.release(turn)
+            if turn.ended_at > until:
+                return
+            del ended[request_id]
+            if buffer is not None:
+                buffer.release(turn)
 
     # -- turns ---------------------------------------------------------------------------
 
@@ -316,7 +328,7 @@ class Turns:
         old = self._ended.pop(request_id, None)
         if old is not None and self.buffer is not None:
             self.buffer.release(old)
-        turn = Turn(request_id, protocol.TurnFrames(self.job_id, request_id), trio.current_time())
+        turn = Turn(request_id, protocol.TurnFrames(self.job_id, request_id), self._now())
         if self.resume:
             turn.keep = self.buffer
         self._turns[request_id] = turn
@@ -354,10 +366,10 @@ class Turns:
                 end = turn.stopped or _CANCELLED_END
             await self._conclude(turn, end)
         finally:
+            turn.ended_at = now = self._now()
             if self.limits is not None:
-                self.limits.last_active = trio.current_time()
+                self.limits.last_active = now
             del self._turns[request_id]
-            turn.ended_at = trio.current_time()
             self._keep_ended(turn)
             if not self._turns:
                 self.no_turns.set()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import http
 import logging
+import re
 import socket
 import struct
 from collections.abc import MutableMapping
 from typing import Any, Protocol
 
-import h11
 import msgspec
 
 from gateway.wire.errors import ClientGone, Headers, HTTPError
@@ -26,10 +26,11 @@ _encoder = msgspec.json.Encoder()
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
-    """The first value of header ``name`` (lower case), or None."""
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return bytes(value)
+    """The first value of header ``name`` (lower case, as the server core gives every name), or
+    None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value  # type: ignore[no-any-return]
     return None
 
 
@@ -44,15 +45,32 @@ def bearer(scope: Scope) -> str | None:
 
 
 class Connection(Protocol):
-    """What a request needs of the connection it came on (``gateway.wire.server``)."""
+    """What a request needs of the connection it came on (``gateway.wire.httpconn``)."""
 
     async def read_body(self, limit: int, resp: Response) -> bytes: ...
 
     async def wait_disconnect(self) -> None: ...
 
 
-# each status's reason phrase, for the status line (``HTTP/1.1 200 OK``; h11 leaves it empty)
+class Exchange(Protocol):
+    """What a response reads of the request it answers, when it writes its head (the
+    connection's ``HTTPConnection``, kept current)."""
+
+    @property
+    def body_pending(self) -> bool:
+        """Its body is not all read: no next request on this connection."""
+
+    @property
+    def keep_alive(self) -> bool:
+        """It lets another request follow it (HTTP/1.1, no Connection: close)."""
+
+
+# each status's reason phrase, and its status line (``HTTP/1.1 200 OK``)
 REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+STATUS_LINES = {status: b"HTTP/1.1 %d %b\r\n" % (status, why) for status, why in REASONS.items()}
+# response header fields as written: a token, ": ", a value without CR, LF or NUL (one line
+# per field given: a value with CR LF in it would make two)
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+: [^\r\n\x00]*\r\n)*")
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 
 
@@ -63,17 +81,19 @@ class Response:
     ``flush`` (they never wait: the channel's reader writes a turn's chunks with them); the
     others flush too. A failed write marks the response ``gone`` and raises ClientGone.
 
-    h11 writes the head (``head``: the status line with its reason phrase, the framing
-    headers), a sized body and the end of every body; the chunks of a streamed body (no
-    ``content-length``, HTTP/1.1) are framed here, one chunk per write, with the bytes before
-    them in the same copy. That is the hub's per-chunk path, and ``h11.send(h11.Data(...))``
-    costs its state machine there: 2.9× this ``write_nowait`` per chunk in process (4.24 against
-    1.44 µs, socket send included), 1.19× the hub's whole CPU per chunk end to end (lockstep,
-    8 paired rounds, every one worse: bench/README.md, December 2026).
+    The head is written here (``head``: the status line with its reason phrase, the fields
+    given, the framing: ``transfer-encoding: chunked`` for a body of no ``content-length`` to
+    an HTTP/1.1 client, ``connection: close`` when no request may follow), each field checked
+    (no CR, LF or NUL: no header injection); so are the chunks of a streamed body, one chunk
+    per write, with the bytes before them in the same copy. That is the hub's per-chunk path:
+    ``h11.send(h11.Data(...))``, which did it before, cost its state machine there, 2.9× this
+    ``write_nowait`` per chunk in process (4.24 against 1.44 µs, socket send included), 1.19×
+    the hub's whole CPU per chunk end to end (lockstep, 8 paired rounds, every one worse:
+    bench/README.md, December 2026).
     """
 
     __slots__ = (
-        "_h11",
+        "_conn",
         "_transport",
         "_http10",
         "_head",
@@ -84,10 +104,8 @@ class Response:
         "close_after",
     )
 
-    def __init__(
-        self, conn: h11.Connection, transport: Transport, http10: bool, method: bytes
-    ) -> None:
-        self._h11 = conn
+    def __init__(self, conn: Exchange, transport: Transport, http10: bool, method: bytes) -> None:
+        self._conn = conn
         self._transport = transport
         self._http10 = http10
         self._head = method == b"HEAD"
@@ -117,21 +135,29 @@ class Response:
 
     def head(self, status: int, headers: Headers) -> bytes:
         """The response head as bytes, for the caller to write (with the first part of the
-        body, in one write); the response counts as started."""
-        headers = list(headers)
-        if self._h11.their_state is h11.SEND_BODY:  # its body unread: no next request here
-            headers.append((b"connection", b"close"))
+        body, in one write); the response counts as started. ``ValueError`` for a field that
+        is not a token and a value without CR, LF or NUL."""
+        fields = b"".join([b"%b: %b\r\n" % field for field in headers])
+        if _FIELDS.fullmatch(fields) is None or fields.count(b"\n") != len(headers):
+            raise ValueError("a response header field is not a token and a value without CR/LF")
+        lower = b"\n" + fields.lower()
+        conn = self._conn
+        if conn.body_pending or not conn.keep_alive:  # no next request on this connection
+            fields += b"connection: close\r\n"
             self.close_after = True
-        self.chunked = (
-            not self._http10
-            and not self._head
-            and status not in (204, 304)
-            and not any(k.lower() == b"content-length" for k, _ in headers)
-        )
-        reason = REASONS.get(status, b"")
-        data = self._h11.send(h11.Response(status_code=status, headers=headers, reason=reason))
+        elif b"\nconnection:" in lower:  # the handler's own: close after it if it says so
+            if b"close" in lower.split(b"\nconnection:", 1)[1].split(b"\r", 1)[0]:
+                self.close_after = True
+        if status >= 200 and status not in (204, 304) and b"\ncontent-length:" not in lower:
+            if self._http10:  # no chunked coding for HTTP/1.0: the body ends with the connection
+                if not self.close_after:
+                    fields += b"connection: close\r\n"
+                    self.close_after = True
+            else:  # a HEAD's too (the framing its GET would have), its body left out
+                fields += b"transfer-encoding: chunked\r\n"
+                self.chunked = not self._head
         self.started = True
-        return data or b""
+        return b"%b%b\r\n" % (STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status, fields)
 
     def write_nowait(self, data: bytes, before: bytes = b"", end: bool = False) -> bool:
         """A part of the body, in one write with ``before`` it (bytes as they are: the head)
@@ -142,12 +168,13 @@ class Response:
             if self.chunked:
                 out = b"%b%x\r\n%b\r\n" % (before, len(data), data)
             else:
-                out = before + (self._h11.send(h11.Data(data=data)) or b"")
+                out = before + data
         else:
             out = before
         if end:
             self.finished = True
-            out += self._h11.send(h11.EndOfMessage()) or b""
+            if self.chunked:
+                out += b"0\r\n\r\n"
         return self.write_raw(out) if out else not self._transport.unsent
 
     def end_nowait(self) -> bool:
@@ -191,15 +218,23 @@ class Response:
     async def whole(self, status: int, data: bytes, headers: Headers | None = None) -> None:
         """A complete response: ``data`` (JSON unless ``headers`` say otherwise) in one body."""
         if status == 204:
-            head = self.head(status, list(headers or []))
+            head = self.head(status, headers or [])
             data = b""
         else:
-            given = list(headers or [])
-            typed = any(k.lower() == b"content-type" for k, _ in given)
-            length = (b"content-length", str(len(data)).encode())
-            head = self.head(status, ([] if typed else [JSON_HEADER]) + [length] + given)
+            fields = [(b"content-length", b"%d" % len(data))]
+            if headers:
+                fields += headers
+                for name, _ in headers:
+                    if name.lower() == b"content-type":
+                        break
+                else:
+                    fields.append(JSON_HEADER)
+            else:
+                fields.append(JSON_HEADER)
+            head = self.head(status, fields)
         self.write_nowait(data, head, end=True)  # one write
-        await self.flush()
+        if self._transport.unsent:
+            await self.flush()
 
     async def json(self, status: int, obj: Any, headers: Headers | None = None) -> None:
         await self.whole(status, _encoder.encode(obj), headers)

@@ -85,6 +85,15 @@ class Response:
             self.idle.deadline = now + self.idle_timeout
         return now + self.idle_timeout / _IDLE_STEPS
 
+    def fresh_until(self) -> float:
+        """Until when the idle deadline needs no moving: a sixteenth of the timeout after it
+        was last set (the exchange's start, at first), as ``keep_idle`` would have it."""
+        idle = self.idle
+        if idle is None:
+            return 0.0
+        timeout = self.idle_timeout
+        return idle.deadline - timeout + timeout / _IDLE_STEPS
+
     def read_nowait(self) -> bool:
         """Parse what has arrived; False when nothing has.
 

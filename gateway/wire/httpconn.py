@@ -1,16 +1,21 @@
-"""One accepted connection of the server core: HTTP/1.1 requests in turn on h11, or one WebSocket.
+"""One accepted connection of the server core: HTTP/1.1 requests in turn (httptools), or a WebSocket.
 
-h11 parses each request head and body and writes every response head, the 100 and the 101 (the
-body's chunks of a streamed response are framed by ``gateway.wire.http.Response``: see there for
-why). A request goes to the handler as a ``Request`` (``gateway.wire.http``) with the head
-already checked: size, deadline, ``Content-Length`` with ``Transfer-Encoding`` refused. An
-absolute-form request line (``GET http://host/path``) is routed by its path and its authority
-stands for ``Host`` (RFC 9112 §3.2.2, §7.2); a ``HEAD`` is routed as its ``GET`` and the
-response leaves the body out (RFC 9110 §9.3.2). An upgrade to WebSocket is checked
-(``gateway.wire.wsconn``) and handed to the handler as a ``WebSocketRequest``: accepted, the
-connection becomes a ``ServerWebSocket`` (``gateway.wire.wsserver``). A refusal is a whole
-error response that closes the connection; the close lingers, so that an early answer reaches
-a client still sending.
+httptools (llhttp, in C) parses each request head and body (``gateway.wire.httpparse``); the
+server core writes every response head itself (``gateway.wire.http.Response``), the 100 and the 101. Why not h11, which
+did both before: its state machine, header validation and event objects cost ~47 µs of Python
+per short request in process (head, small body, answer) against ~2 µs here, and 918 Python
+calls per request through the whole core (``tests/test_turncalls.py``; bench/README.md,
+issue 29). A request goes to the handler as a ``Request`` (``gateway.wire.http``) with the head
+already checked: size, deadline, ``Host``, ``Content-Length`` with ``Transfer-Encoding``
+refused (llhttp refuses it, and every other framing it cannot read unambiguously: duplicate
+lengths, a transfer coding but chunked, a malformed chunk). Requests pipelined behind one are
+parsed ahead and served in order. An absolute-form request line (``GET http://host/path``) is
+routed by its path and its authority stands for ``Host`` (RFC 9112 §3.2.2, §7.2); a ``HEAD`` is
+routed as its ``GET`` and the response leaves the body out (RFC 9110 §9.3.2). An upgrade to
+WebSocket is checked (``gateway.wire.wsconn``) and handed to the handler as a
+``WebSocketRequest``: accepted, the connection becomes a ``ServerWebSocket``
+(``gateway.wire.wsserver``). A refusal is a whole error response that closes the connection;
+the close lingers, so that an early answer reaches a client still sending.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ import logging
 import math
 import socket
 import ssl
-import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import unquote
 
-import h11
+import httptools
 import trio
 
 from gateway.wire.errors import ClientGone, HTTPError, error_envelope
-from gateway.wire.http import REASONS, Request, Response
+from gateway.wire.http import STATUS_LINES, Request, Response
+from gateway.wire.httpparse import RequestHead, RequestParser
 from gateway.wire.netio import NET_ERRORS, TLSTransport, Transport
 from gateway.wire.wsconn import (
     Keepalive,
@@ -41,6 +48,7 @@ log = logging.getLogger("gateway.wire.server")
 
 LINGER = 2.0  # s: a connection closed with unread input is drained this long (lingering close)
 LINGER_BYTES = 1 << 20  # bytes drained at most in that time
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,39 +89,27 @@ class Serving(Protocol):
     def counters(self) -> WebSocketCounters: ...
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
-
-
 def error_response(
     status: int,
     message: str,
     code: str,
     *,
-    writer: h11.Connection | None = None,
     head_only: bool = False,
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> bytes:
-    """A whole error response (the error envelope) that closes the connection, written by h11:
-    by ``writer`` (the connection's) when it can still start a response, else by a fresh one.
-    ``head_only``: the request was a HEAD (no body)."""
+    """A whole error response (the error envelope) that closes the connection; ``head_only``:
+    the request was a HEAD (no body)."""
     body = error_envelope(message, HTTPError(status, message).type, code)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-        (b"connection", b"close"),
-        *(extra or []),
-    ]
-    if writer is None or writer.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-        writer, head_only = h11.Connection(h11.SERVER), False
-    reason = REASONS.get(status, b"")
-    out = writer.send(h11.Response(status_code=status, headers=headers, reason=reason))
-    if not head_only:
-        out += writer.send(h11.Data(data=body)) or b""
-    return (out or b"") + (writer.send(h11.EndOfMessage()) or b"")
+    fields = b"".join(b"%b: %b\r\n" % field for field in extra or [])
+    head = (
+        b"%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%b\r\n"
+        % (
+            STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
+            len(body),
+            fields,
+        )
+    )
+    return head if head_only else head + body
 
 
 def _too_large(limit: int) -> HTTPError:
@@ -135,7 +131,12 @@ def _target(target: bytes) -> tuple[bytes, bytes | None]:
 
 
 class HTTPConnection:
-    """One accepted connection: HTTP/1.1 requests in turn (keep-alive), or one WebSocket."""
+    """One accepted connection: HTTP/1.1 requests in turn (keep-alive), or one WebSocket.
+
+    What is read is fed to its ``RequestParser``; the heads it parsed are served in order.
+    ``body_pending`` and ``keep_alive`` are the request being served's (its ``Response`` reads
+    them when it writes its head).
+    """
 
     def __init__(
         self, serving: Serving, transport: Transport, client: tuple[str, int] | None
@@ -144,74 +145,83 @@ class HTTPConnection:
         self.limits = serving.limits
         self.transport = transport
         self.client = client
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head)
+        self.scheme = "https" if transport.secure else "http"
         self.eof = False
         self.body_deadline = math.inf
         self.upgraded = False
-        self._method = b""  # the request being served
-        self._content_length: bytes | None = None
+        self.keep_alive = True  # the request being served lets another follow it
+        self._now: Callable[[], float] = trio.lowlevel.current_clock().current_time
+        self._parser = RequestParser()
+        self._req: RequestHead | None = None  # the request being served
+        self._method = b""  # the request being served's (a refusal leaves out HEAD's body)
+        self._unfed = b""  # bytes read while a response was on its way, parsed next
+        self._head_bytes = 0  # bytes read while waiting for the next head
 
-    # -- reading ---------------------------------------------------------------------------
+    @property
+    def body_pending(self) -> bool:
+        """The request being served has body bytes still to come."""
+        req = self._req
+        return req is not None and not req.complete
+
+    def upgrade_rest(self) -> bytes:
+        """After an upgrade's head: the bytes that came after it (the new protocol's)."""
+        return self._parser.take_rest()
 
     async def _fill(self) -> None:
-        """Read what arrived into h11 (waiting for it); the end of the stream noted."""
+        """Read what arrived and parse it (waiting for it); the end of the stream noted."""
         data = await self.transport.receive()
         if data:
-            self.h11.receive_data(data)
+            self._head_bytes += len(data)
+            self._parser.feed(data)
         else:
             self.eof = True
-            self.h11.receive_data(b"")
-
-    async def next_event(self) -> Any:
-        while True:
-            event = self.h11.next_event()
-            if event is h11.NEED_DATA:
-                if self.eof:
-                    return h11.ConnectionClosed()
-                await self._fill()
-                continue
-            return event
 
     async def read_body(self, limit: int, resp: Response) -> bytes:
         """The request's whole body: HTTPError 413 past ``limit`` (from ``Content-Length`` before
         any of it is read), 408 past the body deadline, 400 for broken chunked framing;
         ClientGone when the client leaves mid-upload (one DEBUG line)."""
-        h = self.h11
-        if h.their_state is not h11.SEND_BODY:
-            return b""
+        req = self._req
+        assert req is not None
+        if req.complete:  # it came with its head: the usual case
+            body = req.body
+            assert body is not None
+            if len(body) > limit:
+                raise _too_large(limit)
+            req.body = b""
+            return body
         declared = self._declared_length
         if declared is not None and declared > limit:
             raise _too_large(limit)
-        if h.they_are_waiting_for_100_continue:
-            resp.write_raw(
-                h.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
-                or b""
-            )
-        parts: list[bytes] = []
-        size = 0
+        parser = self._parser
+        parts = parser.body
+        if req.expect and not parts:
+            resp.write_raw(CONTINUE)  # the client waits for it before it sends the body
         with trio.move_on_at(self.body_deadline):
             try:
-                while True:
-                    event = await self.next_event()
-                    if isinstance(event, h11.Data):
-                        size += len(event.data)
-                        if size > limit:
-                            raise _too_large(limit)
-                        parts.append(bytes(event.data))
-                    elif isinstance(event, h11.EndOfMessage):
-                        return b"".join(parts)
-                    else:
+                while not req.complete:
+                    if parser.broken is not None:
+                        raise HTTPError(
+                            400, f"malformed request body: {parser.broken}", "invalid_request"
+                        )
+                    if sum(map(len, parts)) > limit:
+                        raise _too_large(limit)
+                    if self.eof:
                         break
-            except h11.RemoteProtocolError as exc:
-                if not self.eof:
-                    raise HTTPError(
-                        400, f"malformed request body: {exc}", "invalid_request"
-                    ) from None
+                    await self._fill()
             except NET_ERRORS as exc:
                 log.debug("client %s left mid-upload: %r", self.client, exc)
                 resp.gone = True
                 raise ClientGone() from None
-            log.debug("client %s left mid-upload (%d bytes read)", self.client, size)
+            if req.complete:
+                body = req.body
+                assert body is not None
+                if len(body) > limit:
+                    raise _too_large(limit)
+                req.body = b""
+                return body
+            log.debug(
+                "client %s left mid-upload (%d bytes read)", self.client, sum(map(len, parts))
+            )
             resp.gone = True
             raise ClientGone()
         raise HTTPError(
@@ -223,7 +233,7 @@ class HTTPConnection:
     async def wait_disconnect(self) -> None:
         """Return once the client has gone (bytes it pipelines meanwhile are kept, bounded)."""
         while not self.eof:
-            if len(self.h11.trailing_data[0]) > self.limits.max_head:
+            if len(self._unfed) > self.limits.max_head:
                 await trio.sleep_forever()  # it floods while it waits: stop reading it
             try:
                 data = await self.transport.receive()
@@ -232,115 +242,139 @@ class HTTPConnection:
             if not data:
                 self.eof = True
                 return
-            self.h11.receive_data(data)
+            self._unfed += data
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def serve(self) -> None:
-        first = True
-        while True:
-            if not first and not self.h11.trailing_data[0]:
-                with trio.move_on_after(self.limits.head_timeout) as idle:
-                    try:
-                        await self._fill()
-                    except NET_ERRORS:
-                        return
-                if idle.cancelled_caught:
-                    return  # idle past the keep-alive time
-            event: Any = None
-            self._method = b""
-            with trio.move_on_after(self.limits.head_timeout) as waited:
+    async def _next_head(self) -> RequestHead | None:
+        """The next request's head, read within ``head_timeout``; None when the connection is
+        to end (the client closed it, or it was refused: answered here)."""
+        parser = self._parser
+        heads = parser.heads
+        if not heads:
+            self._head_bytes = 0
+            limits = self.limits
+            with trio.move_on_at(self._now() + limits.head_timeout) as waited:
                 try:
-                    event = await self.next_event()
-                except h11.RemoteProtocolError as exc:
-                    status = exc.error_status_hint
-                    await self.refuse(status, f"bad request: {exc}", "invalid_request")
-                    return
+                    while not heads:
+                        if self._unfed:
+                            data, self._unfed = self._unfed, b""
+                            self._head_bytes += len(data)
+                            parser.feed(data)
+                            continue
+                        if parser.broken is not None:
+                            await self._refuse_broken(parser.broken)
+                            return None
+                        if self._head_bytes > limits.max_head:
+                            await self._too_big()
+                            return None
+                        if self.eof:
+                            if self._head_begun():
+                                await self.refuse(
+                                    400, "bad request: closed mid-head", "invalid_request"
+                                )
+                            return None
+                        await self._fill()
                 except NET_ERRORS:
-                    return
+                    return None
             if waited.cancelled_caught:
-                if self.h11.trailing_data[0]:
-                    why = f"request head not received within {self.limits.head_timeout:g} s"
+                if self._head_begun():
+                    why = f"request head not received within {limits.head_timeout:g} s"
                     await self.refuse(408, why, "request_timeout")
+                return None
+            msg = heads.popleft()
+            if self._head_bytes > limits.max_head and msg.head_size() > limits.max_head:
+                await self._too_big()  # the whole head came at once, over the bound
+                return None
+            return msg
+        return heads.popleft()
+
+    def _head_begun(self) -> bool:
+        return self._head_bytes > 0 or self._parser.head_begun
+
+    async def _too_big(self) -> None:
+        await self.refuse(431, f"request head over {self.limits.max_head} bytes", "head_too_large")
+
+    async def _refuse_broken(self, exc: httptools.HttpParserError) -> None:
+        text = str(exc)
+        if "Content-Length" in text and "Transfer-Encoding" in text:  # llhttp's words for it
+            text = "a request with both Content-Length and Transfer-Encoding is refused"
+        else:
+            text = f"bad request: {text}"
+        await self.refuse(400, text, "invalid_request")
+
+    async def serve(self) -> None:
+        while True:
+            self._method = b""
+            msg = await self._next_head()
+            if msg is None:
                 return
-            if not isinstance(event, h11.Request):
-                return  # the client closed
-            first = False
-            self._method = event.method
-            headers = list(event.headers)
-            size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers)
-            if size > self.limits.max_head:  # h11 bounds a head only while it is incomplete
+            self._method = msg.method
+            if msg.version not in ("1.1", "1.0"):
+                await self.refuse(505, f"HTTP/{msg.version} is not served", "invalid_request")
+                return
+            if msg.hosts != 1 and (msg.hosts or msg.version == "1.1"):
                 await self.refuse(
-                    431, f"request head over {self.limits.max_head} bytes", "head_too_large"
+                    400, "bad request: one Host header is required", "invalid_request"
                 )
                 return
-            if _header(headers, b"transfer-encoding") is not None:
-                if _header(headers, b"content-length") is not None:
-                    await self.refuse(
-                        400,
-                        "a request with both Content-Length and Transfer-Encoding is refused",
-                        "invalid_request",
-                    )
-                    return
-            upgrade = _header(headers, b"upgrade")
+            upgrade = msg.upgrade
             if upgrade is not None and upgrade.lower() == b"websocket":
-                await self._websocket(event, headers)
+                await self._websocket(msg)
                 return
-            if not await self._request(event, headers):
-                return
-            if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-                self.h11.start_next_cycle()
-            else:
+            if not await self._request(msg):
                 return
 
     @property
     def _declared_length(self) -> int | None:
-        raw = self._content_length
+        req = self._req
+        raw = req.length if req is not None else None
         return int(raw) if raw is not None and raw.isdigit() else None
 
     async def refuse(self, status: int, message: str, code: str) -> None:
         """Answer ``status`` with an error body and close (a malformed or timed-out request)."""
         log.debug("refusing client %s: %d %.200r", self.client, status, message)
-        data = error_response(
-            status, message, code, writer=self.h11, head_only=self._method == b"HEAD"
-        )
+        data = error_response(status, message, code, head_only=self._method == b"HEAD")
         with trio.move_on_after(CLOSE_TIMEOUT):
             try:
                 await self.transport.send_all(data)
             except NET_ERRORS:
                 pass
 
-    def _scope(self, kind: str, event: h11.Request, headers: list[tuple[bytes, bytes]]) -> dict:
-        target, authority = _target(bytes(event.target))
-        if authority is not None:  # the target's authority, not Host (RFC 9112 §3.2.2)
-            headers = [(k, v) for k, v in headers if k != b"host"] + [(b"host", authority)]
+    def _scope(self, kind: str, msg: RequestHead) -> dict[str, Any]:
+        target = msg.url
+        headers = msg.headers
+        if target[:1] != b"/":
+            target, authority = _target(target)
+            if authority is not None:  # the target's authority, not Host (RFC 9112 §3.2.2)
+                headers = [(k, v) for k, v in headers if k != b"host"] + [(b"host", authority)]
         raw_path, _, query = target.partition(b"?")
-        method = event.method
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = unquote(path)
+        method = msg.method
         return {
             "type": kind,
-            "http_version": event.http_version.decode(),
+            "http_version": msg.version,
             "method": "GET" if method == b"HEAD" else method.decode(),  # HEAD: its GET's route
-            "path": urllib.parse.unquote(raw_path.decode("latin-1")),
+            "path": path,
             "raw_path": raw_path,
             "query_string": query,
             "headers": headers,
             "client": self.client,
-            "scheme": "https" if self.transport.secure else "http",
+            "scheme": self.scheme,
         }
 
-    async def _request(self, event: h11.Request, headers: list[tuple[bytes, bytes]]) -> bool:
+    async def _request(self, msg: RequestHead) -> bool:
         """One request through the handler; True when the connection may serve another."""
-        self._content_length = _header(headers, b"content-length")
-        self.body_deadline = trio.current_time() + self.limits.body_timeout
-        if self._declared_length == 0 or (
-            self._content_length is None and _header(headers, b"transfer-encoding") is None
-        ):
-            event_after = self.h11.next_event()  # no body: its end is there already
-            assert isinstance(event_after, h11.EndOfMessage), event_after
-        resp = Response(self.h11, self.transport, event.http_version == b"1.0", event.method)
-        req = Request(self, self._scope("http", event, headers), resp)
+        self._req = msg
+        # HTTP/1.0 is answered and closed (as h11 did); so is a request after which llhttp
+        # stopped (an upgrade not taken, CONNECT): what follows it is not HTTP
+        self.keep_alive = keep_alive = msg.keep_alive and msg.version == "1.1" and not msg.switched
+        self.body_deadline = self._now() + self.limits.body_timeout
+        resp = Response(self, self.transport, msg.version == "1.0", msg.method)
         try:
-            await self.serving.handler.http(req)
+            await self.serving.handler.http(Request(self, self._scope("http", msg), resp))
         except ClientGone:
             resp.gone = True
         if resp.gone:
@@ -350,33 +384,33 @@ class HTTPConnection:
                 await resp.error(HTTPError(500, "the server sent no response", "internal_error"))
             elif not resp.finished:
                 resp.end_nowait()
-            await resp.flush()
-        except (ClientGone, h11.LocalProtocolError):
+            if resp.backlog:
+                await resp.flush()
+        except ClientGone:
             return False
-        if self.h11.their_state is not h11.DONE:
+        self._req = None
+        if not msg.complete:
             return False  # its body was not read (refused first): the connection closes
-        return not resp.close_after
+        return keep_alive and not resp.close_after
 
-    async def _websocket(self, event: h11.Request, headers: list[tuple[bytes, bytes]]) -> None:
-        length = _header(headers, b"content-length")
-        if (length is not None and length.strip() != b"0") or _header(
-            headers, b"transfer-encoding"
-        ) is not None:
+    async def _websocket(self, msg: RequestHead) -> None:
+        length = msg.length
+        if (length is not None and length.strip() != b"0") or msg.chunked:
             await self.refuse(400, "a WebSocket handshake carries no body", "invalid_request")
             return
-        key = upgrade_key(event.method, headers)
-        if key is None:
+        key = upgrade_key(msg.method, msg.headers)
+        if key is None or not msg.switched:
             await self.refuse(
-                400, "bad WebSocket handshake (GET, Sec-WebSocket-Key, version 13)", "bad_handshake"
+                400,
+                "bad WebSocket handshake (GET, Connection: Upgrade, Sec-WebSocket-Key, version 13)",
+                "bad_handshake",
             )
             return
-        end = self.h11.next_event()  # no body: its end is there already
-        assert isinstance(end, h11.EndOfMessage), end
         websocket = getattr(self.serving.handler, "websocket", None)
         if websocket is None:  # a plain HTTP handler
             await self.refuse(404, "not found", "unknown_url")
             return
-        req = WebSocketRequest(self, self._scope("websocket", event, headers), key)
+        req = WebSocketRequest(self, self._scope("websocket", msg), key)
         await websocket(req)
         if not req.answered:
             await self.refuse(404, "not found", "unknown_url")
@@ -396,13 +430,10 @@ class WebSocketRequest:
         self.answered = True
         conn = self._conn
         serving = conn.serving
-        head = conn.h11.send(
-            h11.InformationalResponse(
-                status_code=101, headers=accept_headers(self._key), reason=b"Switching Protocols"
-            )
-        )
+        fields = b"".join(b"%b: %b\r\n" % field for field in accept_headers(self._key))
+        head = b"%b%b\r\n" % (STATUS_LINES[101], fields)
         conn.upgraded = True
-        leftover = bytes(conn.h11.trailing_data[0])
+        leftover = conn.upgrade_rest()
         ws = ServerWebSocket(
             conn.transport,
             leftover,
@@ -416,7 +447,7 @@ class WebSocketRequest:
             self.scope["path"],
         )
         try:
-            await conn.transport.send_all(head or b"")
+            await conn.transport.send_all(head)
         except NET_ERRORS as exc:
             raise ClientGone() from exc
         return ws

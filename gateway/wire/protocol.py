@@ -45,7 +45,7 @@ class FrameError(ValueError):
         self.request_id = request_id
 
 
-class CompletionRequest(msgspec.Struct, frozen=True):
+class CompletionRequest(msgspec.Struct, frozen=True, tag_field="type", tag=COMPLETION_REQUEST):
     """``chat.completion.request``: one turn. ``body`` is kept as raw JSON bytes."""
 
     requestId: str
@@ -59,28 +59,28 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     continuation: bool = False
 
 
-class CompletionCancel(msgspec.Struct, frozen=True):
+class CompletionCancel(msgspec.Struct, frozen=True, tag_field="type", tag=COMPLETION_CANCEL):
     """``chat.completion.cancel`` (extension, §6): stop that turn now."""
 
     requestId: str
     jobId: str | None = None
 
 
-class ModelsRequest(msgspec.Struct, frozen=True):
+class ModelsRequest(msgspec.Struct, frozen=True, tag_field="type", tag=MODELS_REQUEST):
     """``chat.models.request``: which models can this Runner serve?"""
 
     requestId: str
     jobId: str | None = None
 
 
-class End(msgspec.Struct, frozen=True):
+class End(msgspec.Struct, frozen=True, tag_field="type", tag=END):
     """``chat.end``: the session is over."""
 
     reason: str | None = None
     jobId: str | None = None
 
 
-class Hello(msgspec.Struct, frozen=True):
+class Hello(msgspec.Struct, frozen=True, tag_field="type", tag=HELLO):
     """``chat.channel.hello`` (extension, §6): the Server's extensions, and on a redialled
     channel how many chunk frames of each turn it still has a client for it received."""
 
@@ -111,6 +111,11 @@ class _BodyModel(msgspec.Struct):
     model: Any = None
 
 
+# every known inbound frame in one pass (the ``type`` picks the Struct); a frame this fails
+# (an unknown type, a field missing or mistyped) is decoded again the slow way, for its error
+_frame_decoder = msgspec.json.Decoder(
+    CompletionRequest | CompletionCancel | ModelsRequest | End | Hello
+)
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {
     COMPLETION_REQUEST: msgspec.json.Decoder(CompletionRequest),
@@ -131,6 +136,26 @@ def decode_frame(data: str | bytes) -> InboundFrame:
     the frame's ``requestId`` when it had a usable one, so the turn can be answered.
     """
     try:
+        frame: InboundFrame = _frame_decoder.decode(data)  # the usual case: parsed once
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return _decode_slowly(data)
+    if type(frame) is CompletionRequest:
+        _check_body(frame)
+    return frame
+
+
+def _check_body(frame: CompletionRequest) -> None:
+    body = bytes(frame.body)
+    if body[:1] != b"{" and not body.lstrip().startswith(b"{"):
+        raise FrameError(
+            "bad chat.completion.request frame: body is not an object", frame.requestId
+        )
+
+
+def _decode_slowly(data: str | bytes) -> InboundFrame:
+    """``decode_frame`` for a frame of an unknown type or a bad one: its envelope first (for
+    the ``requestId`` an error names), then its Struct."""
+    try:
         envelope = _envelope_decoder.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise FrameError(f"not a JSON frame object: {exc}") from None
@@ -147,9 +172,7 @@ def decode_frame(data: str | bytes) -> InboundFrame:
     except RecursionError:
         raise FrameError(f"bad {envelope.type} frame: nested too deeply", request_id) from None
     if isinstance(frame, CompletionRequest):
-        body = bytes(frame.body).lstrip()
-        if not body.startswith(b"{"):
-            raise FrameError("bad chat.completion.request frame: body is not an object", request_id)
+        _check_body(frame)
     return frame
 
 

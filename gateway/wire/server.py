@@ -4,8 +4,8 @@ Why a server of our own: the hub's serving path writes each chunk a runner sends
 client's socket from the channel's reader, and a Chat Channel needs pings whose pongs are seen;
 an ASGI server gives neither (a chunk crossed four representations and two task hops there).
 Here each connection is one task over a non-blocking socket (``gateway.wire.netio``, writes tried
-at once): ``gateway.wire.httpconn`` serves its HTTP/1.1 requests on h11, or its WebSocket
-(``gateway.wire.wsserver`` over ``gateway.wire.wsconn``, which does no I/O).
+at once): ``gateway.wire.httpconn`` serves its HTTP/1.1 requests (httptools parses them), or
+its WebSocket (``gateway.wire.wsserver`` over ``gateway.wire.wsconn``, which does no I/O).
 
 A handler gets ``http(Request)`` (``gateway.wire.http``: the head, ``body(limit)`` read on demand
 so credentials are checked first, the ``Response``) and ``websocket(WebSocketRequest)`` (accept

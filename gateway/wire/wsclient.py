@@ -258,6 +258,7 @@ class WebSocket:
         self.drain = writer.drain
         self._on_ping = on_ping
         self._inbox: deque[str | bytes] = deque()
+        self._now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
 
     @property
     def closed(self) -> ChannelClosed | None:
@@ -307,7 +308,7 @@ class WebSocket:
         code it calls for), ends the connection."""
         conn = self.conn
         inbox = self._inbox
-        for op, payload in conn.receive(data, trio.current_time()):
+        for op, payload in conn.receive(data, self._now()):
             inbox.append(payload.decode() if op == OP_TEXT else payload)  # UTF-8 checked
         if conn.pending:
             self.writer.controls()

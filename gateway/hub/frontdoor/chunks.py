@@ -105,9 +105,18 @@ class _WithUsage(msgspec.Struct):
 _usage_decoder = msgspec.json.Decoder(_WithUsage)
 
 
+MAX_TOKENS = (1 << 31) - 1  # a usage number past this is no count of one turn's tokens
+
+
+def _count(n: Any) -> bool:
+    return n.__class__ is int and 0 <= n <= MAX_TOKENS
+
+
 def read_usage(raw: bytes | memoryview | msgspec.Raw) -> tuple[int | None, int | None] | None:
     """(prompt tokens, completion tokens) of a chunk or completion that carries ``usage`` (each
-    None where it is not a whole number), or None without one."""
+    None where it is absent), or None without one, or when a number it gives is no count of
+    tokens (not a whole number from 0 to ``MAX_TOKENS``: a runner's say is not believed in
+    either then, and the turn is charged as one without usage)."""
     try:
         usage = _usage_decoder.decode(raw).usage
     except msgspec.DecodeError:
@@ -115,7 +124,8 @@ def read_usage(raw: bytes | memoryview | msgspec.Raw) -> tuple[int | None, int |
     if usage is None:
         return None
     prompt, completion = usage.prompt_tokens, usage.completion_tokens
-    return (
-        prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None,
-        completion if isinstance(completion, int) and not isinstance(completion, bool) else None,
-    )
+    if (prompt is not None and not _count(prompt)) or (
+        completion is not None and not _count(completion)
+    ):
+        return None
+    return prompt, completion
