@@ -8,10 +8,13 @@
   forgotten, as a NAT or CGNAT forgets an idle mapping: from then on its bytes are dropped, and
   neither end is told.
 
-- ``cut()``: every connection open at that moment is reset at both ends (a router that drops
+- ``cut_all()``: every connection open at that moment is reset at both ends (a router that drops
   its state and answers with RSTs): both ends see it broken at once.
+- ``reap()``: the dead connections still held are closed and forgotten (once both ends have given
+  them up: a bench of hundreds of faults must not keep every dead path open).
 
-Nothing is ever closed by the proxy while a path is dead: both ends see a live, silent socket.
+Nothing is ever closed by the proxy while a path is dead (until reaped): both ends see a live,
+silent socket. The fault bench (``bench/faults.py``) uses this same proxy.
 Counters (``connections``, ``frozen``, ``forgotten``, ``cut``) are there to wait on, with
 ``changed``.
 """
@@ -35,6 +38,7 @@ class _Path:
     last_byte: float
     dead: bool = False
     streams: tuple[trio.SocketStream, ...] = ()  # its two sockets, once both are open
+    scope: trio.CancelScope | None = None  # its pumps' (cancelled: both sockets closed)
 
 
 @dataclass(eq=False)
@@ -88,6 +92,16 @@ class PathProxy:
         """New connections pass again (the frozen ones stay dead, as in life)."""
         self._freeze_new = False
 
+    def reap(self) -> int:
+        """Close the dead paths still held; returns how many."""
+        count = 0
+        for path in list(self._paths):
+            if path.dead and path.scope is not None:
+                path.scope.cancel()  # its two sockets are closed as its handler returns
+                self._paths.discard(path)
+                count += 1
+        return count
+
     def _notify(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
@@ -105,6 +119,7 @@ class PathProxy:
             async with client, await trio.open_tcp_stream(self.target_host, self.target_port) as up:
                 path.streams = (client, up)
                 async with trio.open_nursery() as nursery:
+                    path.scope = nursery.cancel_scope
                     nursery.start_soon(self._pump, client, up, path, nursery.cancel_scope)
                     nursery.start_soon(self._pump, up, client, path, nursery.cancel_scope)
                     if self.nat_idle is not None:
@@ -133,7 +148,7 @@ class PathProxy:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         if path.dead and path.streams and path.streams[0].socket.fileno() != -1:
-            await trio.sleep_forever()  # a dead path never delivers the close either
+            await trio.sleep_forever()  # a dead path never delivers the close either (until reaped)
         scope.cancel()
 
     async def _forget_when_idle(self, path: _Path) -> None:

@@ -213,6 +213,21 @@ def test_with_no_other_runner_the_redial_is_waited_for_then_the_session_moves() 
     assert late.actions[0] == Move(w2, "j", "channel lost")
 
 
+def test_a_restarted_hubs_job_waits_for_its_runners_redial_though_another_is_free() -> None:
+    """After a hub restart a session's runner redials its job within a second or so: its next
+    turn waits for that (the runner's KV cache), until ``redial_by``, then moves at once."""
+    w = waiter(job_id="j")
+    restored = {"j": JobView("j", "r", over=False, channel=False, redial_by=5.0)}
+    both = [runner("r", held=1), runner("b")]
+    out = step(FairQueue(), [w], both, restored, 0.5)
+    assert out.actions == [] and out.wake == 5.0 and w.job_id == "j"
+    back = {"j": JobView("j", "r", over=False, channel=True, redial_by=5.0)}
+    assert step(FairQueue(), [w], both, back, 1.0).actions == [Assign(w, "j")]
+    w2 = waiter(job_id="j")
+    late = step(FairQueue(), [w2], both, restored, 5.0)
+    assert late.actions[0] == Move(w2, "j", "channel lost", immediate=True)
+
+
 def test_a_job_its_runner_ended_needs_no_redial() -> None:
     w = waiter(job_id="j")
     ended = {"j": JobView("j", "r", over=True, channel=False)}

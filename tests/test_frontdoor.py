@@ -585,6 +585,9 @@ async def test_sessions_restored_after_a_restart(tmp_path: Any) -> None:
     second = Hub(data)
     async with open_hub(second):
         assert second.sessions.listing() == {("tester", "s"): live.id}
+        # the claimed jobs' runners are expected to redial: their sessions wait for that first
+        assert second.channels.restored_at is not None
+        assert second.channels.awaited == {live.id, api_job.id}
         assert [(s.session_id, s.job_id) for s in await second.store.load_sessions()] == [
             ("s", live.id)
         ]

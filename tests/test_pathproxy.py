@@ -56,3 +56,18 @@ async def test_nat_forgets_an_idle_path_only() -> None:
             await stream.receive_some(65536)
         assert silent.cancelled_caught
         await stream.aclose()
+
+
+async def test_reap_closes_the_frozen_paths_only() -> None:
+    async with echo_server() as port, path_proxy(port) as proxy:
+        old = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        assert await _round_trip(old, b"hello") == b"hello"
+        proxy.freeze()
+        live = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+        assert await _round_trip(live, b"live") == b"live"
+        assert proxy.reap() == 1
+        assert await old.receive_some(65536) == b""  # closed now: the end of its stream
+        assert await _round_trip(live, b"still") == b"still"
+        assert proxy.reap() == 0
+        await old.aclose()
+        await live.aclose()

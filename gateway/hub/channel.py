@@ -298,6 +298,10 @@ class Channels:
         self.counters = counters
         self._open: dict[str, ServerChannel] = {}
         self.runner_ended: set[str] = set()  # job ids whose runner sent chat.end (no redial)
+        # when the hub read its jobs back at start, and those of them whose channel has not
+        # come back since (their runners' redials are waited for a moment: ``Dispatcher``)
+        self.restored_at: float | None = None
+        self.awaited: set[str] = set()
         # requests whose channel dropped mid-answer, by job: resumed when the job's channel is
         # accepted again (the hello names each with its count), unless given up first
         self.suspended: dict[str, dict[str, Sink]] = {}
@@ -334,6 +338,7 @@ class Channels:
         ``hello`` is the first frame to send on it: the extensions, and the requests it
         resumes (those of a dropped channel of the job) with their counts."""
         ch = ServerChannel(job_id, runner_id, ws, self)
+        self.awaited.discard(job_id)
         old = self._open.get(job_id)
         self._open[job_id] = ch
         if old is not None:

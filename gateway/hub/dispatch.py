@@ -123,6 +123,9 @@ class JobView:
     # its channel went with the replica that held it (its runner lives and redials another):
     # the redial is waited for even when another runner is free
     awaiting: bool = False
+    # no channel yet but its runner's redial is expected until then (a restarted hub's job: its
+    # runner comes back and redials it): waited for even while another runner is free
+    redial_by: float | None = None
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,9 @@ def _session_job(
         return True
     targets = eligible([r for r in runners.values() if r.alive], waiter.model)
     others = [r for r in pool.free if r.id != job.claimed_by and _in(r, targets)]
+    if others and job.redial_by is not None and now < job.redial_by:
+        out.wake = min(out.wake, job.redial_by)  # its runner's redial first (its KV cache)
+        return True
     if others and not job.awaiting:  # another runner can serve it now: no wait for the dead
         out.actions.append(Move(waiter, job.id, "channel lost", immediate=True))
         waiter.job_id = None

@@ -260,9 +260,23 @@ class Dispatcher:
             over = job.over or job_id in self.channels.runner_ended
             channel = self.channels.get(job_id) is not None
             out[job_id] = JobView(
-                job_id, job.claimed_by, over, channel, not channel and self.awaiting(job_id)
+                job_id,
+                job.claimed_by,
+                over,
+                channel,
+                awaiting=not channel and self.awaiting(job_id),
+                redial_by=self._redial_by(job_id),
             )
         return out
+
+    def _redial_by(self, job_id: str) -> float | None:
+        """Until when a job the hub restored, whose channel has not come back since, waits for
+        its runner's redial before its session moves to a free runner: ``resume_within`` from
+        the start (a runner polls again and redials within about a second)."""
+        restored_at = self.channels.restored_at
+        if restored_at is None or job_id not in self.channels.awaited:
+            return None
+        return restored_at + self.settings.resume_within
 
     async def step(self) -> float:
         """One step for every project with waiting turns; when the next falls due."""

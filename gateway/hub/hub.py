@@ -139,6 +139,11 @@ class Hub:
         for job in list(self.board.jobs.values()):
             if job.origin in ("frontdoor", "listing") and job.id not in kept and not job.over:
                 await self.board.withdraw(job.id, "its chat session was lost in a hub restart")
+        # the claimed jobs' runners come back and redial them from now on
+        self.channels.restored_at = trio.current_time()
+        self.channels.awaited = {
+            job.id for job in self.board.jobs.values() if job.claimed_by and not job.over
+        }
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Everything the hub does on its own while it serves, until cancelled: its jobs and
