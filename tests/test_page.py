@@ -478,6 +478,9 @@ async def test_the_page_of_a_team_shows_its_replicas(
                 expect(r0.locator("td").nth(6)).to_have_text("test-runner")
                 expect(r1.locator("td").nth(5)).to_have_text("0")
                 expect(r1.locator("td").nth(6)).to_have_text("")
+                # the runners' sessions are the team's: the one whose turn came in at b
+                runner_row = page.locator('#runners tbody tr[data-name="test-runner"]')
+                expect(runner_row.locator("td").nth(5)).to_have_text("1")
 
             with trio.fail_after(STEP):
                 await run(team_shown)
