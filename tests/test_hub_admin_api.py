@@ -216,3 +216,6 @@ async def test_metrics(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     assert found[("alp_hub_queue_waits_total", ())] == 5
     assert found[("alp_hub_queue_wait_seconds_total", ())] == 2.5
     assert found[("alp_hub_queue_longest_wait", ())] == 1.5
+    # a hub serving alone is no team's replica: no replica info, no replica label
+    assert not [name for name, labels in found if name.startswith("alp_hub_replica")]
+    assert not [name for name, labels in found if "replica" in dict(labels)]

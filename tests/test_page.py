@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import openai
 import pytest
 import trio
-from helpers import ADMIN, OWNER
+from helpers import ADMIN, OWNER, runner_config, running
 from helpers import PROJECT as PROJECT_NAME
 from rawclient import RawConn, Response
 from rawclient import bearer as raw_bearer
@@ -190,6 +190,7 @@ async def test_status_page(
         expect(row).to_contain_text("up")
         expect(row).to_contain_text(PROJECT)
         assert page.evaluate("sessionStorage.getItem('alp-hub-admin')") == ADMIN
+        expect(page.locator("#replicas-section")).to_be_hidden()  # a hub alone: no team
 
     with trio.fail_after(STEP):
         await run(sign_in, "alpa_not_the_admin_credential")
@@ -432,3 +433,70 @@ async def test_the_admin_credential_is_read_from_no_query_string(hub: tuple[Hub,
 
 def _a_number() -> Any:
     return re.compile(r"^\d+(\.\d+)?$")
+
+
+async def test_the_page_of_a_team_shows_its_replicas(
+    browser: Browser, pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 28 point 2: the status page of a replica shows the team: each replica's id,
+    address, state, heartbeat, version and the channels and runners it holds; a replica that
+    stops is shown stopped by the one still serving. (Real PostgreSQL: skipped without it.)"""
+    from playwright.sync_api import expect
+    from test_replicas import replicas, until
+
+    from gateway import __version__
+
+    page = browser.page
+    run = browser.run
+    async with replicas(pg_url, 2) as (a, b):
+        key = await a.hub.store.create_api_key("alice", PROJECT)
+        async with running(runner_config(a.url, sim.url, tmp_path / "state")) as runner:
+            assert runner.registration is not None
+            runner_id = runner.registration.id
+            await until(lambda: b.hub.board.alive(runner_id), b)
+            with trio.fail_after(STEP):  # through b: the channel is a's (the runner dialled a)
+                assert await _stream(_client(b.url, key), {"chunks": 2}) > 2
+
+            def team_shown() -> None:
+                page.goto(f"{a.url}/?poll={POLL_MS}")
+                page.get_by_label("Admin credential").fill(ADMIN)
+                page.get_by_role("button", name="Sign in").click()
+                expect(page.locator("#replicas-section")).to_be_visible()
+                expect(page.locator("#this-replica")).to_have_text("r0")
+                rows = page.locator("#replicas tbody tr")
+                expect(rows).to_have_count(2)
+                r0, r1 = (page.locator(f'#replicas tbody tr[data-id="{r}"]') for r in ("r0", "r1"))
+                for row, replica in ((r0, a), (r1, b)):
+                    expect(row).to_have_attribute("data-state", "up")
+                    cells = row.locator("td")
+                    expect(cells.nth(1)).to_have_text(replica.url.rstrip("/"))
+                    expect(cells.nth(2)).to_have_text("up")
+                    expect(cells.nth(3)).to_have_text(re.compile(r"^\d+\.\d s ago$"))
+                    expect(cells.nth(4)).to_have_text(__version__)
+                expect(r0.locator("td").nth(0)).to_have_text("r0 (this one)")
+                expect(r0.locator("td").nth(5)).to_have_text("1")
+                expect(r0.locator("td").nth(6)).to_have_text("test-runner")
+                expect(r1.locator("td").nth(5)).to_have_text("0")
+                expect(r1.locator("td").nth(6)).to_have_text("")
+                # the runners' sessions are the team's: the one whose turn came in at b
+                runner_row = page.locator('#runners tbody tr[data-name="test-runner"]')
+                expect(runner_row.locator("td").nth(5)).to_have_text("1")
+
+            with trio.fail_after(STEP):
+                await run(team_shown)
+            b.stop()
+            team = a.hub.team
+            assert team is not None
+            await until(lambda: not team.peers["r1"].up, a)  # r1 retired as it stopped
+
+            def r1_stopped() -> None:
+                row = page.locator('#replicas tbody tr[data-id="r1"]')
+                expect(row).to_have_attribute("data-state", "stopped")
+                expect(row.locator("td").nth(2)).to_have_text("stopped")
+                expect(row.locator("td").nth(2)).to_have_class("down")
+                r0 = page.locator('#replicas tbody tr[data-id="r0"]')
+                expect(r0).to_have_attribute("data-state", "up")
+                expect(r0.locator("td").nth(6)).to_have_text("test-runner")
+
+            with trio.fail_after(STEP):
+                await run(r1_stopped)

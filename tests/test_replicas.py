@@ -2,7 +2,7 @@
 own server on loopback (here in one process; ``test_replicas_killed.py`` runs them as processes):
 a turn whose session's channel another replica holds is forwarded there, its bytes the runner's
 own; a job is claimed once however many replicas its claims reach; API-key limits are exact
-across replicas; every replica shows the whole team."""
+across replicas; every replica shows the whole team, and its own ``/metrics`` says which it is."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import io
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,9 @@ import httpx
 import msgspec
 import trio
 from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner, runner_config, running
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import __version__
 from gateway.hub import Hub, doctor, open_hub
 from gateway.hub.channel import ServerChannel
 from gateway.hub.settings import HubSettings
@@ -34,6 +36,11 @@ BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
 class Replica:
     hub: Hub
     url: str
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled: it stops
+
+    def stop(self) -> None:
+        """This replica stops serving (as a clean stop does: it retires from the team)."""
+        self.scope.cancel()
 
 
 async def until(check: Callable[[], bool], *among: Replica, within: float = 10) -> None:
@@ -62,7 +69,8 @@ async def replicas(pg_url: str, count: int, **settings: Any) -> AsyncIterator[li
                 admin_token=ADMIN,
                 settings=HubSettings(store=pg_url, replica_id=f"r{n}", **settings),
             )
-            started.append(Replica(hub, await nursery.start(_serve, hub)))
+            scope = trio.CancelScope()
+            started.append(Replica(hub, await nursery.start(_serve, hub, scope), scope))
 
         def all_up() -> bool:
             return all(
@@ -77,10 +85,13 @@ async def replicas(pg_url: str, count: int, **settings: Any) -> AsyncIterator[li
             nursery.cancel_scope.cancel()
 
 
-async def _serve(hub: Hub, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    async with open_hub(hub) as (_hub, url):
-        task_status.started(url)
-        await trio.sleep_forever()
+async def _serve(
+    hub: Hub, scope: trio.CancelScope, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    with scope:
+        async with open_hub(hub) as (_hub, url):
+            task_status.started(url)
+            await trio.sleep_forever()
 
 
 def _body(content: str = "hi", **more: Any) -> dict[str, Any]:
@@ -291,10 +302,54 @@ async def test_every_replica_shows_the_whole_team(
                 sessions = (await client.get(f"{a.url}/api/hub/sessions")).json()["sessions"]
             assert sorted(r["id"] for r in team["replicas"]) == ["r0", "r1"]
             assert all(r["up"] for r in team["replicas"])
+            held = {r["id"]: (r["channels"], r["runners"]) for r in team["replicas"]}
+            assert held == {"r0": (0, []), "r1": (1, [runner_id])}  # the runner dialled b
             assert [r["connected"] for r in listed if r["id"] == runner_id] == [True]
             assert [(s["key"], s["session"]) for s in sessions] == [("alice", "team")]
             assert sessions[0]["runnerId"] == runner_id
             print(json.dumps(team))
+
+
+async def _metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A replica's ``/metrics``: each sample name's (labels, value) pairs."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        got = await client.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert got.status_code == 200, got.text
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(got.text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return found
+
+
+def _total(found: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for got, v in found.get(name, []) if labels.items() <= got.items())
+
+
+async def test_each_replicas_metrics_are_its_own_and_name_it(
+    pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 28 point 2: ``/metrics`` per replica. Each replica's scrape names it in
+    ``alp_hub_replica_info`` (its id, address, version) and counts its own: the turn that came
+    in at a (served by the runner whose channel b holds) is a's turn, the channel b's."""
+    async with replicas(pg_url, 2) as (a, b):
+        key = await a.hub.store.create_api_key("alice", f"{OWNER}/{PROJECT}")
+        async with running(runner_config(b.url, sim.url, tmp_path / "state")) as runner:
+            assert runner.registration is not None
+            runner_id = runner.registration.id
+            await until(lambda: a.hub.board.alive(runner_id), a)
+            assert (await _chat(a.url, key, "counted")).status_code == 200
+            at_a, at_b = await _metrics(a.url), await _metrics(b.url)
+    for found, replica, own in ((at_a, "r0", a), (at_b, "r1", b)):
+        assert found["alp_hub_replica_info"] == [
+            ({"replica": replica, "url": own.url.rstrip("/"), "version": __version__}, 1.0)
+        ]
+    assert _total(at_a, "alp_hub_turns_total", key="alice", outcome="ok") == 1
+    assert _total(at_b, "alp_hub_turns_total", key="alice") == 0  # a's turn, not b's
+    assert _total(at_a, "alp_hub_tokens_total", key="alice") > 0
+    assert _total(at_b, "alp_hub_tokens_total", key="alice") == 0
+    assert _total(at_a, "alp_hub_channels_open") == 0  # the channel is b's
+    assert _total(at_b, "alp_hub_channels_open") == 1
 
 
 async def test_hub_doctor_checks_the_store_and_sees_every_replica(

@@ -73,14 +73,26 @@ class AdminApi:
 
     async def runners(self, req: Request) -> None:
         """Every runner seen lately: its registration, what it serves, whether it is up. A live
-        runner whose models are not known yet is asked for them (the next read shows them)."""
+        runner whose models are not known yet is asked for them (the next read shows them). On
+        a team, its sessions and turns in flight are counted on every replica (the store's)."""
         runners = []
         snapshot = self.hub.snapshot()
         unknown = {(r.owner, r.project) for r in snapshot.runners if r.up and r.models is None}
         for owner, project in sorted(unknown):
             await self.hub.catalog.discover(owner, project)
+        team = self.hub.team
+        held: dict[str, tuple[int, int]] | None = None  # runner id -> (sessions, turns)
+        if team is not None:
+            held = {}
+            for session in await team.store.sessions_listing():
+                rid = session["runner_id"]
+                if rid is not None:
+                    sessions, turns = held.get(rid, (0, 0))
+                    held[rid] = (sessions + 1, turns + session["turns"])
         for runner in snapshot.runners:
             found = as_json(runner)
+            if held is not None:
+                found["sessions"], found["turnsInFlight"] = held.get(runner.id, (0, 0))
             found["labels"] = list(runner.labels)
             found["capabilities"] = (
                 None if runner.capabilities is None else list(runner.capabilities)

@@ -116,6 +116,7 @@ class Hub:
             accounting=self.accounting,
             counters=self.counters,
             connected=None if self.team is None else self.team.connected_runners(),
+            replica=None if self.team is None else self.team.identity(),
         )
 
     async def restore(self) -> None:

@@ -6,6 +6,11 @@ once, and keeps its counters and histograms in plain dicts here (nothing is done
 What is true at scrape time (runners, channels, sessions, turns in flight, the counters, the
 queues) comes from the hub's ``HubSnapshot``. Rendered by ``prometheus_client`` through a
 private registry with one custom collector (imported only when ``/metrics`` is scraped).
+
+A replica of a team shows its own turns and channels, as every hub does, and says which replica
+it is in one info metric (``alp_hub_replica_info{replica, url, version} 1``); a hub serving
+alone has none. Its series carry no ``replica`` label of their own: the scrape's target labels
+(``instance``) tell replicas apart, and a query joins the id on where it wants it.
 """
 
 from __future__ import annotations
@@ -117,7 +122,19 @@ class HubMetrics:
             CounterMetricFamily,
             GaugeMetricFamily,
             HistogramMetricFamily,
+            InfoMetricFamily,
         )
+
+        if snap.replica is not None:
+            yield InfoMetricFamily(
+                PREFIX + "replica",
+                "This hub as a replica of a team: its id, the address the others reach it at.",
+                value={
+                    "replica": snap.replica.id,
+                    "url": snap.replica.url or "",
+                    "version": snap.replica.version,
+                },
+            )
 
         turns_family = CounterMetricFamily(
             PREFIX + "turns",

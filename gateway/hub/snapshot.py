@@ -81,6 +81,15 @@ class QueueStatus:
 
 
 @dataclass(frozen=True)
+class ReplicaStatus:
+    """The hub as a replica of a team: its id, the address the others reach it at, its version."""
+
+    id: str
+    url: str | None  # None until the address it serves on is known
+    version: str
+
+
+@dataclass(frozen=True)
 class HubSnapshot:
     runners: tuple[RunnerStatus, ...]
     sessions: tuple[SessionStatus, ...]
@@ -89,6 +98,7 @@ class HubSnapshot:
     counters: Mapping[str, int] = field(default_factory=dict)  # HubCounters, snake_case
     channels_open: int = 0
     late_reports: int = 0  # runner reports dropped: they came after the job's final one
+    replica: ReplicaStatus | None = None  # a team's replica only (None: a hub serving alone)
 
 
 def take(
@@ -101,9 +111,10 @@ def take(
     accounting: Accounting,
     counters: HubCounters,
     connected: set[str] | None = None,
+    replica: ReplicaStatus | None = None,
 ) -> HubSnapshot:
     """The hub as it is now, read from its parts (``connected``: the runners with a channel on
-    any replica of a team, when it is one)."""
+    any replica of a team, when it is one; ``replica``: this hub's identity in the team)."""
     now = trio.current_time()
     sessions_by_runner: dict[str, int] = {}
     session_list = []
@@ -192,6 +203,7 @@ def take(
         asdict(counters),
         len(channels.all()),
         board.late_reports,
+        replica,
     )
 
 

@@ -12,6 +12,7 @@ const COLORS = ["#2f6fdb", "#e07b24", "#2a9d5c", "#b8427a", "#7a5cc7", "#8a7a12"
 
 let timer = null;
 let generation = 0; // bumped at sign-out: answers of an older sign-in are dropped
+let team = null; // whether the hub is a replica of a team: null until it said (asked once alone)
 
 const $ = (id) => document.getElementById(id);
 
@@ -102,6 +103,8 @@ function signOut(message) {
   if (timer !== null) clearTimeout(timer);
   timer = null;
   sessionStorage.removeItem(STORAGE);
+  team = null;
+  $("replicas-section").hidden = true;
   $("dashboard").hidden = true;
   $("signout").hidden = true;
   $("signin-section").hidden = false;
@@ -136,21 +139,50 @@ async function poll(gen) {
 
 async function refresh(gen) {
   const since = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
-  const [runners, turns, sessions, usage, keys] = await Promise.all([
+  const [runners, turns, sessions, usage, keys, replicas] = await Promise.all([
     api("GET", "/api/hub/runners"),
     api("GET", "/api/hub/turns"),
     api("GET", "/api/hub/sessions"),
     api("GET", `/api/hub/usage?since=${since}`),
     api("GET", "/api/hub/keys"),
+    team === false ? null : api("GET", "/api/hub/replicas"), // a hub alone stays alone
   ]);
   if (gen !== generation) return;
   const names = {};
   for (const r of runners.runners) names[r.id] = r.name || r.id;
+  if (replicas !== null) {
+    team = replicas.team;
+    if (team) showReplicas(replicas.replicas, names);
+  }
   showRunners(runners.runners);
   showTurns(turns.turns, names);
   showSessions(sessions.sessions, names);
   showUsage(usage.usage, since);
   showKeys(keys.keys, keys.limitsSupported);
+}
+
+function showReplicas(replicas, names) {
+  $("replicas-section").hidden = false;
+  const self = replicas.find((r) => r.self);
+  $("this-replica").textContent = self ? self.id : "?";
+  fill(
+    "replicas",
+    replicas.map((r) => {
+      const state = r.up ? "up" : r.stopped ? "stopped" : "down";
+      const tr = row([
+        r.self ? `${r.id} (this one)` : r.id,
+        r.url,
+        el("td", state, r.up ? "up" : "down"),
+        `${seconds(r.heartbeatSeconds)} ago`,
+        r.version,
+        r.channels,
+        r.runners.map((id) => names[id] || id).join(", "),
+      ]);
+      tr.dataset.id = r.id;
+      tr.dataset.state = state;
+      return tr;
+    }),
+  );
 }
 
 function showRunners(runners) {

@@ -38,6 +38,7 @@ from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.models import Catalog
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
+from gateway.hub.snapshot import ReplicaStatus
 from gateway.hub.store import Store, StoreError
 from gateway.hub.store.credentials import ensure_private_dir
 from gateway.hub.store.team_base import (
@@ -533,10 +534,16 @@ class Team:
 
     # -- the team's picture -------------------------------------------------------------------
 
+    def identity(self) -> ReplicaStatus:
+        """This replica as ``/metrics`` names it."""
+        return ReplicaStatus(self.replica, self.url, __version__)
+
     def picture(self) -> list[dict[str, Any]]:
-        """Every replica as last read: id, URL, version, up, heartbeat age, this one."""
+        """Every replica as last read: id, URL, version, up, heartbeat age, this one, the
+        channels it holds and their runners."""
         out = []
         for row in self.replicas:
+            held = [c for c in self.directory.values() if c.replica == row.id]
             peer = self.peers.get(row.id)
             up = row.id == self.replica or (peer is not None and peer.up)
             out.append(
@@ -549,7 +556,8 @@ class Team:
                     "heartbeatSeconds": round(row.heartbeat_age, 1),
                     "startedSeconds": round(row.started_age, 1),
                     "self": row.id == self.replica,
-                    "channels": sum(1 for c in self.directory.values() if c.replica == row.id),
+                    "channels": len(held),
+                    "runners": sorted({c.runner_id for c in held}),
                 }
             )
         return out
