@@ -791,27 +791,6 @@ class HubSettings:
         group="hub",
         metavar="N",
     )
-    advertise: str | None = setting(
-        env="ALP_GATEWAY_HUB_ADVERTISE",
-        parse=_url,
-        help="with --store: the URL the other replicas reach this hub at (its own address, not "
-        "the load balancer's); turns whose session's channel is here are forwarded to it",
-        group="hub-replicas",
-        shown="http://HOST:PORT of --listen (this machine's host name when it listens on every "
-        "address)",
-        metavar="URL",
-        sample="http://10.0.0.5:8787",
-    )
-    replica_id: str | None = setting(
-        env="ALP_GATEWAY_HUB_REPLICA_ID",
-        parse=_replica_id,
-        help="with --store: this replica's name among the hubs on the store (letters, digits, "
-        "'.', '_', '-'; up to 64)",
-        group="hub-replicas",
-        shown="made at the first start and kept in DATA/replica-id",
-        metavar="NAME",
-        sample="hub-1",
-    )
     tls_cert: Path | None = setting(
         env="ALP_GATEWAY_HUB_TLS_CERT",
         parse=_path,
@@ -846,6 +825,27 @@ class HubSettings:
         metavar="LEVEL",
     )
     # == runners and their Chat Channels
+    advertise: str | None = setting(
+        env="ALP_GATEWAY_HUB_ADVERTISE",
+        parse=_url,
+        help="with --store: the URL the other replicas reach this hub at (its own address, not "
+        "the load balancer's); turns whose session's channel is here are forwarded to it",
+        group="hub-replicas",
+        shown="http://HOST:PORT of --listen (this machine's host name when it listens on every "
+        "address)",
+        metavar="URL",
+        sample="http://10.0.0.5:8787",
+    )
+    replica_id: str | None = setting(
+        env="ALP_GATEWAY_HUB_REPLICA_ID",
+        parse=_replica_id,
+        help="with --store: this replica's name among the hubs on the store (letters, digits, "
+        "'.', '_', '-'; up to 64)",
+        group="hub-replicas",
+        shown="made at the first start and kept in DATA/replica-id",
+        metavar="NAME",
+        sample="hub-1",
+    )
     offline_after: float = setting(
         60.0,
         env="ALP_GATEWAY_HUB_OFFLINE_AFTER",

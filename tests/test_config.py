@@ -231,6 +231,8 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "tls_key": ("/tmp/k.pem", "/tmp/k.pem", Path("/tmp/k.pem")),
     "log_format": ("json", "json", "json"),
     "log_level": ("debug", "debug", "DEBUG"),
+    "advertise": ("http://10.0.0.5:8787",) * 3,
+    "replica_id": ("hub-1",) * 3,
     "offline_after": ("7.5", 7.5, 7.5),
     "reoffer_after": ("3", 3, 3.0),
     "ping_interval": ("0", 0, 0.0),
@@ -371,7 +373,8 @@ def test_hub_table_and_example_file_are_generated_from_the_declarations(tmp_path
     plain = tmp_path / "hub.toml"
     plain.write_text(re.sub(r"^# (\w+ = )", r"\1", example, flags=re.M))
     loaded = load_hub_settings({}, {}, plain)
-    samples = ("data", "store", "tls_cert", "tls_key", "ping_timeout", "default_model")
+    samples = ("data", "store", "advertise", "replica_id", "tls_cert", "tls_key")
+    samples += ("ping_timeout", "default_model")
     for s in HUB_SETTINGS:
         if s.key not in samples:  # no default: the example shows a sample
             assert getattr(loaded, s.key) == getattr(HubSettings(), s.key), s.key
