@@ -303,7 +303,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.turnprofile", description=__doc__)
     parser.add_argument("--path", choices=["e2e", "e2e-base"], default="e2e")
     parser.add_argument("--base-tree", default="", help="the checkout of the path e2e-base")
-    parser.add_argument("--kinds", default="whole,stream", help="whole, stream or both")
+    parser.add_argument(
+        "--kinds",
+        default="whole,stream",
+        help="whole, stream, or both as whole,stream (the default)",
+    )
     parser.add_argument("--rate", type=float, default=500.0, help="turns/s (500)")
     parser.add_argument("--seconds", type=int, default=22, help="py-spy's window (22 s)")
     parser.add_argument("--sample-rate", type=int, default=500, help="py-spy samples/s (500)")
