@@ -10,6 +10,7 @@ to it), else in memory.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import uuid
@@ -133,4 +134,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # as ``alp-gateway hub`` does before it serves (gateway/hub/cli.py): the start-up heap frozen
+    gc.collect()
+    gc.freeze()
     trio.run(main)
