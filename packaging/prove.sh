@@ -87,10 +87,10 @@ say "2. the hub in the container (alp-gateway hub, data on a named volume) and a
 pm volume create "$P-hub-data" >/dev/null
 # --no-healthcheck: the image's health check reads the runner's metrics port, which a hub lacks
 pm run -d --name "$P-hub" --network host --stop-timeout 40 --no-healthcheck -v "$P-hub-data:/var/lib/alp-gateway" \
-    --read-only --tmpfs /tmp:exec,mode=1777,size=64m --cap-drop ALL --security-opt no-new-privileges \
+    --read-only --tmpfs /tmp:exec,mode=1777,size=160m --cap-drop ALL --security-opt no-new-privileges \
     "$IMG" hub --listen "127.0.0.1:$HUB_PORT" >/dev/null
 # the simulator stands in for Ollama (`alp-gateway sim`, from the same image)
-pm run -d --name "$P-sim" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=64m \
+pm run -d --name "$P-sim" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=160m \
     "$IMG" sim --listen "127.0.0.1:$SIM_PORT" --models sim-model >/dev/null
 if wait_log "$P-hub" 60 'hub listening on'; then
     ADMIN="$(pm logs "$P-hub" 2>&1 | grep -A1 '^admin token' | tail -1 | tr -d ' \r')"
@@ -126,7 +126,7 @@ turn() {
 }
 # Runner flags shared by the emptyDir and compose runs: the hardening of compose.yaml / k8s.
 # shellcheck disable=SC2054  # the commas are the tmpfs mount's options, one argument
-HARDEN=(--read-only --tmpfs /tmp:exec,mode=1777,size=64m --cap-drop ALL --security-opt no-new-privileges)
+HARDEN=(--read-only --tmpfs /tmp:exec,mode=1777,size=160m --cap-drop ALL --security-opt no-new-privileges)
 # The image's health check stays defined (podman healthcheck run uses it) but gets no timer:
 # podman schedules those with systemd, which does not run here.
 HARDEN+=(--health-interval disable)
@@ -186,7 +186,7 @@ missing=0
 for line in 'env_file:' '- gateway.env' 'ALP_PROJECT: ${ALP_PROJECT:?' 'AGENTICS_SERVER: ${AGENTICS_SERVER:-agentics.dk}' \
     'CHAT_LLM_BACKEND_URL: http://ollama:11434/v1' 'CHAT_LLM_MODEL: ${CHAT_LLM_MODEL:-qwen2.5:7b}' \
     'ALP_GATEWAY_NAME: ${ALP_GATEWAY_NAME:-compose-gateway}' 'ALP_GATEWAY_LOG_FORMAT: json' \
-    '- state:/var/lib/alp-gateway' 'read_only: true' '- /tmp:exec,mode=1777,size=64m' 'cap_drop: [ALL]' \
+    '- state:/var/lib/alp-gateway' 'read_only: true' '- /tmp:exec,mode=1777,size=160m' 'cap_drop: [ALL]' \
     '- no-new-privileges:true' 'stop_grace_period: 40s' 'restart: unless-stopped'; do
     grep -qF -- "$line" packaging/compose.yaml || { echo "    compose.yaml no longer has: $line"; missing=1; }
 done
@@ -196,7 +196,7 @@ if (exec 3<>/dev/tcp/127.0.0.1/11434) 2>/dev/null; then
 else
     # the ollama service: the simulator under the name ollama, on Ollama's port, serving the
     # model compose.yaml defaults to
-    pm run -d --name "$P-ollama" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=64m \
+    pm run -d --name "$P-ollama" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=160m \
         "$IMG" sim --listen 127.0.0.1:11434 --models qwen2.5:7b >/dev/null
     # env_file: gateway.env from gateway.env.example, filled in, mode 600
     envf="$SCRATCH/gateway.env"
