@@ -25,8 +25,10 @@
 #      reachable at their advertised addresses
 #   6. the replica holding the runner's channel killed (podman kill, SIGKILL): the next turn
 #      through HAProxy served; the runner redialled the survivor
-#   7. the killed replica started again (`podman-compose up -d`): HAProxy sends requests to it
-#   8. `hub usage` in the surviving replica: the key's turns counted once each
+#   7. the killed replica started again (`podman-compose up -d`): HAProxy sends requests to it;
+#      then the other replica's process SIGKILLed from the host (a crash, not `podman kill`):
+#      `restart: unless-stopped` brings it back, HAProxy uses it again, a turn is served
+#   8. `hub usage` in a replica: the key's turns counted once each
 #   9. `podman-compose down -v`: everything this script started is gone
 #
 # Needs root, podman, runc, debootstrap, curl, python3 (JSON), and podman-compose (on PATH, or
@@ -337,7 +339,7 @@ seen="$(answering)"
 [[ "$seen" != *"$holder"* ]] && ok "HAProxy sends nothing to the dead $holder (who answered: $seen)" || bad "requests reached the dead $holder: $seen"
 
 # ---------------------------------------------------------------------------------------------
-say "7. the killed replica back (compose up -d, as its restart policy would), HAProxy using it again"
+say "7. the killed replica back (compose up -d), HAProxy using it again; the other one crashed, back by its restart policy"
 t0=$(date +%s) since="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 compose up -d >"$SCRATCH/up2.log" 2>&1 || { tail -5 "$SCRATCH/up2.log"; bad "compose up -d again"; }
 VICTIM="$(cname "$holder")"
@@ -361,15 +363,46 @@ else
     bad "the killed replica did not start again"
 fi
 
+CRASH="$SURVIVOR" && [ "$CRASH" = "$A" ] && crashed=hub-a || crashed=hub-b
+pid="$(pm inspect -f '{{.State.Pid}}' "$CRASH" 2>/dev/null)"
+echo "    the other replica crashes: kill -9 of its process ($pid) from the host, as the OOM killer would (podman kill counts as stopped by the user)"
+since="$(date -u +%Y-%m-%dT%H:%M:%SZ)" t0=$(date +%s%N)
+[ -n "$pid" ] && [ "$pid" != 0 ] && kill -9 "$pid"
+for ((i = 0; i < 120; i++)); do
+    pm logs --since "$since" "$CRASH" 2>&1 | grep -q 'hub listening on' && break
+    sleep 0.5
+done
+restarts="$(pm inspect -f '{{.RestartCount}}' "$CRASH" 2>/dev/null)"
+if pm logs --since "$since" "$CRASH" 2>&1 | grep -q 'hub listening on' && [ "${restarts:-0}" -ge 1 ]; then
+    ok "restart: unless-stopped brought the crashed $crashed back, listening $((($(date +%s%N) - t0) / 1000000)) ms after the crash (restarts: $restarts)"
+    back=""
+    for ((i = 0; i < 20; i++)); do
+        seen="$(answering)"
+        [[ "$seen" == *"$crashed"* ]] && { back=1; break; }
+        sleep 0.5
+    done
+    [ -n "$back" ] && ok "HAProxy sends requests to the restarted $crashed (who answered: $seen)" \
+        || bad "HAProxy does not use the restarted $crashed (who answered: $seen)"
+else
+    echo "    $CRASH: $(pm inspect -f '{{.State.Status}} exit={{.State.ExitCode}} restarts={{.RestartCount}}' "$CRASH" 2>&1)"
+    bad "the crashed $crashed was not restarted by its restart policy"
+fi
+t0=$(date +%s%N)
+if out4="$(turn '[{"role":"user","content":"after the crash"}]')"; then
+    ok "turn 4 through HAProxy $((($(date +%s%N) - t0) / 1000000)) ms: '$out4'"
+else
+    bad "turn 4 after the crash: $out4"
+fi
+
 # ---------------------------------------------------------------------------------------------
-say "8. hub usage in the surviving replica"
+say "8. hub usage in a replica"
 usage="$(pm exec "$SURVIVOR" alp-gateway hub usage 2>&1)"; ucode=$?
 echo "$usage" | sed 's/^/    usage: /'
 turns="$(echo "$usage" | awk '$1 == "prove-team" { s += $3 } END { print s + 0 }')"
-if [ "$ucode" = 0 ] && [ "$turns" = 3 ]; then
-    ok "hub usage in $SURVIVOR: the key prove-team's 3 turns, each once"
+if [ "$ucode" = 0 ] && [ "$turns" = 4 ]; then
+    ok "hub usage in $SURVIVOR: the key prove-team's 4 turns, each once"
 else
-    bad "hub usage (exit $ucode): $turns turns for prove-team, 3 expected"
+    bad "hub usage (exit $ucode): $turns turns for prove-team, 4 expected"
 fi
 else
     skip "steps 3 to 8: the team did not come up"
