@@ -14,17 +14,20 @@
 
 say() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
 ok() { RESULTS+=("PASS  $*"); printf -- '--> PASS: %s\n' "$*"; }
+# shellcheck disable=SC2034  # failed: the caller's exit status
 bad() { RESULTS+=("FAIL  $*"); printf -- '--> FAIL: %s\n' "$*"; failed=1; }
 skip() { RESULTS+=("SKIP  $*"); printf -- '--> SKIP: %s\n' "$*"; }
 quiet_wait() { while [ -e /tmp/quiet ]; do sleep 10; done; }
 pm() { "${PM[@]}" "$@"; }
-# Wait up to $2 s for the regex $3 in the logs of container $1.
+# Wait up to $2 s for the regex $3 in the logs of container $1. (grep -c, not -q, after a pipe:
+# -q stops reading at the first match, the writer then dies of SIGPIPE, and pipefail makes the
+# whole pipe false although the line was there.)
 wait_log() {
     local name=$1 within=$2 pattern=$3 i
     for ((i = 0; i < within * 2; i++)); do
-        pm logs "$name" 2>&1 | grep -Eq "$pattern" && return 0
+        pm logs "$name" 2>&1 | grep -Ec "$pattern" >/dev/null && return 0
         [ "$(pm inspect -f '{{.State.Running}}' "$name" 2>/dev/null)" = true ] || {
-            pm logs "$name" 2>&1 | grep -Eq "$pattern" && return 0
+            pm logs "$name" 2>&1 | grep -Ec "$pattern" >/dev/null && return 0
             return 1
         }
         sleep 0.5

@@ -173,7 +173,7 @@ old_ids="$(pm image inspect -f '{{.Id}}' "$IMG" "${PROJ}_haproxy" 2>/dev/null)"
 if compose build hub-a haproxy >"$SCRATCH/build.log" 2>&1; then
     # the images this script built before, now untagged: removed (vfs copies every layer)
     for id in $old_ids; do
-        pm image inspect -f '{{.Id}}' "$IMG" "${PROJ}_haproxy" 2>/dev/null | grep -qx "$id" || pm rmi "$id" >/dev/null 2>&1
+        pm image inspect -f '{{.Id}}' "$IMG" "${PROJ}_haproxy" 2>/dev/null | grep -cx "$id" >/dev/null || pm rmi "$id" >/dev/null 2>&1
     done
     ok "compose build (hub-a, hence hub-b: $IMG from packaging/Dockerfile; haproxy from Dockerfile.haproxy) in $(($(date +%s) - t0)) s: $(pm run --rm "$IMG" --version); $(pm run --rm --entrypoint /usr/sbin/haproxy "${PROJ}_haproxy" -v 2>&1 | head -1)"
 else
@@ -216,7 +216,7 @@ if wait_log "$A" 90 'hub listening on' && wait_log "$B" 90 'hub listening on'; t
     [ -n "$ADMIN" ] || ADMIN="$(pm logs "$B" 2>&1 | grep -A1 '^admin token' | tail -1 | tr -d ' \r')"
     printed="$( (pm logs "$A"; pm logs "$B") 2>&1 | grep -c '^admin token')"
     [ -n "$ADMIN" ] && [ "$printed" = 1 ] \
-        && ok "both replicas listening, on PostgreSQL, in $(($(date +%s) - t0)) s; the admin credential printed once (by $(pm logs "$A" 2>&1 | grep -q '^admin token' && echo hub-a || echo hub-b))" \
+        && ok "both replicas listening, on PostgreSQL, in $(($(date +%s) - t0)) s; the admin credential printed once (by $(pm logs "$A" 2>&1 | grep -c '^admin token' >/dev/null && echo hub-a || echo hub-b))" \
         || bad "admin credential printed $printed times"
 else
     for c in "$A" "$B"; do pm logs "$c" 2>&1 | tail -8 | cut -c1-300 | sed "s/^/    $c: /"; done
@@ -301,7 +301,7 @@ fi
 say "5. hub doctor in a replica's container"
 doc="$(pm exec "$A" alp-gateway hub doctor 2>&1)"; dcode=$?
 echo "$doc" | sed 's/^/    doctor: /'
-if [ "$dcode" = 0 ] && echo "$doc" | grep -q 'hub-a' && echo "$doc" | grep -q 'hub-b'; then
+if [ "$dcode" = 0 ] && echo "$doc" | grep -c 'hub-a' >/dev/null && echo "$doc" | grep -c 'hub-b' >/dev/null; then
     ok "hub doctor exit 0, both replicas shown"
 else
     bad "hub doctor exit $dcode"
@@ -344,10 +344,10 @@ t0=$(date +%s) since="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 compose up -d >"$SCRATCH/up2.log" 2>&1 || { tail -5 "$SCRATCH/up2.log"; bad "compose up -d again"; }
 VICTIM="$(cname "$holder")"
 for ((i = 0; i < 120; i++)); do
-    pm logs --since "$since" "$VICTIM" 2>&1 | grep -q 'hub listening on' && break
+    pm logs --since "$since" "$VICTIM" 2>&1 | grep -c 'hub listening on' >/dev/null && break
     sleep 0.5
 done
-if pm logs --since "$since" "$VICTIM" 2>&1 | grep -q 'hub listening on'; then
+if pm logs --since "$since" "$VICTIM" 2>&1 | grep -c 'hub listening on' >/dev/null; then
     ip_after="$(pm inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$VICTIM" 2>/dev/null)"
     echo "    $VICTIM started again in $(($(date +%s) - t0)) s; its address on the compose network: $ip_before before the kill, $ip_after now"
     back=""
@@ -369,11 +369,11 @@ echo "    the other replica crashes: kill -9 of its process ($pid) from the host
 since="$(date -u +%Y-%m-%dT%H:%M:%SZ)" t0=$(date +%s%N)
 [ -n "$pid" ] && [ "$pid" != 0 ] && kill -9 "$pid"
 for ((i = 0; i < 120; i++)); do
-    pm logs --since "$since" "$CRASH" 2>&1 | grep -q 'hub listening on' && break
+    pm logs --since "$since" "$CRASH" 2>&1 | grep -c 'hub listening on' >/dev/null && break
     sleep 0.5
 done
 restarts="$(pm inspect -f '{{.RestartCount}}' "$CRASH" 2>/dev/null)"
-if pm logs --since "$since" "$CRASH" 2>&1 | grep -q 'hub listening on' && [ "${restarts:-0}" -ge 1 ]; then
+if pm logs --since "$since" "$CRASH" 2>&1 | grep -c 'hub listening on' >/dev/null && [ "${restarts:-0}" -ge 1 ]; then
     ok "restart: unless-stopped brought the crashed $crashed back, listening $((($(date +%s%N) - t0) / 1000000)) ms after the crash (restarts: $restarts)"
     back=""
     for ((i = 0; i < 20; i++)); do

@@ -152,7 +152,7 @@ if wait_log "$P-gw" 60 'health and metrics on' && sleep 2 \
     if out=$(turn); then ok "a turn through the hub's front door served by the emptyDir runner: $out"; else bad "turn via the emptyDir runner: $out"; fi
     st="$(pm exec "$P-gw" alp-gateway status 2>&1)"
     echo "$st" | head -6 | sed 's/^/    status: /'
-    echo "$st" | grep -q 'healthy: ok' && ok "'alp-gateway status' in the container: healthy" || bad "status not healthy"
+    echo "$st" | grep -c 'healthy: ok' >/dev/null && ok "'alp-gateway status' in the container: healthy" || bad "status not healthy"
     hc="$(pm healthcheck run "$P-gw" 2>&1)"; hcode=$?
     [ "$hcode" = 0 ] && ok "the image's HEALTHCHECK (podman healthcheck run): ${hc:-healthy}" || bad "HEALTHCHECK: $hc (exit $hcode)"
     t0=$(date +%s%N)
@@ -162,7 +162,7 @@ if wait_log "$P-gw" 60 'health and metrics on' && sleep 2 \
     [ "$code" = 0 ] && ok "podman stop: drained and exited 0 in $((($(date +%s%N) - t0) / 1000000)) ms" || bad "podman stop: exit code $code"
     run_gw "$P-gw2"
     if wait_log "$P-gw2" 60 'health and metrics on' && out=$(turn); then
-        if pm logs "$P-gw2" 2>&1 | grep -Eqi 'registered (as )?runner'; then
+        if pm logs "$P-gw2" 2>&1 | grep -Eci 'registered (as )?runner' >/dev/null; then
             bad "second container registered again instead of reusing the saved registration"
         else
             ok "a new container on the same directory reused the registration and served a turn: $out"
@@ -242,7 +242,7 @@ else
             -e ALP_PROJECT=local/chat -e AGENTICS_SERVER="$HUB" -e CHAT_LLM_BACKEND_URL=http://ollama:11434/v1 \
             -e CHAT_LLM_MODEL=qwen2.5:7b -e ALP_GATEWAY_NAME=compose-gateway -e ALP_GATEWAY_LOG_FORMAT=json \
             -v "$P-state:/var/lib/alp-gateway" "${HARDEN[@]}" "$IMG" >/dev/null
-        if wait_log "$P-compose" 60 'health and metrics on' && ! pm logs "$P-compose" 2>&1 | grep -Eqi 'registered (as )?runner'; then
+        if wait_log "$P-compose" 60 'health and metrics on' && ! pm logs "$P-compose" 2>&1 | grep -Eci 'registered (as )?runner' >/dev/null; then
             ok "a re-created container on the named volume reused the registration"
         else
             bad "re-created container registered again (or did not start)"
