@@ -42,25 +42,8 @@ declare -a RESULTS=()
 ADMIN="" KEY="" hub_up=0
 failed=0
 
-say() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
-ok() { RESULTS+=("PASS  $*"); printf -- '--> PASS: %s\n' "$*"; }
-bad() { RESULTS+=("FAIL  $*"); printf -- '--> FAIL: %s\n' "$*"; failed=1; }
-skip() { RESULTS+=("SKIP  $*"); printf -- '--> SKIP: %s\n' "$*"; }
-quiet_wait() { while [ -e /tmp/quiet ]; do sleep 10; done; }
-pm() { "${PM[@]}" "$@"; }
-# Wait up to $2 s for the regex $3 in the logs of container $1.
-wait_log() {
-    local name=$1 within=$2 pattern=$3 i
-    for ((i = 0; i < within * 2; i++)); do
-        pm logs "$name" 2>&1 | grep -Eq "$pattern" && return 0
-        [ "$(pm inspect -f '{{.State.Running}}' "$name" 2>/dev/null)" = true ] || {
-            pm logs "$name" 2>&1 | grep -Eq "$pattern" && return 0
-            return 1
-        }
-        sleep 0.5
-    done
-    return 1
-}
+# shellcheck source=packaging/prove-lib.sh
+. "$ROOT_DIR/packaging/prove-lib.sh"
 cleanup() {
     for c in "$P-gw" "$P-gw2" "$P-compose" "$P-hub" "$P-sim" "$P-ollama"; do
         pm rm -f -v -t 0 "$c" >/dev/null 2>&1
@@ -84,55 +67,7 @@ for v in "$P-hub-data" "$P-state"; do pm volume rm -f "$v" >/dev/null 2>&1; done
 
 # ---------------------------------------------------------------------------------------------
 say "1. stand-in base images (debootstrap) and the project's image"
-if ! pm image exists localhost/debian:bookworm; then
-    quiet_wait
-    MIRROR="$("$ROOT_DIR/packaging/debian-mirror.sh" bookworm)" || { bad "a Debian mirror for debootstrap"; exit 2; }
-    echo "    debootstrap bookworm from $MIRROR"
-    base="$(mktemp -d)"
-    "${NICE[@]}" debootstrap --variant=minbase bookworm "$base" "$MIRROR" >"$SCRATCH/debootstrap.log" 2>&1 \
-        || { tail -5 "$SCRATCH/debootstrap.log"; bad "debootstrap"; exit 1; }
-    # mktemp -d made it 0700, and tar keeps that for the image's "/": uid 65532 could then reach
-    # nothing ("stat /usr/local/bin/alp-gateway: permission denied"). A real base has 0755.
-    chmod 0755 "$base"
-    tar -C "$base" -c . | pm import - localhost/debian:bookworm >/dev/null
-    rm -rf --one-file-system "$base"
-fi
-ctx="$SCRATCH/ctx" && mkdir -p "$ctx"
-cp /etc/ssl/certs/ca-certificates.crt "$ctx/ca.crt"
-cat >"$ctx/py" <<'EOF'
-FROM localhost/debian:bookworm
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
-    libpython3.11 ca-certificates && rm -rf /var/lib/apt/lists/* && ln -s /usr/bin/python3 /usr/local/bin/python
-COPY ca.crt /etc/ssl/certs/ca-certificates.crt
-ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt
-EOF
-PY=localhost/python:3.11-slim-bookworm
-if ! pm image exists "$PY"; then
-    quiet_wait
-    "${NICE[@]}" "${PM[@]}" build -q --network host -f "$ctx/py" -t "$PY" "$ctx" >"$SCRATCH/base-py.log" 2>&1 \
-        || { tail -5 "$SCRATCH/base-py.log"; bad "stand-in base $PY"; exit 1; }
-fi
-# The runtime stand-in: what gcr.io/distroless/base-debian12:nonroot holds and nothing more
-# (GoogleContainerTools/distroless base/config.bzl: libc6 and libssl3 on the static image's
-# base-files, netbase, tzdata, CA certificates, passwd with nonroot 65532, /tmp 1777), so that a
-# library the binary needs and distroless lacks shows here. (A minbase Debian, as first used,
-# used, has zlib and much more: it hid that the binary's launcher needs libz.so.1.)
-RT=localhost/distroless-like:base-debian12-nonroot
-if ! pm image exists "$RT"; then
-    rt="$(mktemp -d)" && chmod 0755 "$rt"
-    (cd "$SCRATCH" && apt-get download -q base-files netbase tzdata libc6 libssl3 >"$SCRATCH/download.log" 2>&1) \
-        || { tail -5 "$SCRATCH/download.log"; bad "apt-get download for the distroless stand-in"; exit 1; }
-    for deb in "$SCRATCH"/*.deb; do dpkg -x "$deb" "$rt"; done
-    rm -f "$SCRATCH"/*.deb
-    install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$rt/etc/ssl/certs/ca-certificates.crt"
-    printf 'root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' >"$rt/etc/passwd"
-    printf 'root:x:0:\nnobody:x:65534:\ntty:x:5:\nstaff:x:50:\nnonroot:x:65532:\n' >"$rt/etc/group"
-    install -d -m 1777 "$rt/tmp" && install -d -m 0700 -o 65532 -g 65532 "$rt/home/nonroot"
-    tar -C "$rt" -c . | pm import -c 'USER 65532' -c 'WORKDIR /home/nonroot' \
-        -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
-        - "$RT" >/dev/null
-    rm -rf --one-file-system "$rt"
-fi
+make_bases || exit 1
 echo "    runtime stand-in $RT: $(pm image inspect -f '{{.Size}}' "$RT" | awk '{printf "%.1f MB", $1/1e6}'), a shell in it: $(pm run --rm --entrypoint /bin/sh "$RT" -c true >/dev/null 2>&1 && echo yes || echo no)"
 quiet_wait
 t0=$(date +%s)
@@ -152,10 +87,10 @@ say "2. the hub in the container (alp-gateway hub, data on a named volume) and a
 pm volume create "$P-hub-data" >/dev/null
 # --no-healthcheck: the image's health check reads the runner's metrics port, which a hub lacks
 pm run -d --name "$P-hub" --network host --stop-timeout 40 --no-healthcheck -v "$P-hub-data:/var/lib/alp-gateway" \
-    --read-only --tmpfs /tmp:exec,mode=1777,size=64m --cap-drop ALL --security-opt no-new-privileges \
+    --read-only --tmpfs /tmp:exec,mode=1777,size=160m --cap-drop ALL --security-opt no-new-privileges \
     "$IMG" hub --listen "127.0.0.1:$HUB_PORT" >/dev/null
 # the simulator stands in for Ollama (`alp-gateway sim`, from the same image)
-pm run -d --name "$P-sim" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=64m \
+pm run -d --name "$P-sim" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=160m \
     "$IMG" sim --listen "127.0.0.1:$SIM_PORT" --models sim-model >/dev/null
 if wait_log "$P-hub" 60 'hub listening on'; then
     ADMIN="$(pm logs "$P-hub" 2>&1 | grep -A1 '^admin token' | tail -1 | tr -d ' \r')"
@@ -191,7 +126,7 @@ turn() {
 }
 # Runner flags shared by the emptyDir and compose runs: the hardening of compose.yaml / k8s.
 # shellcheck disable=SC2054  # the commas are the tmpfs mount's options, one argument
-HARDEN=(--read-only --tmpfs /tmp:exec,mode=1777,size=64m --cap-drop ALL --security-opt no-new-privileges)
+HARDEN=(--read-only --tmpfs /tmp:exec,mode=1777,size=160m --cap-drop ALL --security-opt no-new-privileges)
 # The image's health check stays defined (podman healthcheck run uses it) but gets no timer:
 # podman schedules those with systemd, which does not run here.
 HARDEN+=(--health-interval disable)
@@ -217,7 +152,7 @@ if wait_log "$P-gw" 60 'health and metrics on' && sleep 2 \
     if out=$(turn); then ok "a turn through the hub's front door served by the emptyDir runner: $out"; else bad "turn via the emptyDir runner: $out"; fi
     st="$(pm exec "$P-gw" alp-gateway status 2>&1)"
     echo "$st" | head -6 | sed 's/^/    status: /'
-    echo "$st" | grep -q 'healthy: ok' && ok "'alp-gateway status' in the container: healthy" || bad "status not healthy"
+    echo "$st" | grep -c 'healthy: ok' >/dev/null && ok "'alp-gateway status' in the container: healthy" || bad "status not healthy"
     hc="$(pm healthcheck run "$P-gw" 2>&1)"; hcode=$?
     [ "$hcode" = 0 ] && ok "the image's HEALTHCHECK (podman healthcheck run): ${hc:-healthy}" || bad "HEALTHCHECK: $hc (exit $hcode)"
     t0=$(date +%s%N)
@@ -227,7 +162,7 @@ if wait_log "$P-gw" 60 'health and metrics on' && sleep 2 \
     [ "$code" = 0 ] && ok "podman stop: drained and exited 0 in $((($(date +%s%N) - t0) / 1000000)) ms" || bad "podman stop: exit code $code"
     run_gw "$P-gw2"
     if wait_log "$P-gw2" 60 'health and metrics on' && out=$(turn); then
-        if pm logs "$P-gw2" 2>&1 | grep -Eqi 'registered (as )?runner'; then
+        if pm logs "$P-gw2" 2>&1 | grep -Eci 'registered (as )?runner' >/dev/null; then
             bad "second container registered again instead of reusing the saved registration"
         else
             ok "a new container on the same directory reused the registration and served a turn: $out"
@@ -251,7 +186,7 @@ missing=0
 for line in 'env_file:' '- gateway.env' 'ALP_PROJECT: ${ALP_PROJECT:?' 'AGENTICS_SERVER: ${AGENTICS_SERVER:-agentics.dk}' \
     'CHAT_LLM_BACKEND_URL: http://ollama:11434/v1' 'CHAT_LLM_MODEL: ${CHAT_LLM_MODEL:-qwen2.5:7b}' \
     'ALP_GATEWAY_NAME: ${ALP_GATEWAY_NAME:-compose-gateway}' 'ALP_GATEWAY_LOG_FORMAT: json' \
-    '- state:/var/lib/alp-gateway' 'read_only: true' '- /tmp:exec,mode=1777,size=64m' 'cap_drop: [ALL]' \
+    '- state:/var/lib/alp-gateway' 'read_only: true' '- /tmp:exec,mode=1777,size=160m' 'cap_drop: [ALL]' \
     '- no-new-privileges:true' 'stop_grace_period: 40s' 'restart: unless-stopped'; do
     grep -qF -- "$line" packaging/compose.yaml || { echo "    compose.yaml no longer has: $line"; missing=1; }
 done
@@ -261,7 +196,7 @@ if (exec 3<>/dev/tcp/127.0.0.1/11434) 2>/dev/null; then
 else
     # the ollama service: the simulator under the name ollama, on Ollama's port, serving the
     # model compose.yaml defaults to
-    pm run -d --name "$P-ollama" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=64m \
+    pm run -d --name "$P-ollama" --network host --no-healthcheck --read-only --tmpfs /tmp:exec,mode=1777,size=160m \
         "$IMG" sim --listen 127.0.0.1:11434 --models qwen2.5:7b >/dev/null
     # env_file: gateway.env from gateway.env.example, filled in, mode 600
     envf="$SCRATCH/gateway.env"
@@ -307,7 +242,7 @@ else
             -e ALP_PROJECT=local/chat -e AGENTICS_SERVER="$HUB" -e CHAT_LLM_BACKEND_URL=http://ollama:11434/v1 \
             -e CHAT_LLM_MODEL=qwen2.5:7b -e ALP_GATEWAY_NAME=compose-gateway -e ALP_GATEWAY_LOG_FORMAT=json \
             -v "$P-state:/var/lib/alp-gateway" "${HARDEN[@]}" "$IMG" >/dev/null
-        if wait_log "$P-compose" 60 'health and metrics on' && ! pm logs "$P-compose" 2>&1 | grep -Eqi 'registered (as )?runner'; then
+        if wait_log "$P-compose" 60 'health and metrics on' && ! pm logs "$P-compose" 2>&1 | grep -Eci 'registered (as )?runner' >/dev/null; then
             ok "a re-created container on the named volume reused the registration"
         else
             bad "re-created container registered again (or did not start)"

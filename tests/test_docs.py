@@ -119,7 +119,7 @@ def test_packaging_scripts_name_no_debian_mirror() -> None:
     for script in scripts:
         for n, line in enumerate(script.read_text().splitlines(), 1):
             assert not mirror_url.search(line), f"{script.name}:{n} names a Debian mirror: {line}"
-    for user in ("build-arm64.sh", "prove.sh"):
+    for user in ("build-arm64.sh", "prove-lib.sh"):  # prove-lib.sh: prove.sh's and prove-team.sh's
         assert "packaging/debian-mirror.sh" in (ROOT / "packaging" / user).read_text()
 
 
@@ -204,7 +204,10 @@ def test_the_hubs_data_is_the_data_directory() -> None:
     assert named >= 3
 
 
-@pytest.mark.parametrize("script", ["build-arm64.sh", "prove.sh", "debian-mirror.sh", "build.sh"])
+@pytest.mark.parametrize(
+    "script",
+    ["build-arm64.sh", "prove.sh", "prove-lib.sh", "prove-team.sh", "debian-mirror.sh", "build.sh"],
+)
 def test_packaging_scripts_parse(script: str) -> None:
     run = subprocess.run(
         ["bash", "-n", str(ROOT / "packaging" / script)], capture_output=True, text=True
