@@ -14,9 +14,9 @@ request's send to its response's end and the hub's tasks settled, and those made
 gateway's own code; the median of a few turns after a warm one, for a non-streamed and a
 streamed (three chunks) answer.
 
-The runner sends each frame as it goes (one write each), so the hub may read a turn's frames in
-one read or two: the bounds sit above the larger of the two, and below what a task hop (about
-60 calls) or a few functions more per turn add.
+The runner holds each turn's answer until the test lets it go and then sends all of it while the
+trio thread blocks, so the hub reads a turn's frames in one read every time: the count does not
+depend on the threads' timing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import queue
 import socket
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import trio
@@ -38,14 +39,15 @@ from gateway.hub.hub import Hub
 
 WAIT = 20.0  # s: the client thread gives up on what never comes (the test fails, never hangs)
 
-# The bounds. Measured when set (calls in all / by the gateway's code, per turn, the median of 7,
-# six runs on a loaded machine): whole 920-1009 / 316-340, streamed 1039-1169 / 408-467; before
+# The bounds. Measured when set (calls in all / by the gateway's code, per turn, the median of 7;
+# four runs, each the same to 3 calls): whole 1,149-1,152 / 315, streamed 1,247-1,249 / 407; before
 # the cuts of issue 29 (a reaper woken per turn, 18 route patterns tried, two uuid4 per turn):
-# whole 1054 / 356, streamed 1286 / 484. The spread is the runner's frames coming in one read or
-# several (each read some 25 / 70 calls); each bound sits above the most reads a turn can take
-# (whole: 2, streamed: 4) over the fewest measured.
-MAX_CALLS = {"whole": 1100, "stream": 1300}
-MAX_GATEWAY_CALLS = {"whole": 370, "stream": 520}
+# whole 1,284 / 356, streamed 1,414 / 448. The runner's answer is held and then sent whole while
+# the trio thread blocks (``GatedRunner``, ``one``), so the hub reads it in one read whatever the
+# threads' timing (the thread hop that waits for the request is some 200 of the calls, the same
+# every turn). Each bound sits below a task hop more (about 60 calls) and a few functions more.
+MAX_CALLS = {"whole": 1200, "stream": 1300}
+MAX_GATEWAY_CALLS = {"whole": 340, "stream": 430}
 
 
 class Client(threading.Thread):
@@ -118,7 +120,26 @@ class Client(threading.Thread):
                 return buf
 
 
-def _run_runner(runner: FakeRunner, ready: threading.Event, stop: threading.Event) -> None:
+class GatedRunner(FakeRunner):
+    """The fake runner, each turn's answer held until ``gate`` and then sent whole (``sent``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started = threading.Event()  # a turn's request came
+        self.gate = threading.Event()  # its answer may go
+        self.sent = threading.Event()  # its answer went, every frame of it
+
+    async def _turn(self, ws: Any, turn: Any, scope: trio.CancelScope) -> None:
+        self.started.set()
+        await trio.to_thread.run_sync(self.gate.wait, WAIT)
+        self.gate.clear()
+        try:
+            await super()._turn(ws, turn, scope)
+        finally:
+            self.sent.set()
+
+
+def _run_runner(runner: GatedRunner, ready: threading.Event, stop: threading.Event) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)  # registered, polling
@@ -139,7 +160,7 @@ async def hub() -> AsyncIterator[tuple[Hub, str]]:
 async def test_hub_calls_per_turn(hub: tuple[Hub, str], kind: str) -> None:
     the_hub, base = hub
     key = await the_hub.keys.create("counted")
-    runner = FakeRunner(
+    runner = GatedRunner(
         base,
         the_hub.admin_token,
         default=Script(chunks=3),
@@ -158,7 +179,14 @@ async def test_hub_calls_per_turn(hub: tuple[Hub, str], kind: str) -> None:
 
         async def one() -> None:
             done = trio.Event()
+            runner.started.clear()
+            runner.sent.clear()
             client.go.put(done)
+            assert await trio.to_thread.run_sync(runner.started.wait, WAIT)
+            runner.gate.set()
+            # the trio thread blocks (no read) until the runner has sent the whole answer: its
+            # frames are all read at once, whatever the threads' timing
+            assert runner.sent.wait(WAIT)
             with trio.fail_after(WAIT):
                 await done.wait()
             await trio.testing.wait_all_tasks_blocked()  # the hub's tasks settled
