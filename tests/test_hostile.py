@@ -201,6 +201,30 @@ async def test_a_client_that_reads_part_of_an_answer_and_leaves_is_charged_what_
     )
 
 
+async def test_a_client_that_leaves_is_charged_what_it_got_on_postgresql_too(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The same on a hub whose store is PostgreSQL (a team of one: its admission and its
+    reservation go through the store): the turn read half and left is charged, estimated, and
+    the key's next turn is refused."""
+    long = Script(chunks=300, pace=0.002, usage=True)
+    async with served(tmp_path / "hub", {"long": long}, store=pg_url) as (hub, url, _r, ended):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}", tokens_per_day=100)
+        with trio.fail_after(GUARD):
+            read = await read_then_leave(url, key, "long", 150, "s1")
+            await ended.count(1)
+            refused = await post(
+                url, "/v1/chat/completions", {"model": "long", "messages": MESSAGES}, headers(key)
+            )
+        rows = await hub.store.usage_rows()
+    assert read == 150
+    ((row),) = rows
+    assert row["outcome"] == "client_gone" and row["estimated"]
+    assert 150 <= row["completion_tokens"] < 300
+    assert row["prompt_tokens"] >= 1
+    assert refused.status_code == 429
+
+
 def chunks_then_error(count: int) -> Callable[[Send, Turn], Awaitable[None]]:
     """``count`` content chunks, then the runner's error: no usage, no done."""
 
