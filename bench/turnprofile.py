@@ -173,37 +173,6 @@ RUNNER_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("relay: the answer into frames (SSE, poller, pump)", "gateway/wire/sse.py", None),
     ("metrics and state", "gateway/ops/", None),
     ("metrics and state", "gateway/state.py", None),
-    # the hub laid out by role (issue 26): the same parts in today's modules
-    ("key lookup", "gateway/hub/keys.py", None),
-    ("model check", "gateway/hub/models.py", None),
-    (
-        "limits (admit)",
-        "gateway/hub/accounting.py",
-        ("admit", "limits", "_state", "expire", "reservation", "_read_day"),
-    ),
-    ("session lookup and lock", "gateway/hub/sessions.py", None),
-    ("usage record and its SQLite write", "gateway/hub/accounting.py", None),
-    ("usage record and its SQLite write", "gateway/hub/store/", None),
-    ("metrics", "gateway/hub/metrics.py", None),
-    ("metrics", "gateway/observe.py", None),
-    (
-        "the answer: fold and wait (non-streamed)",
-        "gateway/hub/turn.py",
-        ("_answer_whole", "_whole"),
-    ),
-    ("the answer: fold and wait (non-streamed)", "gateway/hub/frontdoor/dialects.py", ("fold",)),
-    (
-        "the answer: stream sink and flush (streamed)",
-        "gateway/hub/turn.py",
-        ("chunk", "flush", "reply", "_done", "_write", "_usage_only"),
-    ),
-    ("turn scaffolding (_serve, _turn, _attempt: nursery, scopes)", "gateway/hub/serving.py", None),
-    ("turn scaffolding (_serve, _turn, _attempt: nursery, scopes)", "gateway/hub/turn.py", None),
-    (
-        "turn scaffolding (_serve, _turn, _attempt: nursery, scopes)",
-        "gateway/hub/dispatcher.py",
-        None,
-    ),
     ("trio: tasks, scopes, scheduling", "trio/", None),
     ("trio: tasks, scopes, scheduling", "outcome/", None),
 ]
