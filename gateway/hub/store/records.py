@@ -200,6 +200,28 @@ class StoredSession:
     key_id: str = ""
 
 
+def job_values(job: StoredJob) -> tuple[Any, ...]:
+    """A job's columns as every backend writes them: id, run_id, owner, project, needs (JSON),
+    agent_definition (JSON), origin, claimed_by, runner_name, status, conclusion, final_reported,
+    cancelled, cancel_reason."""
+    return (
+        job.id,
+        job.run_id,
+        job.owner,
+        job.project,
+        json.dumps(job.needs),
+        json.dumps(job.agent_definition),
+        job.origin,
+        job.claimed_by,
+        job.runner_name,
+        job.status,
+        job.conclusion,
+        int(job.final_reported),
+        int(job.cancelled),
+        job.cancel_reason,
+    )
+
+
 def job_of(row: tuple[Any, ...], reports: list[dict[str, Any]]) -> StoredJob:
     """A job from its row as every backend reads it: id, owner, project, needs (JSON),
     agent_definition (JSON), origin, run_id, claimed_by, runner_name, status, conclusion,

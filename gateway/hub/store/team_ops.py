@@ -12,7 +12,13 @@ import json
 from typing import Any
 
 from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
-from gateway.hub.store.records import StoredJob, StoredSession, job_of, utc_now
+from gateway.hub.store.records import (
+    StoredJob,
+    StoredSession,
+    job_of,
+    job_values,
+    utc_now,
+)
 from gateway.hub.store.team_base import (
     CHANNEL,
     JOB,
@@ -161,20 +167,7 @@ def save_job(replica: str, job: StoredJob, offered_to: frozenset[str] | None) ->
             18,
         ),
         (
-            job.id,
-            job.run_id,
-            job.owner,
-            job.project,
-            json.dumps(job.needs),
-            json.dumps(job.agent_definition),
-            job.origin,
-            job.claimed_by,
-            job.runner_name,
-            job.status,
-            job.conclusion,
-            int(job.final_reported),
-            int(job.cancelled),
-            job.cancel_reason,
+            *job_values(job),
             utc_now(),
             replica,
             offered,
