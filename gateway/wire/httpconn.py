@@ -116,6 +116,16 @@ def _too_large(limit: int) -> HTTPError:
     return HTTPError(413, f"request body exceeds {limit} bytes", "request_too_large")
 
 
+def _take_body(req: RequestHead, limit: int) -> bytes:
+    """A complete request's body, handed over once (413 past ``limit``)."""
+    body = req.body
+    assert body is not None
+    if len(body) > limit:
+        raise _too_large(limit)
+    req.body = b""
+    return body
+
+
 def _target(target: bytes) -> tuple[bytes, bytes | None]:
     """A request target in origin form (path and query) and the authority an absolute-form one
     named (RFC 9112 §3.2.2: ``http://host:port/path?query``), or None."""
@@ -183,12 +193,7 @@ class HTTPConnection:
         req = self._req
         assert req is not None
         if req.complete:  # it came with its head: the usual case
-            body = req.body
-            assert body is not None
-            if len(body) > limit:
-                raise _too_large(limit)
-            req.body = b""
-            return body
+            return _take_body(req, limit)
         declared = self._declared_length
         if declared is not None and declared > limit:
             raise _too_large(limit)
@@ -213,12 +218,7 @@ class HTTPConnection:
                 resp.gone = True
                 raise ClientGone() from None
             if req.complete:
-                body = req.body
-                assert body is not None
-                if len(body) > limit:
-                    raise _too_large(limit)
-                req.body = b""
-                return body
+                return _take_body(req, limit)
             log.debug(
                 "client %s left mid-upload (%d bytes read)", self.client, sum(map(len, parts))
             )
