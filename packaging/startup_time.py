@@ -31,22 +31,21 @@ PROJECT = "bench/startup"
 
 
 class PollClock:
-    """Wraps the hub's ASGI app to note when the next poll request arrives."""
+    """Wraps the hub's handler (``App``) to note when the next poll request arrives."""
 
     def __init__(self, hub: Hub) -> None:
         self.app = App(hub)
         self.arrived = trio.Event()
         self.at = 0.0
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"].endswith("/runners/jobs")
-            and not self.arrived.is_set()
-        ):
+    async def http(self, req: Any) -> None:
+        if req.scope["path"].endswith("/runners/jobs") and not self.arrived.is_set():
             self.at = time.perf_counter()
             self.arrived.set()
-        await self.app(scope, receive, send)
+        await self.app.http(req)
+
+    async def websocket(self, req: Any) -> None:
+        await self.app.websocket(req)
 
 
 async def one_run(command: list[str], env: dict[str, str], clock: PollClock) -> float:

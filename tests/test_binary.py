@@ -68,14 +68,18 @@ async def test_demo_with_the_simulator() -> None:
     assert "tok0 tok1" in out and "time to first token" in out
 
 
+def _x86_64() -> bool:
+    with BINARY.open("rb") as f:
+        header = f.read(20)
+    return header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 62
+
+
 def test_its_size_is_the_one_the_docs_state() -> None:
     """README.md and packaging/DEPLOY.md state the x86_64 binary's size (tests/test_docs.py holds
     them to one figure): within 1 MB of this binary's, in MB or MiB."""
     from test_docs import DEPLOY, README, stated_binary_sizes
 
-    with BINARY.open("rb") as f:
-        header = f.read(20)
-    if header[:4] != b"\x7fELF" or int.from_bytes(header[18:20], "little") != 62:
+    if not _x86_64():
         pytest.skip(f"{BINARY} is not an x86_64 ELF: the docs state the x86_64 binary's size")
     size = BINARY.stat().st_size
     for stated in stated_binary_sizes(README) + stated_binary_sizes(DEPLOY):
@@ -249,5 +253,72 @@ async def test_the_binary_hub_serves_its_status_page(tmp_path: Path) -> None:
                 for asset in ("/page/app.js", "/page/style.css"):
                     assert (await client.get(asset)).status_code == 200, asset
                 assert (await client.get("/metrics")).status_code == 401
+        finally:
+            proc.terminate()
+
+
+async def test_the_binary_hub_keeps_its_store_on_postgresql(tmp_path: Path) -> None:
+    """No libpq is inside the binary (issue 37 point 8): a hub given ``--store postgresql://``
+    loads the system's (Debian's libpq5) through psycopg's pure-Python layer, migrates the store
+    and answers for it (``hub doctor`` connects, finds the schema current)."""
+    import pgserver
+
+    server = pgserver.start_or_skip()
+    try:
+        url = server.database()
+        hub = ("hub", "--data", str(tmp_path / "hub"), "--store", url)
+        made = await binary(*hub, "keys", "create", "--create", "pg-binary")
+        assert made.returncode == 0, (made.stdout + made.stderr).decode()
+        migrated = await binary(*hub, "doctor")
+        out = (migrated.stdout + migrated.stderr).decode()
+        assert migrated.returncode == 0, out
+        assert url.split("@")[0].split(":")[-1] not in out  # the password never shown
+    finally:
+        server.destroy()
+
+
+def _stated_unpacked_mb() -> list[float]:
+    """Every 'unpacks N MB' DEPLOY.md states for the x86_64 binary's unpacked directory."""
+    text = (ROOT / "packaging" / "DEPLOY.md").read_text()
+    return [
+        float(m)
+        for m in re.findall(r"unpacked at each start into `\$TMPDIR` \| (\d+(?:\.\d+)?) MB", text)
+    ]
+
+
+async def test_what_it_unpacks_is_what_the_docs_state(tmp_path: Path) -> None:
+    """DEPLOY.md states what each process unpacks into $TMPDIR (a container's /tmp is sized for
+    two): within 2 MB of what this binary unpacks, measured while its hub runs."""
+    stated = _stated_unpacked_mb()
+    assert len(stated) == 1, stated
+    if not _x86_64():
+        pytest.skip(f"{BINARY} is not an x86_64 ELF: the docs state the x86_64 binary's figures")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                [str(BINARY), "hub", "--data", str(tmp_path / "hub"), "--listen", "127.0.0.1:0"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=clean_env(TMPDIR=str(tmp)),
+                check=False,
+            )
+        )
+        try:
+            assert proc.stderr is not None
+            out = b""
+            with trio.fail_after(60):
+                while b"hub listening on" not in out:
+                    data = await proc.stderr.receive_some()
+                    assert data, f"the hub exited: {out!r}"
+                    out += data
+            (unpacked,) = tmp.glob("_MEI*")
+            size = sum(f.stat().st_size for f in unpacked.rglob("*") if f.is_file())
+            assert not [f for f in unpacked.rglob("libpq*")], "a libpq was unpacked"
+            assert abs(size / 1e6 - stated[0]) <= 2, (
+                f"DEPLOY.md says it unpacks {stated[0]} MB; this binary unpacked {size / 1e6:.1f} MB"
+            )
         finally:
             proc.terminate()

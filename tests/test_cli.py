@@ -556,3 +556,16 @@ async def test_a_mistyped_hub_flag_is_named_not_taken_for_a_command(tmp_path: Pa
         assert result.returncode == 2 and err.startswith(f"alp-gateway hub: error: {said}"), err
         assert err.count("\n") == 1 and "invalid choice" not in err
     assert not data.exists()
+
+
+async def test_a_postgresql_store_without_libpq_says_how_to_get_one() -> None:
+    """psycopg is the pure-Python package (no libpq in the wheel or the one-file binary): with no
+    libpq it can load (PSYCOPG_IMPL naming one that is not installed stands for a machine without
+    libpq5), a hub on PostgreSQL says in one line how to get one, never the URL's password."""
+    url = "postgresql://alp:not-this-password@127.0.0.1:1/alp"
+    for command in (["hub", "--store", url, "doctor"], ["hub", "--store", url]):
+        result = await cli(*command, PSYCOPG_IMPL="c")
+        err = (result.stdout + result.stderr).decode()
+        assert result.returncode != 0, err
+        assert "apt-get install libpq5" in err and "alp-gateway[postgresql-binary]" in err, err
+        assert "Traceback" not in err and "not-this-password" not in err, err

@@ -66,7 +66,14 @@ def open_store(
     one). StoreError (one line, never a password) when it cannot be opened, OSError when the
     directory cannot be made."""
     if isinstance(place, str) and dburl.is_url(place):
-        from gateway.hub.store.postgres import PostgresStore  # psycopg only when it is used
+        try:  # psycopg only when it is used; it loads the system's libpq then
+            from gateway.hub.store.postgres import PostgresStore
+        except ImportError as exc:  # psycopg without a libpq to load: one line, how to get one
+            raise StoreError(
+                f"a store on PostgreSQL needs libpq, which was not found ({exc}): install the "
+                "system's (Debian/Ubuntu: apt-get install libpq5) or psycopg's own "
+                "(pip install 'alp-gateway[postgresql-binary]')"
+            ) from None
 
         return PostgresStore(
             place,
