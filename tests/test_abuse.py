@@ -429,6 +429,35 @@ async def test_content_length_with_chunked_is_400_and_the_connection_closed(
     assert records.bad() == []
 
 
+@pytest.mark.parametrize(
+    "codings",
+    [
+        [("Transfer-Encoding", "identity"), ("Transfer-Encoding", "chunked")],
+        [("Transfer-Encoding", "chunked"), ("Transfer-Encoding", "chunked")],
+        [("Transfer-Encoding", "identity, chunked")],
+        [("Transfer-Encoding", "gzip, chunked")],
+    ],
+)
+async def test_a_transfer_coding_repeated_or_unknown_is_refused_and_the_connection_closed(
+    autojump_clock: trio.testing.MockClock, records: Records, codings: list[tuple[str, str]]
+) -> None:
+    """Issue 36 point 7: llhttp reads only the last coding, so ``identity`` then ``chunked``
+    would be read as chunked where another server reads it otherwise; refused (501, as h11
+    did) and the connection closed: the request pipelined behind it is never answered."""
+    async with open_hub(_hub()) as (hub, url):
+        key = await hub.keys.create("k")
+        framed = head("POST", CHAT, [bearer(key), *codings])
+        with trio.fail_after(120):
+            conn = await RawConn.open(url)
+            await conn.send(framed + b"2\r\n{}\r\n0\r\n\r\n" + _admin_get())
+            resp = await conn.response()
+            assert resp is not None and resp.status in (400, 501), resp  # llhttp's 400, or ours
+            assert resp.json()["error"]["code"] == "invalid_request"
+            rest = await conn.closed()
+    assert rest == b""
+    assert records.bad() == []
+
+
 # int(x, 16) takes the last three
 @pytest.mark.parametrize("size_line", [b"zz", b"-1", b"1 1", b"0x5", b"1_0", b" 5"])
 async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(

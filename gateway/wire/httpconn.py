@@ -318,6 +318,13 @@ class HTTPConnection:
                     400, "bad request: one Host header is required", "invalid_request"
                 )
                 return
+            if msg.chunked and (msg.coding is None or msg.coding.strip().lower() != b"chunked"):
+                # llhttp reads only the last coding (``identity`` then ``chunked`` as chunked):
+                # a body framed two ways is refused, as h11 did
+                await self.refuse(
+                    501, "only one Transfer-Encoding, chunked, is served", "invalid_request"
+                )
+                return
             upgrade = msg.upgrade
             if upgrade is not None and upgrade.lower() == b"websocket":
                 await self._websocket(msg)
