@@ -458,6 +458,37 @@ async def test_a_transfer_coding_repeated_or_unknown_is_refused_and_the_connecti
     assert records.bad() == []
 
 
+async def test_a_chunk_extension_of_16_mib_is_refused_400_long_before_its_end(
+    autojump_clock: trio.testing.MockClock, records: Records
+) -> None:
+    """Issue 36 point 7: llhttp skips a chunk extension however long it is; the hub stops
+    reading a chunk's size line past 16 KiB and answers 400 while the client is still sending."""
+    total = 16 << 20
+    sent = 0
+    async with open_hub(_hub()) as (hub, url):
+        key = await hub.keys.create("k")
+        chunked = head("POST", CHAT, [bearer(key), ("Transfer-Encoding", "chunked")])
+        with trio.fail_after(120):
+            conn = await RawConn.open(url)
+            assert await conn.send(chunked + b"2;ext=")
+
+            async def extension() -> None:
+                nonlocal sent
+                piece = b"a" * 65536
+                while sent < total and await conn.send(piece):
+                    sent += len(piece)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(extension)
+                resp = await conn.response()
+                nursery.cancel_scope.cancel()
+            assert resp is not None and resp.status == 400, resp
+            assert "chunk" in resp.json()["error"]["message"]
+            await conn.aclose()
+    assert sent < total, sent
+    assert records.bad() == []
+
+
 # int(x, 16) takes the last three
 @pytest.mark.parametrize("size_line", [b"zz", b"-1", b"1 1", b"0x5", b"1_0", b" 5"])
 async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(
