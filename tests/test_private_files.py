@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import trio
-from helpers import clean_env
+from helpers import ADMIN, EXE, OWNER, PROJECT, clean_env
+
+from gateway.hub import Hub, open_hub
 
 
 def _mode(path: Path) -> int:
@@ -36,6 +38,38 @@ def _modes_below(top: Path, leaf: Path) -> dict[str, int]:
         found[str(here.relative_to(top))] = _mode(here)
         here = here.parent
     return found
+
+
+async def test_a_state_dir_s_missing_parents_are_0700_under_umask_000(tmp_path: Path) -> None:
+    state = tmp_path / "a" / "b" / "state"
+    async with open_hub(Hub(admin_token=ADMIN)) as (_hub, url):
+        result = await _under_umask_000(
+            EXE,
+            "register",
+            "--server",
+            url,
+            "--project",
+            f"{OWNER}/{PROJECT}",
+            "--state-dir",
+            str(state),
+            AGENTICS_USER_TOKEN=ADMIN,
+        )
+    assert result.returncode == 0, result.stderr
+    dirs = _modes_below(tmp_path, state)
+    assert dirs == {"a": 0o700, "a/b": 0o700, "a/b/state": 0o700}, dirs
+    assert _mode(state / "registration.json") == 0o600
+
+
+async def test_a_data_dir_s_missing_parents_are_0700_under_umask_000(tmp_path: Path) -> None:
+    data = tmp_path / "a" / "b" / "data"
+    result = await _under_umask_000(
+        EXE, "hub", "--data", str(data), "keys", "create", "k", "--create"
+    )
+    assert result.returncode == 0, result.stderr
+    dirs = _modes_below(tmp_path, data)
+    assert dirs == {"a": 0o700, "a/b": 0o700, "a/b/data": 0o700}, dirs
+    files = {p.name: _mode(p) for p in data.iterdir() if p.is_file()}
+    assert files and all(mode == 0o600 for mode in files.values()), files
 
 
 async def test_the_replica_id_file_is_0600_under_umask_000(tmp_path: Path) -> None:

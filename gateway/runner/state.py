@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.privatefs import make_private_dirs
+
 STATE_FILE = "registration.json"
 FILE_VERSION = 2
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -154,7 +156,7 @@ class StateStore:
     def _make_dir(self) -> Path:
         where = self.private_dir
         if where == self.dir:
-            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dirs(where)  # its missing parents 0700 too, whatever the umask
         else:
             try:
                 where.mkdir(mode=0o700, exist_ok=True)
