@@ -163,6 +163,7 @@ def _run(config: Config) -> int:
             "`alp-gateway doctor` looks for local model servers"
         )
     runner = Runner(config)
+    runner.store.lock()  # one live runner per registration: a second one is refused here
 
     fatal: list[RunnerExit | StateError] = []
 

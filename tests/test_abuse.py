@@ -429,6 +429,66 @@ async def test_content_length_with_chunked_is_400_and_the_connection_closed(
     assert records.bad() == []
 
 
+@pytest.mark.parametrize(
+    "codings",
+    [
+        [("Transfer-Encoding", "identity"), ("Transfer-Encoding", "chunked")],
+        [("Transfer-Encoding", "chunked"), ("Transfer-Encoding", "chunked")],
+        [("Transfer-Encoding", "identity, chunked")],
+        [("Transfer-Encoding", "gzip, chunked")],
+    ],
+)
+async def test_a_transfer_coding_repeated_or_unknown_is_refused_and_the_connection_closed(
+    autojump_clock: trio.testing.MockClock, records: Records, codings: list[tuple[str, str]]
+) -> None:
+    """Issue 36 point 7: llhttp reads only the last coding, so ``identity`` then ``chunked``
+    would be read as chunked where another server reads it otherwise; refused (501, as h11
+    did) and the connection closed: the request pipelined behind it is never answered."""
+    async with open_hub(_hub()) as (hub, url):
+        key = await hub.keys.create("k")
+        framed = head("POST", CHAT, [bearer(key), *codings])
+        with trio.fail_after(120):
+            conn = await RawConn.open(url)
+            await conn.send(framed + b"2\r\n{}\r\n0\r\n\r\n" + _admin_get())
+            resp = await conn.response()
+            assert resp is not None and resp.status in (400, 501), resp  # llhttp's 400, or ours
+            assert resp.json()["error"]["code"] == "invalid_request"
+            rest = await conn.closed()
+    assert rest == b""
+    assert records.bad() == []
+
+
+async def test_a_chunk_extension_of_16_mib_is_refused_400_long_before_its_end(
+    autojump_clock: trio.testing.MockClock, records: Records
+) -> None:
+    """Issue 36 point 7: llhttp skips a chunk extension however long it is; the hub stops
+    reading a chunk's size line past 16 KiB and answers 400 while the client is still sending."""
+    total = 16 << 20
+    sent = 0
+    async with open_hub(_hub()) as (hub, url):
+        key = await hub.keys.create("k")
+        chunked = head("POST", CHAT, [bearer(key), ("Transfer-Encoding", "chunked")])
+        with trio.fail_after(120):
+            conn = await RawConn.open(url)
+            assert await conn.send(chunked + b"2;ext=")
+
+            async def extension() -> None:
+                nonlocal sent
+                piece = b"a" * 65536
+                while sent < total and await conn.send(piece):
+                    sent += len(piece)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(extension)
+                resp = await conn.response()
+                nursery.cancel_scope.cancel()
+            assert resp is not None and resp.status == 400, resp
+            assert "chunk" in resp.json()["error"]["message"]
+            await conn.aclose()
+    assert sent < total, sent
+    assert records.bad() == []
+
+
 # int(x, 16) takes the last three
 @pytest.mark.parametrize("size_line", [b"zz", b"-1", b"1 1", b"0x5", b"1_0", b" 5"])
 async def test_a_malformed_chunk_size_is_400_and_closed_without_an_error_log(

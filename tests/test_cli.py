@@ -194,6 +194,53 @@ async def test_run_serves_then_sigterm_drains(
     assert all(reg["token"] not in text for reg in saved)
 
 
+async def test_a_second_run_on_a_live_runner_s_state_dir_is_refused_in_one_line(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 36 point 5: a second ``run`` (another backend) on the registration a live runner
+    uses is refused at once, naming ``--state-dir``, and the first runs on; once the first is
+    SIGKILLed, the kernel has let go of its lock and a new runner takes the directory."""
+    state = tmp_path / "s"
+    argv = [EXE, "run", "--project", f"{OWNER}/{PROJECT}", "--state-dir", str(state)]
+    log_path = tmp_path / "runner.log"
+    with log_path.open("wb") as log:
+        first = await trio.lowlevel.open_process(
+            argv, env=runner_env(hub[1], sim.url), stdout=log, stderr=log
+        )
+        try:
+            await open_chat(hub[0], within=20)  # the first runner serves
+            with trio.fail_after(30):
+                second = await trio.run_process(
+                    [*argv, "--backend", "http://127.0.0.1:9/v1"],
+                    env=runner_env(hub[1], sim.url),
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
+            err = second.stderr.decode().strip()
+            assert second.returncode == 2, err
+            assert "--state-dir" in err and f"pid {first.pid}" in err and "\n" not in err, err
+            assert "Traceback" not in err
+            assert first.returncode is None  # the first runs on
+            first.kill()
+            await first.wait()
+            third = await trio.lowlevel.open_process(
+                argv, env=runner_env(hub[1], sim.url), stdout=log, stderr=log
+            )
+            try:
+                await open_chat(hub[0], within=20)  # a killed runner's lock is gone with it
+            finally:
+                third.kill()
+                await third.wait()
+        finally:
+            if first.returncode is None:
+                first.kill()
+                await first.wait()
+    (saved,) = json.loads((state / "registration.json").read_text())["registrations"]
+    assert saved["token"] not in err
+    assert stat.S_IMODE((state / "runner.lock").stat().st_mode) == 0o600
+
+
 async def test_revoked_token_exits_without_user_credential(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:

@@ -49,6 +49,7 @@ from gateway.hub.store import (
     StoreError,
     StoreMissing,
     UsageTotal,
+    backup,
     limits_of,
     open_store,
 )
@@ -275,6 +276,7 @@ def _build_parser() -> _Parser:
     usage.add_argument(
         "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
     )
+    backup.add_commands(parser, sub)
     parser.command(
         sub,
         "doctor",
@@ -297,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args, settings)
         if args.command == "usage":
             return _usage(args, settings)
+        if args.command in backup.COMMANDS:
+            print(logsafe.escape(backup.command(args.command, settings, args.file)))
+            return 0
         if args.command == "doctor":
             from gateway.hub.doctor import main as doctor_main
 

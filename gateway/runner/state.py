@@ -10,6 +10,8 @@ in the new form at the next save.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
@@ -18,7 +20,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.privatefs import make_private_dirs
+
 STATE_FILE = "registration.json"
+LOCK_FILE = "runner.lock"  # held (flock) by the one live runner of a state directory
 FILE_VERSION = 2
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -129,6 +134,36 @@ class StateStore:
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir
+        self._lock_fd = -1  # the lock file, open and locked while this runner runs
+
+    def lock(self) -> None:
+        """Take the state directory for this process, as long as it lives: one live runner per
+        registration (a second one would serve as the first's runner id). An OS lock
+        (``flock``) on ``LOCK_FILE``: the kernel lets go of it when the process ends, however
+        it ends, so a killed runner leaves nothing to clean up. StateError when another live
+        process holds it, naming it and ``--state-dir``."""
+        where = self._make_dir()
+        path = where / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise StateError(f"cannot open {path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                holder = f" (pid {int(os.pread(fd, 32, 0).decode().strip())})"
+            os.close(fd)
+            raise StateError(
+                f"another runner{holder} is running on the registration in {self.dir}: "
+                "give this one its own --state-dir (a runner per backend set, each its own "
+                "runner id), or stop that one first"
+            ) from None
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     @property
     def private_dir(self) -> Path:
@@ -154,7 +189,7 @@ class StateStore:
     def _make_dir(self) -> Path:
         where = self.private_dir
         if where == self.dir:
-            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dirs(where)  # its missing parents 0700 too, whatever the umask
         else:
             try:
                 where.mkdir(mode=0o700, exist_ok=True)

@@ -49,6 +49,7 @@ log = logging.getLogger("gateway.wire.server")
 LINGER = 2.0  # s: a connection closed with unread input is drained this long (lingering close)
 LINGER_BYTES = 1 << 20  # bytes drained at most in that time
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+MAX_CHUNK_LINE = 16 * 1024  # bytes: a chunked body's size line (with its extension), or trailers
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,8 @@ class HTTPConnection:
         parts = parser.body
         if req.expect and not parts:
             resp.write_raw(CONTINUE)  # the client waits for it before it sends the body
+        size = -1
+        framing = 0  # bytes read since the body last grew: a chunk line, its extension, trailers
         with trio.move_on_at(self.body_deadline):
             try:
                 while not req.complete:
@@ -208,11 +211,22 @@ class HTTPConnection:
                         raise HTTPError(
                             400, f"malformed request body: {parser.broken}", "invalid_request"
                         )
-                    if sum(map(len, parts)) > limit:
+                    grown = sum(map(len, parts))
+                    if grown > limit:
                         raise _too_large(limit)
+                    if grown != size:
+                        size, framing = grown, 0
+                    elif framing > MAX_CHUNK_LINE:  # llhttp skips an extension to its end
+                        raise HTTPError(
+                            400,
+                            f"a chunk's size line or trailers over {MAX_CHUNK_LINE} bytes",
+                            "invalid_request",
+                        )
                     if self.eof:
                         break
+                    before = self._head_bytes
                     await self._fill()
+                    framing += self._head_bytes - before
             except NET_ERRORS as exc:
                 log.debug("client %s left mid-upload: %r", self.client, exc)
                 resp.gone = True
@@ -316,6 +330,13 @@ class HTTPConnection:
             if msg.hosts != 1 and (msg.hosts or msg.version == "1.1"):
                 await self.refuse(
                     400, "bad request: one Host header is required", "invalid_request"
+                )
+                return
+            if msg.chunked and (msg.coding is None or msg.coding.strip().lower() != b"chunked"):
+                # llhttp reads only the last coding (``identity`` then ``chunked`` as chunked):
+                # a body framed two ways is refused, as h11 did
+                await self.refuse(
+                    501, "only one Transfer-Encoding, chunked, is served", "invalid_request"
                 )
                 return
             upgrade = msg.upgrade

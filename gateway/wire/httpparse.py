@@ -36,6 +36,7 @@ class RequestHead:
         "hosts",
         "length",
         "chunked",
+        "coding",
         "expect",
         "body",
     )
@@ -53,6 +54,7 @@ class RequestHead:
         self.hosts = 0  # Host headers
         self.length: bytes | None = None  # its Content-Length header
         self.chunked = False  # it has a Transfer-Encoding
+        self.coding: bytes | None = None  # its one Transfer-Encoding's value (None: several)
         self.expect = False  # Expect: 100-continue
         self.body: bytes | None = None  # once complete: its body
 
@@ -123,6 +125,7 @@ class RequestParser:
             elif name == b"content-length":
                 current.length = value
             elif name == b"transfer-encoding":
+                current.coding = None if current.chunked else value
                 current.chunked = True
             elif name == b"upgrade":
                 current.upgrade = value

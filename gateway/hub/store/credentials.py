@@ -9,6 +9,8 @@ import os
 import pathlib
 import secrets
 
+from gateway.privatefs import make_private_dirs
+
 RUNNER_TOKEN_PREFIX = "alpr_"
 API_KEY_PREFIX = "alpk_"
 ADMIN_TOKEN_PREFIX = "alpa_"
@@ -32,7 +34,7 @@ def key_id_of(key_hash: str) -> str:
 
 def ensure_private_dir(path: pathlib.Path) -> None:
     """Create ``path`` (and parents) if needed and make it owner-only (0700)."""
-    path.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path)  # each missing parent 0700 too, whatever the umask
     os.chmod(path, 0o700)
 
 

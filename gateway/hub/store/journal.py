@@ -30,6 +30,7 @@ import uuid
 import msgspec
 
 from gateway.hub.store.records import UsageRecord
+from gateway.privatefs import make_private_dirs
 
 log = logging.getLogger("gateway.hub.store")
 
@@ -57,7 +58,7 @@ class Journal:
 
     def __init__(self, directory: pathlib.Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(directory)
         id_file = directory / ID_FILE
         try:
             self.id = id_file.read_text().strip()

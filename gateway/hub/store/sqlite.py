@@ -25,6 +25,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import trio
 
 from gateway.hub.store import sqlite_ops as ops
+from gateway.hub.store.backup import lock_shared
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
@@ -79,18 +80,30 @@ class SqliteStore(Store):
         self.path = None if data_dir is None else data_dir / FILENAME
         self.where = "(memory)" if self.path is None else str(self.path)
         self._limiter = trio.CapacityLimiter(1) if in_thread else None
+        self._lock_fd = -1  # a shared lock on the data directory's store: no restore under it
         try:
             self._db: sqlite3.Connection | None = self._connect(data_dir)
         except sqlite3.Error as exc:
+            self._unlock()
             raise _error(self.where, exc) from None
         except ops.SchemaTooNew as exc:
+            self._unlock()
             raise StoreError(str(exc)) from None
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def _connect(self, data_dir: pathlib.Path | None) -> sqlite3.Connection:
         if data_dir is None:
             db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         else:
             ensure_private_dir(data_dir)
+            self._lock_fd = lock_shared(data_dir)  # `hub restore` refuses while it is held
             db = sqlite3.connect(
                 self.where, timeout=BUSY_TIMEOUT, check_same_thread=False, isolation_level=None
             )
@@ -134,6 +147,7 @@ class SqliteStore(Store):
         db, self._db = self._db, None
         if db is not None:
             db.close()
+        self._unlock()
 
     def admin_credential(self, data_dir: pathlib.Path | None) -> AdminCredential:
         """The token in ``data_dir/admin-token`` (made there at first start), as before the

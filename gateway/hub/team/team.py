@@ -57,6 +57,7 @@ from gateway.hub.team.boardsync import BoardSync, apply, presence_of, seen_remot
 from gateway.hub.team.limits import TeamLimits
 from gateway.hub.team.relay import Relay
 from gateway.hub.team.remote import Peer, RemoteChannel
+from gateway.privatefs import write_private
 from gateway.wire.protocol import HelloFrame, encode_frame
 
 log = logging.getLogger("gateway.hub.team")
@@ -92,7 +93,7 @@ def replica_id(given: str | None, data_dir: pathlib.Path | None) -> str:
         return kept
     made = f"{socket.gethostname().split('.')[0][:40] or 'hub'}-{uuid.uuid4().hex[:6]}"
     ensure_private_dir(data_dir)
-    path.write_text(made + "\n")
+    write_private(path, (made + "\n").encode())  # 0600, as every file of the data directory
     return made
 
 
