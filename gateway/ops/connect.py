@@ -2,9 +2,8 @@
 files and environment), printed or written with a backup of every file it changes.
 
 The hub's URL is ``--hub`` or the local hub's (its ``listen`` and ``tls_cert`` settings); an API
-key is ``--key`` or one made with the admin API (the admin credential from ``--admin-token``,
-``ALP_GATEWAY_HUB_ADMIN_TOKEN`` or the hub's data directory); the model is ``--model`` or the first
-of ``/v1/models``. What each agent gets is ``gateway.ops.agents``'s (pure); this module does the
+key is ``--key`` or one made with the admin API (the admin credential from ``--admin-token`` or
+the hub's data directory); the model is ``--model`` or the first of ``/v1/models``. What each agent gets is ``gateway.ops.agents``'s (pure); this module does the
 I/O around it.
 """
 
@@ -36,7 +35,6 @@ from gateway.ops.agents import (
     recipe,
 )
 
-ADMIN_ENV = "ALP_GATEWAY_HUB_ADMIN_TOKEN"
 TIMEOUT = 15.0  # seconds for each call to the hub (its /v1/models may wait for runners' lists)
 
 
@@ -64,8 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-token",
         metavar="TOKEN",
-        help=f"the hub's admin credential, to make an API key (default: {ADMIN_ENV}, else "
-        "DATA/admin-token)",
+        help="the hub's admin credential, to make an API key (default: DATA/admin-token)",
     )
     parser.add_argument("--key", metavar="KEY", help="use this API key instead of making one")
     parser.add_argument(
@@ -152,7 +149,7 @@ def _local_url(settings: Any) -> str:
 
 
 def _admin_token(args: argparse.Namespace, settings: Any, env: Any) -> str:
-    token = args.admin_token or env.get(ADMIN_ENV)
+    token = args.admin_token
     if token:
         return str(token).strip()
     path = Path(settings.data) / "admin-token"
@@ -161,7 +158,7 @@ def _admin_token(args: argparse.Namespace, settings: Any, env: Any) -> str:
     except OSError as exc:
         raise ConnectError(
             f"no API key and no admin credential to make one: {path}: {exc.strerror}; give "
-            f"--key KEY, or --admin-token (or {ADMIN_ENV}), or --data the hub's data directory"
+            f"--key KEY, or --admin-token, or --data the hub's data directory"
         ) from None
 
 

@@ -222,7 +222,14 @@ class Doctor:
             return
         assert config.project
         owner, project = split_project(config.project)
-        alp = AlpClient(server, owner, project, ssl_context=ssl_context, timeout=self.probe_timeout)
+        alp = AlpClient(
+            server,
+            owner,
+            project,
+            ssl_context=ssl_context,
+            ca_file=config.ca_file,
+            timeout=self.probe_timeout,
+        )
         alp.token = registration.token
         try:
             await alp.poll([])  # no capabilities: a poll like this never claims a job
