@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -511,6 +512,22 @@ async def diagnose(
     return await Doctor(config, deep=deep, probe_timeout=probe_timeout).run()
 
 
+def _project_of_registration(config: Config) -> tuple[Config, list[Check]]:
+    """``config`` with the project of the state file's one registration (its Server found by
+    ``StateStore.find`` as ``run`` finds it), and a line that says so; ``config`` as it is when
+    the file holds none, or several (a line naming them)."""
+    store = StateStore(config.state_dir)
+    projects = store.projects()  # [] for a damaged file: check_state says what is wrong
+    if len(projects) == 1:
+        found = dataclasses.replace(config, project=projects[0])
+        line = f"{projects[0]}, from the saved registration ({store.path}); --project for another"
+        return found, [Check(OK, "project", line)]
+    if projects:
+        line = f"{store.path} holds registrations for {', '.join(projects)}"
+        return config, [Check(FAIL, "project", line, "give --project OWNER/PROJECT: which one")]
+    return config, []
+
+
 def run_doctor(
     flags: Mapping[str, Any],
     env: Mapping[str, str],
@@ -538,7 +555,10 @@ def run_doctor(
             out,
         )
         return 1
-    checks = trio.run(lambda: diagnose(config, deep=deep))
+    saved: list[Check] = []
+    if config.project is None:  # the saved registration's project, when it holds just one
+        config, saved = _project_of_registration(config)
+    checks = saved + trio.run(lambda: diagnose(config, deep=deep))
     render(checks, out)
     return 1 if any(c.failed for c in checks) else 0
 
