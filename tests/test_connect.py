@@ -16,16 +16,35 @@ from pathlib import Path
 
 import trio
 import trustme
-from helpers import ADMIN, EXE, OWNER, PROJECT, clean_env
+from helpers import ADMIN, BACKEND_KEY, EXE, OWNER, PROJECT, clean_env, runner_config, running
 from test_agents import ANSWER, Setup, claude, codex, run_agent, served, whole_path
 
 from gateway.hub import Hub, open_hub
 from gateway.ops.agents import AGENTS, BEGIN, END, Target, readme_recipes, recipe
+from gateway.sim import SimOptions, open_sim
 
 __all__ = ["claude", "codex"]  # the fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+
+
+# the tests' own settings of the agents: nothing on the network but the turns (as in
+# tests/test_agents.py), on top of what connect wrote
+AGENT_ENV = {
+    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    "LANG": "C.UTF-8",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+}
+OFFLINE = [
+    "-c", "features.plugins=false", "-c", "analytics.enabled=false",
+    "-c", "feedback.enabled=false", "-c", "check_for_update_on_startup=false",
+    "-c", "model_providers.alp.request_max_retries=0",
+    "-c", "model_providers.alp.stream_max_retries=0",
+]  # fmt: skip
 
 
 def test_the_readmes_recipes_are_what_connect_prints() -> None:
@@ -124,16 +143,7 @@ async def test_connect_write_runs_claude_code_through_the_hub(tmp_path: Path, cl
         settings = home / ".claude" / "settings.json"
         assert f"wrote {settings}" in out
         assert stat.S_IMODE(settings.stat().st_mode) == 0o600  # it holds the key
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(home),
-            "LANG": "C.UTF-8",
-            # the test's own: no traffic but the turns
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_TELEMETRY": "1",
-            "DISABLE_ERROR_REPORTING": "1",
-            "DISABLE_AUTOUPDATER": "1",
-        }
+        env = {**AGENT_ENV, "HOME": str(home)}
         (tmp_path / "work").mkdir()
         run = await run_agent(path, [str(claude), "-p", "say hi"], env, tmp_path / "work")
     print(f"claude-code via connect --write: exit {run.returncode}, {run.stdout.strip()!r}")
@@ -164,13 +174,7 @@ async def test_connect_write_runs_codex_through_the_hub_keeping_the_users_config
         envs = home / ".config" / "alp-gateway" / "codex.env"
         env = env_file(envs)
         env.update(PATH=os.environ.get("PATH", "/usr/bin:/bin"), HOME=str(home), LANG="C.UTF-8")
-        offline = [  # the test's own: nothing but the turns (as tests/test_agents.py's config)
-            "-c", "features.plugins=false", "-c", "analytics.enabled=false",
-            "-c", "feedback.enabled=false", "-c", "check_for_update_on_startup=false",
-            "-c", "model_providers.alp.request_max_retries=0",
-            "-c", "model_providers.alp.stream_max_retries=0",
-        ]  # fmt: skip
-        argv = [str(codex), "exec", "--skip-git-repo-check", *offline, "say hi"]
+        argv = [str(codex), "exec", "--skip-git-repo-check", *OFFLINE, "say hi"]
         (tmp_path / "work").mkdir()
         run = await run_agent(path, argv, env, tmp_path / "work")
     assert backup.read_text() == mine
@@ -204,3 +208,49 @@ async def test_connect_over_tls_with_a_private_ca(tmp_path: Path) -> None:
     assert f"export NODE_EXTRA_CA_CERTS={ca_pem}" in out
     assert f"export ANTHROPIC_BASE_URL={url}" in out
     assert not list(home.iterdir())
+
+
+async def test_connect_write_over_tls_runs_claude_code_and_codex_trusting_the_private_ca(
+    tmp_path: Path, claude: Path, codex: Path
+) -> None:
+    """A hub serving HTTPS with a private CA's certificate: ``connect --write --ca-file`` for
+    Claude Code and Codex, then each agent, given only what was written (the env file holds the
+    CA's variable: NODE_EXTRA_CA_CERTS, CODEX_CA_CERTIFICATE), answers through the hub."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    ca_pem, cert, key = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    cert.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(key))
+    home = tmp_path / "home"
+    (tmp_path / "work").mkdir()
+    (home / ".codex").mkdir(parents=True)
+    answers = {}
+    async with open_sim(require_key=BACKEND_KEY, options=SimOptions(chunks=5)) as sim:
+        hub = Hub(admin_token=ADMIN, runner_wait_timeout=10)
+        async with open_hub(hub, certfile=cert, keyfile=key) as (_, url):
+            config = runner_config(url, sim.url, tmp_path / "state", ca_file=ca_pem)
+            async with running(config):
+                for agent, argv in (
+                    ("claude-code", [str(claude), "-p", "say hi"]),
+                    ("codex", [str(codex), "exec", "--skip-git-repo-check", *OFFLINE, "say hi"]),
+                ):
+                    code, out, err = await connect(
+                        home, agent, "--write", "--hub", url, "--admin-token", ADMIN,
+                        "--ca-file", str(ca_pem),
+                    )  # fmt: skip
+                    assert code == 0, err
+                    env = env_file(home / ".config" / "alp-gateway" / f"{agent}.env")
+                    env.update(AGENT_ENV, HOME=str(home))
+                    with trio.fail_after(120):
+                        done = await trio.run_process(
+                            argv, stdin=b"", capture_stdout=True, capture_stderr=True,
+                            check=False, env=env, cwd=tmp_path / "work",
+                        )  # fmt: skip
+                    answers[agent] = (done.returncode, done.stdout.decode(), env)
+                    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert answers["claude-code"][2]["NODE_EXTRA_CA_CERTS"] == str(ca_pem)
+    assert answers["codex"][2]["CODEX_CA_CERTIFICATE"] == str(ca_pem)
+    for agent, (code, out, _) in answers.items():
+        print(f"{agent} over TLS via connect --write --ca-file: exit {code}, {out.strip()!r}")
+        assert ANSWER in out
