@@ -7,6 +7,7 @@ README's recipes are what ``connect --print`` prints (``readme_recipes``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -254,3 +255,47 @@ async def test_connect_write_over_tls_runs_claude_code_and_codex_trusting_the_pr
     for agent, (code, out, _) in answers.items():
         print(f"{agent} over TLS via connect --write --ca-file: exit {code}, {out.strip()!r}")
         assert ANSWER in out
+
+
+async def test_connect_write_merges_into_the_other_agents_files(tmp_path: Path) -> None:
+    """OpenCode's opencode.json keeps the user's other providers, aider's file its other
+    settings; aider's, Continue's and Open WebUI's files (they hold the key) are owner-only;
+    every file changed is backed up first."""
+    async with whole_path(tmp_path) as path:
+        home = tmp_path / "home"
+        config = home / ".config" / "opencode" / "opencode.json"
+        config.parent.mkdir(parents=True)
+        mine = {"provider": {"mine": {"npm": "x"}}, "theme": "dark"}
+        config.write_text(json.dumps(mine))
+        (home / ".aider.conf.yml").write_text("dark-mode: true\nmodel: gpt-9\n")
+        said = {}
+        for agent in ("opencode", "aider", "continue", "open-webui"):
+            code, out, err = await connect(
+                home, agent, "--write", "--hub", path.url, "--key", path.key, "--model", "m"
+            )
+            assert code == 0, err
+            said[agent] = out
+    merged = json.loads(config.read_text())
+    assert merged["theme"] == "dark" and set(merged["provider"]) == {"mine", "alp"}
+    assert merged["model"] == "alp/m"
+    assert merged["provider"]["alp"]["options"] == {
+        "baseURL": f"{path.url}/v1",
+        "apiKey": "{env:ALP_KEY}",
+    }
+    assert path.key not in config.read_text()  # OpenCode's key: in the env file only
+    assert env_file(home / ".config" / "alp-gateway" / "opencode.env") == {"ALP_KEY": path.key}
+    for written in (
+        home / ".aider.conf.yml",
+        home / ".continue" / "config.yaml",
+        home / ".config" / "alp-gateway" / "open-webui.env",
+    ):
+        assert stat.S_IMODE(written.stat().st_mode) == 0o600 and path.key in written.read_text()
+    (backup,) = home.glob(".aider.conf.yml.bak-*")
+    assert backup.read_text() == "dark-mode: true\nmodel: gpt-9\n" and "backed up" in said["aider"]
+    aider = (home / ".aider.conf.yml").read_text().splitlines()
+    assert (
+        aider[0] == "dark-mode: true"
+        and "model: openai/m" in aider
+        and "gpt-9" not in "\n".join(aider)
+    )
+    assert len(list(config.parent.glob("opencode.json.bak-*"))) == 1

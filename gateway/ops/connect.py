@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--print",
         action="store_true",
-        help="show the configuration and environment, touching no file (the default)",
+        help="show the configuration and environment, writing no file (the default; an API "
+        "key is still made on the hub unless --key is given)",
     )
     mode.add_argument(
         "--write",
@@ -261,7 +262,8 @@ def write(made: Recipe, target: Target, env: Any) -> list[str]:
         path = (settings or _home(env) / ".claude") / "settings.json"
         current = _json_of(path)
         current.setdefault("env", {}).update(claude_settings_env(target))
-        current.pop("model", None)  # a model there overrides ANTHROPIC_MODEL
+        if current.pop("model", None) is not None:  # it would override ANTHROPIC_MODEL
+            done.append(f'took "model" out of {path}: it overrides ANTHROPIC_MODEL')
         _put(path, json.dumps(current, indent=2) + "\n", True, done)
         env_left = {k: v for k, v in env_left.items() if k == "NODE_EXTRA_CA_CERTS"}
     for config in files:
@@ -276,6 +278,8 @@ def write(made: Recipe, target: Target, env: Any) -> list[str]:
             text = json.dumps(current, indent=2) + "\n"
         elif made.agent == "codex" and path.is_file():
             text = merge_codex(path.read_text(encoding="utf-8"), config.text)
+        elif made.agent == "aider" and path.is_file():
+            text = merge_flat_yaml(path.read_text(encoding="utf-8"), config.text)
         _put(path, text, config.secret, done)
     if env_left:
         path = _config_home(env) / "alp-gateway" / f"{made.agent}.env"
@@ -309,6 +313,18 @@ def merge_codex(current: str, ours: str) -> str:
     except tomllib.TOMLDecodeError:
         return ours
     return merged
+
+
+def merge_flat_yaml(current: str, ours: str) -> str:
+    """A flat ``key: value`` YAML file (aider's) with our keys in place of its own, every other
+    line kept."""
+    keys = {line.split(":", 1)[0] for line in ours.splitlines() if ":" in line}
+    kept = [
+        line
+        for line in current.splitlines()
+        if line[:1].isspace() or line.split(":", 1)[0].strip() not in keys
+    ]
+    return "\n".join(kept + ours.rstrip("\n").splitlines()) + "\n"
 
 
 def _json_of(path: Path) -> dict[str, Any]:
