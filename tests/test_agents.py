@@ -287,12 +287,14 @@ async def test_claude_code_prints_the_simulators_answer(tmp_path: Path, claude: 
         }
         env = claude_env(tmp_path, path, **models)
         run = await run_agent(path, [str(claude), "-p", "say hi"], env, tmp_path / "work")
+        sessions = path.hub.sessions.listing()
     assert run.returncode == 0 and ANSWER in run.stdout, run.report()
     turns = served(run, "/v1/messages")
     for turn in turns:
         sent = json.loads(turn.body)
         assert sent["model"] == "sim-model" and turn.headers["x-api-key"] == path.key
-        assert "x-claude-code-session-id" in turn.headers
+        # its own session header (docs/hub.md "Sessions"): the hub's session for it
+        assert ("agents", turn.headers["x-claude-code-session-id"]) in sessions
         assert b'"text_delta","text":"tok0 "' in turn.answer  # streamed, Anthropic's events
 
 

@@ -33,6 +33,7 @@ from helpers import (
 
 from gateway.config import SETTINGS, Config, load_config
 from gateway.hub import App, Hub, open_hub
+from gateway.ops.doctor import WARN, diagnose
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator
 
@@ -343,3 +344,18 @@ async def test_deploys_openssl_recipe_makes_a_certificate_runners_and_clients_tr
         context = ssl.create_default_context(cafile=str(ca))
         async with httpx.AsyncClient(verify=context) as http:
             assert (await http.get(url + "/healthz")).status_code in (200, 503)
+
+
+async def test_doctor_says_a_bare_host_port_speaks_https(
+    tls_hub: tuple[Hub, str, RequestLog], sim: Simulator, tmp_path: Path
+) -> None:
+    _, url, _ = tls_hub
+    bare = url.removeprefix("https://")
+    config = load_config(
+        {"server": bare, "project": f"{OWNER}/{PROJECT}", "backend": [sim.url]}, {}
+    )
+    config = dataclasses.replace(config, state_dir=tmp_path / "state")
+    found = {c.name: c for c in await diagnose(config)}
+    assert found["Server"].mark == WARN
+    assert f"http://{bare} speaks HTTPS at that port" in found["Server"].detail
+    assert f"--server {url}" in (found["Server"].hint or "")

@@ -211,7 +211,20 @@ class Doctor:
                 async with httpx.AsyncClient(
                     verify=ssl_context, timeout=self.probe_timeout
                 ) as client:
-                    await client.get(server)
+                    answer = await client.get(server)
+                if (
+                    answer.status_code == 400
+                    and server.startswith("http://")
+                    and b"speaks HTTPS" in answer.content
+                ):
+                    https = "https://" + server.split("://", 1)[1]
+                    self.add(
+                        WARN,
+                        "Server",
+                        f"{server} speaks HTTPS at that port: `run` registers at {https}",
+                        f"give --server {https} (and --ca-file for a private CA)",
+                    )
+                    return
             except httpx.HTTPError as exc:
                 why = _kind(exc) if isinstance(exc, httpx.TimeoutException) else None
                 why = why or describe_error(exc, server)
