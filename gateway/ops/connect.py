@@ -128,8 +128,9 @@ def _target(args: argparse.Namespace) -> Target:
     if ca is not None and not ca.is_file():
         raise ConnectError(f"--ca-file {ca}: no such file")
     verify: ssl.SSLContext | bool = True
-    if ca is not None:
-        verify = ssl.create_default_context(cafile=str(ca))
+    if ca is not None:  # added to the system's CAs (create_default_context(cafile=) replaces)
+        verify = ssl.create_default_context()
+        verify.load_verify_locations(cafile=str(ca))
     with httpx.Client(base_url=hub, timeout=TIMEOUT, verify=verify, trust_env=False) as http:
         key = args.key or _make_key(http, args, settings, env)
         model = _model(http, key, args.model)
