@@ -1,4 +1,4 @@
-"""The ``alp-gateway`` command: run, register, hub, sim, demo, status, --version."""
+"""The ``alp-gateway`` command: run, register, hub, sim, demo, status, connect, --version."""
 
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
             "runner (from its --metrics-listen port)",
         )
     )
+    from gateway.ops.connect import add_arguments as add_connect_arguments
+
+    add_connect_arguments(
+        sub.add_parser(
+            "connect",
+            help="set a coding agent up for the hub: an API key, a model, its files and "
+            "environment (claude-code, codex, opencode, aider, continue, open-webui)",
+        )
+    )
     sub.add_parser(
         "hub",
         help="run the hub: your own ALP Server, with an OpenAI/Anthropic/Responses-compatible "
@@ -114,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.ops.status import main as status_main
 
             return status_main(args)
+        if args.command == "connect":
+            from gateway.ops.connect import main as connect_main
+
+            return connect_main(args)
         if args.command == "doctor":
             from gateway.ops.doctor import main as doctor_main
 

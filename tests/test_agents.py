@@ -287,12 +287,14 @@ async def test_claude_code_prints_the_simulators_answer(tmp_path: Path, claude: 
         }
         env = claude_env(tmp_path, path, **models)
         run = await run_agent(path, [str(claude), "-p", "say hi"], env, tmp_path / "work")
+        sessions = path.hub.sessions.listing()
     assert run.returncode == 0 and ANSWER in run.stdout, run.report()
     turns = served(run, "/v1/messages")
     for turn in turns:
         sent = json.loads(turn.body)
         assert sent["model"] == "sim-model" and turn.headers["x-api-key"] == path.key
-        assert "x-claude-code-session-id" in turn.headers
+        # its own session header (docs/hub.md "Sessions"): the hub's session for it
+        assert ("agents", turn.headers["x-claude-code-session-id"]) in sessions
         assert b'"text_delta","text":"tok0 "' in turn.answer  # streamed, Anthropic's events
 
 
@@ -355,3 +357,54 @@ async def test_codex_prints_the_simulators_answer(tmp_path: Path, codex: Path) -
         assert sent["model"] == "sim-model" and sent["stream"] is True
         assert turn.headers["authorization"] == f"Bearer {path.key}"
         assert b"event: response.completed" in turn.answer
+
+
+# -- each agent's own sessions (issue 37, point 2) --------------------------------------------
+
+
+def codex_run(
+    tmp_path: Path, path: Setup, codex: Path, name: str
+) -> tuple[list[str], dict[str, str], Path]:
+    """``codex exec`` at the hub in a CODEX_HOME and working directory of its own (``name``)."""
+    codex_home = tmp_path / f"codex-{name}"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(CODEX_CONFIG.format(base_url=path.url + "/v1"))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    home = tmp_path / f"home-{name}"
+    work = tmp_path / f"work-{name}"
+    home.mkdir()
+    work.mkdir()
+    env.update(HOME=str(home), CODEX_HOME=str(codex_home), ALP_KEY=path.key)
+    argv = [str(codex), "exec", "--skip-git-repo-check", "--strict-config", f"say hi {name}"]
+    return argv, env, work
+
+
+async def test_two_concurrent_codex_sessions_on_one_key_land_on_two_chat_jobs(
+    tmp_path: Path, codex: Path
+) -> None:
+    """Two ``codex exec`` at once with one API key and no X-Chat-Session: each sends its own
+    ``session-id`` header (Codex 0.171), and each is a session of its own, on a Chat Job of its
+    own (on main both landed in the key's ``default`` session, one job)."""
+    runs: dict[str, Run] = {}
+    async with whole_path(tmp_path) as path:
+
+        async def one(name: str) -> None:
+            argv, env, work = codex_run(tmp_path, path, codex, name)
+            runs[name] = await run_agent(path, argv, env, work)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "a")
+            nursery.start_soon(one, "b")
+        sessions = path.hub.sessions.listing()
+    exchanges = path.tap.exchanges()
+    for run in runs.values():
+        assert run.returncode == 0 and ANSWER in run.stdout, run.report()
+    turns = [e for e in exchanges if e.path == "/v1/responses" and e.status == 200]
+    sent = {turn.headers["session-id"] for turn in turns}
+    for turn in turns:  # what Codex 0.171 sends for its session, seen on the wire
+        assert json.loads(turn.body)["prompt_cache_key"] == turn.headers["session-id"]
+        assert turn.headers["thread-id"] == turn.headers["session-id"]
+    assert len(sent) == 2, [t.headers for t in turns]
+    mine = {sid: job for (key, sid), job in sessions.items() if key == "agents"}
+    print(f"codex sessions -> Chat Jobs: {mine}")
+    assert set(mine) == sent and len(set(mine.values())) == 2 and None not in mine.values()

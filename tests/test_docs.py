@@ -213,3 +213,37 @@ def test_packaging_scripts_parse(script: str) -> None:
         ["bash", "-n", str(ROOT / "packaging" / script)], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
+
+
+def wait_loops(readme: str) -> list[str]:
+    """The walk-through's wait loops: each ``until`` line with its continuation, as written."""
+    walk = section(readme, "## Self-hosting with the hub")
+    loops = []
+    for block in re.findall(r"```sh\n(.*?)```", walk, re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if "until " in line:
+                loop = [line]
+                while not loop[-1].rstrip().endswith("done") and i + len(loop) < len(lines):
+                    loop.append(lines[i + len(loop)])
+                loops.append("\n".join(loop))
+    return loops
+
+
+def test_the_readmes_wait_loops_end_and_show_the_logs_cause(tmp_path: Path) -> None:
+    """Each wait loop of the walk-through, run as written by sh against a port where nothing
+    answers (its sleeps cut to 0: the bound is its count, not the clock): it ends by itself and
+    shows the end of the log it names (issue 37, point 5)."""
+    loops = wait_loops(README.read_text())
+    assert len(loops) == 2, loops
+    for loop in loops:
+        log = re.search(r"tail -n \d+ (\S+\.log)", loop)
+        assert log, f"the loop shows no log: {loop}"
+        (tmp_path / log.group(1)).write_text("… WARNING backend default: connection refused\n")
+        dead = re.sub(r"127\.0\.0\.1:8787", "127.0.0.1:9", loop)  # the discard port: refused
+        dead = re.sub(r"sleep [0-9.]+", "sleep 0", dead)
+        done = subprocess.run(
+            ["sh", "-c", dead], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert "after" in done.stdout and "connection refused" in done.stdout, done.stdout

@@ -335,3 +335,28 @@ def test_a_registration_on_another_server_is_not_this_ones(tmp_path: Path) -> No
     )
     assert "--server http://second:8787" in (line.hint or "")
     assert "tok-elsewhere" not in line.detail
+
+
+async def test_doctor_with_no_flags_takes_server_and_project_from_the_saved_registration(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """``alp-gateway doctor`` with only the state directory and a backend: the project (and its
+    Server) of registration.json, checked against the hub, not "no project" (issue 37, point 5)."""
+    state = tmp_path / "state"
+    await Runner(runner_config(hub[1], sim.url, state)).register()
+    env = {"ALP_GATEWAY_STATE_DIR": str(state), "CHAT_LLM_BACKEND_URL": sim.url}
+    env["CHAT_LLM_BACKEND_KEY"] = BACKEND_KEY
+    out = io.StringIO()
+    code = await trio.to_thread.run_sync(lambda: run_doctor({}, env, None, out=out))
+    text = out.getvalue()
+    assert code == 0, text
+    assert f"{OWNER}/{PROJECT}, from the saved registration" in text
+    assert "runner token accepted" in text and "no project" not in text
+    assert hub[1] in text  # the registration's Server, not agentics.dk
+    # two projects saved: which one is not guessed
+    StateStore(state).save(Registration("r-2", "box", "tok-2-secret", hub[1], OWNER, "other"))
+    out = io.StringIO()
+    code = await trio.to_thread.run_sync(lambda: run_doctor({}, env, None, out=out))
+    assert (
+        code == 1 and f"holds registrations for {OWNER}/{PROJECT}, {OWNER}/other" in out.getvalue()
+    )

@@ -437,3 +437,27 @@ def test_status_prints_what_the_runner_said_escaped() -> None:
         "health      NOT HEALTHY (503): down\\x1b[2J\\nforged"
     ]
     assert any("gpu\\x1b]0;pwned\\x07\\r\\nhealth" in line for line in lines)
+
+
+async def test_status_takes_the_metrics_address_from_the_runners_config_file(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """``alp-gateway status --config FILE`` with no --metrics-url asks the address the runner's
+    ``metrics_listen`` in that file binds, not 127.0.0.1:9464 (issue 37, point 5)."""
+    config = runner_config(hub[1], sim.url, tmp_path / "state", metrics_listen=LOOPBACK_ANY_PORT)
+    async with running(config) as runner:
+        listen = metrics_url(runner).removeprefix("http://")
+        toml = tmp_path / "runner.toml"
+        toml.write_text(f'metrics_listen = "{listen}"\n')
+        assert default_url({}, toml) == f"http://{listen}"
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [EXE, "status", "--config", str(toml)],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env=clean_env(),
+            )
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.decode()
+    assert f"at http://{listen}\n" in said and "healthy: ok" in said

@@ -131,3 +131,35 @@ async def test_the_status_page_shows_an_idle_runners_models_and_forgets_a_runner
     assert (shown["models"], shown["up"]) == (["sim-model"], True)
     assert (down["id"], down["up"]) == (a.runner_id, False)
     assert gone == []
+
+
+async def test_a_session_keeps_its_runner_for_a_model_it_serves_but_had_not_listed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Runner a listed only sim-model when its channel opened, then began to serve slow-model
+    too (a model pulled since); runner b lists slow-model. The session on a asking for
+    slow-model asks a for its list again and stays (issue 37, point 2: no ``chat.end … does
+    not serve`` churn when its runner serves both)."""
+    async with open_hub(hub_of()) as (hub, url), trio.open_nursery() as runners:
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        a = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=("sim-model",), name="a")
+        await runners.start(a.run)
+        with trio.fail_after(GUARD):
+            assert (await chat(url, key, "s", model="sim-model")).status_code == 200
+            b = FakeRunner(
+                url, ADMIN, owner=OWNER, project=PROJECT, models=("slow-model",), name="b"
+            )
+            await runners.start(b.run)
+            listed = await chat(url, key, "other", model="slow-model")  # b is known to list it
+            assert listed.status_code == 200, listed.text
+            a.models.append("slow-model")  # served by a from now on; the hub has not asked
+            for n in range(4):
+                model = ("slow-model", "sim-model")[n % 2]
+                assert (await chat(url, key, "s", model=model)).status_code == 200
+        runners.cancel_scope.cancel()
+    assert [t.body["model"] for t in a.turns.values()] == ["sim-model", "slow-model"] * 2 + [
+        "sim-model"
+    ]
+    assert [t.body["model"] for t in b.turns.values()] == ["slow-model"]  # the other session's
+    assert a.ends == [] and len(a.claimed) == 1  # the session's job never left a
+    assert hub.sessions.listing()[("k", "s")] == a.claimed[0]

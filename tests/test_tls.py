@@ -3,12 +3,16 @@ and served with ``ca_file``; there is no way to turn verification off."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import shutil
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trustme
@@ -27,8 +31,9 @@ from helpers import (
     send,
 )
 
-from gateway.config import SETTINGS, Config
+from gateway.config import SETTINGS, Config, load_config
 from gateway.hub import App, Hub, open_hub
+from gateway.ops.doctor import WARN, diagnose
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator
 
@@ -222,3 +227,136 @@ async def test_cli_register_without_ca_fails_naming_the_certificate(
     text = err.decode()
     assert proc.returncode not in (0, -9), text
     assert "certificate" in text.lower() and len(text.strip().splitlines()) == 1, text
+
+
+# -- the hints (issue 37, point 4) --------------------------------------------------------------
+
+
+def _pki_for(where: Path, *names: str) -> Pki:
+    """A CA of its own and a server certificate naming ``names`` in its SAN."""
+    ca = trustme.CA()
+    issued = ca.issue_cert(*names)
+    pki = Pki(where / "ca.pem", where / "server.pem", where / "server.key")
+    where.mkdir(parents=True, exist_ok=True)
+    ca.cert_pem.write_to_path(str(pki.ca))
+    pki.cert.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(pki.key))
+    return pki
+
+
+async def _refusal(url: str, sim: Simulator, tmp_path: Path, ca: Path) -> str:
+    runner = Runner(runner_config(url, sim.url, tmp_path / "state", ca_file=ca))
+    with trio.fail_after(20), pytest.raises(RunnerExit) as info:
+        await runner.run()
+    return str(info.value)
+
+
+async def test_a_certificate_without_the_host_in_its_san_says_so(
+    sim: Simulator, tmp_path: Path
+) -> None:
+    """The hub's certificate names only ``localhost``; the runner dials 127.0.0.1 with the right
+    --ca-file: the refusal names the SAN, not --ca-file."""
+    pki = _pki_for(tmp_path / "pki", "localhost")
+    async with open_hub(Hub(admin_token=ADMIN), certfile=pki.cert, keyfile=pki.key) as (_, url):
+        said = await _refusal(url, sim, tmp_path, pki.ca)
+    assert "does not name 127.0.0.1 in its subjectAltName" in said, said
+    assert "give it with --ca-file" not in said
+
+
+async def test_a_certificate_of_another_ca_than_ca_file_says_ca_file_was_given(
+    pki: Pki, sim: Simulator, tmp_path: Path
+) -> None:
+    other = _pki_for(tmp_path / "other", "127.0.0.1")
+    async with open_hub(Hub(admin_token=ADMIN), certfile=pki.cert, keyfile=pki.key) as (_, url):
+        said = await _refusal(url, sim, tmp_path, other.ca)
+    assert f"though --ca-file {other.ca} was given" in said, said
+    assert "give it with --ca-file" not in said
+
+
+async def test_plain_http_to_the_tls_port_gets_one_400_saying_it_speaks_https(
+    tls_hub: tuple[Hub, str, RequestLog],
+) -> None:
+    hub, url, requests = tls_hub
+    port = int(url.rsplit(":", 1)[1])
+    with trio.fail_after(20):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = b""
+            while data := await stream.receive_some(65536):
+                answer += data
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower()
+    assert b"this port speaks HTTPS" in body and answer.count(b"HTTP/1.1") == 1
+    assert requests.requests == []  # nothing reached the hub's routes
+
+
+async def test_a_bare_host_port_of_a_tls_hub_registers_over_https(
+    tls_hub: tuple[Hub, str, RequestLog], sim: Simulator, pki: Pki, tmp_path: Path
+) -> None:
+    """``--server 127.0.0.1:PORT`` (a bare local host: http://) of a hub serving TLS: plain HTTP
+    gets its 400, https:// is tried, the runner registers there and serves; its next start
+    finds that registration."""
+    hub, url, requests = tls_hub
+    bare = url.removeprefix("https://")
+    config = load_config(
+        {"server": bare, "project": f"{OWNER}/{PROJECT}", "backend": [sim.url]},
+        {"AGENTICS_USER_TOKEN": ADMIN, "ALP_GATEWAY_CA_FILE": str(pki.ca)},
+        None,
+    )
+    config = dataclasses.replace(config, state_dir=tmp_path / "state")
+    assert config.server == f"http://{bare}"
+    async with running(config) as runner:
+        assert runner.registration is not None and runner.registration.server == url
+    again = Runner(dataclasses.replace(config, user_token=None))
+    found = await again._ensure_registration()  # no user credential: it must be the saved one
+    assert found.server == url and found.id == runner.registration.id
+
+
+DEPLOY = Path(__file__).resolve().parents[1] / "packaging" / "DEPLOY.md"
+
+
+def deploy_tls_recipe() -> str:
+    """The ``sh`` block of DEPLOY.md's "TLS with your own CA"."""
+    text = DEPLOY.read_text(encoding="utf-8")
+    section = text[text.index("\n### TLS with your own CA\n") :]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+async def test_deploys_openssl_recipe_makes_a_certificate_runners_and_clients_trust(
+    sim: Simulator, tmp_path: Path
+) -> None:
+    """DEPLOY.md's openssl commands, run as written (bash, in an empty directory): the hub
+    serves their certificate, a runner given ``ca.pem`` registers and polls, and a client with
+    ``ca.pem`` added to its CAs (httpx ``verify=``) gets the hub's answer."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl on this machine")
+    where = tmp_path / "pki"
+    where.mkdir()
+    with trio.fail_after(60):
+        await trio.run_process(
+            ["bash", "-e", "-c", deploy_tls_recipe()], cwd=where, capture_stdout=True
+        )
+    ca, cert, key = where / "ca.pem", where / "hub.crt", where / "hub.key"
+    async with open_hub(Hub(admin_token=ADMIN), certfile=cert, keyfile=key) as (_, url):
+        async with running(runner_config(url, sim.url, tmp_path / "s", ca_file=ca)) as runner:
+            assert runner.registration is not None and runner.registration.server == url
+        context = ssl.create_default_context()  # as DEPLOY.md says: the CA added
+        context.load_verify_locations(str(ca))
+        async with httpx.AsyncClient(verify=context) as http:
+            assert (await http.get(url + "/healthz")).status_code in (200, 503)
+
+
+async def test_doctor_says_a_bare_host_port_speaks_https(
+    tls_hub: tuple[Hub, str, RequestLog], sim: Simulator, tmp_path: Path
+) -> None:
+    _, url, _ = tls_hub
+    bare = url.removeprefix("https://")
+    config = load_config(
+        {"server": bare, "project": f"{OWNER}/{PROJECT}", "backend": [sim.url]}, {}
+    )
+    config = dataclasses.replace(config, state_dir=tmp_path / "state")
+    found = {c.name: c for c in await diagnose(config)}
+    assert found["Server"].mark == WARN
+    assert f"http://{bare} speaks HTTPS at that port" in found["Server"].detail
+    assert f"--server {url}" in (found["Server"].hint or "")

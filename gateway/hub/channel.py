@@ -138,6 +138,8 @@ class ServerChannel:
     """One accepted Chat Channel WebSocket: its reader (the connection's own task, ``serve``)
     hands each frame to the sink its request id names (``open``); ``send`` writes a frame."""
 
+    local = True  # this replica's own (a RemoteChannel: another's, which answers only turns)
+
     def __init__(
         self, job_id: str, runner_id: str, ws: ServerWebSocket | None, channels: Channels
     ) -> None:

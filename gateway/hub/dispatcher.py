@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -47,6 +47,9 @@ log = logging.getLogger("gateway.hub.dispatcher")
 
 CHAT_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
 CANCEL_WITHIN = 2.0  # s: bound on telling a runner its session moved (chat.end)
+RELIST_AFTER = (
+    30.0  # s: a runner's list asked again for a session's model it lacks, at most this often
+)
 Project = tuple[str, str]
 
 
@@ -115,6 +118,9 @@ class Dispatcher:
         self.waits = WaitStats()
         # a replica of a team: whether a job's channel went with the replica that held it
         self.awaiting: Callable[[str], bool] = lambda job_id: False
+        # a runner's models asked again on its channel (the catalog's; None: never)
+        self.relist: Callable[[ServerChannel], Awaitable[object]] | None = None
+        self._relisted: dict[str, float] = {}  # runner id -> when its list was last asked so
 
     # -- a turn's side -----------------------------------------------------------------
 
@@ -151,6 +157,8 @@ class Dispatcher:
             ch = self.open_channel(session, turn.model)
             if ch is not None:
                 return ch, False
+            if await self._lists_it_now(session, turn.model):
+                continue
             waiting = self._join(session, turn, traceparent)
             try:
                 await self._wait(waiting, conn)
@@ -164,6 +172,28 @@ class Dispatcher:
             ch = self.channels.get(waiting.job_id)
             if ch is not None:
                 return ch, waiting.view.opened
+
+    async def _lists_it_now(self, session: Session, model: str | None) -> bool:
+        """The session's open channel's runner did not list ``model``: its list may be stale (a
+        model pulled or loaded since it was asked), so it is asked again, at most once in
+        ``RELIST_AFTER`` s per runner, before the session moves to another runner (its job, its
+        KV cache); True when it lists the model now."""
+        if model is None or self.relist is None or session.job_id is None:
+            return False
+        ch = self.channels.get(session.job_id)
+        state = self.board.runners.get(ch.runner_id) if ch is not None else None
+        if ch is None or not ch.local or state is None or state.models is None:
+            return False  # another replica's channel: that replica asks its runner
+        if model in state.models:
+            return False
+        now = trio.current_time()
+        if now < self._relisted.get(ch.runner_id, -math.inf) + RELIST_AFTER:
+            return False
+        if len(self._relisted) > 4096:  # one entry per runner: the old ones forgotten
+            self._relisted = {r: t for r, t in self._relisted.items() if now < t + RELIST_AFTER}
+        self._relisted[ch.runner_id] = now
+        await self.relist(ch)
+        return state.models is not None and model in state.models
 
     def _join(self, session: Session, turn: Turn, traceparent: str | None) -> _Waiting:
         view = Waiter(

@@ -74,6 +74,7 @@ class Hub:
         )
         self.dispatcher = dispatcher = Dispatcher(settings, board, channels, sessions, counters)
         self.catalog = catalog = Catalog(store, settings, board, channels)
+        dispatcher.relist = lambda ch: catalog.ask(ch, settings.models_timeout)
         self.accounting = accounting = Accounting(store, settings, label=catalog.label)
         self.frontdoor = FrontDoor(
             settings, keys, catalog, Serving(settings, accounting, sessions, dispatcher)

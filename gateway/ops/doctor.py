@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -210,7 +211,20 @@ class Doctor:
                 async with httpx.AsyncClient(
                     verify=ssl_context, timeout=self.probe_timeout
                 ) as client:
-                    await client.get(server)
+                    answer = await client.get(server)
+                if (
+                    answer.status_code == 400
+                    and server.startswith("http://")
+                    and b"speaks HTTPS" in answer.content
+                ):
+                    https = "https://" + server.split("://", 1)[1]
+                    self.add(
+                        WARN,
+                        "Server",
+                        f"{server} speaks HTTPS at that port: `run` registers at {https}",
+                        f"give --server {https} (and --ca-file for a private CA)",
+                    )
+                    return
             except httpx.HTTPError as exc:
                 why = _kind(exc) if isinstance(exc, httpx.TimeoutException) else None
                 why = why or describe_error(exc, server)
@@ -222,7 +236,14 @@ class Doctor:
             return
         assert config.project
         owner, project = split_project(config.project)
-        alp = AlpClient(server, owner, project, ssl_context=ssl_context, timeout=self.probe_timeout)
+        alp = AlpClient(
+            server,
+            owner,
+            project,
+            ssl_context=ssl_context,
+            ca_file=config.ca_file,
+            timeout=self.probe_timeout,
+        )
         alp.token = registration.token
         try:
             await alp.poll([])  # no capabilities: a poll like this never claims a job
@@ -504,6 +525,22 @@ async def diagnose(
     return await Doctor(config, deep=deep, probe_timeout=probe_timeout).run()
 
 
+def _project_of_registration(config: Config) -> tuple[Config, list[Check]]:
+    """``config`` with the project of the state file's one registration (its Server found by
+    ``StateStore.find`` as ``run`` finds it), and a line that says so; ``config`` as it is when
+    the file holds none, or several (a line naming them)."""
+    store = StateStore(config.state_dir)
+    projects = store.projects()  # [] for a damaged file: check_state says what is wrong
+    if len(projects) == 1:
+        found = dataclasses.replace(config, project=projects[0])
+        line = f"{projects[0]}, from the saved registration ({store.path}); --project for another"
+        return found, [Check(OK, "project", line)]
+    if projects:
+        line = f"{store.path} holds registrations for {', '.join(projects)}"
+        return config, [Check(FAIL, "project", line, "give --project OWNER/PROJECT: which one")]
+    return config, []
+
+
 def run_doctor(
     flags: Mapping[str, Any],
     env: Mapping[str, str],
@@ -531,7 +568,10 @@ def run_doctor(
             out,
         )
         return 1
-    checks = trio.run(lambda: diagnose(config, deep=deep))
+    saved: list[Check] = []
+    if config.project is None:  # the saved registration's project, when it holds just one
+        config, saved = _project_of_registration(config)
+    checks = saved + trio.run(lambda: diagnose(config, deep=deep))
     render(checks, out)
     return 1 if any(c.failed for c in checks) else 0
 

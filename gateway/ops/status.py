@@ -8,27 +8,35 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gateway import logsafe
-from gateway.config import parse_listen
+from gateway.config import ConfigError, load_config, parse_listen
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 
 DEFAULT_URL = "http://127.0.0.1:9464"
 P = "alp_gateway_"
 
 
-def default_url(env: Mapping[str, str]) -> str:
-    """``ALP_GATEWAY_METRICS_URL``, else the address ``ALP_GATEWAY_METRICS_LISTEN`` binds, else 9464."""
+def default_url(env: Mapping[str, str], config_file: Path | None = None) -> str:
+    """``ALP_GATEWAY_METRICS_URL``, else the address the runner's ``metrics_listen`` setting
+    binds (``ALP_GATEWAY_METRICS_LISTEN``, else ``metrics_listen`` in ``config_file``), else
+    9464."""
     if env.get("ALP_GATEWAY_METRICS_URL"):
         return env["ALP_GATEWAY_METRICS_URL"].rstrip("/")
+    listen: tuple[str, int] | None = None
     if env.get("ALP_GATEWAY_METRICS_LISTEN"):
         try:
-            host, port = parse_listen(env["ALP_GATEWAY_METRICS_LISTEN"])
+            listen = parse_listen(env["ALP_GATEWAY_METRICS_LISTEN"])
         except ValueError:
             return DEFAULT_URL
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    return DEFAULT_URL
+    elif config_file is not None:
+        listen = load_config({}, {}, config_file).metrics_listen  # ConfigError: said by main
+    if listen is None:
+        return DEFAULT_URL
+    host, port = listen
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @dataclass
@@ -197,8 +205,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-url",
         default=None,
         metavar="URL",
-        help=f"where the runner serves /metrics (default {DEFAULT_URL}, or from "
-        "ALP_GATEWAY_METRICS_URL / ALP_GATEWAY_METRICS_LISTEN)",
+        help=f"where the runner serves /metrics (default: ALP_GATEWAY_METRICS_URL, else the "
+        f"runner's metrics_listen: ALP_GATEWAY_METRICS_LISTEN or --config's; else {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the runner's TOML settings file, for its metrics_listen",
     )
     parser.add_argument(
         "--rate", action="store_true", help="read twice, a second apart, for a chunk rate"
@@ -209,7 +223,11 @@ def main(args: argparse.Namespace) -> int:
     """0 healthy, 1 running but not healthy, 2 not reachable (usable as a container health check)."""
     import httpx
 
-    url = (args.metrics_url or default_url(os.environ)).rstrip("/")
+    try:
+        url = (args.metrics_url or default_url(os.environ, args.config)).rstrip("/")
+    except ConfigError as exc:
+        print(f"alp-gateway status: {logsafe.escape(str(exc))}", file=sys.stderr)
+        return 2
     try:
         first = read(url)
         before: Reading | None = None

@@ -229,9 +229,35 @@ class CertificateRefused(ServerUnavailable):
     running, but registration stops at once: retrying will not help."""
 
 
-def _check_certificate(exc: BaseException, url: str) -> None:
+class SpeaksTls(ServerUnavailable):
+    """Plain HTTP sent to a Server that speaks HTTPS at that port (it answered 400 saying so, or
+    closed the connection without a word, as a TLS port does): ``https`` is the URL to try."""
+
+    def __init__(self, message: str, https: str) -> None:
+        super().__init__(message)
+        self.https = https
+
+
+# OpenSSL's verify codes of a certificate that does not name the host dialled (in its SAN)
+HOST_MISMATCH = (62, 64)  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+
+
+def _check_certificate(exc: BaseException, url: str, ca_file: Path | None = None) -> None:
     root = _root_cause(exc)
     if isinstance(root, ssl.SSLCertVerificationError):
+        if root.verify_code in HOST_MISMATCH:
+            host = urlsplit(url).hostname
+            raise CertificateRefused(
+                f"{url}: the Server's certificate does not name {host} in its subjectAltName "
+                f"({root.verify_message}): a certificate needs the host name or IP address it "
+                "is reached at in its SAN (its CN alone is not read); make one with a SAN "
+                '(packaging/DEPLOY.md, "TLS with your own CA")'
+            ) from None
+        if ca_file is not None:
+            raise CertificateRefused(
+                f"{url}: the Server's certificate was refused ({root.verify_message}) though "
+                f"--ca-file {ca_file} was given: it is not signed by the CA in that file"
+            ) from None
         raise CertificateRefused(
             f"{url}: the Server's certificate was refused ({root.verify_message}); "
             "if it is signed by a private CA, give it with --ca-file"
@@ -282,11 +308,13 @@ class AlpClient:
         project: str,
         *,
         ssl_context: ssl.SSLContext | None = None,
+        ca_file: Path | None = None,
         timeout: float | None = None,
         connect_timeout: float = 10.0,
         deadlines: Deadlines | None = None,
     ) -> None:
         self.server = server
+        self.ca_file = ca_file  # the private CA in ssl_context, named in its refusal
         self.owner = owner
         self.project = project
         self.base = f"{server}/api/owners/{owner}/projects/{project}"
@@ -300,6 +328,9 @@ class AlpClient:
         self._connect_timeout = connect_timeout
         self._pool = _Pool(self._client())
         self.pools_dropped = 0  # times every kept-alive connection was dropped (a dead path)
+
+    def _https(self) -> str:
+        return "https://" + self.server.split("://", 1)[1]
 
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -357,10 +388,19 @@ class AlpClient:
                 await self.drop_connections()
             raise ServerSilent(f"{method} {url}: {describe_error(exc, url)}") from None
         except httpx.HTTPError as exc:
-            _check_certificate(exc, self.server)
-            raise ServerUnavailable(f"{method} {url}: {describe_error(exc, url)}") from None
+            _check_certificate(exc, self.server, self.ca_file)
+            said = f"{method} {url}: {describe_error(exc, url)}"
+            if isinstance(exc, httpx.RemoteProtocolError) and url.startswith("http://"):
+                raise SpeaksTls(said, self._https()) from None  # perhaps: tried once
+            raise ServerUnavailable(said) from None
         finally:
             await self._done(pool)
+        if (
+            resp.status_code == 400
+            and url.startswith("http://")
+            and b"speaks HTTPS" in resp.content
+        ):
+            raise SpeaksTls(f"{method} {url}: this port speaks HTTPS", self._https())
         if resp.status_code >= 500:
             raise ServerUnavailable(f"{method} {url}: Server answered {resp.status_code}")
         return resp

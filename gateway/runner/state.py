@@ -226,6 +226,22 @@ class StateStore:
         except OSError as exc:
             raise StateError(f"{path}: {exc.strerror}") from None
 
+    def projects(self) -> list[str]:
+        """The projects (``OWNER/PROJECT``) with a saved registration, in the file's order; []
+        when the file is missing or unreadable (read only: its directory's mode left as it is,
+        for doctor to see)."""
+        try:
+            regs = json.loads(self.path.read_text())["registrations"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        found: list[str] = []
+        for raw in regs.values() if isinstance(regs, dict) else regs:
+            if isinstance(raw, dict) and raw.get("owner") and raw.get("project"):
+                key = f"{raw['owner']}/{raw['project']}"
+                if key not in found:
+                    found.append(key)
+        return found
+
     def registrations(self, project: str) -> list[Registration]:
         """Every saved registration of ``project`` (``OWNER/PROJECT``), whatever its Server."""
         found = []

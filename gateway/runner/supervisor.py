@@ -26,6 +26,7 @@ from gateway.runner.alp import (
     RegistrationRefused,
     ServerSilent,
     ServerUnavailable,
+    SpeaksTls,
     TokenRefused,
     make_ssl_context,
 )
@@ -119,6 +120,8 @@ class Runner:
         assert config.project
         store = self.store
         reg = store.find(config.server, config.project, server_given=config.server_explicit)
+        if reg is None and config.server.startswith("http://"):  # found to speak https://
+            reg = store.find("https://" + config.server[len("http://") :], config.project)
         if reg is not None:
             return reg
         if not config.user_token:
@@ -149,16 +152,31 @@ class Runner:
             server or config.server,
             *split_project(config.project),
             ssl_context=self.ssl_context,
+            ca_file=self.config.ca_file,
             connect_timeout=config.connect_timeout,
             deadlines=Deadlines.of(config.ping_interval, config.ping_timeout),
         )
+        tls_tried = False
         try:
             failures = 0
             said = ""
             while True:
                 try:
-                    reg = await client.register(config.user_token, config.name, list(config.labels))
-                    break
+                    try:
+                        reg = await client.register(
+                            config.user_token, config.name, list(config.labels)
+                        )
+                        break
+                    except SpeaksTls as plain:
+                        if tls_tried:
+                            raise
+                        tls_tried = True  # a bare host:port of a TLS Server: https:// once
+                        twin = await self._register_at(plain)
+                        if twin is None:
+                            raise
+                        await client.aclose()
+                        client, reg = twin
+                        break
                 except ServerUnavailable as exc:
                     if isinstance(exc, (CertificateRefused, MalformedReply)):
                         raise RunnerExit(str(exc), 2) from None  # waiting will not mend it
@@ -188,6 +206,37 @@ class Runner:
         log.info("registered as runner %s (%s) for %s on %s", reg.name, reg.id, reg.key, reg.server)
         return reg
 
+    async def _register_at(self, plain: SpeaksTls) -> tuple[AlpClient, Registration] | None:
+        """Registration at ``plain.https``, the Server's https:// twin, when its http:// failed
+        as a TLS port fails (its 400, or a close without a word): the client and registration;
+        None when https:// does not work either (the http:// failure stands); a certificate
+        refused there ends it (the Server speaks TLS: what is wrong with it is said)."""
+        config = self.config
+        assert config.project and config.user_token
+        log.warning("%s: trying %s", plain, plain.https)
+        client = AlpClient(
+            plain.https,
+            *split_project(config.project),
+            ssl_context=self.ssl_context,
+            ca_file=config.ca_file,
+            connect_timeout=config.connect_timeout,
+            deadlines=Deadlines.of(config.ping_interval, config.ping_timeout),
+        )
+        try:
+            reg = await client.register(config.user_token, config.name, list(config.labels))
+        except CertificateRefused as exc:
+            await client.aclose()
+            if "does not speak TLS" in str(exc):
+                return None
+            raise RunnerExit(str(exc), 2) from None
+        except ServerUnavailable:
+            await client.aclose()
+            return None
+        except BaseException:
+            await client.aclose()
+            raise
+        return client, reg
+
     # -- main ------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -199,6 +248,7 @@ class Runner:
             reg.owner,
             reg.project,
             ssl_context=self.ssl_context,
+            ca_file=self.config.ca_file,
             connect_timeout=self.config.connect_timeout,
             deadlines=Deadlines.of(self.config.ping_interval, self.config.ping_timeout),
         )

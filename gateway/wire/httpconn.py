@@ -491,6 +491,14 @@ async def serve_connection(
     transport: Transport | None = None
     try:
         if ssl_context is not None:
+            with trio.move_on_after(serving.limits.head_timeout) as waited:
+                if await _plain_http(sock):  # not a TLS record: one 400 that says so
+                    transport = Transport(sock)
+                    await transport.send_all(PLAIN_HTTP_ON_TLS)
+                    await _linger(transport)
+                    return
+            if waited.cancelled_caught:
+                return
             tls = transport = TLSTransport(sock, ssl_context, None)
             with trio.move_on_after(serving.limits.head_timeout) as waited:
                 try:
@@ -514,6 +522,28 @@ async def serve_connection(
             transport.close()
         else:
             sock.close()
+
+
+PLAIN_HTTP_ON_TLS = error_response(
+    400,
+    "this port speaks HTTPS: use https:// (plain HTTP was sent to a TLS port)",
+    "plain_http_on_tls_port",
+)
+HTTP_METHOD_START = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")  # a TLS record starts 0x14-0x17
+
+
+async def _plain_http(sock: socket.socket) -> bool:
+    """Whether the first byte a client sends to the TLS port is that of an HTTP request line
+    (a method's capital letter) rather than a TLS record; waits for it, reads nothing."""
+    while True:
+        try:
+            first = sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        except OSError:
+            return False
+        return bool(first) and first[0] in HTTP_METHOD_START
 
 
 async def _linger(transport: Transport) -> None:

@@ -28,7 +28,16 @@ from gateway.wire.traceparent import valid_traceparent
 log = logging.getLogger("gateway.hub.frontdoor")
 
 SESSION_HEADER = b"x-chat-session"
-CLAUDE_SESSION_HEADER = b"x-claude-code-session-id"  # Claude Code's own session id
+# The headers that name a session, first found wins, on every chat route: ours, then those the
+# coding agents send by themselves (docs/hub.md "Sessions"), so that each of an agent's own
+# sessions is one Chat Job of its own without any setting on the agent.
+SESSION_HEADERS = (
+    SESSION_HEADER,
+    b"x-claude-code-session-id",  # Claude Code (2.1): one per `claude` session
+    b"session-id",  # Codex CLI 0.171: its thread's id (also thread-id, prompt_cache_key)
+    b"session_id",  # Codex CLI before it
+    b"x-opencode-session",  # OpenCode
+)
 MAX_SESSION_ID = 200  # characters of a session id a client may name
 SERVED = (
     "POST /v1/chat/completions",
@@ -108,7 +117,7 @@ class FrontDoor:
         translated back; every error in Anthropic's shape."""
         try:
             key = await self._anthropic_key(req)
-            sid = _session_id(req) or _session_id(req, CLAUDE_SESSION_HEADER)
+            sid = _session_id(req)
             request = dialects.messages_request(await req.body(self.settings.max_body))
             model = await self._model_for(key, request.model)
             spec = dialects.messages_spec(request, model)
@@ -186,13 +195,15 @@ def _wrong_credential(token: str | None, keys: Keys) -> HTTPError:
     return invalid_key()
 
 
-def _session_id(req: Request, name: bytes = SESSION_HEADER) -> str:
-    """The session the client names in header ``name`` ("" without one); 400 past
-    ``MAX_SESSION_ID`` characters."""
-    raw = header(req.scope, name)
-    if not raw:
+def _session_id(req: Request) -> str:
+    """The session the client names in the first of ``SESSION_HEADERS`` it sends ("" without
+    one); 400 past ``MAX_SESSION_ID`` characters."""
+    for name in SESSION_HEADERS:
+        raw = header(req.scope, name)
+        if raw and (text := raw.decode("latin-1").strip()):
+            break
+    else:
         return ""
-    text = raw.decode("latin-1").strip()
     if len(text) > MAX_SESSION_ID:
         raise HTTPError(
             400,

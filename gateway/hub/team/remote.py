@@ -92,6 +92,8 @@ class RemoteChannel(ServerChannel):
     is set when this replica learns the channel is no longer there (new turns then look
     again); turns already on it end as their own requests do."""
 
+    local = False  # another replica's: it carries turns, not the hub's own requests
+
     def __init__(
         self,
         job_id: str,
