@@ -521,25 +521,42 @@ class JobBoard:
                 continue
             if now - last <= self.settings.offline_after:
                 continue
-            report = {
-                "status": "completed",
-                "conclusion": "failure",
-                "logs": "runner offline",
-                "forced": True,
-            }
-            if self.sync is not None and not await self.sync.complete(job, "failure", False):
-                await self.sync.refresh(job.id)  # another replica ended it
-                continue
-            await self._keep_report(job, report)
-            job.status = "completed"
-            job.conclusion = "failure"
-            job.completed.set()
-            await self._ended(job)
-            forced.append(job)
-            log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
+            if await self._force_end(job, "runner offline"):
+                forced.append(job)
+                log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
         if forced:
             self.changes.notify()
         return forced
+
+    async def revoked(self, runner_id: str) -> list[Job]:
+        """A runner's registration was revoked: its open jobs force-completed (as failure, one
+        report each: ``runner revoked``), and the runner forgotten (never offered a job again,
+        no longer listed); returns those jobs."""
+        forced = [
+            job
+            for job in list(self.jobs.values())
+            if job.claimed_by == runner_id
+            and job.status != "completed"
+            and await self._force_end(job, "runner revoked")
+        ]
+        self.last_seen.pop(runner_id, None)
+        self.runners.pop(runner_id, None)
+        self.changes.notify()
+        return forced
+
+    async def _force_end(self, job: Job, why: str) -> bool:
+        """End a claimed job as failure with one forced report saying ``why``; False when
+        another replica ended it first."""
+        report = {"status": "completed", "conclusion": "failure", "logs": why, "forced": True}
+        if self.sync is not None and not await self.sync.complete(job, "failure", False):
+            await self.sync.refresh(job.id)  # another replica ended it
+            return False
+        await self._keep_report(job, report)
+        job.status = "completed"
+        job.conclusion = "failure"
+        job.completed.set()
+        await self._ended(job)
+        return True
 
     async def _keep_report(self, job: Job, report: dict[str, Any]) -> None:
         job.reports.append(report)

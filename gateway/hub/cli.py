@@ -275,6 +275,9 @@ def _build_parser() -> _Parser:
     usage.add_argument(
         "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
     )
+    from gateway.hub.runnercli import add_runners_commands
+
+    add_runners_commands(parser, sub, _limit)
     parser.command(
         sub,
         "doctor",
@@ -297,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args, settings)
         if args.command == "usage":
             return _usage(args, settings)
+        if args.command == "runners":
+            from gateway.hub.runnercli import runners_command
+
+            return runners_command(args, _open(settings), _table)
         if args.command == "doctor":
             from gateway.hub.doctor import main as doctor_main
 
