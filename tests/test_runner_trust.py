@@ -24,8 +24,8 @@ from fake_runner import FakeRunner
 from helpers import LogCapture, hub_command
 
 from gateway.hub import Hub, open_hub
-from gateway.hub.store import open_store
 from gateway.hub.runnerapi import CHANNEL_PATH
+from gateway.hub.store import open_store
 
 ADMIN = "alpa_test_admin_credential"
 OWNER, PROJECT = "acme", "chat"
@@ -200,9 +200,7 @@ async def assert_refused(http: httpx.AsyncClient, url: str, token: str, job_id: 
     authority = urllib.parse.urlsplit(url).netloc
     query = urllib.parse.urlencode({"jobId": job_id, "token": token})
     with pytest.raises(trio_websocket.HandshakeError):
-        async with trio_websocket.open_websocket_url(
-            f"ws://{authority}{CHANNEL_PATH}?{query}"
-        ):
+        async with trio_websocket.open_websocket_url(f"ws://{authority}{CHANNEL_PATH}?{query}"):
             pass
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, NoReturn, Protocol
 
 import trio
 
+from gateway.hub.bounds import MAX_LOGS, MAX_MESSAGE, MAX_REASON, too_long
 from gateway.hub.job import Job
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Registration, Store
@@ -36,6 +37,13 @@ class BoardError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def _bounded(*passed: str | None) -> None:
+    """BoardError (400) naming the first bound of ``gateway.hub.bounds`` a report passed."""
+    for found in passed:
+        if found is not None:
+            raise BoardError("invalid", found)
 
 
 class Changes:
@@ -428,9 +436,11 @@ class JobBoard:
         conclusion = report.get("conclusion")
         if conclusion not in ("success", "failure"):
             raise BoardError("invalid", '"conclusion" must be "success" or "failure"')
-        for key in ("logs", "completionReason"):
-            if report.get(key) is not None and not isinstance(report[key], str):
-                raise BoardError("invalid", f'"{key}" must be a string')
+        for key, limit in (("logs", MAX_LOGS), ("completionReason", MAX_REASON)):
+            if report.get(key) is not None:
+                if not isinstance(report[key], str):
+                    raise BoardError("invalid", f'"{key}" must be a string')
+                _bounded(too_long(f'"{key}"', report[key], limit))
         if self.sync is not None and not await self.sync.complete(job, conclusion, True):
             await self.sync.refresh(job.id)  # another replica ended it first
             self._late()
@@ -450,6 +460,10 @@ class JobBoard:
             raise BoardError("invalid", '"stage" must be a string')
         if report.get("message") is not None and not isinstance(report["message"], str):
             raise BoardError("invalid", '"message" must be a string or null')
+        _bounded(
+            too_long('"stage"', report["stage"], MAX_REASON),
+            too_long('"message"', report.get("message") or "", MAX_MESSAGE),
+        )
         if job.status == "completed":
             self._late()
         job.last_progress = report

@@ -13,6 +13,13 @@ import trio
 
 from gateway import logsafe
 from gateway.hub.board import REPORT_MAX_BYTES, BoardError, Job
+from gateway.hub.bounds import (
+    MAX_CAPABILITIES,
+    MAX_LABELS,
+    MAX_NAME,
+    too_long,
+    too_many,
+)
 from gateway.hub.frontdoor.shapes import SSE_HEADERS
 from gateway.hub.http import (
     HTTPError,
@@ -37,6 +44,14 @@ ENROLL_NEEDED = (
     "`alp-gateway hub runners enroll --project OWNER/PROJECT`)"
 )
 NO_STORE = [(b"cache-control", b"no-store")]  # a runner token is shown once, never cached
+
+
+def _bounded(*passed: str | None) -> None:
+    """HTTPError 413 naming the first bound of ``gateway.hub.bounds`` a value passed (nothing of
+    the request is kept then)."""
+    for found in passed:
+        if found is not None:
+            raise HTTPError(413, found, "too_large")
 
 
 def refused(exc: BoardError) -> HTTPError:
@@ -82,6 +97,7 @@ class RunnerApi:
         if not isinstance(name, str) or not name:
             raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
         labels = string_list(obj, "labels", required=False)
+        _bounded(too_long('"name"', name, MAX_NAME), too_many('"labels"', labels, MAX_LABELS))
         if enrollment is None:
             log.warning(
                 "a runner registered in %s/%s with the admin credential: give runner hosts an "
@@ -142,7 +158,9 @@ class RunnerApi:
     async def poll(self, req: Request) -> None:
         runner = await self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
-        capabilities = set(string_list(json_object(body), "capabilities", required=True))
+        advertised = string_list(json_object(body), "capabilities", required=True)
+        _bounded(too_many('"capabilities"', advertised, MAX_CAPABILITIES))
+        capabilities = set(advertised)
         owner, project = req.params["owner"], req.params["project"]
         jobs = [
             job.to_json() for job in self.board.offered(runner.id, owner, project, capabilities)
@@ -159,6 +177,7 @@ class RunnerApi:
         job_id, name = obj.get("jobId"), obj.get("name")
         if not isinstance(job_id, str) or not isinstance(name, str):
             raise HTTPError(400, '"jobId" and "name" must be strings', "invalid_request")
+        _bounded(too_long('"name"', name, MAX_NAME), too_long('"jobId"', job_id, MAX_NAME))
         try:
             run_id = await self.board.claim(
                 runner.id, req.params["owner"], req.params["project"], job_id, name
