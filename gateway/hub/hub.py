@@ -99,7 +99,6 @@ class Hub:
                 dispatcher=dispatcher,
                 catalog=catalog,
                 accounting=accounting,
-                admin_hash=admin_hash,
             )
 
     def _job_over(self, job_id: str) -> bool:
