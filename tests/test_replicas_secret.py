@@ -114,11 +114,12 @@ async def test_two_secrets_at_once_rotate_the_team_without_downtime(
 
 
 async def test_hub_doctor_says_when_replicas_talk_plain_http_across_hosts(pg_url: str) -> None:
-    async with replicas(pg_url, 1, advertise="http://203.0.113.9:8787"):
+    # two: ``replicas`` waits until each has read the other's heartbeat, so both rows are there
+    async with replicas(pg_url, 2, advertise="http://203.0.113.9:8787"):
         out = io.StringIO()
         await doctor.check(HubSettings(store=pg_url), doctor.Report(out))
     lines = out.getvalue()
-    assert "! transport: replica(s) r0 advertise plain http:// to another host" in lines
+    assert "! transport: replica(s) r0, r1 advertise plain http:// to another host" in lines
     assert "! team secret: none given here" in lines
     assert not doctor._plain_across_hosts("http://127.0.0.1:8787")
     assert not doctor._plain_across_hosts("https://hub-b:8787")

@@ -69,7 +69,7 @@ async def test_an_enrollment_token_registers_runners_of_its_project_and_nothing_
     autojump_clock: trio.testing.MockClock, logs: LogCapture
 ) -> None:
     async with open_hub(hub_of()) as (hub, url):
-        _, token = await hub.runner_admin.enroll(f"{OWNER}/{PROJECT}", None, 2)
+        first, token = await hub.runner_admin.enroll(f"{OWNER}/{PROJECT}", None, 2)
         assert token.startswith("alpe_")
         key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
         async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
@@ -121,7 +121,8 @@ async def test_an_enrollment_token_registers_runners_of_its_project_and_nothing_
             )
             assert made.status_code == 201 and made.headers["cache-control"] == "no-store"
             listed = (await http.get("/api/hub/enrollments", headers=admin)).json()
-            assert [e["used"] for e in listed["enrollments"]] == [2, 0, 0]
+            used = {e["id"]: e["used"] for e in listed["enrollments"]}
+            assert used == {first.id: 2, old.id: 0, made.json()["id"]: 0}
             assert all("token" not in e for e in listed["enrollments"])
             gone = await http.delete(f"/api/hub/enrollments/{made.json()['id']}", headers=admin)
             assert gone.status_code == 200
