@@ -729,6 +729,23 @@ def _replica_id(value: Any) -> str:
     return text
 
 
+MIN_TEAM_SECRET = 32  # characters of a team secret at least
+
+
+def parse_team_secrets(value: Any) -> tuple[str, ...]:
+    """One or two team secrets (comma-separated, or a line each in a file's text): the first
+    signs, each is accepted. The error never repeats a secret."""
+    found = tuple(p.strip() for p in str(value).replace("\n", ",").split(",") if p.strip())
+    if not 1 <= len(found) <= 2:
+        raise ValueError("expected one team secret, or two (the new one first) while rotating")
+    if any(len(secret) < MIN_TEAM_SECRET for secret in found):
+        raise ValueError(
+            f"a team secret must be {MIN_TEAM_SECRET} characters or more (say, "
+            "`openssl rand -hex 32`)"
+        )
+    return found
+
+
 def default_hub_data(env: Mapping[str, str]) -> Path:
     """The hub's data directory unless told otherwise: ``hub`` in ``default_state_dir(env)``."""
     return default_state_dir(env) / "hub"
@@ -835,6 +852,28 @@ class HubSettings:
         "address)",
         metavar="URL",
         sample="http://10.0.0.5:8787",
+    )
+    team_secret: tuple[str, ...] | None = setting(
+        env="ALP_GATEWAY_HUB_TEAM_SECRET",
+        parse=parse_team_secrets,
+        help="with --store: the secret every replica signs its internal requests with (the same "
+        "on each, 32 characters or more; nothing in the store gives it). Two, comma-separated, "
+        "are both accepted while it is rotated: the first signs. --team-secret-file keeps it out "
+        "of the environment",
+        group="hub-replicas",
+        shown="none: no other replica reaches this one's channels",
+        metavar="SECRET[,OLD]",
+        sample="REPLACE-with-the-output-of-openssl-rand-hex-32",
+        secret=True,
+    )
+    team_secret_file: Path | None = setting(
+        env="ALP_GATEWAY_HUB_TEAM_SECRET_FILE",
+        parse=_path,
+        help="with --store: a file (owner-only) holding the team secret, or two on two lines "
+        "while it is rotated (as --team-secret); read at start",
+        group="hub-replicas",
+        metavar="FILE",
+        sample="/run/secrets/alp-team-secret",
     )
     replica_id: str | None = setting(
         env="ALP_GATEWAY_HUB_REPLICA_ID",

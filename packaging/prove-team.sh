@@ -104,7 +104,9 @@ remove_all
 # The variables compose.yaml reads (its header): the stand-ins, the port on loopback, the
 # secrets' file, made from team.env.example with a fresh password, mode 600, outside the checkout
 PASSWORD="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
-sed -e "s|change-me|$PASSWORD|g" packaging/team/team.env.example >"$SCRATCH/team.env"
+sed -e "s|change-me|$PASSWORD|g" \
+    -e "s|^ALP_GATEWAY_HUB_TEAM_SECRET=.*|ALP_GATEWAY_HUB_TEAM_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')|" \
+    packaging/team/team.env.example >"$SCRATCH/team.env"
 chmod 600 "$SCRATCH/team.env"
 export ALP_TEAM_ENV_FILE="$SCRATCH/team.env" ALP_TEAM_PUBLISH="127.0.0.1:$PORT" ALP_GATEWAY_IMAGE="$IMG" \
     POSTGRES_IMAGE="$PG_IMG" DEBIAN_IMAGE=localhost/debian:bookworm
@@ -275,10 +277,13 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------
-say "4. a runner registered through HAProxy, a turn through its front door"
+say "4. a runner registered through HAProxy with an enrollment token, a turn through its front door"
+ENROLL="$(pm exec "$A" alp-gateway hub runners enroll --project local/chat --uses 1 2>/dev/null | tail -1)"
+[[ "$ENROLL" == alpe_* ]] && ok "'alp-gateway hub runners enroll --project local/chat --uses 1' in $A: an enrollment token" \
+    || bad "hub runners enroll: $ENROLL"
 pm run -d --name "$P-sim" --network host --no-healthcheck "$IMG" sim --listen "127.0.0.1:$SIM_PORT" --models sim-model >/dev/null
 pm run -d --name "$P-runner" --network host --no-healthcheck --stop-timeout 40 \
-    -e AGENTICS_SERVER="$TEAM" -e ALP_PROJECT=local/chat -e AGENTICS_USER_TOKEN="$ADMIN" \
+    -e AGENTICS_SERVER="$TEAM" -e ALP_PROJECT=local/chat -e AGENTICS_USER_TOKEN="$ENROLL" \
     -e CHAT_LLM_BACKEND_URL="http://127.0.0.1:$SIM_PORT/v1" -e ALP_GATEWAY_NAME=team-runner \
     -e ALP_GATEWAY_POLL_INTERVAL=1 -e ALP_GATEWAY_METRICS_LISTEN="127.0.0.1:$METRICS_PORT" "$IMG" run >/dev/null
 if wait_log "$P-runner" 90 'health and metrics on'; then

@@ -96,9 +96,11 @@ if wait_log "$P-hub" 60 'hub listening on'; then
     ADMIN="$(pm logs "$P-hub" 2>&1 | grep -A1 '^admin token' | tail -1 | tr -d ' \r')"
     pm logs "$P-hub" 2>&1 | grep -v "$ADMIN" | sed 's/^/    hub: /'
     KEY="$(pm exec "$P-hub" alp-gateway hub keys create prove 2>/dev/null | tail -1)"
-    if [ -n "$ADMIN" ] && [[ "$KEY" != *error* ]] && [ -n "$KEY" ]; then
+    # the runners register with an enrollment token of their project, never the admin credential
+    ENROLL="$(pm exec "$P-hub" alp-gateway hub runners enroll --project local/chat 2>/dev/null | tail -1)"
+    if [ -n "$ADMIN" ] && [[ "$KEY" != *error* ]] && [ -n "$KEY" ] && [[ "$ENROLL" == alpe_* ]]; then
         hub_up=1
-        ok "hub container up on 127.0.0.1:$HUB_PORT as user $(pm top "$P-hub" user 2>/dev/null | tail -1), admin credential printed once, API key made with 'hub keys create' in the running container"
+        ok "hub container up on 127.0.0.1:$HUB_PORT as user $(pm top "$P-hub" user 2>/dev/null | tail -1), admin credential printed once, API key and enrollment token made with 'hub keys create' and 'hub runners enroll' in the running container"
     else
         bad "hub admin credential or key: admin=${ADMIN:+set} key=$KEY"
     fi
@@ -139,7 +141,7 @@ echo "    host dir: $(stat -c '%A %U:%G' "$EMPTYDIR")"
 run_gw() {
     pm run -d --name "$1" --network host --user 65532:65532 --stop-timeout 40 "${HARDEN[@]}" \
         -v "$EMPTYDIR:/var/lib/alp-gateway" \
-        -e AGENTICS_SERVER="$HUB" -e ALP_PROJECT=local/chat -e AGENTICS_USER_TOKEN="$ADMIN" \
+        -e AGENTICS_SERVER="$HUB" -e ALP_PROJECT=local/chat -e AGENTICS_USER_TOKEN="$ENROLL" \
         -e CHAT_LLM_BACKEND_URL="http://127.0.0.1:$SIM_PORT/v1" -e ALP_GATEWAY_NAME="$1" \
         -e ALP_GATEWAY_POLL_INTERVAL=1 "$IMG" run >/dev/null
 }
@@ -200,7 +202,7 @@ else
         "$IMG" sim --listen 127.0.0.1:11434 --models qwen2.5:7b >/dev/null
     # env_file: gateway.env from gateway.env.example, filled in, mode 600
     envf="$SCRATCH/gateway.env"
-    sed "s|^AGENTICS_USER_TOKEN=.*|AGENTICS_USER_TOKEN=$ADMIN|" packaging/gateway.env.example >"$envf"
+    sed "s|^AGENTICS_USER_TOKEN=.*|AGENTICS_USER_TOKEN=$ENROLL|" packaging/gateway.env.example >"$envf"
     chmod 600 "$envf"
     # the variables compose interpolates: ALP_PROJECT (required), AGENTICS_SERVER set; the rest
     # keep the file's defaults

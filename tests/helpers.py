@@ -29,6 +29,7 @@ from gateway.wire.wsframes import OP_BINARY
 
 ADMIN = "alpa_test_admin_credential"
 BACKEND_KEY = "sk-backend-very-secret-4242"
+TEAM_SECRET = "team-secret-of-the-tests-0123456789abcdef"  # the replicas sign with it
 OWNER, PROJECT = "acme", "chat"
 CHAT_DEFINITION = {"jobType": "chat_llm", "needs": ["chat-llm:v1"]}
 

@@ -34,6 +34,7 @@ from rawclient import (
 )
 
 from gateway.hub import Hub, open_hub
+from gateway.hub.runnerapi import ENROLL_NEEDED
 
 BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
 CHANNEL = "/api/lives/chat/channel/ws"
@@ -134,7 +135,7 @@ UNAUTHENTICATED = {
     "register": (
         "POST",
         f"{BASE}/runners",
-        "a user credential is required to register a runner",
+        ENROLL_NEEDED,
         "unknown credential",
     ),
     "poll": ("POST", f"{BASE}/runners/jobs", "a runner token is required", "unknown runner token"),

@@ -232,6 +232,8 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "log_format": ("json", "json", "json"),
     "log_level": ("debug", "debug", "DEBUG"),
     "advertise": ("http://10.0.0.5:8787",) * 3,
+    "team_secret": ("s" * 32 + ",o" + "o" * 31, "s" * 32 + ",o" + "o" * 31, ("s" * 32, "o" * 32)),
+    "team_secret_file": ("/tmp/team-secret", "/tmp/team-secret", Path("/tmp/team-secret")),
     "replica_id": ("hub-1",) * 3,
     "offline_after": ("7.5", 7.5, 7.5),
     "reoffer_after": ("3", 3, 3.0),
@@ -374,7 +376,7 @@ def test_hub_table_and_example_file_are_generated_from_the_declarations(tmp_path
     plain.write_text(re.sub(r"^# (\w+ = )", r"\1", example, flags=re.M))
     loaded = load_hub_settings({}, {}, plain)
     samples = ("data", "store", "advertise", "replica_id", "tls_cert", "tls_key")
-    samples += ("ping_timeout", "default_model")
+    samples += ("ping_timeout", "default_model", "team_secret", "team_secret_file")
     for s in HUB_SETTINGS:
         if s.key not in samples:  # no default: the example shows a sample
             assert getattr(loaded, s.key) == getattr(HubSettings(), s.key), s.key

@@ -122,7 +122,7 @@ async def test_register_credentials(served: tuple[Hub, httpx.AsyncClient]) -> No
     runner = await register_runner(hub, OWNER, PROJECT, "box", [])
     r = await client.post(url, json=body, headers=bearer(runner["token"]))
     assert r.status_code == 403
-    assert "only a user credential registers a runner" in r.json()["error"]["message"]
+    assert "a runner registers with an enrollment token" in r.json()["error"]["message"]
     key = await hub.keys.create("k")
     assert (await client.post(url, json=body, headers=bearer(key))).status_code == 403
     assert (await client.post(url, content=b"not json", headers=bearer(ADMIN))).status_code == 400

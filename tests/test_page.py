@@ -328,10 +328,26 @@ async def test_status_page(
             await _stream(_client(base, alice), {"chunks": 2})
         assert await _stream(_client(base, bob), {"chunks": 2}) > 2  # bob's key still works
 
+    # -- a runner revoked on the page: gone from it, its token refused at once -------------
+    def revoke_runner() -> str:
+        row = page.locator('#runners tbody tr[data-name="test-runner"]')
+        runner_id = str(row.get_attribute("data-id"))
+        row.get_by_role("button", name="Revoke").click()
+        expect(page.locator(f'#runners tbody tr[data-id="{runner_id}"]')).to_have_count(0)
+        return runner_id
+
+    assert runner.registration is not None
+    token = runner.registration.token
+    with trio.fail_after(STEP):
+        revoked_id = await run(revoke_runner)
+    assert revoked_id == runner.registration.id
+    assert await the_hub.store.registration_by_token(token) is None
+    assert revoked_id in await the_hub.store.revoked_runners()
+
     # -- a reload keeps the tab signed in; signing out forgets the credential -------------
     def reload_and_sign_out() -> None:
         page.reload()
-        expect(page.locator('#runners tbody tr[data-name="test-runner"]')).to_be_visible()
+        expect(page.locator('#keys tbody tr[data-name="bob"]')).to_be_visible()
         page.get_by_role("button", name="Sign out").click()
         expect(page.get_by_label("Admin credential")).to_be_visible()
         assert page.evaluate("sessionStorage.getItem('alp-hub-admin')") is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +17,16 @@ from typing import Any
 import httpx
 import msgspec
 import trio
-from helpers import ADMIN, CHAT_DEFINITION, OWNER, PROJECT, register_runner, runner_config, running
+from helpers import (
+    ADMIN,
+    CHAT_DEFINITION,
+    OWNER,
+    PROJECT,
+    TEAM_SECRET,
+    register_runner,
+    runner_config,
+    running,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
@@ -59,15 +68,24 @@ async def until(check: Callable[[], bool], *among: Replica, within: float = 10) 
 
 
 @asynccontextmanager
-async def replicas(pg_url: str, count: int, **settings: Any) -> AsyncIterator[list[Replica]]:
+async def replicas(
+    pg_url: str,
+    count: int,
+    *,
+    team: Sequence[tuple[str, ...]] | None = None,
+    **settings: Any,
+) -> AsyncIterator[list[Replica]]:
     """``count`` hubs on the database ``pg_url``, each served on a port of its own, each
-    knowing every other up."""
+    knowing every other up; ``team``: each one's team secrets (else ``TEAM_SECRET`` for all)."""
     async with trio.open_nursery() as nursery:
         started: list[Replica] = []
         for n in range(count):
+            secrets = team[n] if team is not None else (TEAM_SECRET,)
             hub = Hub(
                 admin_token=ADMIN,
-                settings=HubSettings(store=pg_url, replica_id=f"r{n}", **settings),
+                settings=HubSettings(
+                    store=pg_url, replica_id=f"r{n}", team_secret=secrets, **settings
+                ),
             )
             scope = trio.CancelScope()
             started.append(Replica(hub, await nursery.start(_serve, hub, scope), scope))
@@ -361,14 +379,15 @@ async def test_hub_doctor_checks_the_store_and_sees_every_replica(
     async with replicas(pg_url, 2):
         out = io.StringIO()
         report = doctor.Report(out)
-        await doctor.check(HubSettings(store=pg_url), report)
+        await doctor.check(HubSettings(store=pg_url, team_secret=(TEAM_SECRET,)), report)
         lines = out.getvalue().splitlines()
     assert not report.failed, lines
     assert lines[0].startswith("✓ store: PostgreSQL at postgresql://") and "***" in lines[0]
     assert lines[1] == f"✓ migrations: schema at version {LATEST}, this alp-gateway's"
     assert lines[2] == "✓ replicas: 2 up of 2 known"
-    assert sorted(line.split(":")[0] for line in lines[3:]) == ["✓ replica r0", "✓ replica r1"]
-    assert all("/healthz 503" in line for line in lines[3:])  # no runner: up, answering
+    assert lines[3] == "✓ team secret: given: the replicas sign their internal requests"
+    assert sorted(line.split(":")[0] for line in lines[4:]) == ["✓ replica r0", "✓ replica r1"]
+    assert all("/healthz 503" in line for line in lines[4:])  # no runner: up, answering
     out = io.StringIO()
     await doctor.check(HubSettings(store=pg_url), doctor.Report(out))
     assert out.getvalue().count(" stopped (version ") == 2  # they retired when they stopped

@@ -31,7 +31,7 @@ import psycopg
 import pytest
 import trio
 from balancer import balancer
-from helpers import ADMIN, OWNER, PROJECT, runner_config, running
+from helpers import ADMIN, OWNER, PROJECT, TEAM_SECRET, runner_config, running
 
 from gateway.hub.store import KeyLimits, open_store
 from gateway.hub.store.credentials import write_admin_token
@@ -73,7 +73,11 @@ class HubProcess:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env={**os.environ, "ALP_GATEWAY_LOG_FORMAT": "text"},
+            env={
+                **os.environ,
+                "ALP_GATEWAY_LOG_FORMAT": "text",
+                "ALP_GATEWAY_HUB_TEAM_SECRET": TEAM_SECRET,
+            },
         )
         nursery.start_soon(self._read, self.proc)
         with trio.fail_after(GUARD):

@@ -389,11 +389,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5] and SCHEMA_VERSION == 5
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6] and SCHEMA_VERSION == 6
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5]
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6]
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -500,21 +500,25 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     store = open_store(tmp_path)
     # migration 1 is that schema; migration 2 adds the usage's ``estimated`` columns (0: said);
     # migration 3 the credentials table (empty: SQLite's admin token stays in its file);
-    # migration 4 the turns' ``continued`` column (0: answered by one runner)
+    # migration 4 the turns' ``continued`` column (0: answered by one runner); migration 6 the
+    # enrollment tokens (none) and the runners' revocation, enrollment and last sign of life
     after = _shape(path)
-    assert _versions(path) == [1, 2, 3, 4, 5] and after.keys() == before.keys() | {"credentials"}
-    assert after.pop("credentials")[1] == []
-    for table, added in (
-        ("usage_turns", ["estimated", "continued"]),
-        ("usage_hourly", ["estimated"]),
+    made = {"credentials", "enrollment_tokens"}
+    assert _versions(path) == [1, 2, 3, 4, 5, 6] and after.keys() == before.keys() | made
+    assert after.pop("credentials")[1] == [] and after.pop("enrollment_tokens")[1] == []
+    grown = ("usage_turns", "usage_hourly", "runners")
+    for table, added, value in (
+        ("usage_turns", ["estimated", "continued"], 0),
+        ("usage_hourly", ["estimated"], 0),
+        ("runners", ["revoked_at", "enrollment_id", "last_seen"], None),
     ):
         columns, rows = after[table]
         width = len(before[table][0])
         assert columns[:width] == before[table][0] and [c[1] for c in columns[width:]] == added
         assert [row[:width] for row in rows] == before[table][1]
-        assert {v for row in rows for v in row[width:]} <= {0}
-    assert {t: v for t, v in after.items() if not t.startswith("usage_")} == {
-        t: v for t, v in before.items() if not t.startswith("usage_")
+        assert {v for row in rows for v in row[width:]} <= {value}
+    assert {t: v for t, v in after.items() if t not in grown} == {
+        t: v for t, v in before.items() if t not in grown
     }
     key = await store.check_api_key(KEY)
     assert key is not None and await store.key_limits("alice") == (
@@ -537,7 +541,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2, 3, 4, 5]
+    assert _versions(path) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -559,7 +563,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 4, 5, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 4, 5, 6, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 

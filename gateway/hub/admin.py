@@ -13,6 +13,7 @@ from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
 from gateway.hub.metrics import CONTENT_TYPE
+from gateway.hub.runners import RunnerNotFound
 from gateway.hub.snapshot import as_json, camel
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 
@@ -191,3 +192,55 @@ class AdminApi:
         if not await self.hub.keys.revoke(name):
             raise HTTPError(404, f"no active API key is named {name!r}", "unknown_key")
         await req.resp.json(200, {"name": name, "revoked": True}, NO_STORE)
+
+    async def revoke_runner(self, req: Request) -> None:
+        """``DELETE /api/hub/runners/{id or name}`` or ``POST /api/hub/runners/revoke``
+        ``{"runner"}``: the registration refused from now on, its jobs ended, its channels
+        closed (its sessions move to another runner)."""
+        which = req.params.get("runner")
+        if which is None:
+            body = json_object(await req.body(MAX_KEY_BODY))
+            which = body.get("runner")
+            if not isinstance(which, str) or not which:
+                raise HTTPError(400, '"runner" must be a runner\'s id or name', "invalid_request")
+        try:
+            found = await self.hub.runner_admin.revoke(which)
+        except RunnerNotFound as exc:
+            raise HTTPError(404, str(exc), "unknown_runner") from None
+        answer = {"id": found.id, "name": found.name, "revoked": True}
+        await req.resp.json(200, answer, NO_STORE)
+
+    async def enrollments(self, req: Request) -> None:
+        """``GET /api/hub/enrollments``: every enrollment token (never the token itself)."""
+        found = [e.as_json() for e in await self.hub.store.list_enrollments()]
+        await req.resp.json(200, {"enrollments": found}, NO_STORE)
+
+    async def create_enrollment(self, req: Request) -> None:
+        """``POST /api/hub/enrollments`` ``{"project", "expiresIn"? (s), "uses"?}``: 201 with
+        the token, shown this once."""
+        body = json_object(await req.body(MAX_KEY_BODY))
+        project = body.get("project")
+        if not isinstance(project, str):
+            raise HTTPError(400, '"project" must be a string like OWNER/PROJECT', "invalid_request")
+        expires, uses = body.get("expiresIn"), body.get("uses")
+        if expires is not None and (
+            not isinstance(expires, int | float) or isinstance(expires, bool) or expires <= 0
+        ):
+            raise HTTPError(
+                400, '"expiresIn" must be a positive number of seconds', "invalid_request"
+            )
+        if uses is not None and (not isinstance(uses, int) or isinstance(uses, bool) or uses < 1):
+            raise HTTPError(400, '"uses" must be a positive integer or null', "invalid_request")
+        try:
+            found, token = await self.hub.runner_admin.enroll(project, expires, uses)
+        except ValueError as err:
+            raise HTTPError(400, str(err), "invalid_request") from None
+        await req.resp.json(201, {**found.as_json(), "token": token}, NO_STORE)
+
+    async def revoke_enrollment(self, req: Request) -> None:
+        """``DELETE /api/hub/enrollments/{id}``: it registers no runner from now on (runners it
+        registered keep their registrations: revoke them as runners)."""
+        found = req.params["id"]
+        if not await self.hub.store.revoke_enrollment(found):
+            raise HTTPError(404, f"no active enrollment token has the id {found!r}", "unknown")
+        await req.resp.json(200, {"id": found, "revoked": True}, NO_STORE)

@@ -13,6 +13,7 @@ from typing import Any, Literal, NoReturn, Protocol
 
 import trio
 
+from gateway.hub.bounds import MAX_LOGS, MAX_MESSAGE, MAX_REASON, too_long
 from gateway.hub.job import Job
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Registration, Store
@@ -36,6 +37,13 @@ class BoardError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def _bounded(*passed: str | None) -> None:
+    """BoardError (400) naming the first bound of ``gateway.hub.bounds`` a report passed."""
+    for found in passed:
+        if found is not None:
+            raise BoardError("invalid", found)
 
 
 class Changes:
@@ -428,9 +436,11 @@ class JobBoard:
         conclusion = report.get("conclusion")
         if conclusion not in ("success", "failure"):
             raise BoardError("invalid", '"conclusion" must be "success" or "failure"')
-        for key in ("logs", "completionReason"):
-            if report.get(key) is not None and not isinstance(report[key], str):
-                raise BoardError("invalid", f'"{key}" must be a string')
+        for key, limit in (("logs", MAX_LOGS), ("completionReason", MAX_REASON)):
+            if report.get(key) is not None:
+                if not isinstance(report[key], str):
+                    raise BoardError("invalid", f'"{key}" must be a string')
+                _bounded(too_long(f'"{key}"', report[key], limit))
         if self.sync is not None and not await self.sync.complete(job, conclusion, True):
             await self.sync.refresh(job.id)  # another replica ended it first
             self._late()
@@ -450,6 +460,10 @@ class JobBoard:
             raise BoardError("invalid", '"stage" must be a string')
         if report.get("message") is not None and not isinstance(report["message"], str):
             raise BoardError("invalid", '"message" must be a string or null')
+        _bounded(
+            too_long('"stage"', report["stage"], MAX_REASON),
+            too_long('"message"', report.get("message") or "", MAX_MESSAGE),
+        )
         if job.status == "completed":
             self._late()
         job.last_progress = report
@@ -521,25 +535,42 @@ class JobBoard:
                 continue
             if now - last <= self.settings.offline_after:
                 continue
-            report = {
-                "status": "completed",
-                "conclusion": "failure",
-                "logs": "runner offline",
-                "forced": True,
-            }
-            if self.sync is not None and not await self.sync.complete(job, "failure", False):
-                await self.sync.refresh(job.id)  # another replica ended it
-                continue
-            await self._keep_report(job, report)
-            job.status = "completed"
-            job.conclusion = "failure"
-            job.completed.set()
-            await self._ended(job)
-            forced.append(job)
-            log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
+            if await self._force_end(job, "runner offline"):
+                forced.append(job)
+                log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
         if forced:
             self.changes.notify()
         return forced
+
+    async def revoked(self, runner_id: str) -> list[Job]:
+        """A runner's registration was revoked: its open jobs force-completed (as failure, one
+        report each: ``runner revoked``), and the runner forgotten (never offered a job again,
+        no longer listed); returns those jobs."""
+        forced = [
+            job
+            for job in list(self.jobs.values())
+            if job.claimed_by == runner_id
+            and job.status != "completed"
+            and await self._force_end(job, "runner revoked")
+        ]
+        self.last_seen.pop(runner_id, None)
+        self.runners.pop(runner_id, None)
+        self.changes.notify()
+        return forced
+
+    async def _force_end(self, job: Job, why: str) -> bool:
+        """End a claimed job as failure with one forced report saying ``why``; False when
+        another replica ended it first."""
+        report = {"status": "completed", "conclusion": "failure", "logs": why, "forced": True}
+        if self.sync is not None and not await self.sync.complete(job, "failure", False):
+            await self.sync.refresh(job.id)  # another replica ended it
+            return False
+        await self._keep_report(job, report)
+        job.status = "completed"
+        job.conclusion = "failure"
+        job.completed.set()
+        await self._ended(job)
+        return True
 
     async def _keep_report(self, job: Job, report: dict[str, Any]) -> None:
         job.reports.append(report)

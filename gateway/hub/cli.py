@@ -277,6 +277,9 @@ def _build_parser() -> _Parser:
         "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
     )
     backup.add_commands(parser, sub)
+    from gateway.hub.runnercli import add_runners_commands
+
+    add_runners_commands(parser, sub, _limit)
     parser.command(
         sub,
         "doctor",
@@ -302,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in backup.COMMANDS:
             print(logsafe.escape(backup.command(args.command, settings, args.file)))
             return 0
+        if args.command == "runners":
+            from gateway.hub.runnercli import runners_command
+
+            return runners_command(args, _open(settings), _table)
         if args.command == "doctor":
             from gateway.hub.doctor import main as doctor_main
 

@@ -1,14 +1,17 @@
 """``alp-gateway hub doctor``: check a hub's store (reachable, its schema migrated and not newer
 than this code), and on PostgreSQL the replicas it knows (each one's heartbeat, version, and
-whether its address answers from here), with a fix for each failure.
+whether its address answers from here, whether they talk plain HTTP across hosts, whether a
+team secret is given), with a fix for each failure.
 
 Opening the store applies the migrations this code knows, as a starting hub does; nothing else
 is written. One line a check, no password ever (URLs are said redacted)."""
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from typing import TextIO
+from urllib.parse import urlsplit
 
 import httpx
 import trio
@@ -19,7 +22,7 @@ from gateway.hub.store import StoreError, StoreMissing, open_store
 from gateway.hub.store.dburl import is_url, redact
 from gateway.hub.store.schema import LATEST
 from gateway.hub.store.team_base import ReplicaRow
-from gateway.hub.team.team import EXPIRY
+from gateway.hub.team.team import EXPIRY, team_secrets
 
 OK, FAIL, WARN = "✓", "✗", "!"
 PROBE_TIMEOUT = 3.0  # s for a replica's /healthz to answer
@@ -70,11 +73,60 @@ async def check(settings: HubSettings, report: Report) -> None:
             f"{len(live)} up of {len(rows)} known"
             + ("" if live else " (start `alp-gateway hub --store ...`)"),
         )
+        _secret(settings, report)
+        plain = [r for r in live if _plain_across_hosts(r.url)]
+        if plain:
+            report.add(
+                WARN,
+                "transport",
+                f"replica(s) {', '.join(r.id for r in plain)} advertise plain http:// to another "
+                "host: their forwarded turns (prompts and answers) cross the network unencrypted",
+                "serve each replica with --tls-cert/--tls-key and advertise https://, or keep "
+                "the replicas on one private network",
+            )
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False) as client:
             for row in rows:
                 await _replica(client, row, row in live, report)
     finally:
         await store.close()
+
+
+def _plain_across_hosts(url: str) -> bool:
+    """Whether a replica's advertised URL is plain HTTP to a host other than this machine's
+    loopback."""
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        return False
+    host = parts.hostname or ""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a host name: another machine, or a container's
+
+
+def _secret(settings: HubSettings, report: Report) -> None:
+    """Whether this machine's settings give the team secret (the replicas' own are not
+    readable from here: each must be given the same)."""
+    try:
+        found = (
+            team_secrets(settings) if (settings.team_secret or settings.team_secret_file) else ()
+        )
+    except ValueError as exc:
+        report.add(FAIL, "team secret", str(exc), "fix the file, or the setting")
+        return
+    if not found:
+        report.add(
+            WARN,
+            "team secret",
+            "none given here (--team-secret-file, ALP_GATEWAY_HUB_TEAM_SECRET): a replica "
+            "without it cannot reach the others' channels",
+            "give every replica the same secret (`openssl rand -hex 32` in a 0600 file)",
+        )
+        return
+    rotating = " and one more accepted (rotating)" if len(found) > 1 else ""
+    report.add(OK, "team secret", f"given{rotating}: the replicas sign their internal requests")
 
 
 async def _replica(client: httpx.AsyncClient, row: ReplicaRow, live: bool, report: Report) -> None:

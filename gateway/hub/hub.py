@@ -19,6 +19,7 @@ from gateway.hub.frontdoor.door import FrontDoor
 from gateway.hub.keys import Keys
 from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog
+from gateway.hub.runners import RunnerAdmin
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
@@ -72,6 +73,7 @@ class Hub:
             job_over=self._job_over,
             end_job=channels.cancel_job,
         )
+        self.runner_admin = RunnerAdmin(store, board, channels)
         self.dispatcher = dispatcher = Dispatcher(settings, board, channels, sessions, counters)
         self.catalog = catalog = Catalog(store, settings, board, channels)
         dispatcher.relist = lambda ch: catalog.ask(ch, settings.models_timeout)
@@ -98,7 +100,6 @@ class Hub:
                 dispatcher=dispatcher,
                 catalog=catalog,
                 accounting=accounting,
-                admin_hash=admin_hash,
             )
 
     def _job_over(self, job_id: str) -> bool:
@@ -162,6 +163,7 @@ class Hub:
                 nursery.start_soon(self.dispatcher.run)
                 nursery.start_soon(self.catalog.run)
                 nursery.start_soon(self._watch_offline)
+                nursery.start_soon(self.runner_admin.run)
         finally:
             log.info(
                 "hub stopped; counters: %s",

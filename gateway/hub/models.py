@@ -15,6 +15,7 @@ import uuid
 import trio
 
 from gateway.hub.board import Job, JobBoard
+from gateway.hub.bounds import MAX_MODELS, MAX_TEXT, too_many
 from gateway.hub.channel import Channels, Reply, ServerChannel
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ModelList, Store
@@ -26,7 +27,7 @@ log = logging.getLogger("gateway.hub.models")
 LISTING_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY], "purpose": "models"}
 RETRY_LISTING = 300.0  # s: a runner that did not list its models is asked again after this
 UNLISTED = "unlisted"  # the ledger's and the metrics' name of a model no runner listed
-MAX_LABEL = 200  # characters of a model name the ledger and the metrics keep
+MAX_LABEL = MAX_TEXT  # characters of a model name the ledger and the metrics keep
 
 
 class ModelsAnswer:
@@ -34,6 +35,7 @@ class ModelsAnswer:
 
     def __init__(self) -> None:
         self.models: list[str] | None = None
+        self.refused: str | None = None  # the bound a list passed (then nothing of it is kept)
         self.done = trio.Event()
 
     def chunk(self, chunk: object, frame: bytes) -> None:
@@ -44,7 +46,9 @@ class ModelsAnswer:
 
     def reply(self, frame: Reply) -> None:
         if isinstance(frame, ModelsFrame):
-            self.models = list(frame.models)
+            self.refused = too_many("the models list", frame.models, MAX_MODELS, MAX_LABEL)
+            if self.refused is None:
+                self.models = list(frame.models)
         self.done.set()
 
     def lost(self) -> bool:
@@ -248,6 +252,12 @@ class Catalog:
         finally:
             ch.close_request(rid)
         models = answer.models
+        if answer.refused is not None:
+            log.warning(
+                "the models answer of runner %s is refused, nothing of it kept: %s",
+                ch.runner_id,
+                answer.refused,
+            )
         if models is None:
             log.info("no models from the channel of job %s (runner %s)", ch.job_id, ch.runner_id)
             self._silent.add(ch.runner_id)  # turns are not held for its answer again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -10,7 +11,15 @@ from typing import Any
 import msgspec
 import trio
 
+from gateway import logsafe
 from gateway.hub.board import REPORT_MAX_BYTES, BoardError, Job
+from gateway.hub.bounds import (
+    MAX_CAPABILITIES,
+    MAX_LABELS,
+    MAX_NAME,
+    too_long,
+    too_many,
+)
 from gateway.hub.frontdoor.shapes import SSE_HEADERS
 from gateway.hub.http import (
     HTTPError,
@@ -21,7 +30,7 @@ from gateway.hub.http import (
     wait_disconnect,
 )
 from gateway.hub.hub import Hub
-from gateway.hub.store import Registration
+from gateway.hub.store import Enrollment, Registration
 from gateway.wire.server import WebSocketRequest
 
 log = logging.getLogger("gateway.hub")
@@ -30,6 +39,19 @@ CHANNEL_PATH = "/api/lives/chat/channel/ws"
 
 _STATUS_OF_REFUSAL = {"not_found": 404, "conflict": 409, "forbidden": 403, "invalid": 400}
 _encoder = msgspec.json.Encoder()
+ENROLL_NEEDED = (
+    "an enrollment token is required to register a runner (alpe_…, made by "
+    "`alp-gateway hub runners enroll --project OWNER/PROJECT`)"
+)
+NO_STORE = [(b"cache-control", b"no-store")]  # a runner token is shown once, never cached
+
+
+def _bounded(*passed: str | None) -> None:
+    """HTTPError 413 naming the first bound of ``gateway.hub.bounds`` a value passed (nothing of
+    the request is kept then)."""
+    for found in passed:
+        if found is not None:
+            raise HTTPError(413, found, "too_large")
 
 
 def refused(exc: BoardError) -> HTTPError:
@@ -60,32 +82,36 @@ class RunnerApi:
         return runner
 
     async def register(self, req: Request) -> None:
+        """``POST {base}/runners``: a runner registered with a project's enrollment token (or,
+        still, the admin credential: one warning line naming the better way); its token is
+        answered once, never cached (``Cache-Control: no-store``)."""
         token = bearer(req.scope)
         if token is None:
-            raise HTTPError(401, "a user credential is required to register a runner")
+            raise HTTPError(401, ENROLL_NEEDED)
+        owner, project = req.params["owner"], req.params["project"]
+        enrollment = None
         if not self.hub.keys.is_admin(token):
-            store = self.hub.store
-            if await store.registration_by_token(token) is not None:
-                raise HTTPError(
-                    403,
-                    "a runner token was presented: only a user credential registers a runner "
-                    "(on this hub: its admin credential, alpa_…)",
-                )
-            if await store.check_api_key(token) is not None:
-                raise HTTPError(
-                    403,
-                    "an API key (alpk_…) was presented: a runner registers with the hub's admin "
-                    "credential (alpa_…, in the hub's data directory as admin-token)",
-                )
-            raise HTTPError(401, "unknown credential")
+            enrollment = await self._enrollment(token, owner, project)
         obj = json_object(await req.body(self.hub.settings.max_body))
         name = obj.get("name")
         if not isinstance(name, str) or not name:
             raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
         labels = string_list(obj, "labels", required=False)
-        owner, project = req.params["owner"], req.params["project"]
+        _bounded(too_long('"name"', name, MAX_NAME), too_many('"labels"', labels, MAX_LABELS))
+        if enrollment is None:
+            log.warning(
+                "a runner registered in %s/%s with the admin credential: give runner hosts an "
+                "enrollment token instead (`alp-gateway hub runners enroll --project "
+                "OWNER/PROJECT`), which can register runners and nothing else",
+                logsafe.safe(owner),
+                logsafe.safe(project),
+            )
+        elif not await self.hub.store.use_enrollment(enrollment.id, time.time()):
+            raise HTTPError(
+                401, "this enrollment token is used up, expired or revoked", "invalid_credential"
+            )
         registration, runner_token = await self.hub.store.add_registration(
-            owner, project, name, labels
+            owner, project, name, labels, None if enrollment is None else enrollment.id
         )
         self.board.seen(
             registration.id, registration
@@ -96,12 +122,45 @@ class RunnerApi:
             "token": runner_token,
             "registeredAt": registration.registered_at,
         }
-        await req.resp.json(201, answer)
+        await req.resp.json(201, answer, NO_STORE)
+
+    async def _enrollment(self, token: str, owner: str, project: str) -> Enrollment:
+        """The enrollment token ``token`` is, valid now for ``owner/project``; else HTTPError
+        saying what the credential is and what registers a runner."""
+        store = self.hub.store
+        found = await store.enrollment_by_token(token)
+        if found is not None:
+            refusal = found.refusal(time.time())
+            if refusal is not None:
+                raise HTTPError(401, refusal, "invalid_credential")
+            if (found.owner, found.project) != (owner, project):
+                raise HTTPError(
+                    403,
+                    f"this enrollment token registers runners in {found.owner}/{found.project} "
+                    "only",
+                    "forbidden",
+                )
+            return found
+        if await store.registration_by_token(token) is not None:
+            raise HTTPError(
+                403,
+                "a runner token was presented: a runner registers with an enrollment token "
+                "(alpe_…, made by `alp-gateway hub runners enroll`)",
+            )
+        if await store.check_api_key(token) is not None:
+            raise HTTPError(
+                403,
+                "an API key (alpk_…) was presented: a runner registers with an enrollment token "
+                "(alpe_…, made by `alp-gateway hub runners enroll`)",
+            )
+        raise HTTPError(401, "unknown credential")
 
     async def poll(self, req: Request) -> None:
         runner = await self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
-        capabilities = set(string_list(json_object(body), "capabilities", required=True))
+        advertised = string_list(json_object(body), "capabilities", required=True)
+        _bounded(too_many('"capabilities"', advertised, MAX_CAPABILITIES))
+        capabilities = set(advertised)
         owner, project = req.params["owner"], req.params["project"]
         jobs = [
             job.to_json() for job in self.board.offered(runner.id, owner, project, capabilities)
@@ -118,6 +177,7 @@ class RunnerApi:
         job_id, name = obj.get("jobId"), obj.get("name")
         if not isinstance(job_id, str) or not isinstance(name, str):
             raise HTTPError(400, '"jobId" and "name" must be strings', "invalid_request")
+        _bounded(too_long('"name"', name, MAX_NAME), too_long('"jobId"', job_id, MAX_NAME))
         try:
             run_id = await self.board.claim(
                 runner.id, req.params["owner"], req.params["project"], job_id, name

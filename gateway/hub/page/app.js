@@ -199,6 +199,7 @@ function showRunners(runners) {
         r.sessions,
         r.turnsInFlight,
         `${seconds(r.lastSeenSeconds)} ago`,
+        revokeRunnerButton(r),
       ]);
       tr.dataset.id = r.id;
       tr.dataset.name = r.name || "";
@@ -401,6 +402,27 @@ async function createKey(event) {
   } catch (err) {
     if (err instanceof Refused) return signOut("The admin credential was refused: sign in again.");
     $("key-error").textContent = err.message;
+  }
+}
+
+function revokeRunnerButton(r) {
+  const button = el("button", "Revoke");
+  button.type = "button";
+  button.title = "Refuse this runner from now on; its sessions move to another runner";
+  button.addEventListener("click", () => revokeRunner(r.id, button));
+  return td(button);
+}
+
+async function revokeRunner(id, button) {
+  button.disabled = true;
+  $("runner-error").textContent = "";
+  try {
+    await api("POST", "/api/hub/runners/revoke", { runner: id });
+    await refresh(generation);
+  } catch (err) {
+    if (err instanceof Refused) return signOut("The admin credential was refused: sign in again.");
+    $("runner-error").textContent = err.message;
+    button.disabled = false;
   }
 }
 

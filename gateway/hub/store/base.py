@@ -31,10 +31,12 @@ from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
     AdminCredential,
     ApiKey,
+    Enrollment,
     HourlyUsage,
     KeyLimits,
     ModelList,
     Registration,
+    RunnerRecord,
     StoredJob,
     StoredSession,
     UsageRecord,
@@ -333,17 +335,67 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def add_registration(
-        self, owner: str, project: str, name: str, labels: list[str]
+        self,
+        owner: str,
+        project: str,
+        name: str,
+        labels: list[str],
+        enrollment: str | None = None,
     ) -> tuple[Registration, str]:
-        """Register a runner; returns its registration and token (shown once, stored hashed)."""
+        """Register a runner (``enrollment``: the id of the enrollment token it came with);
+        returns its registration and token (shown once, stored hashed)."""
 
     @abc.abstractmethod
     async def registration_by_token(self, token: str) -> Registration | None:
-        """The registration whose token this is (constant-time comparison against every hash)."""
+        """The registration whose token this is, unless revoked (constant-time comparison
+        against every hash)."""
 
     @abc.abstractmethod
     async def registration(self, runner_id: str) -> Registration | None:
         """The registration of runner ``runner_id``, or None."""
+
+    @abc.abstractmethod
+    async def list_runners(self) -> list[RunnerRecord]:
+        """Every registration (revoked ones too), oldest first, with its models and sessions."""
+
+    @abc.abstractmethod
+    async def revoke_runner(self, runner_id: str) -> bool:
+        """Revoke runner ``runner_id``'s registration for good; False when it has none active."""
+
+    @abc.abstractmethod
+    async def revoked_runners(self) -> set[str]:
+        """The ids of every revoked registration."""
+
+    @abc.abstractmethod
+    async def runners_seen(self, runner_ids: list[str], at: float) -> None:
+        """Note that these runners were seen at ``at`` (Unix time), for ``list_runners``."""
+
+    # enrollment tokens
+
+    @abc.abstractmethod
+    async def create_enrollment(
+        self, project: str, expires_at: float | None, uses: int | None
+    ) -> tuple[Enrollment, str]:
+        """A new enrollment token for ``project`` ("owner/project"), valid until
+        ``expires_at`` (Unix time) for ``uses`` registrations (None: no bound); returns it
+        and the token (shown once, stored hashed). ValueError on a malformed project."""
+
+    @abc.abstractmethod
+    async def list_enrollments(self) -> list[Enrollment]:
+        """Every enrollment token (revoked, expired, used up ones too), oldest first."""
+
+    @abc.abstractmethod
+    async def enrollment_by_token(self, token: str) -> Enrollment | None:
+        """The enrollment token this is, in whatever state (constant-time comparison)."""
+
+    @abc.abstractmethod
+    async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
+        """Count one registration against the token, in one statement: False when it is
+        revoked, expired (at ``now``, Unix time) or used up."""
+
+    @abc.abstractmethod
+    async def revoke_enrollment(self, enrollment_id: str) -> bool:
+        """Revoke an enrollment token; False when there is no active one of that id."""
 
     # API keys
 

@@ -14,10 +14,11 @@ from gateway.privatefs import make_private_dirs
 RUNNER_TOKEN_PREFIX = "alpr_"
 API_KEY_PREFIX = "alpk_"
 ADMIN_TOKEN_PREFIX = "alpa_"
+ENROLLMENT_TOKEN_PREFIX = "alpe_"
 
 
 def new_token(prefix: str) -> str:
-    """A fresh bearer secret with a readable prefix (``alpr_``, ``alpk_``, ``alpa_``)."""
+    """A fresh bearer secret with a readable prefix (``alpr_``, ``alpk_``, ``alpa_``, ``alpe_``)."""
     return prefix + secrets.token_urlsafe(32)
 
 

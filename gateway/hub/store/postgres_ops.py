@@ -288,7 +288,7 @@ def load_models(owner: str, project: str) -> Op[list[ModelList]]:
 
 
 def add_registration(
-    owner: str, project: str, name: str, labels: list[str]
+    owner: str, project: str, name: str, labels: list[str], enrollment: str | None = None
 ) -> Op[tuple[Registration, str]]:
     token = new_token(RUNNER_TOKEN_PREFIX)
     runner = Registration(
@@ -301,8 +301,8 @@ def add_registration(
         token_hash=token_hash(token),
     )
     yield Query(
-        "INSERT INTO runners (id, name, owner, project, labels, token_hash, registered_at)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO runners (id, name, owner, project, labels, token_hash, registered_at,"
+        " enrollment_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         (
             runner.id,
             runner.name,
@@ -311,6 +311,7 @@ def add_registration(
             json.dumps(list(runner.labels)),
             runner.token_hash,
             runner.registered_at,
+            enrollment,
         ),
     )
     return runner, token
@@ -319,7 +320,9 @@ def add_registration(
 def registration_by_token(token: str) -> Op[Registration | None]:
     digest = token_hash(token)
     found: str | None = None
-    for runner_id, stored in (yield Query("SELECT id, token_hash FROM runners")):
+    for runner_id, stored in (
+        yield Query("SELECT id, token_hash FROM runners WHERE revoked_at IS NULL")
+    ):
         if hmac.compare_digest(stored, digest):
             found = runner_id
     if found is None:

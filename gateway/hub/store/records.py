@@ -31,6 +31,58 @@ class Registration:
 
 
 @dataclass(frozen=True, slots=True)
+class Enrollment:
+    """A project's enrollment token as the hub keeps it (its hash only): it registers runners
+    in that project, until it expires (Unix time), is used up or is revoked."""
+
+    id: str
+    owner: str
+    project: str
+    created_at: str
+    expires_at: float | None  # None: never
+    uses_left: int | None  # registrations it may still make (None: any number)
+    used: int
+    revoked: bool
+
+    def refusal(self, now: float) -> str | None:
+        """Why it registers no runner now (revoked, expired, used up), or None."""
+        if self.revoked:
+            return "this enrollment token was revoked"
+        if self.expires_at is not None and now >= self.expires_at:
+            return "this enrollment token has expired"
+        if self.uses_left is not None and self.uses_left <= 0:
+            return "this enrollment token is used up"
+        return None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "project": f"{self.owner}/{self.project}",
+            "createdAt": self.created_at,
+            "expiresAt": self.expires_at,
+            "usesLeft": self.uses_left,
+            "used": self.used,
+            "revoked": self.revoked,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerRecord:
+    """A runner's registration as ``hub runners list`` shows it: revoked or not, last seen
+    (Unix time, as a hub last wrote it), its models, its live sessions."""
+
+    id: str
+    name: str
+    owner: str
+    project: str
+    registered_at: str
+    revoked_at: str | None
+    last_seen: float | None
+    models: tuple[str, ...] | None
+    sessions: int
+
+
+@dataclass(frozen=True, slots=True)
 class ApiKey:
     """An active front-door API key: who may chat, and in which project."""
 
@@ -250,6 +302,12 @@ def registration_of(row: tuple[Any, ...]) -> Registration:
     token_hash."""
     labels = tuple(json.loads(row[4]))
     return Registration(row[0], row[1], row[2], row[3], labels, row[5], row[6])
+
+
+def enrollment_of(row: tuple[Any, ...]) -> Enrollment:
+    """An enrollment token from its row: id, owner, project, created_at, expires_at, uses_left,
+    used, revoked."""
+    return Enrollment(row[0], row[1], row[2], row[3], row[4], row[5], row[6], bool(row[7]))
 
 
 def hour_of(at: float) -> int:

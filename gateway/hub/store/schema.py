@@ -190,6 +190,28 @@ MIGRATIONS: tuple[Migration, ...] = (
         (),
         postgres=TEAM_STATEMENTS,  # SQLite's single hub has no team
     ),
+    Migration(
+        6,
+        "runners enrolled by a project's enrollment token, revoked, and when each was last seen",
+        (
+            """CREATE TABLE IF NOT EXISTS enrollment_tokens (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    project TEXT NOT NULL,
+    token_hash TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    expires_at REAL,
+    uses_left INTEGER,
+    used INTEGER NOT NULL DEFAULT 0,
+    revoked INTEGER NOT NULL DEFAULT 0
+)""",
+        ),
+        columns=(
+            ("runners", "revoked_at", "TEXT"),
+            ("runners", "enrollment_id", "TEXT"),
+            ("runners", "last_seen", "REAL"),
+        ),
+    ),
 )
 LATEST = MIGRATIONS[-1].version
 

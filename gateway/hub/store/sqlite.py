@@ -25,6 +25,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import trio
 
 from gateway.hub.store import sqlite_ops as ops
+from gateway.hub.store import sqlite_trust as trust
 from gateway.hub.store.backup import lock_shared
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
@@ -45,10 +46,12 @@ from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
     AdminCredential,
     ApiKey,
+    Enrollment,
     HourlyUsage,
     KeyLimits,
     ModelList,
     Registration,
+    RunnerRecord,
     StoredJob,
     StoredSession,
     UsageTotal,
@@ -210,15 +213,49 @@ class SqliteStore(Store):
     # -- registrations and API keys -------------------------------------------------------------
 
     async def add_registration(
-        self, owner: str, project: str, name: str, labels: list[str]
+        self,
+        owner: str,
+        project: str,
+        name: str,
+        labels: list[str],
+        enrollment: str | None = None,
     ) -> tuple[Registration, str]:
-        return await self._run(ops.add_registration, owner, project, name, labels)
+        return await self._run(ops.add_registration, owner, project, name, labels, enrollment)
 
     async def registration_by_token(self, token: str) -> Registration | None:
         return await self._run(ops.registration_by_token, token)
 
     async def registration(self, runner_id: str) -> Registration | None:
         return await self._run(ops.registration, runner_id)
+
+    async def list_runners(self) -> list[RunnerRecord]:
+        return await self._run(trust.list_runners)
+
+    async def revoke_runner(self, runner_id: str) -> bool:
+        return await self._run(trust.revoke_runner, runner_id)
+
+    async def revoked_runners(self) -> set[str]:
+        return await self._run(trust.revoked_runners)
+
+    async def runners_seen(self, runner_ids: list[str], at: float) -> None:
+        await self._run(trust.runners_seen, runner_ids, at)
+
+    async def create_enrollment(
+        self, project: str, expires_at: float | None, uses: int | None
+    ) -> tuple[Enrollment, str]:
+        return await self._run(trust.create_enrollment, project, expires_at, uses)
+
+    async def list_enrollments(self) -> list[Enrollment]:
+        return await self._run(trust.list_enrollments)
+
+    async def enrollment_by_token(self, token: str) -> Enrollment | None:
+        return await self._run(trust.enrollment_by_token, token)
+
+    async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
+        return await self._run(trust.use_enrollment, enrollment_id, now)
+
+    async def revoke_enrollment(self, enrollment_id: str) -> bool:
+        return await self._run(trust.revoke_enrollment, enrollment_id)
 
     async def create_api_key(
         self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None

@@ -239,7 +239,7 @@ def load_models(db: Db, owner: str, project: str) -> list[ModelList]:
 
 
 def add_registration(
-    db: Db, owner: str, project: str, name: str, labels: list[str]
+    db: Db, owner: str, project: str, name: str, labels: list[str], enrollment: str | None = None
 ) -> tuple[Registration, str]:
     token = new_token(RUNNER_TOKEN_PREFIX)
     runner = Registration(
@@ -252,8 +252,8 @@ def add_registration(
         token_hash=token_hash(token),
     )
     db.execute(
-        "INSERT INTO runners (id, name, owner, project, labels, token_hash, registered_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO runners (id, name, owner, project, labels, token_hash, registered_at,"
+        " enrollment_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (
             runner.id,
             runner.name,
@@ -262,6 +262,7 @@ def add_registration(
             json.dumps(list(runner.labels)),
             runner.token_hash,
             runner.registered_at,
+            enrollment,
         ),
     )
     return runner, token
@@ -270,7 +271,9 @@ def add_registration(
 def registration_by_token(db: Db, token: str) -> Registration | None:
     digest = token_hash(token)
     found: str | None = None
-    for runner_id, stored in db.execute("SELECT id, token_hash FROM runners"):
+    for runner_id, stored in db.execute(
+        "SELECT id, token_hash FROM runners WHERE revoked_at IS NULL"
+    ):
         if hmac.compare_digest(stored, digest):
             found = runner_id
     return registration(db, found) if found is not None else None

@@ -3,6 +3,6 @@ claimed once whatever replica a runner reaches, every replica's memory kept in s
 store's notifications, a turn served by the replica its client reached through the replica
 that holds its session's channel, and the API keys' limits counted in the store."""
 
-from gateway.hub.team.team import Team, advertised, replica_id, replica_secret
+from gateway.hub.team.team import Team, advertised, replica_id, team_secrets
 
-__all__ = ["Team", "advertised", "replica_id", "replica_secret"]
+__all__ = ["Team", "advertised", "replica_id", "team_secrets"]

@@ -1,5 +1,6 @@
 """The holder's side of a forwarded turn: the internal routes another replica reaches a channel of
-this one by (``/internal/replica/``, the team's secret as a bearer), each request's frames
+this one by (``/internal/replica/``, each request signed with the team's secret: ``signing``),
+each request's frames
 written to that replica's response as this channel's reader reads them, raw (``ForwardSink``).
 
 ``requests/{rid}``: the body is a request frame; it is opened on the job's channel (its frames
@@ -14,19 +15,21 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from gateway.hub.channel import Channels, Reply, ServerChannel
-from gateway.hub.http import HTTPError, Request, bearer, wait_disconnect
+from gateway.hub.http import HTTPError, Request, wait_disconnect
 from gateway.hub.settings import HubSettings
 from gateway.hub.team.framing import HEAD, record
 from gateway.hub.team.remote import ROUTE
+from gateway.hub.team.signing import BODY_DIGEST, SIGNATURE, Verifier, body_digest
 from gateway.wire import protocol
 from gateway.wire.errors import ClientGone
-from gateway.wire.http import Response
+from gateway.wire.http import Response, header
 
 log = logging.getLogger("gateway.hub.team")
 
@@ -134,24 +137,38 @@ class Relay:
 
     def __init__(
         self,
-        secret: str,
+        team_secrets: tuple[str, ...],
         channels: Channels,
         settings: HubSettings,
         spawn: Callable[..., Any],
     ) -> None:
-        self.secret = secret
+        self.verifier = Verifier(team_secrets)
         self.channels = channels
         self.settings = settings
         self.spawn = spawn  # starts a task in the team's nursery
         self.parked: dict[tuple[str, str], tuple[ForwardSink, ServerChannel]] = {}
 
     def check(self, req: Request) -> None:
-        """HTTPError 401/403 unless the team's secret was presented."""
-        token = bearer(req.scope)
-        if token is None:
-            raise HTTPError(401, "the replicas' credential is required", "unauthorized")
-        if not hmac.compare_digest(token.encode(), self.secret.encode()):
-            raise HTTPError(403, "not the replicas' credential", "forbidden")
+        """HTTPError 401 unless the request is signed with a team secret, within the window and
+        for the first time (before its body is read; ``_body`` checks the body's digest)."""
+        scope = req.scope
+        refusal = self.verifier.check(
+            header(scope, SIGNATURE),
+            header(scope, BODY_DIGEST),
+            scope["method"],
+            scope["path"],
+            time.time(),
+        )
+        if refusal is not None:
+            raise HTTPError(401, refusal, "unauthorized")
+
+    async def _body(self, req: Request) -> bytes:
+        """The request's body, whose digest its signature covers (HTTPError 401 otherwise)."""
+        body = await req.body(self.settings.max_body)
+        signed = header(req.scope, BODY_DIGEST) or b""
+        if not hmac.compare_digest(body_digest(body).encode(), signed):
+            raise HTTPError(401, "the body is not the one signed", "unauthorized")
+        return body
 
     def _channel(self, job_id: str) -> ServerChannel:
         ch = self.channels.local(job_id)
@@ -162,7 +179,7 @@ class Relay:
     async def request(self, req: Request) -> None:
         """``POST requests/{rid}``: one forwarded turn (see the module's docstring)."""
         settings = self.settings
-        body = await req.body(settings.max_body)
+        body = await self._body(req)
         ch = self._channel(req.params["job_id"])
         rid = req.params["rid"]
         if ch.routes(rid):
@@ -177,11 +194,12 @@ class Relay:
         if found is None:
             raise HTTPError(404, "no such request waits here", "no_request")
         sink, ch = found
+        await self._body(req)  # empty, as signed
         await self._serve(req, ch, req.params["rid"], sink, b"")
 
     async def frames(self, req: Request) -> None:
         """``POST frames``: a frame for the runner (``chat.end``)."""
-        body = await req.body(self.settings.max_body)
+        body = await self._body(req)
         ch = self._channel(req.params["job_id"])
         if not await ch.send(body):
             raise HTTPError(404, "the channel closed", "no_channel")

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+import time
 from collections.abc import Callable
 
 import trio
 
 from gateway.hub.channel import Channels, ServerChannel, Sink
 from gateway.hub.team.framing import Records, frame_head
+from gateway.hub.team.signing import sign
 from gateway.wire import http1, protocol
 
 log = logging.getLogger("gateway.hub.team")
@@ -39,6 +41,7 @@ class Peer:
     def __init__(
         self, replica: str, url: str, secret: str, ssl_context: ssl.SSLContext | None
     ) -> None:
+        """``secret``: the team secret this replica signs with."""
         self.replica = replica
         self.url = url
         self.client = http1.Client(
@@ -49,7 +52,7 @@ class Peer:
             keepalive_expiry=30.0,
             env={},  # another replica is reached directly, never through a proxy
         )
-        self.auth = (b"authorization", b"Bearer " + secret.encode())
+        self.secret = secret
         self.alive = True  # its heartbeat is fresh
         self.suspected_at = -math.inf  # trio clock: a connection to it failed then
         self.heartbeat_seen = -math.inf  # trio clock: when its last fresh heartbeat was read
@@ -77,8 +80,9 @@ class Peer:
 
     async def post(self, path: str, body: bytes) -> http1.Response:
         """One request to it (its answer's head read); ConnectFailed, ExchangeFailed."""
+        signed = sign(self.secret, "POST", path, body, time.time())
         head = self.client.prepare(
-            b"POST", self.target(path), [self.auth, (b"content-type", b"application/json")]
+            b"POST", self.target(path), [*signed, (b"content-type", b"application/json")]
         )
         with trio.fail_after(HEAD_TIMEOUT):
             return await self.client.send(head, body)

@@ -17,10 +17,9 @@ awaited elsewhere (their runners redial through the load balancer) and no sessio
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import pathlib
+import secrets
 import socket
 import ssl
 import uuid
@@ -31,6 +30,7 @@ import msgspec
 import trio
 
 from gateway import __version__
+from gateway.config import parse_team_secrets
 from gateway.hub.accounting import Accounting
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import CLOSE_REPLACED, Channels, ServerChannel, Sink
@@ -67,14 +67,34 @@ EXPIRY = 5.0  # s without a heartbeat: the replica is dead
 PRESENCE_EVERY = 1.0  # s between writes (and reads) of the runners' presence
 FORGET = 3600.0  # s: runners silent longer are not read back
 ID_FILE = "replica-id"
-_SECRET_LABEL = b"alp-gateway: the replicas' credential"
 _hello = msgspec.json.Decoder(HelloFrame).decode
 
 
-def replica_secret(admin_hash: str) -> str:
-    """The credential replicas present to each other: derived from the admin credential's hash
-    (which every replica reads from the store), never the admin credential itself."""
-    return hmac.new(admin_hash.encode(), _SECRET_LABEL, hashlib.sha256).hexdigest()
+def team_secrets(settings: HubSettings) -> tuple[str, ...]:
+    """The team secrets this replica signs with (the first) and accepts (each): the setting's,
+    else its file's (ValueError, one line, when that file cannot be read or holds none), else
+    a secret of this process alone, said once: no other replica can reach this one's channels
+    then (nothing in the store gives a secret)."""
+    if settings.team_secret:
+        return tuple(settings.team_secret)
+    if settings.team_secret_file is not None:
+        path = settings.team_secret_file
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(
+                f"cannot read --team-secret-file {path}: {exc.strerror or exc}"
+            ) from None
+        try:
+            return parse_team_secrets(text)
+        except ValueError as exc:
+            raise ValueError(f"--team-secret-file {path}: {exc}") from None
+    log.warning(
+        "no team secret (--team-secret-file, ALP_GATEWAY_HUB_TEAM_SECRET): the other replicas "
+        "on this store cannot reach this one's channels, nor it theirs; give every replica the "
+        "same secret"
+    )
+    return (secrets.token_hex(32),)
 
 
 def replica_id(given: str | None, data_dir: pathlib.Path | None) -> str:
@@ -123,7 +143,6 @@ class Team:
         dispatcher: Dispatcher,
         catalog: Catalog,
         accounting: Accounting,
-        admin_hash: str,
     ) -> None:
         self.store = store
         self.replica = store.replica
@@ -133,7 +152,8 @@ class Team:
         self.channels = channels
         self.sessions = sessions
         self.catalog = catalog
-        self.secret = replica_secret(admin_hash)
+        self.secrets = team_secrets(settings)
+        self.secret = self.secrets[0]  # the one this replica signs with
         self.url: str | None = settings.advertise
         self._url_known = trio.Event()
         if self.url is not None:
@@ -146,7 +166,7 @@ class Team:
         self._opening: set[str] = set()  # jobs whose channel this replica is writing down
         self._looking: set[str] = set()  # jobs whose channel is being read again
         self._retiring: set[str] = set()
-        self.relay = Relay(self.secret, channels, settings, self._spawn)
+        self.relay = Relay(self.secrets, channels, settings, self._spawn)
         self.sync = BoardSync(board, store)
         self.limits = TeamLimits(store, settings, sessions.learned, self._evicted, EXPIRY)
         self._dirty: dict[str, dict[Any, None]] = {}  # notification kind -> subjects pending
