@@ -245,6 +245,32 @@ async def test_sign_in_roles_member_keys_chat_usage_and_sign_out(
                 resp = await stolen.get(base + "/api/hub/keys")
                 assert resp.status_code == 401  # the old cookie: signed out for good
 
+    # -- `hub usage --by person` reads the same ledger from the store --------------------
+    result = await _hub_cli(["usage", "--data", str(tmp_path / "hub"), "--by", "person"])
+    lines = result.splitlines()
+    assert lines[1].split()[:3] == ["PERSON", "EMAIL", "MODEL"]
+    found = {line.split()[0]: line.split() for line in lines[2:]}
+    assert found["bob"][1] == "bob@example.test" and found["bob"][3] == "2"
+    assert found["alice"][3] == "1"
+
+
+async def _hub_cli(argv: list[str]) -> str:
+    """``alp-gateway hub ARGV`` in a thread (it runs trio itself); its stdout."""
+    import contextlib
+    import io
+
+    from gateway.hub.cli import main as hub_main
+
+    out = io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out):
+            return hub_main(argv)
+
+    status = await trio.to_thread.run_sync(run)
+    assert status == 0, out.getvalue()
+    return out.getvalue()
+
 
 async def test_tampered_state_or_nonce_is_refused(tmp_path: Path) -> None:
     async with oidc_hub(tmp_path) as setup, _client() as browser:
