@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,8 +23,9 @@ import jwt
 import openai
 import pytest
 import trio
+import trustme
 from cryptography.hazmat.primitives.asymmetric import rsa
-from helpers import ADMIN, OWNER, PROJECT, runner_config, running
+from helpers import ADMIN, OWNER, PROJECT, LogCapture, runner_config, running
 from oidcprovider import (
     ADMIN_GROUP,
     CLIENT_ID,
@@ -49,8 +52,11 @@ class Setup:
 
 
 @asynccontextmanager
-async def oidc_hub(tmp_path: Path, **overrides: Any) -> AsyncIterator[Setup]:
-    """A hub with sign-in (its data in ``tmp_path/hub``) and the provider it trusts."""
+async def oidc_hub(
+    tmp_path: Path, serve: dict[str, Any] | None = None, **overrides: Any
+) -> AsyncIterator[Setup]:
+    """A hub with sign-in (its data in ``tmp_path/hub``; ``serve``: ``open_hub``'s TLS files)
+    and the provider it trusts."""
     port = free_port()
     issuer = f"http://127.0.0.1:{port}"
     secret = tmp_path / "oidc-secret"
@@ -66,7 +72,7 @@ async def oidc_hub(tmp_path: Path, **overrides: Any) -> AsyncIterator[Setup]:
         **overrides,
     )
     async with (
-        open_hub(hub) as (the_hub, base),
+        open_hub(hub, **(serve or {})) as (the_hub, base),
         open_provider(port, [base + "/auth/callback"], tmp_path),
     ):
         yield Setup(the_hub, base, issuer)
@@ -94,6 +100,19 @@ def _client() -> httpx.AsyncClient:
 async def test_sign_in_roles_member_keys_chat_usage_and_sign_out(
     tmp_path: Path, sim: Simulator
 ) -> None:
+    logs = LogCapture()  # every line of the hub's and the runner's loggers, DEBUG included
+    gateway_log = logging.getLogger("gateway")
+    gateway_log.addHandler(logs)
+    level = gateway_log.level
+    gateway_log.setLevel(logging.DEBUG)
+    try:
+        await _walk(tmp_path, sim, logs)
+    finally:
+        gateway_log.removeHandler(logs)
+        gateway_log.setLevel(level)
+
+
+async def _walk(tmp_path: Path, sim: Simulator, logs: LogCapture) -> None:
     async with oidc_hub(tmp_path) as setup:
         base = setup.base
         async with (
@@ -245,6 +264,12 @@ async def test_sign_in_roles_member_keys_chat_usage_and_sign_out(
                 resp = await stolen.get(base + "/api/hub/keys")
                 assert resp.status_code == 401  # the old cookie: signed out for good
 
+    # -- no secret in any log line: the client secret, a session's token, an API key ------
+    text = "\n".join(logs.lines)
+    for secret in (CLIENT_SECRET, session_cookie, bob_key, alice_key, me_bob["csrf"]):
+        assert secret not in text
+    assert "bob@example.test signed in to the status page as member" in text
+
     # -- `hub usage --by person` reads the same ledger from the store --------------------
     result = await _hub_cli(["usage", "--data", str(tmp_path / "hub"), "--by", "person"])
     lines = result.splitlines()
@@ -313,6 +338,30 @@ async def test_tampered_state_or_nonce_is_refused(tmp_path: Path) -> None:
         browser.cookies.clear()
         me = await sign_in(browser, base, "alice")
         assert me["role"] == "admin"
+
+
+async def test_under_tls_the_sign_in_cookies_are_secure(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key, ca_file = tmp_path / "hub.pem", tmp_path / "hub.key", tmp_path / "ca.pem"
+    cert.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    serve = {"certfile": cert, "keyfile": key}
+    async with (
+        oidc_hub(tmp_path, serve) as setup,
+        httpx.AsyncClient(timeout=STEP, verify=ssl.create_default_context(cafile=ca_file)) as tls,
+    ):
+        assert setup.base.startswith("https://")
+        resp = await tls.get(setup.base + "/auth/login")
+        assert "; Secure" in resp.headers["set-cookie"]
+        assert query_of(resp.headers["location"])["redirect_uri"].startswith("https://")
+        back = await sign_in_at_provider(tls, resp.headers["location"], "bob")
+        resp = await tls.get(back)
+        assert resp.status_code == 303
+        session = [c for c in resp.headers.get_list("set-cookie") if c.startswith("alp_session=")]
+        assert len(session) == 1
+        assert all(part in session[0] for part in ("; Secure", "; HttpOnly", "; SameSite=Lax"))
 
 
 async def test_id_token_signed_by_another_key_or_for_another_client_is_refused(
