@@ -433,3 +433,22 @@ def test_oidc_settings_go_together() -> None:
     assert settings.oidc_issuer == "https://id.example"
     assert settings.oidc_client_secret == "s3cret-from-env"
     assert "s3cret" not in repr(settings)
+
+
+def test_a_client_secret_file_that_cannot_be_read_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.hub.cli import main as hub_main
+
+    base = ["--data", str(tmp_path / "hub"), "--listen", "127.0.0.1:0"]
+    oidc = ["--oidc-issuer", "https://id.example", "--oidc-client-id", "alp-hub"]
+    missing = tmp_path / "no-such-secret"
+    assert hub_main([*base, *oidc, "--oidc-client-secret-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("alp-gateway hub: error: ") and str(missing) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    empty = tmp_path / "empty-secret"
+    empty.write_text("\n")
+    assert hub_main([*base, *oidc, "--oidc-client-secret-file", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"alp-gateway hub: error: the OIDC client secret file {empty} is empty\n"
