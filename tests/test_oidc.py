@@ -185,6 +185,31 @@ async def _walk(tmp_path: Path, sim: Simulator, logs: LogCapture) -> None:
             )
             alice_key = resp.json()["key"]
 
+            # -- the admin allows a person other projects than the hub's default -----------
+            projects = base + "/api/hub/people/bob/projects"
+            other = {"projects": ["acme/other"]}
+            resp = await bob.put(projects, json=other, headers=bob_csrf)
+            assert resp.status_code == 403  # not a member's to say
+            resp = await alice.put(projects, json={"projects": ["no-slash"]}, headers=alice_csrf)
+            assert resp.status_code == 400
+            resp = await alice.put(
+                base + "/api/hub/people/nobody/projects", json=other, headers=alice_csrf
+            )
+            assert resp.status_code == 404
+            resp = await alice.put(projects, json=other, headers=alice_csrf)
+            assert resp.status_code == 200 and resp.json()["projects"] == ["acme/other"]
+            assert (await bob.get(base + "/auth/me")).json()["projects"] == ["acme/other"]
+            resp = await bob.post(
+                base + "/api/hub/keys",
+                json={"name": "bob-2", "project": MEMBER_PROJECT},
+                headers=bob_csrf,
+            )
+            assert resp.status_code == 403
+            assert "acme/other" in resp.json()["error"]["message"]
+            resp = await alice.put(projects, json={"projects": None}, headers=alice_csrf)
+            assert resp.status_code == 200
+            assert (await bob.get(base + "/auth/me")).json()["projects"] == [MEMBER_PROJECT]
+
             # -- the member sees only their own keys; the admin sees every key's owner -----
             mine = (await bob.get(base + "/api/hub/keys")).json()["keys"]
             assert [k["name"] for k in mine] == ["bob-laptop"]
@@ -198,9 +223,9 @@ async def _walk(tmp_path: Path, sim: Simulator, logs: LogCapture) -> None:
                 assert resp.status_code == 403, path
             assert (await alice.get(base + "/api/hub/runners")).status_code == 200
             people = (await alice.get(base + "/api/hub/people")).json()["people"]
-            assert {(p["sub"], p["role"], p["activeKeys"]) for p in people} == {
-                ("alice", "admin", 2),
-                ("bob", "member", 1),
+            assert {(p["sub"], p["role"], p["activeKeys"], p["projects"]) for p in people} == {
+                ("alice", "admin", 2, None),
+                ("bob", "member", 1, None),
             }
             # ... and another's key: not even said to exist
             resp = await bob.post(

@@ -66,6 +66,14 @@ async def test_people_sessions_owned_keys_and_usage_per_person(store_place: str 
         people = await store.people(ops.people())
         assert [(p["sub"], p["activeKeys"]) for p in people] == [("bob", 1), ("old", 0)]
 
+        # -- the projects the admin allows a person (None: the hub's default) ----------------
+        assert await store.people(ops.projects_of("bob")) is None
+        assert await store.people(ops.set_projects("bob", ["acme/chat", "acme/eval"]))
+        assert await store.people(ops.projects_of("bob")) == ["acme/chat", "acme/eval"]
+        assert not await store.people(ops.set_projects("nobody", ["acme/chat"]))
+        assert await store.people(ops.set_projects("bob", None))
+        assert await store.people(ops.projects_of("bob")) is None
+
         # -- usage per person, from the hourly totals (queued rows written first) ------------
         store.queue_usage(_turn(bob_key, "bob-laptop", 10, 5), now)
         store.queue_usage(_turn(bob_key, "bob-laptop", 20, 7), now)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
+from gateway.config import split_project
 from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
@@ -185,12 +186,14 @@ class AdminApi:
         if not isinstance(project, str):
             raise HTTPError(400, '"project" must be a string like OWNER/PROJECT', "invalid_request")
         who = person(req)
-        if who is not None and who.role != ADMIN and not self.hub.people.allowed_project(project):
-            raise HTTPError(
-                403,
-                f"members may make keys for {', '.join(self.hub.people.projects)} only",
-                "project_not_allowed",
-            )
+        if who is not None and who.role != ADMIN:
+            allowed = await self.hub.people.projects_of(who.sub)
+            if project not in allowed:
+                raise HTTPError(
+                    403,
+                    f"you may make keys for {', '.join(allowed) or 'no project'} only",
+                    "project_not_allowed",
+                )
         limits: dict[str, int] = {}
         for field, keyword in LIMITS.items():
             value = body.get(field)
@@ -235,3 +238,22 @@ class AdminApi:
     async def people(self, req: Request) -> None:
         """``GET /api/hub/people``: everyone who signed in, their role and active keys."""
         await req.resp.json(200, {"people": await self.hub.people.listing()}, NO_STORE)
+
+    async def set_person_projects(self, req: Request) -> None:
+        """``PUT /api/hub/people/{sub}/projects`` ``{"projects": ["OWNER/PROJECT", ...] | null}``:
+        the projects that person may make keys for (null: ``--oidc-member-projects``)."""
+        sub = req.params["sub"]
+        body = json_object(await req.body(MAX_KEY_BODY))
+        projects = body.get("projects")
+        if projects is not None:
+            if not isinstance(projects, list) or len(projects) > 100:
+                raise HTTPError(400, '"projects" must be a list or null', "invalid_request")
+            try:
+                projects = list(dict.fromkeys("/".join(split_project(p)) for p in projects))
+            except (TypeError, ValueError, AttributeError):
+                raise HTTPError(
+                    400, '"projects" must name projects like OWNER/PROJECT', "invalid_request"
+                ) from None
+        if not await self.hub.people.set_projects(sub, projects):
+            raise HTTPError(404, f"no one with sub {sub!r} has signed in", "unknown_person")
+        await req.resp.json(200, {"sub": sub, "projects": projects}, NO_STORE)

@@ -91,6 +91,7 @@ class App:
             _route("POST", "/api/hub/keys/revoke", admin.revoke_key),
             _route("DELETE", "/api/hub/keys/(?P<name>[^/]+)", admin.revoke_key),
             _route("GET", "/api/hub/people", admin.people),
+            _route("PUT", "/api/hub/people/(?P<sub>[^/]+)/projects", admin.set_person_projects),
             _route("GET", "/metrics", admin.metrics),
             # people's sign-in (issue 34): 404 on a hub without --oidc-issuer
             _route("GET", "/auth/login", hub.people.login),

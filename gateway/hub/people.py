@@ -165,7 +165,7 @@ class People:
                 name=found.name,
                 role=found.role,
                 csrf=csrf_of(token),
-                projects=list(self.settings.oidc_member_projects),
+                projects=await self.projects_of(found.sub),
             )
         await req.resp.json(200, answer, NO_STORE)
 
@@ -226,12 +226,14 @@ class People:
 
     # -- what members may do -------------------------------------------------------------------
 
-    def allowed_project(self, project: str) -> bool:
-        return project in self.settings.oidc_member_projects
+    async def projects_of(self, sub: str) -> list[str]:
+        """The projects ``sub`` may make keys for: the admin's choice for them, else
+        ``--oidc-member-projects``."""
+        found = await self.store.people(ops.projects_of(sub))
+        return list(self.settings.oidc_member_projects) if found is None else found
 
-    @property
-    def projects(self) -> tuple[str, ...]:
-        return tuple(self.settings.oidc_member_projects)
+    async def set_projects(self, sub: str, projects: list[str] | None) -> bool:
+        return await self.store.people(ops.set_projects(sub, projects))
 
     async def own(self, key: str, name: str, who: PageSession) -> None:
         """The new API key ``key`` (named ``name``) carries ``who``'s identity."""

@@ -8,6 +8,7 @@ session's token is kept, never the token."""
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from dataclasses import dataclass
@@ -81,9 +82,10 @@ def end_session(id_hash: str) -> Op[None]:
 
 
 def people() -> Op[list[dict[str, Any]]]:
-    """Everyone who signed in, with how many active keys each owns."""
+    """Everyone who signed in, with the projects the admin allowed them (None: the hub's
+    ``--oidc-member-projects``) and how many active keys each owns."""
     rows = yield Query(
-        "SELECT p.sub, p.email, p.name, p.role, p.first_seen, p.last_seen,"
+        "SELECT p.sub, p.email, p.name, p.role, p.first_seen, p.last_seen, p.projects,"
         " (SELECT COUNT(*) FROM key_owners o JOIN api_keys k ON k.key_hash = o.key_hash"
         "  WHERE o.sub = p.sub AND k.revoked = 0)"
         " FROM people p ORDER BY p.sub"
@@ -96,10 +98,27 @@ def people() -> Op[list[dict[str, Any]]]:
             "role": r[3],
             "firstSeen": r[4],
             "lastSeen": r[5],
-            "activeKeys": int(r[6]),
+            "projects": None if r[6] is None else json.loads(r[6]),
+            "activeKeys": int(r[7]),
         }
         for r in rows
     ]
+
+
+def set_projects(sub: str, projects: list[str] | None) -> Op[bool]:
+    """The projects ``sub`` may make keys for (None: the hub's default); False when no one
+    with that ``sub`` has signed in."""
+    rows = yield Query(
+        "UPDATE people SET projects = $1 WHERE sub = $2 RETURNING sub",
+        (None if projects is None else json.dumps(projects), sub),
+    )
+    return bool(rows)
+
+
+def projects_of(sub: str) -> Op[list[str] | None]:
+    """The projects the admin allowed ``sub`` (None: the hub's default)."""
+    rows = yield Query("SELECT projects FROM people WHERE sub = $1", (sub,))
+    return None if not rows or rows[0][0] is None else list(json.loads(rows[0][0]))
 
 
 # -- the keys people own ----------------------------------------------------------------------

@@ -146,7 +146,8 @@ _V7 = (  # people (issue 34): gateway/hub/store/people_ops.py reads and writes t
     name TEXT,
     role TEXT NOT NULL,
     first_seen TEXT NOT NULL,
-    last_seen TEXT NOT NULL
+    last_seen TEXT NOT NULL,
+    projects TEXT
 )""",
     """CREATE TABLE IF NOT EXISTS key_owners (
     key_hash TEXT PRIMARY KEY,
