@@ -477,3 +477,20 @@ def test_a_client_secret_file_that_cannot_be_read_is_one_line(
     assert hub_main([*base, *oidc, "--oidc-client-secret-file", str(empty)]) == 2
     err = capsys.readouterr().err
     assert err == f"alp-gateway hub: error: the OIDC client secret file {empty} is empty\n"
+
+
+async def test_a_session_checked_on_a_store_that_fails_answers_503(tmp_path: Path) -> None:
+    hub = Hub(
+        tmp_path / "hub",
+        admin_token=ADMIN,
+        oidc_issuer="http://127.0.0.1:9",  # never reached: no sign-in starts here
+        oidc_client_id=CLIENT_ID,
+    )
+    async with open_hub(hub) as (_, base), _client() as client:
+        client.cookies.set("alp_session", "A" * 43)
+        assert (await client.get(base + "/api/hub/keys")).status_code == 401  # no such session
+        await hub.store.close()  # as a database that went away
+        for path in ("/api/hub/keys", "/auth/me"):
+            resp = await client.get(base + path)
+            assert resp.status_code == 503, path
+            assert resp.json()["error"]["code"] == "store_unavailable"

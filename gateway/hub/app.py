@@ -202,9 +202,9 @@ class App:
         scope = req.scope
         try:
             handler = self._resolve(req)
-            if PAGE_SESSION in scope:  # a person's page session, not the admin credential
-                await self.hub.people.authorize(req, handler, handler in self._member_routes)
             try:
+                if PAGE_SESSION in scope:  # a person's page session, not the admin credential
+                    await self.hub.people.authorize(req, handler, handler in self._member_routes)
                 await handler(req)
             except StoreUnavailable as exc:  # the database went away or is locked: try later
                 # the store says so once in the log (not once per request that needed it)
