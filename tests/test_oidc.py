@@ -494,3 +494,46 @@ async def test_a_session_checked_on_a_store_that_fails_answers_503(tmp_path: Pat
             resp = await client.get(base + path)
             assert resp.status_code == 503, path
             assert resp.json()["error"]["code"] == "store_unavailable"
+
+
+async def test_a_session_made_on_one_replica_is_good_on_another(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Two replicas on one PostgreSQL store behind no balancer: a person signs in through
+    one, and the other honours the session (the store keeps it), makes their key, and signs
+    them out for both."""
+    from test_replicas import replicas
+
+    port = free_port()
+    issuer = f"http://127.0.0.1:{port}"
+    settings = {
+        "oidc_issuer": issuer,
+        "oidc_client_id": CLIENT_ID,
+        "oidc_client_secret": CLIENT_SECRET,
+        "oidc_admin_group": ADMIN_GROUP,
+        "oidc_member_projects": (MEMBER_PROJECT,),
+    }
+    async with replicas(pg_url, 2, **settings) as (r0, r1):
+        base0, base1 = r0.url, r1.url
+        callbacks = [base0 + "/auth/callback", base1 + "/auth/callback"]
+        async with open_provider(port, callbacks, tmp_path), _client() as bob:
+            me = await sign_in(bob, base0, "bob")
+            other = (await bob.get(base1 + "/auth/me")).json()
+            assert other["signedIn"] is True and other["sub"] == "bob"
+            assert other["csrf"] == me["csrf"]
+            resp = await bob.post(
+                base1 + "/api/hub/keys",
+                json={"name": "bob-team", "project": MEMBER_PROJECT},
+                headers={"x-csrf-token": me["csrf"]},
+            )
+            assert resp.status_code == 201
+            mine = (await bob.get(base0 + "/api/hub/keys")).json()["keys"]
+            assert [k["name"] for k in mine] == ["bob-team"]
+            cookie = bob.cookies.get("alp_session")
+            resp = await bob.post(base1 + "/auth/logout", headers={"x-csrf-token": me["csrf"]})
+            assert resp.status_code == 200
+            async with httpx.AsyncClient(
+                timeout=STEP, cookies=httpx.Cookies({"alp_session": cookie})
+            ) as replay:
+                assert (await replay.get(base0 + "/auth/me")).json()["signedIn"] is False
+                assert (await replay.get(base0 + "/api/hub/keys")).status_code == 401
