@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import httpx
 import jwt
 import openai
 import pytest
+import rsa as rsa_lib
 import trio
 import trustme
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -431,6 +433,31 @@ async def test_id_token_signed_by_another_key_or_for_another_client_is_refused(
         other = jwt.encode(claims, forger, "RS256", headers={"kid": "not-the-providers"})
         with pytest.raises(OidcError, match="JWKS does not hold"):
             await oidc.verify(other, "n-123", disco)
+        # -- a key the hub trusts (as if the issuer's JWKS held it): each claim checked --------
+        numbers = forger.public_key().public_numbers()
+        oidc._jwks = ({"k-test": rsa_lib.PublicKey(numbers.n, numbers.e)}, math.inf)
+
+        def signed(alg: str = "RS256", header_alg: str | None = None, **changes: Any) -> str:
+            token = jwt.encode({**claims, **changes}, forger, alg, headers={"kid": "k-test"})
+            if header_alg is None:
+                return token
+            head, body, sig = token.split(".")
+            header = {"alg": header_alg, "kid": "k-test", "typ": "JWT"}
+            new_head = base64.urlsafe_b64encode(json.dumps(header).encode()).decode()
+            return ".".join([new_head.rstrip("="), body, sig])
+
+        assert (await oidc.verify(signed(), "n-123", disco))["sub"] == "mallory"
+        for token, nonce, words in (
+            (signed(exp=now - 3600), "n-123", "expired"),
+            (signed(aud="another-client"), "n-123", "aud"),
+            (signed(iss="https://elsewhere.example"), "n-123", "iss"),
+            (signed(), "n-other", "nonce"),
+            (signed(nonce=None), "n-123", "nonce"),
+            (signed("RS512", header_alg="RS256"), "n-123", "signature"),  # its hash, not RS256's
+            (signed()[:-4] + "AAAA", "n-123", "signature"),
+        ):
+            with pytest.raises(OidcError, match=words):
+                await oidc.verify(token, nonce, disco)
     assert Login.from_cookie("a.b") is None and Login.from_cookie("a.b.c") == Login("a", "b", "c")
 
 

@@ -2,8 +2,12 @@
 authorization-code flow with PKCE (S256), the code exchanged at the token endpoint, and the ID
 token verified (its signature by the issuer's JWKS, ``iss``, ``aud``, ``exp``, ``nonce``).
 
-The JOSE work is PyJWT's (``jwt.decode``, ``jwt.PyJWKSet``) through its public API; the HTTP
-calls are httpx's, each bounded in time and size. Nothing here logs a secret: the client
+The signature is checked with ``rsa`` (pure Python: ``rsa.verify``, RSASSA-PKCS1-v1_5, which
+re-encodes the expected block and compares it whole) against the issuer's JWKS, and the claims
+with PyJWT (pure Python: ``jwt.decode`` once the signature holds); neither brings a compiled
+crypto library into the one-file binary. RS256, RS384 and RS512 only: what OpenID Connect
+requires issuers to offer (RS256) and what they sign ID tokens with by default. The HTTP calls
+are httpx's, each bounded in time and size. Nothing here logs a secret: the client
 secret, the code, the tokens and the verifier never reach a log line or an error message."""
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from urllib.parse import urlencode
 
 import httpx
 import jwt
+import rsa
 
 from gateway.config import HubSettings
 
@@ -32,8 +37,10 @@ DISCOVERY_TTL = 3600.0  # s: the discovery document and JWKS are read again afte
 JWKS_REFETCH = 30.0  # s: an unknown key id reads the JWKS again at most this often
 LEEWAY = 60  # s: clock skew allowed on exp, iat, nbf
 LOGIN_TTL = 600  # s: a sign-in must come back from the issuer within this
-# asymmetric signatures only: "none" and HMAC (keyed with a secret the client shares) never
-ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512")
+# RSA signatures only (the hash each uses, as ``rsa.verify`` names it): "none" and HMAC (keyed
+# with a secret the client shares) never
+ALGORITHMS = {"RS256": "SHA-256", "RS384": "SHA-384", "RS512": "SHA-512"}
+MAX_KEYS = 32  # keys of a JWKS looked at, at most
 
 
 class OidcError(ValueError):
@@ -112,7 +119,7 @@ class Oidc:
         self.client_id = settings.oidc_client_id
         self._secret = client_secret(settings)
         self._discovery: tuple[Discovery, float] | None = None
-        self._jwks: tuple[jwt.PyJWKSet, float] | None = None
+        self._jwks: tuple[dict[str | None, rsa.PublicKey], float] | None = None
 
     # -- the issuer's documents -------------------------------------------------------------
 
@@ -159,13 +166,15 @@ class Oidc:
             else (),
             algorithms=tuple(a for a in algs if a in ALGORITHMS)
             if isinstance(algs, list)
-            else ("RS256",),
+            else ("RS256",),  # the discovery spec's default
             **fields,
         )
         self._discovery = (found, now + DISCOVERY_TTL)
         return found
 
-    async def _keys(self, disco: Discovery, *, fresh: bool = False) -> jwt.PyJWKSet:
+    async def _keys(
+        self, disco: Discovery, *, fresh: bool = False
+    ) -> dict[str | None, rsa.PublicKey]:
         now = time.monotonic()
         kept = self._jwks
         if kept is not None and not fresh and kept[1] > now:
@@ -173,10 +182,9 @@ class Oidc:
         if kept is not None and fresh and kept[1] - DISCOVERY_TTL + JWKS_REFETCH > now:
             return kept[0]  # read moments ago: an unknown key id does not make it read again
         doc = await self._get_json(disco.jwks_uri, "JWKS")
-        try:
-            keys = jwt.PyJWKSet.from_dict(doc)
-        except jwt.PyJWTError:
-            raise OidcError("the OIDC issuer's JWKS holds no usable key") from None
+        keys = _rsa_keys(doc)
+        if not keys:
+            raise OidcError("the OIDC issuer's JWKS holds no usable (RSA) key")
         self._jwks = (keys, now + DISCOVERY_TTL)
         return keys
 
@@ -255,7 +263,7 @@ class Oidc:
         except jwt.PyJWTError:
             raise OidcError("the ID token is malformed") from None
         alg = header.get("alg")
-        if alg not in disco.algorithms:
+        if alg not in ALGORITHMS or alg not in disco.algorithms:
             raise OidcError("the ID token is signed with an algorithm the hub does not accept")
         kid = header.get("kid")
         key = _find_key(await self._keys(disco), kid)
@@ -263,15 +271,28 @@ class Oidc:
             key = _find_key(await self._keys(disco, fresh=True), kid)
         if key is None:
             raise OidcError("the ID token is signed with a key the issuer's JWKS does not hold")
+        signed, _, signature = id_token.rpartition(".")
         try:
+            method = rsa.verify(signed.encode("ascii"), _b64(signature), key)
+        except (rsa.VerificationError, ValueError, UnicodeEncodeError):
+            raise OidcError("the ID token's signature does not verify") from None
+        if method != ALGORITHMS[alg]:  # signed with another hash than its header says
+            raise OidcError("the ID token's signature does not verify")
+        try:  # the signature holds: now its claims (PyJWT checks each one it is told to)
             claims: dict[str, Any] = jwt.decode(
                 id_token,
-                key=key.key,
-                algorithms=[alg],
                 audience=self.client_id,
                 issuer=self.issuer,
                 leeway=LEEWAY,
-                options={"require": ["iss", "aud", "exp", "iat", "sub"]},
+                options={
+                    "verify_signature": False,  # verified above, with the issuer's key
+                    "verify_exp": True,
+                    "verify_iat": True,
+                    "verify_nbf": True,
+                    "verify_aud": True,
+                    "verify_iss": True,
+                    "require": ["iss", "aud", "exp", "iat", "sub"],
+                },
             )
         except jwt.ExpiredSignatureError:
             raise OidcError("the ID token has expired") from None
@@ -279,8 +300,6 @@ class Oidc:
             raise OidcError("the ID token is not for this hub (aud)") from None
         except jwt.InvalidIssuerError:
             raise OidcError("the ID token is from another issuer (iss)") from None
-        except jwt.InvalidSignatureError:
-            raise OidcError("the ID token's signature does not verify") from None
         except jwt.PyJWTError as exc:
             raise OidcError(f"the ID token is refused: {type(exc).__name__}") from None
         aud = claims.get("aud")
@@ -292,13 +311,33 @@ class Oidc:
         return claims
 
 
-def _find_key(keys: jwt.PyJWKSet, kid: Any) -> jwt.PyJWK | None:
+def _find_key(keys: dict[str | None, rsa.PublicKey], kid: Any) -> rsa.PublicKey | None:
     if kid is None:
-        return keys.keys[0] if len(keys.keys) == 1 else None
-    for key in keys.keys:
-        if key.key_id == kid:
-            return key
-    return None
+        return next(iter(keys.values())) if len(keys) == 1 else None
+    return keys.get(kid) if isinstance(kid, str) else None
+
+
+def _b64(text: str) -> bytes:
+    """base64url without padding (RFC 7515 §2) to bytes; ValueError when it is not."""
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _rsa_keys(doc: dict[str, Any]) -> dict[str | None, rsa.PublicKey]:
+    """The RSA signing keys of a JWKS (RFC 7517), by key id; others are passed over."""
+    keys: dict[str | None, rsa.PublicKey] = {}
+    found = doc.get("keys")
+    for jwk in found[:MAX_KEYS] if isinstance(found, list) else []:
+        if not isinstance(jwk, dict) or jwk.get("kty") != "RSA" or jwk.get("use", "sig") != "sig":
+            continue
+        kid = jwk.get("kid")
+        try:
+            n = int.from_bytes(_b64(jwk["n"]), "big")
+            e = int.from_bytes(_b64(jwk["e"]), "big")
+        except (KeyError, TypeError, ValueError):
+            continue
+        if n.bit_length() >= 2048 and e > 1 and (kid is None or isinstance(kid, str)):
+            keys[kid] = rsa.PublicKey(n, e)
+    return keys
 
 
 def _person(claims: dict[str, Any], groups_claim: str) -> Person:
