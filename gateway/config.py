@@ -145,6 +145,11 @@ def _urls(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(urls))
 
 
+def _projects(value: Any) -> tuple[str, ...]:
+    """OWNER/PROJECT names (a TOML list or comma-separated text), each checked."""
+    return tuple(dict.fromkeys(_project(item) for item in _labels(value)))
+
+
 def _log_format(value: Any) -> str:
     text = str(value)
     if text not in ("text", "json"):
@@ -700,6 +705,7 @@ HUB_GROUPS = {
     "hub-runners": "Runners and their Chat Channels",
     "hub-frontdoor": "The front door: sessions, the fair queue, models, usage",
     "hub-bounds": "The server's bounds",
+    "hub-people": "People: sign-in to the status page with OpenID Connect",
 }
 
 
@@ -1107,6 +1113,91 @@ class HubSettings:
         group="hub-bounds",
         metavar="N",
     )
+    # == people: sign-in with OpenID Connect (gateway/hub/oidc.py, gateway/hub/people.py)
+    oidc_issuer: str | None = setting(
+        env="ALP_GATEWAY_HUB_OIDC_ISSUER",
+        parse=_url,
+        help="let people sign in to the status page with this OpenID Connect issuer (its "
+        "/.well-known/openid-configuration is read); needs --oidc-client-id",
+        group="hub-people",
+        shown="no sign-in: the admin credential only",
+        metavar="URL",
+        sample="https://login.example.com/realms/team",
+    )
+    oidc_client_id: str | None = setting(
+        env="ALP_GATEWAY_HUB_OIDC_CLIENT_ID",
+        parse=_str,
+        help="the hub's client id at the --oidc-issuer (its redirect URI: the hub's address "
+        "with /auth/callback)",
+        group="hub-people",
+        metavar="ID",
+        sample="alp-hub",
+    )
+    oidc_client_secret_file: Path | None = setting(
+        env="ALP_GATEWAY_HUB_OIDC_CLIENT_SECRET_FILE",
+        parse=_path,
+        help="a file holding the client's secret (else ALP_GATEWAY_HUB_OIDC_CLIENT_SECRET; "
+        "none: a public client, PKCE alone)",
+        group="hub-people",
+        metavar="FILE",
+        sample="/run/secrets/oidc-client-secret",
+    )
+    oidc_client_secret: str | None = setting(
+        env="ALP_GATEWAY_HUB_OIDC_CLIENT_SECRET",
+        parse=_str,
+        help="the client's secret itself (prefer the environment or --oidc-client-secret-file "
+        "to a flag, which other users of the machine can see)",
+        group="hub-people",
+        metavar="SECRET",
+        secret=True,
+    )
+    oidc_admin_group: str | None = setting(
+        env="ALP_GATEWAY_HUB_OIDC_ADMIN_GROUP",
+        parse=_str,
+        help="a person whose --oidc-groups-claim holds this value is an admin (sees and does "
+        "everything); everyone else who signs in is a member (their own keys and usage)",
+        group="hub-people",
+        shown="none: every person is a member",
+        metavar="GROUP",
+        sample="hub-admins",
+    )
+    oidc_groups_claim: str = setting(
+        "groups",
+        env="ALP_GATEWAY_HUB_OIDC_GROUPS_CLAIM",
+        parse=_str,
+        help="the ID token claim (a list or a string) --oidc-admin-group is looked for in",
+        group="hub-people",
+        metavar="CLAIM",
+    )
+    oidc_member_projects: tuple[str, ...] = setting(
+        ("local/chat",),
+        env="ALP_GATEWAY_HUB_OIDC_MEMBER_PROJECTS",
+        parse=_projects,
+        help="the projects (OWNER/PROJECT, comma-separated) a member may make API keys for",
+        group="hub-people",
+        shown="local/chat",
+        metavar="PROJECTS",
+        sample="local/chat",
+    )
+    oidc_redirect_url: str | None = setting(
+        env="ALP_GATEWAY_HUB_OIDC_REDIRECT_URL",
+        parse=_url,
+        help="the hub's address as browsers reach it (behind a proxy); /auth/callback is added",
+        group="hub-people",
+        shown="the address the browser used",
+        metavar="URL",
+        sample="https://hub.example.com",
+    )
+    oidc_session_lifetime: float = setting(
+        12 * 3600.0,
+        env="ALP_GATEWAY_HUB_OIDC_SESSION_LIFETIME",
+        parse=parse_duration,
+        help="how long a sign-in lasts (30m, 12h, 7d); sign-out ends it at once",
+        group="hub-people",
+        shown="12h",
+        metavar="DURATION",
+        sample="12h",
+    )
     # -- not settings: ways to be another Server in tests
     events: bool = True  # serve GET {base}/runners/events (the job_available push)
     register_paths: tuple[str, ...] = ("runners", "runners/register")  # under {base}/
@@ -1393,4 +1484,6 @@ def load_hub_settings(
     values.setdefault("data", default_hub_data(env))
     if (values.get("tls_cert") is None) != (values.get("tls_key") is None):
         raise ConfigError("--tls-cert and --tls-key go together")
+    if (values.get("oidc_issuer") is None) != (values.get("oidc_client_id") is None):
+        raise ConfigError("--oidc-issuer and --oidc-client-id go together")
     return HubSettings(**values)

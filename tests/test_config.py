@@ -260,6 +260,19 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "body_timeout": ("8", 8, 8.0),
     "max_body": ("2048", 2048, 2048),
     "max_connections": ("5", 5, 5),
+    "oidc_issuer": ("https://id.example/team",) * 3,
+    "oidc_client_id": ("alp-hub",) * 3,
+    "oidc_client_secret_file": ("/run/s/oidc", "/run/s/oidc", Path("/run/s/oidc")),
+    "oidc_client_secret": ("s3cret",) * 3,
+    "oidc_admin_group": ("hub-admins",) * 3,
+    "oidc_groups_claim": ("roles",) * 3,
+    "oidc_member_projects": (
+        "acme/chat,acme/eval",
+        ["acme/chat", "acme/eval"],
+        ("acme/chat", "acme/eval"),
+    ),
+    "oidc_redirect_url": ("https://hub.example",) * 3,
+    "oidc_session_lifetime": ("8h", "8h", 8 * 3600.0),
 }
 
 
@@ -285,7 +298,12 @@ def test_each_hub_setting_by_flag_env_and_toml(
     parser), its environment variable and its TOML key; precedence flag > env > file."""
     text, toml_value, wanted = HUB_VALUES[key]
     s = _hub(key)
-    pair = {"tls_cert": ("tls_key", "/tmp/k.pem"), "tls_key": ("tls_cert", "/tmp/c.pem")}
+    pair = {
+        "tls_cert": ("tls_key", "/tmp/k.pem"),
+        "tls_key": ("tls_cert", "/tmp/c.pem"),
+        "oidc_issuer": ("oidc_client_id", "alp-hub"),
+        "oidc_client_id": ("oidc_issuer", "https://id.example/team"),
+    }
     other = pair.get(key)
     base_flags = [f"--{other[0].replace('_', '-')}", other[1]] if other else []
     base_env = {_hub(other[0]).env[0]: other[1]} if other else {}
@@ -377,6 +395,8 @@ def test_hub_table_and_example_file_are_generated_from_the_declarations(tmp_path
     loaded = load_hub_settings({}, {}, plain)
     samples = ("data", "store", "advertise", "replica_id", "tls_cert", "tls_key")
     samples += ("ping_timeout", "default_model", "team_secret", "team_secret_file")
+    samples += ("oidc_issuer", "oidc_client_id", "oidc_client_secret_file", "oidc_admin_group")
+    samples += ("oidc_redirect_url", "oidc_client_secret")
     for s in HUB_SETTINGS:
         if s.key not in samples:  # no default: the example shows a sample
             assert getattr(loaded, s.key) == getattr(HubSettings(), s.key), s.key

@@ -389,11 +389,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6] and SCHEMA_VERSION == 6
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6, 7] and SCHEMA_VERSION == 7
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6]
+    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6, 7]
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -501,11 +501,15 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     # migration 1 is that schema; migration 2 adds the usage's ``estimated`` columns (0: said);
     # migration 3 the credentials table (empty: SQLite's admin token stays in its file);
     # migration 4 the turns' ``continued`` column (0: answered by one runner); migration 6 the
-    # enrollment tokens (none) and the runners' revocation, enrollment and last sign of life
+    # enrollment tokens (none) and the runners' revocation, enrollment and last sign of life;
+    # migration 7 the people who sign in, the keys they own and their page sessions (empty)
     after = _shape(path)
-    made = {"credentials", "enrollment_tokens"}
-    assert _versions(path) == [1, 2, 3, 4, 5, 6] and after.keys() == before.keys() | made
+    people = {"people", "key_owners", "page_sessions"}
+    made = {"credentials", "enrollment_tokens"} | people
+    assert _versions(path) == [1, 2, 3, 4, 5, 6, 7] and after.keys() == before.keys() | made
     assert after.pop("credentials")[1] == [] and after.pop("enrollment_tokens")[1] == []
+    for table in people:
+        assert after.pop(table)[1] == []
     grown = ("usage_turns", "usage_hourly", "runners")
     for table, added, value in (
         ("usage_turns", ["estimated", "continued"], 0),
@@ -541,7 +545,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2, 3, 4, 5, 6]
+    assert _versions(path) == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_a_newer_schema_is_refused_with_one_line(

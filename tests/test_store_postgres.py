@@ -95,7 +95,7 @@ async def test_migrations_make_the_schema_once_and_a_reopened_store_is_unchanged
     key = await store.create_api_key("alice")
     await store.close()
     versions = _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1")
-    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,)]
+    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
     types = dict(
         _sql(
             pg_url,
@@ -112,7 +112,7 @@ async def test_migrations_make_the_schema_once_and_a_reopened_store_is_unchanged
     assert await again.check_api_key(key) is not None
     await again.close()
     versions = _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1")
-    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,)]
+    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
 
 
 def test_hubs_starting_together_migrate_once(pg_url: str) -> None:
@@ -134,7 +134,7 @@ def test_hubs_starting_together_migrate_once(pg_url: str) -> None:
         thread.join(60)
     assert errors == []
     versions = _sql(pg_url, "SELECT version FROM schema_version ORDER BY 1")
-    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,)]
+    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
 
 
 def test_a_newer_schema_is_refused_with_one_line(

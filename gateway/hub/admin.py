@@ -9,11 +9,13 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
+from gateway.config import split_project
 from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
 from gateway.hub.metrics import CONTENT_TYPE
 from gateway.hub.runners import RunnerNotFound
+from gateway.hub.people import ADMIN, person
 from gateway.hub.snapshot import as_json, camel
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 
@@ -22,6 +24,7 @@ DAY = 24 * 3600
 # the limits a key may be created with: JSON name -> Hub.create_api_key's keyword
 LIMITS = {"rpm": "rpm", "tpm": "tpm", "tokensPerDay": "tokens_per_day", "maxStreams": "max_streams"}
 NO_STORE = [(b"cache-control", b"no-store")]
+PAGE_SESSION = "page_session"  # a request's scope key: it came with a person's page session
 
 
 class AdminApi:
@@ -31,9 +34,13 @@ class AdminApi:
         self.hub = hub
 
     def check(self, req: Request) -> None:
-        """HTTPError 401/403 unless the admin credential was presented."""
+        """HTTPError 401/403 unless the admin credential was presented; a request with a page
+        session's cookie instead is marked for ``People.authorize`` (before its handler)."""
         token = bearer(req.scope)
         if token is None:
+            if self.hub.people.has_session(req):
+                req.scope[PAGE_SESSION] = True
+                return
             raise HTTPError(401, "the admin credential is required")
         if not self.hub.keys.is_admin(token):
             raise HTTPError(403, "only the admin credential may use /api/hub/")
@@ -121,6 +128,17 @@ class AdminApi:
                 raise HTTPError(400, '"since" must be a Unix time in seconds', "invalid_request")
         else:
             since = time.time() - DAY
+        who = person(req)
+        by = (query.get("by") or ["key"])[0]
+        if by not in ("key", "person"):
+            raise HTTPError(400, '"by" must be "key" or "person"', "invalid_request")
+        if by == "person" or (who is not None and who.role != ADMIN):  # a member: their own
+            sub = who.sub if who is not None and who.role != ADMIN else None
+            usage_people = await self.hub.people.usage(since, sub)
+            await req.resp.json(
+                200, {"since": since, "by": "person", "usage": usage_people}, NO_STORE
+            )
+            return
         key = (query.get("key") or [None])[0] or None
         rows = await self.hub.accounting.hourly(since, key)
         usage = [
@@ -141,8 +159,14 @@ class AdminApi:
         """Every API key (never the key itself), with its turns and tokens since the hub started."""
         totals = self.hub.metrics.keys
         keys = []
+        owners = await self.hub.people.owners()
+        who = person(req)
         for found in await self.hub.keys.listing():
             entry = dict(found)
+            owner = owners.get((str(entry.get("name")), str(entry.get("createdAt"))))
+            if who is not None and who.role != ADMIN and (owner is None or owner[0] != who.sub):
+                continue  # a member sees their own keys only
+            entry["person"] = None if owner is None else {"sub": owner[0], "email": owner[1]}
             name = str(entry.get("name"))
             kept = totals.get(name)
             entry["used"] = kept.as_json() if kept is not None else None
@@ -162,6 +186,15 @@ class AdminApi:
         project = body.get("project") or DEFAULT_KEY_PROJECT
         if not isinstance(project, str):
             raise HTTPError(400, '"project" must be a string like OWNER/PROJECT', "invalid_request")
+        who = person(req)
+        if who is not None and who.role != ADMIN:
+            allowed = await self.hub.people.projects_of(who.sub)
+            if project not in allowed:
+                raise HTTPError(
+                    403,
+                    f"you may make keys for {', '.join(allowed) or 'no project'} only",
+                    "project_not_allowed",
+                )
         limits: dict[str, int] = {}
         for field, keyword in LIMITS.items():
             value = body.get(field)
@@ -178,6 +211,9 @@ class AdminApi:
             status = 409 if "already exists" in str(err) else 400
             raise HTTPError(status, str(err), "invalid_request") from None
         answer: dict[str, Any] = {"name": name, "project": project, "key": key}
+        if who is not None:  # the key carries who made it (sub, email)
+            await self.hub.people.own(key, name, who)
+            answer["person"] = {"sub": who.sub, "email": who.email}
         answer.update({field: body.get(field) for field in LIMITS if field in body})
         await req.resp.json(201, answer, NO_STORE)
 
@@ -189,6 +225,13 @@ class AdminApi:
             name = body.get("name")
             if not isinstance(name, str) or not name:
                 raise HTTPError(400, '"name" must be a non-empty string', "invalid_request")
+        who = person(req)
+        if (
+            who is not None
+            and who.role != ADMIN
+            and await self.hub.people.owner_of(name) != who.sub
+        ):
+            raise HTTPError(404, f"you have no active API key named {name!r}", "unknown_key")
         if not await self.hub.keys.revoke(name):
             raise HTTPError(404, f"no active API key is named {name!r}", "unknown_key")
         await req.resp.json(200, {"name": name, "revoked": True}, NO_STORE)
@@ -244,3 +287,25 @@ class AdminApi:
         if not await self.hub.store.revoke_enrollment(found):
             raise HTTPError(404, f"no active enrollment token has the id {found!r}", "unknown")
         await req.resp.json(200, {"id": found, "revoked": True}, NO_STORE)
+    async def people(self, req: Request) -> None:
+        """``GET /api/hub/people``: everyone who signed in, their role and active keys."""
+        await req.resp.json(200, {"people": await self.hub.people.listing()}, NO_STORE)
+
+    async def set_person_projects(self, req: Request) -> None:
+        """``PUT /api/hub/people/{sub}/projects`` ``{"projects": ["OWNER/PROJECT", ...] | null}``:
+        the projects that person may make keys for (null: ``--oidc-member-projects``)."""
+        sub = req.params["sub"]
+        body = json_object(await req.body(MAX_KEY_BODY))
+        projects = body.get("projects")
+        if projects is not None:
+            if not isinstance(projects, list) or len(projects) > 100:
+                raise HTTPError(400, '"projects" must be a list or null', "invalid_request")
+            try:
+                projects = list(dict.fromkeys("/".join(split_project(p)) for p in projects))
+            except (TypeError, ValueError, AttributeError):
+                raise HTTPError(
+                    400, '"projects" must name projects like OWNER/PROJECT', "invalid_request"
+                ) from None
+        if not await self.hub.people.set_projects(sub, projects):
+            raise HTTPError(404, f"no one with sub {sub!r} has signed in", "unknown_person")
+        await req.resp.json(200, {"sub": sub, "projects": projects}, NO_STORE)

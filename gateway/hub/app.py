@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from gateway.hub.admin import AdminApi
+from gateway.hub.admin import PAGE_SESSION, AdminApi
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
@@ -95,7 +95,14 @@ class App:
             _route("POST", "/api/hub/keys", admin.create_key),
             _route("POST", "/api/hub/keys/revoke", admin.revoke_key),
             _route("DELETE", "/api/hub/keys/(?P<name>[^/]+)", admin.revoke_key),
+            _route("GET", "/api/hub/people", admin.people),
+            _route("PUT", "/api/hub/people/(?P<sub>[^/]+)/projects", admin.set_person_projects),
             _route("GET", "/metrics", admin.metrics),
+            # people's sign-in (issue 34): 404 on a hub without --oidc-issuer
+            _route("GET", "/auth/login", hub.people.login),
+            _route("GET", "/auth/callback", hub.people.callback),
+            _route("GET", "/auth/me", hub.people.me),
+            _route("POST", "/auth/logout", hub.people.logout),
             _route("GET", "/", page.index),
             _route("GET", "/page/(?P<name>[a-z.]+)", page.asset),
             _route("POST", "/v1/chat/completions", door.chat),
@@ -107,6 +114,13 @@ class App:
             _route("GET", "/v1/models", door.list_models),
             _route("GET", "/v1/models/(?P<model>.+)", door.retrieve_model),
         ]
+        # the admin API's routes a signed-in member may use too (their own keys and usage)
+        self._member_routes: set[Handler] = {
+            admin.keys,
+            admin.create_key,
+            admin.revoke_key,
+            admin.usage,
+        }
         # checked before the route is looked up: without the credential, no 404 or 405 either
         self._guards: list[tuple[str, Callable[[Request], None]]] = [
             ("/api/hub/", admin.check),
@@ -194,6 +208,8 @@ class App:
         try:
             handler = self._resolve(req)
             try:
+                if PAGE_SESSION in scope:  # a person's page session, not the admin credential
+                    await self.hub.people.authorize(req, handler, handler in self._member_routes)
                 await handler(req)
             except StoreUnavailable as exc:  # the database went away or is locked: try later
                 # the store says so once in the log (not once per request that needed it)

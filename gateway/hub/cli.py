@@ -41,6 +41,7 @@ from gateway.config import (
 )
 from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
+from gateway.hub.people_usage import usage_by_person
 from gateway.hub.store import (
     DEFAULT_KEY_PROJECT,
     LIMIT_NAMES,
@@ -274,6 +275,13 @@ def _build_parser() -> _Parser:
     )
     usage.add_argument("--key", metavar="NAME", help="only this API key")
     usage.add_argument(
+        "--by",
+        choices=("key", "person"),
+        default="key",
+        help="per API key (default) or per person who signed in (the keys they own; from the "
+        "hourly totals)",
+    )
+    usage.add_argument(
         "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
     )
     backup.add_commands(parser, sub)
@@ -480,6 +488,8 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
     except ValueError as exc:
         raise _UsageError(f"--since {args.since!r} is {exc}") from None
     since = time.time() - span
+    if args.by == "person":  # the keys' owners (issue 34): gateway/hub/people_usage.py
+        return usage_by_person(_open(settings), since, _table)
     found = trio.run(_totals, _open(settings), since, args.key)
     if found is None:
         return _fail(f"no API key named {logsafe.safe(args.key)!r} (`hub keys list` lists them)")

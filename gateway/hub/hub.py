@@ -20,6 +20,8 @@ from gateway.hub.keys import Keys
 from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog
 from gateway.hub.runners import RunnerAdmin
+from gateway.hub.oidc import Oidc
+from gateway.hub.people import People
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
@@ -63,6 +65,10 @@ class Hub:
         self.counters = counters = HubCounters()
         changes = Changes()
         self.keys = keys = Keys(store, settings, admin_hash)
+        # people who sign in with OpenID Connect (issue 34): none without --oidc-issuer
+        self.people = People(
+            store, settings, Oidc(settings) if settings.oidc_issuer is not None else None
+        )
         self.board = board = JobBoard(store, settings, changes)
         self.channels = channels = Channels(board, changes, counters)
         self.sessions = sessions = Sessions(

@@ -13,6 +13,7 @@ const COLORS = ["#2f6fdb", "#e07b24", "#2a9d5c", "#b8427a", "#7a5cc7", "#8a7a12"
 let timer = null;
 let generation = 0; // bumped at sign-out: answers of an older sign-in are dropped
 let team = null; // whether the hub is a replica of a team: null until it said (asked once alone)
+let person = null; // who signed in with the team's identity provider (GET /auth/me), else null
 
 const $ = (id) => document.getElementById(id);
 
@@ -57,8 +58,11 @@ function token() {
 }
 
 async function api(method, path, body) {
-  const headers = { authorization: `Bearer ${token()}` };
-  const init = { method, headers, cache: "no-store" };
+  // a person's page session rides on its cookie, each change with its CSRF token; the admin
+  // credential is a bearer token
+  const headers = person ? {} : { authorization: `Bearer ${token()}` };
+  if (person && method !== "GET") headers["x-csrf-token"] = person.csrf;
+  const init = { method, headers, cache: "no-store", credentials: "same-origin" };
   if (body !== undefined) {
     headers["content-type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -99,6 +103,7 @@ async function signIn(event) {
 }
 
 function signOut(message) {
+  if (person) return signOutPerson(message);
   generation += 1;
   if (timer !== null) clearTimeout(timer);
   timer = null;
@@ -127,7 +132,7 @@ async function poll(gen) {
   } catch (err) {
     if (gen !== generation) return;
     if (err instanceof Refused) {
-      signOut("The admin credential was refused: sign in again.");
+      signOut(refusedMessage());
       return;
     }
     $("status").textContent = `the hub did not answer: ${err.message}`;
@@ -138,6 +143,7 @@ async function poll(gen) {
 // -- the sections --------------------------------------------------------------------
 
 async function refresh(gen) {
+  if (person && person.role !== "admin") return refreshMember(gen);
   const since = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
   const [runners, turns, sessions, usage, keys, replicas] = await Promise.all([
     api("GET", "/api/hub/runners"),
@@ -159,6 +165,7 @@ async function refresh(gen) {
   showSessions(sessions.sessions, names);
   showUsage(usage.usage, since);
   showKeys(keys.keys, keys.limitsSupported);
+  if (person) await refreshPeopleUsage(gen, since);
 }
 
 function showReplicas(replicas, names) {
@@ -284,6 +291,7 @@ function showKeys(keys, limitsSupported) {
         used.promptTokens + used.completionTokens,
         used.refused,
         el("td", k.revoked ? "revoked" : "active", k.revoked ? "down" : "up"),
+        k.person ? k.person.email || k.person.sub : null, // who made it (a signed-in person)
         action,
       ]);
       tr.dataset.name = k.name;
@@ -400,7 +408,7 @@ async function createKey(event) {
     form.reset();
     await refresh(generation);
   } catch (err) {
-    if (err instanceof Refused) return signOut("The admin credential was refused: sign in again.");
+    if (err instanceof Refused) return signOut(refusedMessage());
     $("key-error").textContent = err.message;
   }
 }
@@ -433,7 +441,7 @@ async function revoke(name, button) {
     await api("POST", "/api/hub/keys/revoke", { name });
     await refresh(generation);
   } catch (err) {
-    if (err instanceof Refused) return signOut("The admin credential was refused: sign in again.");
+    if (err instanceof Refused) return signOut(refusedMessage());
     $("key-error").textContent = err.message;
     button.disabled = false;
   }
@@ -449,4 +457,107 @@ document.addEventListener("DOMContentLoaded", () => {
     $("new-key-value").textContent = "";
   });
   if (token()) start();
+  else startPeople();
 });
+
+// -- people who sign in with the team's identity provider (hub --oidc-issuer) ----------
+
+function refusedMessage() {
+  return person ? "Your sign-in has ended: sign in again." : "The admin credential was refused: sign in again.";
+}
+
+async function startPeople() {
+  let me = null;
+  try {
+    const resp = await fetch("/auth/me", { cache: "no-store", credentials: "same-origin" });
+    me = await resp.json();
+  } catch (_) {
+    return; // the admin credential's form stays
+  }
+  $("oidc-signin").hidden = !me.oidc;
+  if (!me.signedIn) return;
+  person = me;
+  $("whoami").textContent = `${me.email || me.sub} (${me.role})`;
+  $("whoami").hidden = false;
+  $("people-usage-section").hidden = false;
+  for (const section of document.querySelectorAll(".admin-only")) {
+    if (me.role !== "admin") section.hidden = true;
+  }
+  const project = $("create-key").elements.project;
+  project.placeholder = me.role === "admin" ? "local/chat" : me.projects.join(", ");
+  if (me.role !== "admin" && me.projects.length) project.value = me.projects[0];
+  start();
+}
+
+async function refreshMember(gen) {
+  // a member: their own keys, and their own usage (per person: theirs alone)
+  const since = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
+  const [usage, keys] = await Promise.all([
+    api("GET", `/api/hub/usage?since=${since}`),
+    api("GET", "/api/hub/keys"),
+  ]);
+  if (gen !== generation) return;
+  const mine = usage.usage.map((r) => ({ ...r, key: r.email || r.person || "–" }));
+  showUsage(mine, since);
+  showPeopleUsage(usage.usage);
+  showKeys(keys.keys, keys.limitsSupported);
+}
+
+async function refreshPeopleUsage(gen, since) {
+  const usage = await api("GET", `/api/hub/usage?since=${since}&by=person`);
+  if (gen === generation) showPeopleUsage(usage.usage);
+}
+
+function showPeopleUsage(rows) {
+  const totals = new Map(); // person/model -> row
+  for (const r of rows) {
+    const id = `${r.person}\u0000${r.model}`;
+    const kept = totals.get(id) || { ...r, turns: 0, promptTokens: 0, completionTokens: 0 };
+    kept.turns += r.turns;
+    kept.promptTokens += r.promptTokens;
+    kept.completionTokens += r.completionTokens;
+    totals.set(id, kept);
+  }
+  fill(
+    "people-usage",
+    [...totals.values()].map((r) => {
+      const tr = row([
+        r.person === null ? "(admin's keys)" : r.person,
+        r.email,
+        r.model || "(default)",
+        r.turns,
+        r.promptTokens,
+        r.completionTokens,
+      ]);
+      tr.dataset.person = r.person === null ? "" : r.person;
+      return tr;
+    }),
+  );
+}
+
+async function signOutPerson(message) {
+  const was = person;
+  person = null;
+  generation += 1;
+  if (timer !== null) clearTimeout(timer);
+  timer = null;
+  try {
+    await fetch("/auth/logout", {
+      method: "POST",
+      headers: { "x-csrf-token": was.csrf },
+      credentials: "same-origin",
+    });
+  } catch (_) {
+    // the session ends with its cookie's lifetime anyway
+  }
+  $("whoami").hidden = true;
+  $("people-usage-section").hidden = true;
+  for (const section of document.querySelectorAll(".admin-only")) section.hidden = false;
+  $("replicas-section").hidden = true;
+  team = null;
+  $("dashboard").hidden = true;
+  $("signout").hidden = true;
+  $("signin-section").hidden = false;
+  $("status").textContent = "";
+  $("signin-error").textContent = message || "Signed out.";
+}

@@ -21,7 +21,7 @@ import logging
 import math
 import pathlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -43,6 +43,11 @@ from gateway.hub.store.records import (
     UsageTotal,
 )
 from gateway.hub.store.team_base import TeamStore
+
+if TYPE_CHECKING:
+    from gateway.hub.store.postgres_ops import Op
+
+T = TypeVar("T")
 
 log = logging.getLogger("gateway.hub.store")
 
@@ -468,3 +473,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def tokens_since(self, key_id: str, hour: int) -> int:
         """The key's prompt and completion tokens from ``hour`` (an hour's start) on."""
+
+    # people (issue 34)
+
+    @abc.abstractmethod
+    async def people(self, op: Op[T]) -> T:
+        """``op``, one of ``people_ops``' statements about people, their keys, page sessions
+        and usage, run on this store (the queued usage rows written first)."""

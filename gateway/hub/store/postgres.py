@@ -406,3 +406,7 @@ class PostgresStore(Store):
     async def tokens_since(self, key_id: str, hour: int) -> int:
         await self.flush_usage()
         return await self._run(usage_ops.tokens_since(key_id, hour))
+
+    async def people(self, op: ops.Op[T]) -> T:
+        await self.flush_usage()
+        return await self._run(op)

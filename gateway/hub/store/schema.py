@@ -139,6 +139,37 @@ _V1 = (
 )""",
 )
 
+_V7 = (  # people (issue 34): gateway/hub/store/people_ops.py reads and writes them
+    """CREATE TABLE IF NOT EXISTS people (
+    sub TEXT PRIMARY KEY,
+    email TEXT,
+    name TEXT,
+    role TEXT NOT NULL,
+    first_seen TEXT NOT NULL,
+    last_seen TEXT NOT NULL,
+    projects TEXT
+)""",
+    """CREATE TABLE IF NOT EXISTS key_owners (
+    key_hash TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    key_name TEXT NOT NULL,
+    sub TEXT NOT NULL,
+    email TEXT,
+    created_at TEXT NOT NULL
+)""",
+    "CREATE INDEX IF NOT EXISTS key_owners_key_id ON key_owners (key_id)",
+    "CREATE INDEX IF NOT EXISTS key_owners_sub ON key_owners (sub)",
+    """CREATE TABLE IF NOT EXISTS page_sessions (
+    id_hash TEXT PRIMARY KEY,
+    sub TEXT NOT NULL,
+    email TEXT,
+    name TEXT,
+    role TEXT NOT NULL,
+    created REAL NOT NULL,
+    expires REAL NOT NULL
+)""",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -211,6 +242,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             ("runners", "enrollment_id", "TEXT"),
             ("runners", "last_seen", "REAL"),
         ),
+    ),
+    Migration(
+        7,
+        "people who sign in (OpenID Connect), the keys they own, their page sessions",
+        _V7,
     ),
 )
 LATEST = MIGRATIONS[-1].version

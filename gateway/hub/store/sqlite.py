@@ -24,6 +24,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import trio
 
+from gateway.hub.store import people_ops
 from gateway.hub.store import sqlite_ops as ops
 from gateway.hub.store import sqlite_trust as trust
 from gateway.hub.store.backup import lock_shared
@@ -42,6 +43,7 @@ from gateway.hub.store.credentials import (
     new_token,
     token_hash,
 )
+from gateway.hub.store.postgres_ops import Op
 from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
     AdminCredential,
@@ -312,6 +314,10 @@ class SqliteStore(Store):
     async def tokens_since(self, key_id: str, hour: int) -> int:
         await self.flush_usage()
         return await self._run(ops.tokens_since, key_id, hour)
+
+    async def people(self, op: Op[T]) -> T:
+        await self.flush_usage()
+        return await self._run(people_ops.run_sqlite, op)
 
 
 def _error(where: str, exc: sqlite3.Error) -> StoreError:
