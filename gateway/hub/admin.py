@@ -14,8 +14,8 @@ from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
 from gateway.hub.metrics import CONTENT_TYPE
-from gateway.hub.runners import RunnerNotFound
 from gateway.hub.people import ADMIN, person
+from gateway.hub.runners import RunnerNotFound
 from gateway.hub.snapshot import as_json, camel
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 
@@ -287,6 +287,7 @@ class AdminApi:
         if not await self.hub.store.revoke_enrollment(found):
             raise HTTPError(404, f"no active enrollment token has the id {found!r}", "unknown")
         await req.resp.json(200, {"id": found, "revoked": True}, NO_STORE)
+
     async def people(self, req: Request) -> None:
         """``GET /api/hub/people``: everyone who signed in, their role and active keys."""
         await req.resp.json(200, {"people": await self.hub.people.listing()}, NO_STORE)

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import gc
 import logging
 import os
 import pathlib
-import re
 import socket
 import ssl
 import sys
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, NoReturn
 
 import trio
 
@@ -40,6 +37,7 @@ from gateway.config import (
     setting_flags,
 )
 from gateway.hub.app import serve_hub
+from gateway.hub.cliparse import Parser, UsageError, parse
 from gateway.hub.hub import Hub
 from gateway.hub.people_usage import usage_by_person
 from gateway.hub.store import (
@@ -61,112 +59,11 @@ PROG = "alp-gateway hub"
 log = logging.getLogger("gateway.hub")
 
 
-class _UsageError(Exception):
-    """A command-line mistake: reported as one line, exit status 2."""
+class _Parser(Parser):
+    """The ``hub`` parser: each command takes ``--config``, ``--data`` and ``--store``."""
 
-
-class _Parser(argparse.ArgumentParser):
-    """A parser that raises ``_UsageError`` and remembers its flags and commands, so that a flag
-    it does not know can be named with a "did you mean" (``_unknown_flag``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.flags: dict[str, argparse.Action] = {}
-        self.commands: dict[str, _Parser] = {}
-        super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
-        for name in action.option_strings:
-            self.flags[name] = action
-        return action
-
-    def command(
-        self, sub: argparse._SubParsersAction[_Parser], name: str, **kwargs: Any
-    ) -> _Parser:
-        """``sub.add_parser(name, ...)``, remembered as one of this parser's commands."""
-        parser = sub.add_parser(name, **kwargs)
-        self.commands[name] = parser
+    def add_common(self, parser: argparse.ArgumentParser) -> None:
         _add_common(parser)
-        return parser
-
-    def find(self, flag: str) -> argparse.Action | None:
-        """The action ``flag`` names here (a unique abbreviation too, as argparse allows)."""
-        if flag in self.flags:
-            return self.flags[flag]
-        if not flag.startswith("--"):
-            return None
-        started = {self.flags[f] for f in self.flags if f.startswith(flag)}
-        return next(iter(started)) if started else None
-
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-# A flag a new user may reach for, and the one that does its job.
-_MEANT = {
-    "--port": "--listen HOST:PORT",
-    "--host": "--listen HOST:PORT",
-    "--bind": "--listen HOST:PORT",
-    "--address": "--listen HOST:PORT",
-    "--state-dir": "--data DIR",
-    "--data-dir": "--data DIR",
-    "--config-file": "--config FILE",
-}
-
-
-def _unknown_flag(parser: _Parser, argv: Sequence[str]) -> str | None:
-    """The first flag of ``argv`` that the command it is given to does not know, said in one line
-    with the flag meant where one is close; None when every flag is known."""
-    current = parser
-    takes_value = False
-    for token in argv:
-        if token == "--":
-            return None
-        if takes_value:
-            takes_value = False
-            continue
-        if token.startswith("-") and len(token) > 1 and not token[1:2].isdigit():
-            flag, eq, _ = token.partition("=")
-            action = current.find(flag)
-            if action is None:
-                return _did_you_mean(flag, current, parser)
-            takes_value = not eq and action.nargs != 0
-        elif token in current.commands:
-            current = current.commands[token]
-    return None
-
-
-def _did_you_mean(flag: str, current: _Parser, top: _Parser) -> str:
-    where = "" if current is top else f" of `{current.prog}`"
-    meant = _MEANT.get(flag)
-    if meant is None or meant.split()[0] not in current.flags:
-        close = difflib.get_close_matches(flag, [f for f in current.flags if f != "--help"], 1)
-        meant = close[0] if close else None
-    hint = f" (did you mean {meant}?)" if meant else f" (see `{current.prog} --help`)"
-    return f"unknown flag {logsafe.safe(flag)}{where}{hint}"
-
-
-_INVALID_COMMAND = re.compile(r"argument command: invalid choice: (.*) \(choose from ")
-
-
-def _parse(parser: _Parser, argv: Sequence[str]) -> argparse.Namespace:
-    """``parser.parse_args(argv)``; a mistake said as the user made it: an unknown flag by name
-    (argparse takes a value after an unknown flag for the command's name) and a word that is no
-    command as such."""
-    try:
-        return parser.parse_args(argv)
-    except _UsageError as exc:
-        unknown = _unknown_flag(parser, argv)
-        if unknown is not None:
-            raise _UsageError(unknown) from None
-        found = _INVALID_COMMAND.match(str(exc))
-        if found is not None:
-            raise _UsageError(
-                f"{found[1]} is not a command of `{PROG}` "
-                f"({', '.join(parser.commands)}); to serve, give flags only, such as "
-                "--listen HOST:PORT"
-            ) from None
-        raise
 
 
 def _limit(value: str) -> int:
@@ -302,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parse(parser, argv)
+        args = parse(parser, argv, PROG)
         settings = load_hub_settings(
             setting_flags(args, HUB_SETTINGS), os.environ, getattr(args, "config", None)
         )
@@ -327,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(settings)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
-    except (_UsageError, ConfigError) as exc:
+    except (UsageError, ConfigError) as exc:
         return _fail(str(exc))
     except (OSError, StoreError, ValueError) as exc:
         return _fail(str(exc))
@@ -341,16 +238,14 @@ def _check_listen(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise _UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(address)
             except OSError as exc:
-                raise _UsageError(
-                    f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-                ) from None
+                raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _check_tls(cert: pathlib.Path, key: pathlib.Path) -> None:
@@ -360,7 +255,7 @@ def _check_tls(cert: pathlib.Path, key: pathlib.Path) -> None:
         context.load_cert_chain(certfile=str(cert), keyfile=str(key))
     except (OSError, ssl.SSLError) as exc:
         reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
-        raise _UsageError(f"cannot use --tls-cert {cert} with --tls-key {key}: {reason}") from None
+        raise UsageError(f"cannot use --tls-cert {cert} with --tls-key {key}: {reason}") from None
 
 
 def _fail(message: str) -> int:
@@ -452,7 +347,7 @@ async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
         if args.keys_command == "update":
             given = {limit: getattr(args, limit) for limit in LIMIT_NAMES}
             if all(value is None for value in given.values()):
-                raise _UsageError(
+                raise UsageError(
                     "keys update needs at least one of --rpm, --tpm, "
                     "--tokens-per-day, --max-streams"
                 )
@@ -486,7 +381,7 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
     try:
         span = parse_duration(args.since)
     except ValueError as exc:
-        raise _UsageError(f"--since {args.since!r} is {exc}") from None
+        raise UsageError(f"--since {args.since!r} is {exc}") from None
     since = time.time() - span
     if args.by == "person":  # the keys' owners (issue 34): gateway/hub/people_usage.py
         return usage_by_person(_open(settings), since, _table)

@@ -19,9 +19,9 @@ from gateway.hub.frontdoor.door import FrontDoor
 from gateway.hub.keys import Keys
 from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog
-from gateway.hub.runners import RunnerAdmin
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
+from gateway.hub.runners import RunnerAdmin
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings

@@ -191,7 +191,7 @@ def restore(data_dir: pathlib.Path, source: pathlib.Path) -> str:
 
 
 def add_commands(parser: Any, sub: Any) -> None:
-    """``hub backup FILE`` and ``hub restore FILE`` on the ``hub`` parser (``_Parser.command``)."""
+    """``hub backup FILE`` and ``hub restore FILE`` on the ``hub`` parser (``cliparse.Parser.command``)."""
     backup_cmd = parser.command(
         sub,
         "backup",
