@@ -46,6 +46,7 @@ from gateway.hub.store import (
     open_store,
     token_hash,
 )
+from gateway.hub.store.schema import MIGRATIONS
 
 Place = Callable[[pytest.FixtureRequest, Path], "Path | str"]  # where a backend's store is
 
@@ -53,6 +54,8 @@ BACKENDS: dict[str, Place] = {
     "sqlite": lambda _request, tmp_path: tmp_path / "hub",  # a data directory
     "postgresql": lambda request, _tmp: request.getfixturevalue("pg_url"),  # a fresh database
 }
+
+VERSIONS = [m.version for m in MIGRATIONS]  # every migration this code knows, in order
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -389,11 +392,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6, 7] and SCHEMA_VERSION == 7
+    assert _versions(tmp_path / "hub.sqlite3") == VERSIONS and SCHEMA_VERSION == VERSIONS[-1]
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5, 6, 7]
+    assert _versions(tmp_path / "hub.sqlite3") == VERSIONS
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -506,7 +509,7 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     after = _shape(path)
     people = {"people", "key_owners", "page_sessions"}
     made = {"credentials", "enrollment_tokens"} | people
-    assert _versions(path) == [1, 2, 3, 4, 5, 6, 7] and after.keys() == before.keys() | made
+    assert _versions(path) == VERSIONS and after.keys() == before.keys() | made
     assert after.pop("credentials")[1] == [] and after.pop("enrollment_tokens")[1] == []
     for table in people:
         assert after.pop(table)[1] == []
@@ -545,7 +548,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2, 3, 4, 5, 6, 7]
+    assert _versions(path) == VERSIONS
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -567,7 +570,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 4, 5, 6, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [*VERSIONS, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 
