@@ -47,6 +47,9 @@ log = logging.getLogger("gateway.hub.dispatcher")
 
 CHAT_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
 CANCEL_WITHIN = 2.0  # s: bound on telling a runner its session moved (chat.end)
+# s a new job offered to primary runners only waits for one to take it before the fallback tier
+# may take it too (at most half of runner_wait_timeout)
+FALLBACK_AFTER = 3.0
 Project = tuple[str, str]
 
 
@@ -225,6 +228,7 @@ class Dispatcher:
             queue_wait=s.queue_wait,
             dial_within=s.runner_wait_timeout,
             redial_within=min(s.reconnect_timeout, s.runner_wait_timeout),
+            fallback_after=min(FALLBACK_AFTER, s.runner_wait_timeout / 2),
         )
 
     def _runners(self, key: Project) -> dict[str, RunnerView]:
@@ -245,6 +249,7 @@ class Dispatcher:
                 held.get(runner_id, 0),
                 state.models,
                 state.listing,
+                caps is not None and protocol.FALLBACK_TIER in caps,
             )
         return out
 

@@ -16,6 +16,8 @@ from typing import Annotated, Any
 import msgspec
 
 CAPABILITY = "chat-llm:v1"
+# extension (§6): in every poll's capabilities of a runner of the fallback tier (``--tier``)
+FALLBACK_TIER = "tier:fallback"
 
 # Frame types, Server -> Runner.
 COMPLETION_REQUEST = "chat.completion.request"

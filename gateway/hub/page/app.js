@@ -199,9 +199,11 @@ function showRunners(runners) {
         r.sessions,
         r.turnsInFlight,
         `${seconds(r.lastSeenSeconds)} ago`,
+        r.tier,
       ]);
       tr.dataset.id = r.id;
       tr.dataset.name = r.name || "";
+      tr.dataset.tier = r.tier;
       return tr;
     }),
   );
