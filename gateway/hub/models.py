@@ -34,6 +34,7 @@ class ModelsAnswer:
 
     def __init__(self) -> None:
         self.models: list[str] | None = None
+        self.contexts: dict[str, int] = {}
         self.done = trio.Event()
 
     def chunk(self, chunk: object, frame: bytes) -> None:
@@ -45,6 +46,7 @@ class ModelsAnswer:
     def reply(self, frame: Reply) -> None:
         if isinstance(frame, ModelsFrame):
             self.models = list(frame.models)
+            self.contexts = dict(frame.contexts or {})
         self.done.set()
 
     def lost(self) -> bool:
@@ -69,6 +71,9 @@ class Catalog:
         self.board = board
         self.channels = channels
         self._lists: dict[str, tuple[str, ...]] = {}  # runner id -> its last list
+        # runner id -> the context length of each model it listed whose backend says it (kept in
+        # memory only: asked again on every channel a runner opens)
+        self._contexts: dict[str, dict[str, int]] = {}
         self._loaded: set[tuple[str, str]] = set()  # projects whose stored lists were read
         self._asking: set[str] = set()  # runner ids asked right now
         # runners that did not answer a models request (a runner without chat.models.request:
@@ -110,6 +115,22 @@ class Catalog:
         """The models the runner listed last (None: not known)."""
         found = self._lists.get(runner_id)
         return None if found is None else list(found)
+
+    def context_of(self, owner: str, project: str, model: str) -> int | None:
+        """The largest context length (tokens) the project's live runners that list ``model``
+        said for it; None when one of them did not say it (its may be larger) or none lists it."""
+        board = self.board
+        largest: int | None = None
+        for runner_id, state in board.runners.items():
+            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+                continue
+            if model not in self._lists.get(runner_id, ()):
+                continue
+            context = self._contexts.get(runner_id, {}).get(model)
+            if context is None:
+                return None
+            largest = context if largest is None else max(largest, context)
+        return largest
 
     def live_lists(self, owner: str, project: str) -> tuple[list[str], int]:
         """(every model the project's live runners listed, in order; how many live runners have
@@ -253,11 +274,14 @@ class Catalog:
             self._silent.add(ch.runner_id)  # turns are not held for its answer again
             return None
         self._silent.discard(ch.runner_id)
+        self._contexts[ch.runner_id] = answer.contexts
         await self._keep(ch, models)
         return models
 
     def learn(self, runner_id: str, models: tuple[str, ...]) -> None:
         """A runner's list as another replica of a team asked it (read from the store)."""
+        if self._lists.get(runner_id) != models:
+            self._contexts.pop(runner_id, None)  # not in the store: not known for this list
         self._lists[runner_id] = models
         self._silent.discard(runner_id)
         state = self.board.runners.get(runner_id)

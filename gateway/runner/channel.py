@@ -285,8 +285,10 @@ class Channel:
         turns.start(frame)
 
     async def _answer_models(self, request_id: str) -> None:
-        models = await self.kit.pool.models()
-        await self._send_or_drop(protocol.models_frame(self.job_id, request_id, models))
+        pool = self.kit.pool
+        models = await pool.models()
+        frame = protocol.models_frame(self.job_id, request_id, models, pool.contexts(models))
+        await self._send_or_drop(frame)
 
 
 class _LoggedOutlet:

@@ -220,6 +220,7 @@ class Simulator:
         models: list[str],
         require_key: str | None,
         record: bool,
+        context: int | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -229,6 +230,10 @@ class Simulator:
         self.models = models
         self.require_key = require_key
         self.record = record
+        # each model's context length, said where the imitated server says it (None: not said):
+        # /v1/models' max_model_len (vLLM; the default dialect too), llama.cpp's /props n_ctx,
+        # Ollama's /api/show num_ctx
+        self.context = context
         self.requests: list[RecordedRequest] = []
         self.streams: list[StreamRecord] = []
         self.connections = 0  # connections that sent a request
@@ -838,11 +843,27 @@ class _Exchange:
         elif path == _MODELS_PATH and method == "GET":
             created = int(time.time())
             owner = _OWNED_BY.get(sim.options.dialect, "sim")  # as the imitated server says
-            data = [
+            data: list[dict[str, Any]] = [
                 {"id": m, "object": "model", "created": created, "owned_by": owner}
                 for m in sim.models
             ]
+            if sim.context is not None and sim.options.dialect in ("openai", "vllm"):
+                for entry in data:
+                    entry["max_model_len"] = sim.context
             await self.resp.whole(200, _encode({"object": "list", "data": data}))
+        elif path == "/props" and method == "GET" and sim.options.dialect == "llamacpp":
+            settings = {} if sim.context is None else {"n_ctx": sim.context}
+            props = {"default_generation_settings": settings, "total_slots": 1}
+            await self.resp.whole(200, _encode(props))
+        elif path == "/api/ps" and method == "GET" and sim.options.dialect == "ollama":
+            await self.resp.whole(200, _encode({"models": []}))
+        elif path == "/api/show" and method == "POST" and sim.options.dialect == "ollama":
+            shown: dict[str, Any] = {"model_info": {"llama.context_length": 131072}}
+            if sim.context is not None:
+                shown["parameters"] = (
+                    f'stop                           "<|eot|>"\nnum_ctx                        {sim.context}'
+                )
+            await self.resp.whole(200, _encode(shown))
         elif path in (_MODELS_PATH, _CHAT_PATH):
             message = f"Method {method} not allowed for {path}"
             await self.resp.whole(405, error_envelope(message, "invalid_request_error", None))
@@ -1043,6 +1064,7 @@ async def serve_sim(
     models: list[str] | None = None,
     require_key: str | None = None,
     record: bool = True,
+    context: int | None = None,
     task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Bind, report the ``Simulator`` through ``task_status``, and serve until cancelled.
@@ -1063,6 +1085,7 @@ async def serve_sim(
         models=list(models) if models is not None else ["sim-model"],
         require_key=require_key,
         record=record,
+        context=context,
     )
     task_status.started(sim)
     await Server(sim, limits=_LIMITS).serve_listeners(listeners)
@@ -1077,6 +1100,7 @@ async def open_sim(
     models: list[str] | None = None,
     require_key: str | None = None,
     record: bool = True,
+    context: int | None = None,
 ) -> AsyncIterator[Simulator]:
     """Run ``serve_sim`` in a nursery for the duration of the block, yielding the ``Simulator``."""
     async with trio.open_nursery() as nursery:
@@ -1089,6 +1113,7 @@ async def open_sim(
                 models=models,
                 require_key=require_key,
                 record=record,
+                context=context,
             )
         )
         try:

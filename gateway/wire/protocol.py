@@ -241,12 +241,14 @@ class ErrorFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_ERROR):
     error: str
 
 
-class ModelsFrame(msgspec.Struct, tag_field="type", tag=MODELS_RESPONSE):
-    """``chat.models.response``: the models this Runner serves."""
+class ModelsFrame(msgspec.Struct, tag_field="type", tag=MODELS_RESPONSE, omit_defaults=True):
+    """``chat.models.response``: the models this Runner serves; ``contexts`` (extension, §6):
+    the context length of those whose backend says it, in tokens (absent when none does)."""
 
     jobId: str
     requestId: str
     models: list[str]
+    contexts: dict[str, Annotated[int, msgspec.Meta(gt=0)]] | None = None
 
 
 class EndFrame(msgspec.Struct, tag_field="type", tag=END):
@@ -343,8 +345,10 @@ def error_frame(job_id: str, request_id: str, error: str) -> str:
     return encode_frame(ErrorFrame(job_id, request_id, error)).decode()
 
 
-def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
-    return encode_frame(ModelsFrame(job_id, request_id, models)).decode()
+def models_frame(
+    job_id: str, request_id: str, models: list[str], contexts: dict[str, int] | None = None
+) -> str:
+    return encode_frame(ModelsFrame(job_id, request_id, models, contexts or None)).decode()
 
 
 def end_frame(job_id: str, reason: str) -> str:

@@ -7,7 +7,9 @@ import logging
 import time
 
 from gateway.hub.frontdoor import dialects, messages
+from gateway.hub.frontdoor.dialects import TurnSpec
 from gateway.hub.frontdoor.shapes import (
+    context_exceeded,
     invalid_key,
     model_list,
     model_not_found,
@@ -101,6 +103,7 @@ class FrontDoor:
         parsed = parse_chat_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, parsed.model)
         spec = dialects.chat_spec(parsed, model, self.settings.count_usage)
+        self._check_context(key, spec)
         await self.serving.serve(req, key, spec, sid, _traceparent(req))
 
     async def messages(self, req: Request) -> None:
@@ -112,6 +115,7 @@ class FrontDoor:
             request = dialects.messages_request(await req.body(self.settings.max_body))
             model = await self._model_for(key, request.model)
             spec = dialects.messages_spec(request, model)
+            self._check_context(key, spec)
         except HTTPError as err:
             await req.resp.whole(err.status, dialects.anthropic_error_body(err), err.headers)
             return
@@ -140,6 +144,7 @@ class FrontDoor:
         request = dialects.responses_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, request.model)
         spec = dialects.responses_spec(request, model)
+        self._check_context(key, spec)
         await self.serving.serve(req, key, spec, sid, _traceparent(req))
 
     async def not_served(self, req: Request) -> None:
@@ -150,6 +155,20 @@ class FrontDoor:
             f"only); it serves {', '.join(SERVED)}",
             "unknown_url",
         )
+
+    def _check_context(self, key: ApiKey, spec: TurnSpec) -> None:
+        """A turn whose prompt (estimated) is over the context its model's backend runs with is
+        refused (400 ``context_length_exceeded``) before its admission: a backend would drop
+        the start of the prompt without a word (issue 37, point 3). Only when every live runner
+        that lists the model said its context: the largest of them is the bound."""
+        if spec.model is None:
+            return
+        context = self.catalog.context_of(key.owner, key.project, spec.model)
+        if context is None:
+            return
+        prompt = spec.dialect.prompt_estimate(spec.body)
+        if prompt > context:
+            raise context_exceeded(spec.model, prompt, context)
 
     async def _model_for(self, key: ApiKey, model: str | None) -> str | None:
         """The model the runner is asked for: ``model`` when a live runner of the project lists
