@@ -76,7 +76,10 @@ class Hub:
         self.catalog = catalog = Catalog(store, settings, board, channels)
         self.accounting = accounting = Accounting(store, settings, label=catalog.label)
         self.frontdoor = FrontDoor(
-            settings, keys, catalog, Serving(settings, accounting, sessions, dispatcher)
+            settings,
+            keys,
+            catalog,
+            Serving(settings, accounting, sessions, dispatcher, catalog.embeds),
         )
         self.metrics = HubMetrics()
         accounting.observers.append(self.metrics.observe)

@@ -35,6 +35,7 @@ class ModelsAnswer:
     def __init__(self) -> None:
         self.models: list[str] | None = None
         self.contexts: dict[str, int] = {}
+        self.extensions: frozenset[str] = frozenset()  # of the hello's, those it took up
         self.done = trio.Event()
 
     def chunk(self, chunk: object, frame: bytes) -> None:
@@ -47,6 +48,7 @@ class ModelsAnswer:
         if isinstance(frame, ModelsFrame):
             self.models = list(frame.models)
             self.contexts = dict(frame.contexts or {})
+            self.extensions = frozenset(frame.extensions or ())
         self.done.set()
 
     def lost(self) -> bool:
@@ -74,6 +76,8 @@ class Catalog:
         # runner id -> the context length of each model it listed whose backend says it (kept in
         # memory only: asked again on every channel a runner opens)
         self._contexts: dict[str, dict[str, int]] = {}
+        # runner id -> the extensions of the hello it took up, as its last models answer said
+        self._extensions: dict[str, frozenset[str]] = {}
         self._loaded: set[tuple[str, str]] = set()  # projects whose stored lists were read
         self._asking: set[str] = set()  # runner ids asked right now
         # runners that did not answer a models request (a runner without chat.models.request:
@@ -131,6 +135,13 @@ class Catalog:
                 return None
             largest = context if largest is None else max(largest, context)
         return largest
+
+    async def embeds(self, ch: ServerChannel) -> bool:
+        """Whether the channel's runner took up the embeddings extension (docs/protocol.md §6):
+        as its last models answer said, else asked now (within ``models_timeout``)."""
+        if ch.runner_id not in self._extensions:
+            await self.ask(ch, self.settings.models_timeout)
+        return protocol.EMBEDDINGS in self._extensions.get(ch.runner_id, frozenset())
 
     def live_lists(self, owner: str, project: str) -> tuple[list[str], int]:
         """(every model the project's live runners listed, in order; how many live runners have
@@ -275,6 +286,7 @@ class Catalog:
             return None
         self._silent.discard(ch.runner_id)
         self._contexts[ch.runner_id] = answer.contexts
+        self._extensions[ch.runner_id] = answer.extensions
         await self._keep(ch, models)
         return models
 

@@ -27,12 +27,14 @@ from gateway.wire.server import Limits, Server
 
 __all__ = [
     "DIALECTS",
+    "EMBEDDING_DIMENSIONS",
     "FAULTS",
     "WORDS",
     "RecordedRequest",
     "SimOptions",
     "Simulator",
     "StreamRecord",
+    "embedding_of",
     "open_sim",
     "serve_sim",
     "token_text",
@@ -64,6 +66,8 @@ _perf_counter = time.perf_counter
 
 _CHAT_PATH = "/v1/chat/completions"
 _MODELS_PATH = "/v1/models"
+_EMBEDDINGS_PATH = "/v1/embeddings"
+EMBEDDING_DIMENSIONS = 8  # the length of each vector the simulator embeds
 _DONE = b"[DONE]"
 _MALFORMED = b"{not json"
 _CHUNK_HEAD = b'{"id":%b,"object":"chat.completion.chunk","created":%d,"model":%b,"choices":'
@@ -81,6 +85,16 @@ def token_text(i: int, chunk_size: int = 0) -> str:
     if chunk_size > len(text):
         text += "." * (chunk_size - len(text))
     return text
+
+
+def embedding_of(text: str) -> list[float]:
+    """The simulator's vector for ``text``: ``EMBEDDING_DIMENSIONS`` numbers in [-1, 1) drawn
+    from its SHA-256, the same every time."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [
+        round(int.from_bytes(digest[2 * i : 2 * i + 2], "big") / 32768 - 1, 6)
+        for i in range(EMBEDDING_DIMENSIONS)
+    ]
 
 
 @dataclass(slots=True)
@@ -851,6 +865,8 @@ class _Exchange:
                 for entry in data:
                     entry["max_model_len"] = sim.context
             await self.resp.whole(200, _encode({"object": "list", "data": data}))
+        elif path == _EMBEDDINGS_PATH and method == "POST":
+            await self._embeddings(body)
         elif path == "/props" and method == "GET" and sim.options.dialect == "llamacpp":
             settings = {} if sim.context is None else {"n_ctx": sim.context}
             props = {"default_generation_settings": settings, "total_slots": 1}
@@ -864,7 +880,7 @@ class _Exchange:
                     f'stop                           "<|eot|>"\nnum_ctx                        {sim.context}'
                 )
             await self.resp.whole(200, _encode(shown))
-        elif path in (_MODELS_PATH, _CHAT_PATH):
+        elif path in (_MODELS_PATH, _CHAT_PATH, _EMBEDDINGS_PATH):
             message = f"Method {method} not allowed for {path}"
             await self.resp.whole(405, error_envelope(message, "invalid_request_error", None))
         else:
@@ -873,6 +889,42 @@ class _Exchange:
                 404, error_envelope(message, "invalid_request_error", "not_found")
             )
         return _COMPLETED
+
+    async def _embeddings(self, body: bytes) -> None:
+        """``/v1/embeddings`` as OpenAI answers it: one vector per input (a string, or a list of
+        strings), each the same for the same text (drawn from its hash), and the usage (a token
+        a word)."""
+        try:
+            data = _decode(body)
+        except msgspec.DecodeError as exc:
+            message = f"We could not parse the JSON body of your request: {exc}"
+            await self.resp.whole(400, error_envelope(message, "invalid_request_error", None))
+            return
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, str) or model not in self.sim.models:
+            message = f"The model `{model}` does not exist or you do not have access to it."
+            error = error_envelope(message, "invalid_request_error", "model_not_found", "model")
+            await self.resp.whole(404, error)
+            return
+        given = data.get("input")
+        inputs = [given] if isinstance(given, str) else given
+        if (
+            not isinstance(inputs, list)
+            or not inputs
+            or not all(isinstance(t, str) for t in inputs)
+        ):
+            message = "'input' must be a string or a non-empty list of strings"
+            error = error_envelope(message, "invalid_request_error", None, "input")
+            await self.resp.whole(400, error)
+            return
+        vectors = [
+            {"object": "embedding", "index": i, "embedding": embedding_of(text)}
+            for i, text in enumerate(inputs)
+        ]
+        tokens = sum(len(text.split()) for text in inputs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        answer = {"object": "list", "data": vectors, "model": model, "usage": usage}
+        await self.resp.whole(200, _encode(answer))
 
     def _authorized(self, headers: Mapping[str, str]) -> bool:
         key = self.sim.require_key

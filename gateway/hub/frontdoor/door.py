@@ -32,11 +32,14 @@ log = logging.getLogger("gateway.hub.frontdoor")
 SESSION_HEADER = b"x-chat-session"
 CLAUDE_SESSION_HEADER = b"x-claude-code-session-id"  # Claude Code's own session id
 MAX_SESSION_ID = 200  # characters of a session id a client may name
+# the session of a key's /v1/embeddings requests: one Chat Job of their own, never a chat's
+EMBEDDINGS_SESSION = "embeddings"
 SERVED = (
     "POST /v1/chat/completions",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
     "POST /v1/responses",
+    "POST /v1/embeddings",
     "GET /v1/models",
 )
 
@@ -147,12 +150,24 @@ class FrontDoor:
         self._check_context(key, spec)
         await self.serving.serve(req, key, spec, sid, _traceparent(req))
 
+    async def embeddings(self, req: Request) -> None:
+        """``POST /v1/embeddings``: carried to a runner whose backend serves the model, bodies
+        verbatim both ways (docs/protocol.md §6, embeddings), counted in usage as a turn of the
+        key's ``embeddings`` session (apart from its chat sessions: a chat job is not moved)."""
+        key = await self._key(req)
+        body = await req.body(self.settings.max_body)
+        spec = dialects.embeddings_spec(body, None)
+        model = await self._model_for(key, spec.model)
+        if model != spec.model:
+            spec = dialects.embeddings_spec(body, model)
+        await self.serving.serve(req, key, spec, EMBEDDINGS_SESSION, _traceparent(req))
+
     async def not_served(self, req: Request) -> None:
-        """``/v1/completions``, ``/v1/embeddings``: the channel carries chat turns only."""
+        """``/v1/completions``: the channel carries chat turns and embeddings only."""
         raise HTTPError(
             404,
             f"{req.scope['path']} is not served by this hub (its runners carry chat turns "
-            f"only); it serves {', '.join(SERVED)}",
+            f"and embeddings only); it serves {', '.join(SERVED)}",
             "unknown_url",
         )
 

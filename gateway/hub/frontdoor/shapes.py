@@ -414,6 +414,15 @@ def model_list(models: list[str], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_object(m, created) for m in models]}
 
 
+def embeddings_unsupported(model: str, runner_id: str) -> HTTPError:
+    """501: the runner that serves the model does not carry embeddings (an older alp-gateway)."""
+    message = (
+        f"the runner serving model '{model}' ({runner_id}) does not carry embeddings: upgrade "
+        "its alp-gateway (embeddings are an extension of the chat channel)"
+    )
+    return HTTPError(501, message, "embeddings_unsupported")
+
+
 def context_exceeded(model: str, prompt: int, context: int) -> HTTPError:
     """400: the prompt (estimated) is over the context the model's backend runs with, which
     would cut the front of it without a word; how to raise it, by model server."""
