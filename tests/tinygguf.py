@@ -1,7 +1,7 @@
 """A tiny llama-architecture GGUF model with random weights, written with the ``gguf`` package:
 what a test needs to run llama.cpp's server for real (it loads, tokenizes, embeds and generates
 nonsense) without downloading a model. One block, 64-wide, a byte-fallback SentencePiece-style
-vocabulary of 280 tokens, float32 throughout (about 200 KB), the same file for the same seed."""
+vocabulary of 280 tokens, float32 throughout (about 310 KB), the same file for the same seed."""
 
 from __future__ import annotations
 

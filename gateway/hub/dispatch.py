@@ -279,11 +279,6 @@ def _can_serve(runner: RunnerView) -> bool:
     return runner.alive and (runner.capable is None or runner.capable or runner.held > 0)
 
 
-def _tiered(runners: Iterable[RunnerView], model: str | None) -> bool:
-    """Whether a new job for ``model`` is held back from a fallback runner that could take it."""
-    return eligible(runners, model) != eligible(runners, model, spill=True)
-
-
 def plan(
     queue: FairQueue,
     waiters: list[Waiter],
@@ -470,7 +465,7 @@ def _queue(
         since = waiter.seeking if waiter.seeking is not None else waiter.arrived
         spill = not waiter.queued and now >= since + limits.fallback_after
         targets, free = targets_for((model, spill))
-        if not spill and not waiter.queued and _tiered(alive, model):
+        if not spill and not waiter.queued and targets_for((model, True))[0] != targets:
             out.wake = min(out.wake, since + limits.fallback_after)
         nth = rank.get(model, 0)
         rank[model] = nth + 1
