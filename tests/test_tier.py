@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import test_failover as failover
 import trio
 import trio.testing
 from helpers import ADMIN, OWNER, PROJECT, runner_config
@@ -79,3 +80,39 @@ async def test_the_fallback_serves_only_while_the_primary_cannot(
     tiers = {r["name"]: r["tier"] for r in listed.json()["runners"]}
     assert tiers == {"gpu": "primary", "cloud": "fallback"}
     print(f"OBSERVED fallback took the session {waited:.1f} s (virtual) after the primary died")
+
+
+async def test_an_answer_cut_by_the_primarys_death_is_continued_on_the_fallback(
+    sim: Simulator, tmp_path: Path
+) -> None:
+    """``alp-gateway run --tier fallback`` as a process beside a primary one: the session goes to
+    the primary; SIGKILLed mid-answer, its answer is continued on the fallback (one whole answer,
+    no error), the only runner left that serves the model."""
+    async with open_hub(failover.hub_of()) as (hub, url):
+        client = failover.Client(url, await hub.keys.create("failover", f"{OWNER}/{PROJECT}"))
+        async with (
+            failover.runners(url, sim, tmp_path, "cloud", extra=("--tier", "fallback")) as cloud,
+            failover.runners(url, sim, tmp_path, "gpu") as gpu,
+        ):
+            with trio.fail_after(failover.GUARD):
+                while len(hub.board.runners) < 2 or any(
+                    s.capabilities is None for s in hub.board.runners.values()
+                ):
+                    await hub.board.changes.wait()  # both polled: their tiers known
+            killed: list[str] = []
+
+            def kill_after_three(answer: failover.Answer) -> None:
+                if len(answer.events) == 3 and not killed:
+                    job = hub.board.jobs[failover.session_job(hub, "s")]
+                    assert job.runner_name is not None
+                    killed.append(job.runner_name)
+                    gpu["gpu"].kill()
+
+            with trio.fail_after(failover.GUARD):
+                cut = await client.turn("s", chunks=60, interval=0.02, on_event=kill_after_three)
+                job = hub.board.jobs[failover.session_job(hub, "s")]
+            assert cloud["cloud"].returncode is None
+    assert killed == ["gpu"]  # the session went to the primary
+    assert cut.served and cut.text == "".join(f"tok{i} " for i in range(60))
+    assert hub.counters.turns_continued == 1
+    assert job.runner_name == "cloud"
