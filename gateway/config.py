@@ -157,6 +157,16 @@ def _log_format(value: Any) -> str:
     return text
 
 
+TIERS = ("primary", "fallback")
+
+
+def _tier(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in TIERS:
+        raise ValueError("expected primary or fallback")
+    return text
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -412,6 +422,15 @@ class Config:
         metavar="A,B",
         register=True,
         example=("self-hosted", "linux", "gpu"),
+    )
+    tier: str = setting(
+        "primary",
+        env="ALP_GATEWAY_TIER",
+        parse=_tier,
+        help="primary, or fallback: a fallback runner (a hosted API's, say) gets a new session "
+        "only when no primary runner of the project can serve its model (the hub's rule)",
+        group="server",
+        metavar="TIER",
     )
     ca_file: Path | None = setting(
         env="ALP_GATEWAY_CA_FILE",

@@ -272,3 +272,59 @@ def test_a_new_job_claimed_by_a_runner_found_not_to_serve_the_model_is_left() ->
     out = step(queue, [w], known, claimed, 1.0)
     assert out.actions[0] == Move(w, "j", "its runner does not serve coder")
     assert out.actions[1] == Open(w, frozenset({"coderbox"})) and w in queue
+
+
+# -- tiers (issue 37, point 7): a fallback runner only when no primary can serve ---------------
+
+TIERED = replace(LIMITS, fallback_after=3.0)
+
+
+def fallback(rid: str, **kw: object) -> RunnerView:
+    return replace(runner(rid, **kw), fallback=True)  # type: ignore[arg-type]
+
+
+def test_a_new_job_goes_to_the_primary_runners_only_while_one_can_serve() -> None:
+    w = waiter()
+    out = step(FairQueue(), [w], [runner("gpu"), fallback("cloud")], limits=TIERED)
+    assert out.actions == [Open(w, frozenset({"gpu"}))]
+    assert out.wake == 3.0  # when the fallback may take it too
+    # no model named: still the primary tier only
+    anyone = waiter(model=None)
+    out = step(FairQueue(), [anyone], [runner("gpu"), fallback("cloud")], limits=TIERED)
+    assert out.actions == [Open(anyone, frozenset({"gpu"}))]
+
+
+def test_the_fallback_gets_the_job_when_no_primary_can_serve() -> None:
+    down, other = runner("gpu", free=False), runner("x", models=["n"])
+    for primary in (runner("gpu", alive=False), down, other):
+        w = waiter()
+        out = step(FairQueue(), [w], [primary, fallback("cloud")], limits=TIERED)
+        assert out.actions == [Open(w, frozenset({"cloud"}))], primary
+
+
+def test_a_job_no_primary_took_within_fallback_after_is_offered_to_the_fallback_too() -> None:
+    queue, w = FairQueue(), waiter()
+    runners = [runner("gpu"), fallback("cloud")]
+    assert step(queue, [w], runners, limits=TIERED).actions == [Open(w, frozenset({"gpu"}))]
+    w.job_id, w.opened = "j1", True
+    jobs = {"j1": JobView("j1", None, False, False)}
+    out = step(queue, [w], runners, jobs, now=2.9, limits=TIERED)
+    assert out.actions == [Retarget("j1", frozenset({"gpu"}))]
+    out = step(queue, [w], runners, jobs, now=3.0, limits=TIERED)
+    assert out.actions == [Retarget("j1", frozenset({"gpu", "cloud"}))]
+
+
+def test_a_busy_primary_is_waited_for_not_spilled_to_the_fallback() -> None:
+    queue, w = FairQueue(), waiter()
+    runners = [runner("gpu", free=False, held=1), fallback("cloud")]
+    out = step(queue, [w], runners, limits=TIERED)
+    assert out.actions == [Open(w, frozenset({"gpu"}))] and w.queued
+    w.job_id, w.opened = "j1", True
+    jobs = {"j1": JobView("j1", None, False, False)}
+    out = step(queue, [w], runners, jobs, now=5.0, limits=TIERED)
+    assert out.actions == [Retarget("j1", frozenset({"gpu"}))]
+
+
+def test_without_a_fallback_runner_targets_are_as_before() -> None:
+    assert eligible([runner("a"), runner("b")], None) is None
+    assert eligible([runner("a", models=["m"]), runner("b", models=["n"])], "m") == {"a"}

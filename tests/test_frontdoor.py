@@ -534,7 +534,7 @@ async def test_missing_or_invalid_key_is_401(env: Env) -> None:
 
 async def test_unknown_path_404_wrong_method_405(env: Env) -> None:
     async with env.http() as http:
-        missing = await http.post("/v1/embeddings", json={})
+        missing = await http.post("/v1/audio/speech", json={})
         wrong = await http.get("/v1/chat/completions")
         wrong_models = await http.post("/v1/models", json={})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"

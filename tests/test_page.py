@@ -189,6 +189,7 @@ async def test_status_page(
         row = page.locator('#runners tbody tr[data-name="test-runner"]')
         expect(row).to_contain_text("up")
         expect(row).to_contain_text(PROJECT)
+        expect(row.locator("td").nth(8)).to_have_text("primary")  # its tier (issue 37, point 7)
         assert page.evaluate("sessionStorage.getItem('alp-hub-admin')") == ADMIN
         expect(page.locator("#replicas-section")).to_be_hidden()  # a hub alone: no team
 

@@ -257,10 +257,14 @@ class JobBoard:
 
     async def target(self, job: Job, runners: frozenset[str] | None) -> None:
         """Offer the unclaimed job to ``runners`` only (None: any capable one); a team's other
-        replicas are told (a change only)."""
+        replicas are told (a change only), and the runners when it widens (``job_available``:
+        a runner it now goes to polls at once)."""
         if job.runners == runners:
             return
+        widened = job.runners is not None and (runners is None or not runners <= job.runners)
         job.runners = runners
+        if widened and job.claimed_by is None and not job.over:
+            self.announce(job)
         if self.sync is not None and job.claimed_by is None and not job.over:
             await self.sync.save(job)
 

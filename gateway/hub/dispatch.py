@@ -12,6 +12,12 @@ lanes taking turns, so one key's burst cannot starve another. As many turns of t
 job as there are free runners that serve their model (at least the first of each model, so a
 runner that frees up claims exactly that one); a turn behind them waits, its place kept by
 arrival and lane, never by job.
+
+Runners come in two tiers (a runner of the ``fallback`` tier says so in its poll's capabilities,
+``gateway.wire.protocol.FALLBACK_TIER``): a new job for a model goes to the ``primary`` runners
+that can serve it (alive, and advertising ``chat-llm:v1`` or at capacity), and to the fallback
+ones only when none can, or when the primaries it was offered to did not take it within
+``Limits.fallback_after`` (a primary killed looks alive until ``offline_after``).
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class RunnerView:
     held: int  # live jobs it holds
     models: frozenset[str] | None  # the models it listed (None: not known)
     listing: bool = False  # it is being asked for its models right now (on a channel it opened)
+    fallback: bool = False  # of the fallback tier: used only when no primary runner can serve
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,9 @@ class Limits:
     queue_wait: float  # s a turn waits for a busy runner before queue_timeout
     dial_within: float  # s for a new job to be claimed and its channel opened (no_runner)
     redial_within: float  # s a session's dropped channel is waited for when no runner is free
+    # s a new job offered only to primary runners waits for one of them to take it before the
+    # fallback tier's runners may take it too
+    fallback_after: float = math.inf
 
 
 class Refusal(enum.Enum):
@@ -245,13 +255,28 @@ def serves(runner: RunnerView, model: str | None) -> bool:
     return model is None or (runner.models is not None and model in runner.models)
 
 
-def eligible(runners: Iterable[RunnerView], model: str | None) -> frozenset[str] | None:
+def eligible(
+    runners: Iterable[RunnerView], model: str | None, spill: bool = False
+) -> frozenset[str] | None:
     """The runners a new job for ``model`` may go to: those that list it, and those whose models
     are not known yet (the hub asks a runner for its list as it appears, so that lasts a moment);
-    None: any (no model asked)."""
+    of them only the primary ones when one of those can serve (``spill``: the fallback ones
+    too). None: any (no model asked, and no runner of the fallback tier)."""
+    runners = list(runners)
+    fits = [r for r in runners if model is None or r.models is None or model in r.models]
+    if any(r.fallback for r in fits):
+        primary = [r for r in fits if not r.fallback and _can_serve(r)]
+        if primary and not spill:
+            return frozenset(r.id for r in primary)
+        return frozenset(r.id for r in fits if r.fallback or _can_serve(r))
     if model is None:
         return None
-    return frozenset(r.id for r in runners if r.models is None or model in r.models)
+    return frozenset(r.id for r in fits)
+
+
+def _can_serve(runner: RunnerView) -> bool:
+    """Alive, and advertising ``chat-llm:v1`` (or not polled yet), or at capacity."""
+    return runner.alive and (runner.capable is None or runner.capable or runner.held > 0)
 
 
 def plan(
@@ -403,22 +428,27 @@ def _queue(
         if waiter.seeking is None:
             waiter.seeking = now
     alive = [r for r in runners.values() if r.alive]
-    targets_of: dict[str | None, frozenset[str] | None] = {}
-    free_of: dict[str | None, int] = {}
-    for waiter in seeking:
-        if waiter.model not in targets_of:
-            targets = targets_of[waiter.model] = eligible(alive, waiter.model)
-            free_of[waiter.model] = sum(1 for r in pool.free if _in(r, targets))
+    # (model, spilled) -> the runners its new job may go to, and how many of them are free
+    targets_of: dict[tuple[str | None, bool], frozenset[str] | None] = {}
+    free_of: dict[tuple[str | None, bool], int] = {}
+
+    def targets_for(key: tuple[str | None, bool]) -> tuple[frozenset[str] | None, int]:
+        if key not in targets_of:
+            targets = targets_of[key] = eligible(alive, key[0], spill=key[1])
+            free_of[key] = sum(1 for r in pool.free if _in(r, targets))
+        return targets_of[key], free_of[key]
+
     fresh: set[int] = set()  # the turns that join the queue now
     for waiter in seeking:  # newcomers: served at once, or waiting (within the queue's bound)
         if waiter in queue:
             continue
-        if targets_of[waiter.model] == frozenset() and all(r.models is not None for r in alive):
+        targets, free = targets_for((waiter.model, False))
+        if targets == frozenset() and all(r.models is not None for r in alive):
             listed = sorted({m for r in alive for m in r.models or ()})
             out.actions.append(Refuse(waiter, Refusal.UNKNOWN_MODEL, models=tuple(listed)))
             continue
         ahead_hold = all(e.job_id is not None for e in queue.order() if e.model == waiter.model)
-        if not (free_of[waiter.model] and ahead_hold) and len(queue) >= limits.queue_length:
+        if not (free and ahead_hold) and len(queue) >= limits.queue_length:
             position, of = queue.position(waiter)
             out.actions.append(
                 Refuse(waiter, Refusal.QUEUE_FULL, busy=len(pool.busy), position=position, of=of)
@@ -431,10 +461,12 @@ def _queue(
     all_hold: dict[str | None, bool] = {}
     for position, waiter in enumerate(order, 1):
         model = waiter.model
-        if model not in targets_of:
-            targets_of[model] = eligible(alive, model)
-            free_of[model] = sum(1 for r in pool.free if _in(r, targets_of[model]))
-        targets, free = targets_of[model], free_of[model]
+        # offered to the primary tier only, not taken within fallback_after: the fallback too
+        since = waiter.seeking if waiter.seeking is not None else waiter.arrived
+        spill = not waiter.queued and now >= since + limits.fallback_after
+        targets, free = targets_for((model, spill))
+        if not spill and not waiter.queued and targets_for((model, True))[0] != targets:
+            out.wake = min(out.wake, since + limits.fallback_after)
         nth = rank.get(model, 0)
         rank[model] = nth + 1
         before_hold = all_hold.get(model, True)

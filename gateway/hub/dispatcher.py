@@ -50,6 +50,9 @@ CANCEL_WITHIN = 2.0  # s: bound on telling a runner its session moved (chat.end)
 RELIST_AFTER = (
     30.0  # s: a runner's list asked again for a session's model it lacks, at most this often
 )
+# s a new job offered to primary runners only waits for one to take it before the fallback tier
+# may take it too (at most half of runner_wait_timeout)
+FALLBACK_AFTER = 3.0
 Project = tuple[str, str]
 
 
@@ -255,6 +258,7 @@ class Dispatcher:
             queue_wait=s.queue_wait,
             dial_within=s.runner_wait_timeout,
             redial_within=min(s.reconnect_timeout, s.runner_wait_timeout),
+            fallback_after=min(FALLBACK_AFTER, s.runner_wait_timeout / 2),
         )
 
     def _runners(self, key: Project) -> dict[str, RunnerView]:
@@ -275,6 +279,7 @@ class Dispatcher:
                 held.get(runner_id, 0),
                 state.models,
                 state.listing,
+                caps is not None and protocol.FALLBACK_TIER in caps,
             )
         return out
 

@@ -85,7 +85,10 @@ class Hub:
         dispatcher.relist = lambda ch: catalog.ask(ch, settings.models_timeout)
         self.accounting = accounting = Accounting(store, settings, label=catalog.label)
         self.frontdoor = FrontDoor(
-            settings, keys, catalog, Serving(settings, accounting, sessions, dispatcher)
+            settings,
+            keys,
+            catalog,
+            Serving(settings, accounting, sessions, dispatcher, catalog.embeds),
         )
         self.metrics = HubMetrics()
         accounting.observers.append(self.metrics.observe)

@@ -36,6 +36,8 @@ class ModelsAnswer:
     def __init__(self) -> None:
         self.models: list[str] | None = None
         self.refused: str | None = None  # the bound a list passed (then nothing of it is kept)
+        self.contexts: dict[str, int] = {}
+        self.extensions: frozenset[str] = frozenset()  # of the hello's, those it took up
         self.done = trio.Event()
 
     def chunk(self, chunk: object, frame: bytes) -> None:
@@ -49,6 +51,9 @@ class ModelsAnswer:
             self.refused = too_many("the models list", frame.models, MAX_MODELS, MAX_LABEL)
             if self.refused is None:
                 self.models = list(frame.models)
+                listed = set(self.models)  # a context only for a model listed (bounded with it)
+                self.contexts = {m: n for m, n in (frame.contexts or {}).items() if m in listed}
+                self.extensions = frozenset(frame.extensions or ())
         self.done.set()
 
     def lost(self) -> bool:
@@ -73,6 +78,11 @@ class Catalog:
         self.board = board
         self.channels = channels
         self._lists: dict[str, tuple[str, ...]] = {}  # runner id -> its last list
+        # runner id -> the context length of each model it listed whose backend says it (kept in
+        # memory only: asked again on every channel a runner opens)
+        self._contexts: dict[str, dict[str, int]] = {}
+        # runner id -> the extensions of the hello it took up, as its last models answer said
+        self._extensions: dict[str, frozenset[str]] = {}
         self._loaded: set[tuple[str, str]] = set()  # projects whose stored lists were read
         self._asking: set[str] = set()  # runner ids asked right now
         # runners that did not answer a models request (a runner without chat.models.request:
@@ -114,6 +124,29 @@ class Catalog:
         """The models the runner listed last (None: not known)."""
         found = self._lists.get(runner_id)
         return None if found is None else list(found)
+
+    def context_of(self, owner: str, project: str, model: str) -> int | None:
+        """The largest context length (tokens) the project's live runners that list ``model``
+        said for it; None when one of them did not say it (its may be larger) or none lists it."""
+        board = self.board
+        largest: int | None = None
+        for runner_id, state in board.runners.items():
+            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+                continue
+            if model not in self._lists.get(runner_id, ()):
+                continue
+            context = self._contexts.get(runner_id, {}).get(model)
+            if context is None:
+                return None
+            largest = context if largest is None else max(largest, context)
+        return largest
+
+    async def embeds(self, ch: ServerChannel) -> bool:
+        """Whether the channel's runner took up the embeddings extension (docs/protocol.md §6):
+        as its last models answer said, else asked now (within ``models_timeout``)."""
+        if ch.runner_id not in self._extensions:
+            await self.ask(ch, self.settings.models_timeout)
+        return protocol.EMBEDDINGS in self._extensions.get(ch.runner_id, frozenset())
 
     def live_lists(self, owner: str, project: str) -> tuple[list[str], int]:
         """(every model the project's live runners listed, in order; how many live runners have
@@ -263,11 +296,15 @@ class Catalog:
             self._silent.add(ch.runner_id)  # turns are not held for its answer again
             return None
         self._silent.discard(ch.runner_id)
+        self._contexts[ch.runner_id] = answer.contexts
+        self._extensions[ch.runner_id] = answer.extensions
         await self._keep(ch, models)
         return models
 
     def learn(self, runner_id: str, models: tuple[str, ...]) -> None:
         """A runner's list as another replica of a team asked it (read from the store)."""
+        if self._lists.get(runner_id) != models:
+            self._contexts.pop(runner_id, None)  # not in the store: not known for this list
         self._lists[runner_id] = models
         self._silent.discard(runner_id)
         state = self.board.runners.get(runner_id)

@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import trio
@@ -21,6 +22,7 @@ from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.frontdoor.dialects import TurnSpec
 from gateway.hub.frontdoor.shapes import (
     channel_lost,
+    embeddings_unsupported,
     model_not_found,
     no_capable_runner,
     no_runner,
@@ -77,11 +79,14 @@ class Serving:
         accounting: Accounting,
         sessions: Sessions,
         dispatcher: Dispatcher,
+        embeds: Callable[[ServerChannel], Awaitable[bool]] | None = None,
     ) -> None:
         self.settings = settings
         self.accounting = accounting
         self.sessions = sessions
         self.dispatcher = dispatcher
+        # whether a channel's runner took up the embeddings extension (the catalog knows)
+        self.embeds = embeds
 
     async def serve(
         self,
@@ -181,11 +186,18 @@ class Serving:
         waited for (``_resume``), else the answer is continued on another runner."""
         settings = self.settings
         rid = new_id()
+        frame: protocol.RequestFrame | protocol.EmbeddingsRequestFrame
+        if turn.api == protocol.EMBEDDINGS:
+            if self.embeds is None or not await self.embeds(ch):
+                turn.refuse(embeddings_unsupported(turn.model or "", ch.runner_id))
+                return True
+            frame = protocol.EmbeddingsRequestFrame(ch.job_id, rid, msgspec.Raw(turn.body))
+        else:
+            frame = protocol.RequestFrame(
+                ch.job_id, rid, msgspec.Raw(turn.body), traceparent, continuation
+            )
         turn.sent(rid, ch.runner_id, ch.job_id)
         ch.open(rid, turn)
-        frame = protocol.RequestFrame(
-            ch.job_id, rid, msgspec.Raw(turn.body), traceparent, continuation
-        )
         try:
             if not await ch.send(protocol.encode_frame(frame)):
                 turn.unsent()

@@ -19,6 +19,7 @@ from gateway.hub.counters import HubCounters
 from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.models import Catalog
 from gateway.hub.sessions import Sessions
+from gateway.wire.protocol import FALLBACK_TIER
 
 FORGET_DOWN_AFTER = 3600.0  # s: a runner silent this long leaves the runners listed
 
@@ -40,6 +41,7 @@ class RunnerStatus:
     jobs: int  # live jobs it holds
     sessions: int  # live sessions on it
     turns_in_flight: int
+    tier: str = "primary"  # or "fallback": its polls say so (docs/protocol.md §6)
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,9 @@ def take(
                 held.get(runner_id, 0),
                 sessions_by_runner.get(runner_id, 0),
                 in_flight.get(runner_id, 0),
+                "fallback"
+                if state.capabilities is not None and FALLBACK_TIER in state.capabilities
+                else "primary",
             )
         )
     waits = dispatcher.waits

@@ -201,6 +201,8 @@ class Turn:
                 self.prompt_tokens = prompt
             if completion is not None:
                 self.completion_tokens = completion
+            elif self.api == "embeddings" and prompt is not None:
+                self.completion_tokens = 0  # an embedding generates no tokens
 
     def _end(self, state: State, now: float | None = None) -> None:
         """The one place a turn's outcome is set (the first final state wins)."""

@@ -350,8 +350,10 @@ class Doctor:
                 )
         else:
             backend.mark(None, listed)
+            with trio.move_on_after(self.probe_timeout):
+                await backend.learn_contexts(backend.models)
             missing = [m for m in backend.declared_models if m not in listed]
-            shown = ", ".join(listed) or "none"
+            shown = with_contexts(listed, backend.contexts) or "none"
             if missing:
                 self.add(
                     WARN,
@@ -453,7 +455,8 @@ class Doctor:
                 "no backend lists a model; turns are forwarded unchecked (one backend only)",
             )
             return
-        self.add(OK, "models", f"servable now: {', '.join(servable) or 'none'}")
+        shown = with_contexts(servable, pool.contexts(servable))
+        self.add(OK, "models", f"servable now: {shown or 'none'}")
         if config.model is not None and config.model not in servable:
             self.add(
                 FAIL,
@@ -495,6 +498,15 @@ class Doctor:
             "config file (--config FILE):"
         )
         self.add(FAIL, "backend", detail, hint, backend_table(kind, url))
+
+
+def with_contexts(models: Sequence[str], contexts: dict[str, int]) -> str:
+    """Models with the context length their backend said (issue 37, point 3): the hub refuses
+    a prompt over it rather than let the backend drop its start."""
+    return ", ".join(
+        f"{m} (context {contexts[m]} tokens)" if m in contexts else f"{m} (context not said)"
+        for m in models
+    )
 
 
 def backend_table(kind: str, url: str) -> str:

@@ -26,6 +26,13 @@ import msgspec
 import trio
 
 from gateway.config import ConfigError
+from gateway.runner.contexts import (
+    MAX_CONTEXT_ASKS,
+    listed_contexts,
+    llamacpp_context,
+    ollama_context,
+    ollama_loaded,
+)
 from gateway.wire import http1, protocol
 
 if TYPE_CHECKING:
@@ -190,6 +197,9 @@ class Backend:
         self.url = url.rstrip("/")
         self.declared_models: tuple[str, ...] = tuple(models)
         self.discovered_models: tuple[str, ...] | None = None  # None: never listed
+        # model -> its context length (tokens) as the backend said it (``learn_contexts``)
+        self.contexts: dict[str, int] = {}
+        self._listed_ctx: dict[str, int] = {}  # as its last model list's entries said them
         self.max_concurrency = max_concurrency
         self.queue_limit = queue
         self.idle_timeout = idle_timeout
@@ -334,11 +344,52 @@ class Backend:
                 origin_path = f"{self.http.base_path[:-3]}/api/tags"
                 tags = await self.fetch("GET", origin_path, under_base=False)
                 models = _ids(_model_list(tags, _OllamaTags).models, "name")
+                self._listed_ctx = {}
                 self._learn_kind("ollama")
                 return models
         data = _model_list(answer, _ModelList).data
         self._learn_kind(_listed_kind(data))
+        self._listed_ctx = listed_contexts(data)
         return _ids(data, "id")
+
+    async def learn_contexts(self, models: Sequence[str]) -> None:
+        """Each model's context length, where the backend says it (``contexts``): its model
+        list's entries, llama.cpp's ``/props``, Ollama's ``/api/ps`` and ``/api/show``. What
+        cannot be learnt is left out (no context known: nothing is refused for it)."""
+        found = dict(self._listed_ctx)
+        origin = self.http.base_path[:-3] if self.url.endswith("/v1") else self.http.base_path
+        try:
+            with _in_time(PROBE_TIMEOUT):
+                if self.kind == "llama.cpp" and models:
+                    answer = await self.fetch("GET", f"{origin}/props", under_base=False)
+                    n_ctx = llamacpp_context(answer.body) if answer.ok else None
+                    if n_ctx is not None:
+                        found.update(dict.fromkeys(models, n_ctx))
+                elif self.kind == "ollama" and models:
+                    answer = await self.fetch("GET", f"{origin}/api/ps", under_base=False)
+                    loaded = ollama_loaded(answer.body) if answer.ok else {}
+                    for model in list(models)[:MAX_CONTEXT_ASKS]:
+                        if model in loaded:
+                            found[model] = loaded[model]
+                            continue
+                        body = msgspec.json.encode({"model": model})
+                        answer = await self.fetch(
+                            "POST", f"{origin}/api/show", body, under_base=False
+                        )
+                        context = ollama_context(answer.body) if answer.ok else None
+                        if context is not None:
+                            found[model] = context
+        except ProbeFailed as exc:
+            log.info(
+                "backend %s: its models' context lengths not learnt: %s", self.name, exc.reason
+            )
+        if found != self.contexts:
+            log.info(
+                "backend %s: context lengths %s",
+                self.name,
+                ", ".join(f"{m} {n}" for m, n in found.items()) or "not said",
+            )
+        self.contexts = found
 
     def _learn_kind(self, kind: str | None) -> None:
         if kind is not None and kind != self.kind and _host_kind(self.url) is None:

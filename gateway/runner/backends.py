@@ -125,6 +125,23 @@ class BackendPool:
         )
         return found
 
+    def contexts(self, models: Sequence[str]) -> dict[str, int]:
+        """The context length of each of ``models`` (servable names: aliases too) that its up
+        backends say, the smallest where several serve it (a turn may go to any)."""
+        local: dict[str, int] = {}  # 0: a backend serves it without saying (not known)
+        for backend in self.backends:
+            if not backend.up:
+                continue
+            for model in backend.models:
+                context = backend.contexts.get(model, 0)
+                local[model] = min(context, local.get(model, context))
+        found = {}
+        for model in models:
+            context = local.get(self.aliases.get(model, model), 0)
+            if context:
+                found[model] = context
+        return found
+
     async def models(self) -> list[str]:
         """Answer ``chat.models.request``: lists older than ``cache_ttl`` are refreshed first."""
         now = trio.current_time()
@@ -143,6 +160,8 @@ class BackendPool:
                 for backend in self.backends:
                     if not backend.declared_models:
                         nursery.start_soon(self._discover, backend)
+                    else:
+                        nursery.start_soon(backend.learn_contexts, backend.declared_models)
         finally:
             self._refreshed_at = trio.current_time()
             self._refresh_done = None
@@ -165,6 +184,7 @@ class BackendPool:
         if tuple(models) != backend.discovered_models:
             log.info("backend %s serves %s", backend.name, ", ".join(models) or "no models")
         backend.discovered_models = tuple(models)
+        await backend.learn_contexts(models)
 
     # -- routing -------------------------------------------------------------------------
 

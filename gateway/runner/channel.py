@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import trio
 
 from gateway.observe import Redactor
+from gateway.runner.embed import embed
 from gateway.runner.relay import Outlet
 from gateway.runner.turn import Ending, TurnEnd
 from gateway.runner.turns import (
@@ -83,6 +84,9 @@ class Channel:
         self.limits = limits
         self.turns = turns  # None: made by ``serve``, its turns ending with this connection
         self._first = True  # the next frame read is the connection's first (a hello?)
+        # the Server's hello offered embeddings (docs/protocol.md §6): taken up in the models
+        # answer, and chat.embeddings.request served
+        self.embeddings = False
 
     @property
     def relay(self) -> Relay:
@@ -173,6 +177,7 @@ class Channel:
                     )
         if first:  # a Server with extensions says so first (docs/protocol.md §6)
             if isinstance(frame, protocol.Hello) and frame.jobId in (None, self.job_id):
+                self.embeddings = protocol.EMBEDDINGS in frame.extensions
                 turns.hello(self.out, frame)
                 return
             turns.no_hello(self.out)
@@ -204,6 +209,12 @@ class Channel:
             turns.cancel(frame.requestId, _CANCELLED_END)
         elif isinstance(frame, protocol.ModelsRequest):
             self._nursery.start_soon(self._answer_models, frame.requestId)
+        elif isinstance(frame, protocol.EmbeddingsRequest):
+            if self.embeddings:
+                self._nursery.start_soon(self._embed, frame)
+            else:  # a Server that did not offer the extension: not ours to guess
+                error = "chat.embeddings.request without the embeddings extension in the hello"
+                self._post(protocol.error_frame(self.job_id, frame.requestId, error))
         elif isinstance(frame, protocol.End):
             reason = frame.reason or "ended by the Server"
             log.info("job %s: chat.end from the Server (%s)", self.job_id, reason)
@@ -285,8 +296,17 @@ class Channel:
         turns.start(frame)
 
     async def _answer_models(self, request_id: str) -> None:
-        models = await self.kit.pool.models()
-        await self._send_or_drop(protocol.models_frame(self.job_id, request_id, models))
+        pool = self.kit.pool
+        models = await pool.models()
+        taken = [protocol.EMBEDDINGS] if self.embeddings else None
+        frame = protocol.models_frame(self.job_id, request_id, models, pool.contexts(models), taken)
+        await self._send_or_drop(frame)
+
+    async def _embed(self, frame: protocol.EmbeddingsRequest) -> None:
+        """A ``/v1/embeddings`` request: its answer's frames, or its error (``embed``)."""
+        frames = await embed(self.kit.pool, self.job_id, frame)
+        for message in frames:
+            await self._send_or_drop(message)
 
 
 class _LoggedOutlet:

@@ -39,7 +39,7 @@ from gateway.runner.session import ChatJob, Session, SessionKit
 from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
 from gateway.runner.state import Registration, StateError, StateStore
 from gateway.signals import watch_signals
-from gateway.wire.protocol import CAPABILITY
+from gateway.wire.protocol import CAPABILITY, FALLBACK_TIER
 
 if TYPE_CHECKING:  # imported only when tracing is on
     from gateway.runner.otel import Tracing
@@ -398,10 +398,12 @@ class Runner:
             session.stopping()
 
     def capabilities(self) -> list[str]:
-        """What can be served right now (recomputed on every poll)."""
+        """What can be served right now (recomputed on every poll); a runner of the fallback
+        tier says so in every poll (docs/protocol.md §6)."""
+        tier = [FALLBACK_TIER] if self.config.tier == "fallback" else []
         if not self.pool.any_up or len(self.sessions) >= self.config.max_sessions:
-            return []  # no backend up (or none configured), or no free session slot
-        return [CAPABILITY]
+            return tier  # no backend up (or none configured), or no free session slot
+        return [CAPABILITY, *tier]
 
     async def _poll_loop(self) -> None:
         assert self.alp is not None

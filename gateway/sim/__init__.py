@@ -2,12 +2,14 @@
 
 from gateway.sim.server import (
     DIALECTS,
+    EMBEDDING_DIMENSIONS,
     FAULTS,
     WORDS,
     RecordedRequest,
     SimOptions,
     Simulator,
     StreamRecord,
+    embedding_of,
     open_sim,
     serve_sim,
     token_text,
@@ -15,12 +17,14 @@ from gateway.sim.server import (
 
 __all__ = [
     "DIALECTS",
+    "EMBEDDING_DIMENSIONS",
     "FAULTS",
     "WORDS",
     "RecordedRequest",
     "SimOptions",
     "Simulator",
     "StreamRecord",
+    "embedding_of",
     "open_sim",
     "serve_sim",
     "token_text",

@@ -50,6 +50,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--models", default="sim-model", help="comma-separated model ids (default %(default)s)"
     )
     parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="say each model's context length, N tokens, where the imitated server says it "
+        "(/v1/models max_model_len; llama.cpp /props; Ollama /api/show num_ctx)",
+    )
+    parser.add_argument(
         "--key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)"
     )
     parser.add_argument(
@@ -88,7 +96,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(
-    host: str, port: int, options: SimOptions, models: list[str], key: str | None
+    host: str,
+    port: int,
+    options: SimOptions,
+    models: list[str],
+    key: str | None,
+    context: int | None = None,
 ) -> int:
     serve = partial(
         serve_sim,
@@ -98,6 +111,7 @@ async def _serve(
         models=models,
         require_key=key,
         record=False,
+        context=context,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(watch_signals, lambda _signum: nursery.cancel_scope.cancel())
@@ -144,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if not models:
         parser.error("--models needs at least one model id")
     try:
-        return trio.run(_serve, host, port, options, models, args.key)
+        if args.context is not None and args.context < 1:
+            parser.error("--context must be a positive number of tokens")
+        return trio.run(_serve, host, port, options, models, args.key, args.context)
     except BaseException as exc:  # a Ctrl-C that beat the signal receiver
         if _only_interrupts(exc):
             return 0

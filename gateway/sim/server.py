@@ -27,12 +27,14 @@ from gateway.wire.server import Limits, Server
 
 __all__ = [
     "DIALECTS",
+    "EMBEDDING_DIMENSIONS",
     "FAULTS",
     "WORDS",
     "RecordedRequest",
     "SimOptions",
     "Simulator",
     "StreamRecord",
+    "embedding_of",
     "open_sim",
     "serve_sim",
     "token_text",
@@ -64,6 +66,8 @@ _perf_counter = time.perf_counter
 
 _CHAT_PATH = "/v1/chat/completions"
 _MODELS_PATH = "/v1/models"
+_EMBEDDINGS_PATH = "/v1/embeddings"
+EMBEDDING_DIMENSIONS = 8  # the length of each vector the simulator embeds
 _DONE = b"[DONE]"
 _MALFORMED = b"{not json"
 _CHUNK_HEAD = b'{"id":%b,"object":"chat.completion.chunk","created":%d,"model":%b,"choices":'
@@ -81,6 +85,16 @@ def token_text(i: int, chunk_size: int = 0) -> str:
     if chunk_size > len(text):
         text += "." * (chunk_size - len(text))
     return text
+
+
+def embedding_of(text: str) -> list[float]:
+    """The simulator's vector for ``text``: ``EMBEDDING_DIMENSIONS`` numbers in [-1, 1) drawn
+    from its SHA-256, the same every time."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [
+        round(int.from_bytes(digest[2 * i : 2 * i + 2], "big") / 32768 - 1, 6)
+        for i in range(EMBEDDING_DIMENSIONS)
+    ]
 
 
 @dataclass(slots=True)
@@ -220,6 +234,7 @@ class Simulator:
         models: list[str],
         require_key: str | None,
         record: bool,
+        context: int | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -229,6 +244,10 @@ class Simulator:
         self.models = models
         self.require_key = require_key
         self.record = record
+        # each model's context length, said where the imitated server says it (None: not said):
+        # /v1/models' max_model_len (vLLM; the default dialect too), llama.cpp's /props n_ctx,
+        # Ollama's /api/show num_ctx
+        self.context = context
         self.requests: list[RecordedRequest] = []
         self.streams: list[StreamRecord] = []
         self.connections = 0  # connections that sent a request
@@ -838,12 +857,30 @@ class _Exchange:
         elif path == _MODELS_PATH and method == "GET":
             created = int(time.time())
             owner = _OWNED_BY.get(sim.options.dialect, "sim")  # as the imitated server says
-            data = [
+            data: list[dict[str, Any]] = [
                 {"id": m, "object": "model", "created": created, "owned_by": owner}
                 for m in sim.models
             ]
+            if sim.context is not None and sim.options.dialect in ("openai", "vllm"):
+                for entry in data:
+                    entry["max_model_len"] = sim.context
             await self.resp.whole(200, _encode({"object": "list", "data": data}))
-        elif path in (_MODELS_PATH, _CHAT_PATH):
+        elif path == _EMBEDDINGS_PATH and method == "POST":
+            await self._embeddings(body)
+        elif path == "/props" and method == "GET" and sim.options.dialect == "llamacpp":
+            settings = {} if sim.context is None else {"n_ctx": sim.context}
+            props = {"default_generation_settings": settings, "total_slots": 1}
+            await self.resp.whole(200, _encode(props))
+        elif path == "/api/ps" and method == "GET" and sim.options.dialect == "ollama":
+            await self.resp.whole(200, _encode({"models": []}))
+        elif path == "/api/show" and method == "POST" and sim.options.dialect == "ollama":
+            shown: dict[str, Any] = {"model_info": {"llama.context_length": 131072}}
+            if sim.context is not None:
+                shown["parameters"] = (
+                    f'stop                           "<|eot|>"\nnum_ctx                        {sim.context}'
+                )
+            await self.resp.whole(200, _encode(shown))
+        elif path in (_MODELS_PATH, _CHAT_PATH, _EMBEDDINGS_PATH):
             message = f"Method {method} not allowed for {path}"
             await self.resp.whole(405, error_envelope(message, "invalid_request_error", None))
         else:
@@ -852,6 +889,42 @@ class _Exchange:
                 404, error_envelope(message, "invalid_request_error", "not_found")
             )
         return _COMPLETED
+
+    async def _embeddings(self, body: bytes) -> None:
+        """``/v1/embeddings`` as OpenAI answers it: one vector per input (a string, or a list of
+        strings), each the same for the same text (drawn from its hash), and the usage (a token
+        a word)."""
+        try:
+            data = _decode(body)
+        except msgspec.DecodeError as exc:
+            message = f"We could not parse the JSON body of your request: {exc}"
+            await self.resp.whole(400, error_envelope(message, "invalid_request_error", None))
+            return
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, str) or model not in self.sim.models:
+            message = f"The model `{model}` does not exist or you do not have access to it."
+            error = error_envelope(message, "invalid_request_error", "model_not_found", "model")
+            await self.resp.whole(404, error)
+            return
+        given = data.get("input")
+        inputs = [given] if isinstance(given, str) else given
+        if (
+            not isinstance(inputs, list)
+            or not inputs
+            or not all(isinstance(t, str) for t in inputs)
+        ):
+            message = "'input' must be a string or a non-empty list of strings"
+            error = error_envelope(message, "invalid_request_error", None, "input")
+            await self.resp.whole(400, error)
+            return
+        vectors = [
+            {"object": "embedding", "index": i, "embedding": embedding_of(text)}
+            for i, text in enumerate(inputs)
+        ]
+        tokens = sum(len(text.split()) for text in inputs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        answer = {"object": "list", "data": vectors, "model": model, "usage": usage}
+        await self.resp.whole(200, _encode(answer))
 
     def _authorized(self, headers: Mapping[str, str]) -> bool:
         key = self.sim.require_key
@@ -1043,6 +1116,7 @@ async def serve_sim(
     models: list[str] | None = None,
     require_key: str | None = None,
     record: bool = True,
+    context: int | None = None,
     task_status: trio.TaskStatus[Simulator] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Bind, report the ``Simulator`` through ``task_status``, and serve until cancelled.
@@ -1063,6 +1137,7 @@ async def serve_sim(
         models=list(models) if models is not None else ["sim-model"],
         require_key=require_key,
         record=record,
+        context=context,
     )
     task_status.started(sim)
     await Server(sim, limits=_LIMITS).serve_listeners(listeners)
@@ -1077,6 +1152,7 @@ async def open_sim(
     models: list[str] | None = None,
     require_key: str | None = None,
     record: bool = True,
+    context: int | None = None,
 ) -> AsyncIterator[Simulator]:
     """Run ``serve_sim`` in a nursery for the duration of the block, yielding the ``Simulator``."""
     async with trio.open_nursery() as nursery:
@@ -1089,6 +1165,7 @@ async def open_sim(
                 models=models,
                 require_key=require_key,
                 record=record,
+                context=context,
             )
         )
         try:

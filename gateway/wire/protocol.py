@@ -16,6 +16,8 @@ from typing import Annotated, Any
 import msgspec
 
 CAPABILITY = "chat-llm:v1"
+# extension (§6): in every poll's capabilities of a runner of the fallback tier (``--tier``)
+FALLBACK_TIER = "tier:fallback"
 
 # Frame types, Server -> Runner.
 COMPLETION_REQUEST = "chat.completion.request"
@@ -23,6 +25,7 @@ COMPLETION_CANCEL = "chat.completion.cancel"
 MODELS_REQUEST = "chat.models.request"
 END = "chat.end"
 HELLO = "chat.channel.hello"  # extension (§6): the first frame of a Server that has extensions
+EMBEDDINGS_REQUEST = "chat.embeddings.request"  # extension (§6): one /v1/embeddings request
 # Frame types, Runner -> Server.
 COMPLETION_CHUNK = "chat.completion.chunk"
 COMPLETION_DONE = "chat.completion.done"
@@ -33,6 +36,7 @@ CANCELLED = "cancelled"
 # The extensions of §6 a Server names in its hello, and the errors they add.
 RESUME = "resume"  # a dropped channel's turns go on on its redial, from the counts named
 CONTINUE = "continue"  # ``continuation: true`` on a request: continue its final assistant message
+EMBEDDINGS = "embeddings"  # ``chat.embeddings.request``: a /v1/embeddings body for the backend
 RESUME_UNAVAILABLE = "resume_unavailable"  # a named turn's frames from its count are not kept
 CONTINUATION_UNSUPPORTED = "continuation_unsupported"  # no backend can continue a message
 
@@ -93,13 +97,24 @@ class Hello(msgspec.Struct, frozen=True, tag_field="type", tag=HELLO):
         return RESUME in self.extensions
 
 
+class EmbeddingsRequest(msgspec.Struct, frozen=True, tag_field="type", tag=EMBEDDINGS_REQUEST):
+    """``chat.embeddings.request`` (extension, §6): a ``/v1/embeddings`` body (raw JSON bytes),
+    posted to a backend that serves its model; answered as a non-streamed turn is."""
+
+    requestId: str
+    body: msgspec.Raw
+    jobId: str | None = None
+
+
 class Unknown(msgspec.Struct, frozen=True):
     """A frame whose ``type`` this Runner does not know: ignored."""
 
     type: str
 
 
-InboundFrame = CompletionRequest | CompletionCancel | ModelsRequest | End | Hello | Unknown
+InboundFrame = (
+    CompletionRequest | CompletionCancel | ModelsRequest | End | Hello | EmbeddingsRequest | Unknown
+)
 
 
 class _Envelope(msgspec.Struct):
@@ -114,7 +129,7 @@ class _BodyModel(msgspec.Struct):
 # every known inbound frame in one pass (the ``type`` picks the Struct); a frame this fails
 # (an unknown type, a field missing or mistyped) is decoded again the slow way, for its error
 _frame_decoder = msgspec.json.Decoder(
-    CompletionRequest | CompletionCancel | ModelsRequest | End | Hello
+    CompletionRequest | CompletionCancel | ModelsRequest | End | Hello | EmbeddingsRequest
 )
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {
@@ -123,6 +138,7 @@ _decoders: dict[str, msgspec.json.Decoder[Any]] = {
     MODELS_REQUEST: msgspec.json.Decoder(ModelsRequest),
     END: msgspec.json.Decoder(End),
     HELLO: msgspec.json.Decoder(Hello),
+    EMBEDDINGS_REQUEST: msgspec.json.Decoder(EmbeddingsRequest),
 }
 _body_model_decoder = msgspec.json.Decoder(_BodyModel)
 _encoder = msgspec.json.Encoder()
@@ -139,17 +155,16 @@ def decode_frame(data: str | bytes) -> InboundFrame:
         frame: InboundFrame = _frame_decoder.decode(data)  # the usual case: parsed once
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return _decode_slowly(data)
-    if type(frame) is CompletionRequest:
+    if type(frame) is CompletionRequest or type(frame) is EmbeddingsRequest:
         _check_body(frame)
     return frame
 
 
-def _check_body(frame: CompletionRequest) -> None:
+def _check_body(frame: CompletionRequest | EmbeddingsRequest) -> None:
     body = bytes(frame.body)
     if body[:1] != b"{" and not body.lstrip().startswith(b"{"):
-        raise FrameError(
-            "bad chat.completion.request frame: body is not an object", frame.requestId
-        )
+        kind = COMPLETION_REQUEST if isinstance(frame, CompletionRequest) else EMBEDDINGS_REQUEST
+        raise FrameError(f"bad {kind} frame: body is not an object", frame.requestId)
 
 
 def _decode_slowly(data: str | bytes) -> InboundFrame:
@@ -171,7 +186,7 @@ def _decode_slowly(data: str | bytes) -> InboundFrame:
         raise FrameError(f"bad {envelope.type} frame: {exc}", request_id) from None
     except RecursionError:
         raise FrameError(f"bad {envelope.type} frame: nested too deeply", request_id) from None
-    if isinstance(frame, CompletionRequest):
+    if isinstance(frame, CompletionRequest | EmbeddingsRequest):
         _check_body(frame)
     return frame
 
@@ -239,12 +254,17 @@ class ErrorFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_ERROR):
     error: str
 
 
-class ModelsFrame(msgspec.Struct, tag_field="type", tag=MODELS_RESPONSE):
-    """``chat.models.response``: the models this Runner serves."""
+class ModelsFrame(msgspec.Struct, tag_field="type", tag=MODELS_RESPONSE, omit_defaults=True):
+    """``chat.models.response``: the models this Runner serves; ``contexts`` (extension, §6):
+    the context length of those whose backend says it, in tokens (absent when none does)."""
 
     jobId: str
     requestId: str
     models: list[str]
+    contexts: dict[str, Annotated[int, msgspec.Meta(gt=0)]] | None = None
+    # extension (§6): what of the Server's hello this runner takes up (``embeddings``); only
+    # on a channel whose hello offered it
+    extensions: list[str] | None = None
 
 
 class EndFrame(msgspec.Struct, tag_field="type", tag=END):
@@ -267,6 +287,15 @@ class RequestFrame(msgspec.Struct, tag_field="type", tag=COMPLETION_REQUEST, omi
     body: msgspec.Raw
     traceparent: str | None = None
     continuation: bool = False
+
+
+class EmbeddingsRequestFrame(msgspec.Struct, tag_field="type", tag=EMBEDDINGS_REQUEST):
+    """``chat.embeddings.request``: the client's ``/v1/embeddings`` body, a ``Raw`` copied in as
+    it came (never re-encoded), to a runner that took up the extension (§6)."""
+
+    jobId: str
+    requestId: str
+    body: msgspec.Raw
 
 
 class HelloFrame(msgspec.Struct, tag_field="type", tag=HELLO, omit_defaults=True):
@@ -302,6 +331,7 @@ OutboundFrame = (
     | CancelFrame
     | ModelsRequestFrame
     | HelloFrame
+    | EmbeddingsRequestFrame
 )
 _HOLE = b"\0"  # where a chunk goes: never in encoded JSON (a string escapes it as \u0000)
 
@@ -341,8 +371,15 @@ def error_frame(job_id: str, request_id: str, error: str) -> str:
     return encode_frame(ErrorFrame(job_id, request_id, error)).decode()
 
 
-def models_frame(job_id: str, request_id: str, models: list[str]) -> str:
-    return encode_frame(ModelsFrame(job_id, request_id, models)).decode()
+def models_frame(
+    job_id: str,
+    request_id: str,
+    models: list[str],
+    contexts: dict[str, int] | None = None,
+    extensions: list[str] | None = None,
+) -> str:
+    frame = ModelsFrame(job_id, request_id, models, contexts or None, extensions or None)
+    return encode_frame(frame).decode()
 
 
 def end_frame(job_id: str, reason: str) -> str:

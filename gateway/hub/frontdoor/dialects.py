@@ -211,6 +211,80 @@ class MessagesDialect:
         return self.estimate
 
 
+# -- embeddings (issue 37, point 6): one non-streamed answer, verbatim -------------------
+
+
+class _EmbeddingsFields(msgspec.Struct):
+    model: Any = None
+    input: Any = None
+
+
+_embeddings_decoder = msgspec.json.Decoder(_EmbeddingsFields)
+
+
+class EmbeddingsDialect:
+    """``/v1/embeddings``: the runner's one chunk (the backend's answer) is the answer, its bytes
+    verbatim; errors in OpenAI's envelope."""
+
+    __slots__ = ("estimate",)
+    api = "embeddings"
+
+    def __init__(self, estimate: int) -> None:
+        self.estimate = estimate  # the input's tokens, estimated (characters / 4)
+
+    def stream(self) -> Translation:
+        raise AssertionError("embeddings are never streamed")
+
+    def fold(self, chunks: list[bytes]) -> bytes:
+        if len(chunks) != 1:
+            raise ValueError(f"{len(chunks)} chunks for one embeddings answer")
+        return chunks[0]
+
+    def error_body(self, err: HTTPError) -> bytes:
+        return err.body()
+
+    def prompt_estimate(self, body: bytes) -> int:
+        return self.estimate
+
+
+def embeddings_spec(body: bytes, model: str | None) -> TurnSpec:
+    """A ``/v1/embeddings`` request as one turn, its body verbatim (the model set only when the
+    hub maps it to another); 400 for a body that is not a JSON object with a ``model`` string
+    and an ``input``."""
+    try:
+        fields = _embeddings_decoder.decode(body)
+        body.decode("utf-8")
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise HTTPError(400, f"Invalid embeddings request: {reason}", "invalid_request") from None
+    if not isinstance(fields.model, str) or not fields.model:
+        raise HTTPError(
+            400, "Invalid embeddings request: 'model' must be a string", "invalid_request"
+        )
+    if not isinstance(fields.input, str | list) or not fields.input:
+        raise HTTPError(
+            400,
+            "Invalid embeddings request: 'input' must be a string or a non-empty list",
+            "invalid_request",
+        )
+    if model is not None and model != fields.model:
+        body = with_model(body, model)
+    return TurnSpec(
+        body, False, model or fields.model, EmbeddingsDialect(_input_tokens(fields.input))
+    )
+
+
+def _input_tokens(value: Any) -> int:
+    """An embeddings input's tokens, estimated: characters / 4, a token array's length."""
+    if isinstance(value, str):
+        return -(-len(value) // 4)
+    if isinstance(value, int):
+        return 1
+    if isinstance(value, list):
+        return sum(_input_tokens(item) for item in value)
+    return 0
+
+
 def messages_request(body: bytes) -> messages.ChatRequest:
     """The Messages request translated; HTTPError (Anthropic's type) when it is refused."""
     try:

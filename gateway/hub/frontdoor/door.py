@@ -7,7 +7,9 @@ import logging
 import time
 
 from gateway.hub.frontdoor import dialects, messages
+from gateway.hub.frontdoor.dialects import TurnSpec
 from gateway.hub.frontdoor.shapes import (
+    context_exceeded,
     invalid_key,
     model_list,
     model_not_found,
@@ -39,11 +41,14 @@ SESSION_HEADERS = (
     b"x-opencode-session",  # OpenCode
 )
 MAX_SESSION_ID = 200  # characters of a session id a client may name
+# the session of a key's /v1/embeddings requests: one Chat Job of their own, never a chat's
+EMBEDDINGS_SESSION = "embeddings"
 SERVED = (
     "POST /v1/chat/completions",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
     "POST /v1/responses",
+    "POST /v1/embeddings",
     "GET /v1/models",
 )
 
@@ -110,6 +115,7 @@ class FrontDoor:
         parsed = parse_chat_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, parsed.model)
         spec = dialects.chat_spec(parsed, model, self.settings.count_usage)
+        self._check_context(key, spec)
         await self.serving.serve(req, key, spec, sid, _traceparent(req))
 
     async def messages(self, req: Request) -> None:
@@ -121,6 +127,7 @@ class FrontDoor:
             request = dialects.messages_request(await req.body(self.settings.max_body))
             model = await self._model_for(key, request.model)
             spec = dialects.messages_spec(request, model)
+            self._check_context(key, spec)
         except HTTPError as err:
             await req.resp.whole(err.status, dialects.anthropic_error_body(err), err.headers)
             return
@@ -149,16 +156,43 @@ class FrontDoor:
         request = dialects.responses_request(await req.body(self.settings.max_body))
         model = await self._model_for(key, request.model)
         spec = dialects.responses_spec(request, model)
+        self._check_context(key, spec)
         await self.serving.serve(req, key, spec, sid, _traceparent(req))
 
+    async def embeddings(self, req: Request) -> None:
+        """``POST /v1/embeddings``: carried to a runner whose backend serves the model, bodies
+        verbatim both ways (docs/protocol.md §6, embeddings), counted in usage as a turn of the
+        key's ``embeddings`` session (apart from its chat sessions: a chat job is not moved)."""
+        key = await self._key(req)
+        body = await req.body(self.settings.max_body)
+        spec = dialects.embeddings_spec(body, None)
+        model = await self._model_for(key, spec.model)
+        if model != spec.model:
+            spec = dialects.embeddings_spec(body, model)
+        await self.serving.serve(req, key, spec, EMBEDDINGS_SESSION, _traceparent(req))
+
     async def not_served(self, req: Request) -> None:
-        """``/v1/completions``, ``/v1/embeddings``: the channel carries chat turns only."""
+        """``/v1/completions``: the channel carries chat turns and embeddings only."""
         raise HTTPError(
             404,
             f"{req.scope['path']} is not served by this hub (its runners carry chat turns "
-            f"only); it serves {', '.join(SERVED)}",
+            f"and embeddings only); it serves {', '.join(SERVED)}",
             "unknown_url",
         )
+
+    def _check_context(self, key: ApiKey, spec: TurnSpec) -> None:
+        """A turn whose prompt (estimated) is over the context its model's backend runs with is
+        refused (400 ``context_length_exceeded``) before its admission: a backend would drop
+        the start of the prompt without a word (issue 37, point 3). Only when every live runner
+        that lists the model said its context: the largest of them is the bound."""
+        if spec.model is None:
+            return
+        context = self.catalog.context_of(key.owner, key.project, spec.model)
+        if context is None:
+            return
+        prompt = spec.dialect.prompt_estimate(spec.body)
+        if prompt > context:
+            raise context_exceeded(spec.model, prompt, context)
 
     async def _model_for(self, key: ApiKey, model: str | None) -> str | None:
         """The model the runner is asked for: ``model`` when a live runner of the project lists

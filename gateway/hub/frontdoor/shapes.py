@@ -38,6 +38,8 @@ class Code:
     MODEL_NOT_FOUND = "model_not_found"  # no runner of the project lists the model (404)
     TOO_MANY_SESSIONS = "too_many_sessions"  # the key holds max_sessions_per_key busy sessions
     SESSION_ENDED = "session_ended"  # the session was ended (its key revoked) under the turn
+    # the prompt's estimate is over the context its runners' backend said for the model (400)
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 def no_runner(within: float, what: str = "") -> HTTPError:
@@ -410,6 +412,28 @@ def model_object(model_id: str, created: int) -> dict[str, Any]:
 
 def model_list(models: list[str], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_object(m, created) for m in models]}
+
+
+def embeddings_unsupported(model: str, runner_id: str) -> HTTPError:
+    """501: the runner that serves the model does not carry embeddings (an older alp-gateway)."""
+    message = (
+        f"the runner serving model '{model}' ({runner_id}) does not carry embeddings: upgrade "
+        "its alp-gateway (embeddings are an extension of the chat channel)"
+    )
+    return HTTPError(501, message, "embeddings_unsupported")
+
+
+def context_exceeded(model: str, prompt: int, context: int) -> HTTPError:
+    """400: the prompt (estimated) is over the context the model's backend runs with, which
+    would cut the front of it without a word; how to raise it, by model server."""
+    message = (
+        f"This prompt is about {prompt} tokens (estimated), over the context of model "
+        f"'{model}': {context} tokens on its runner's backend, which would drop the start of "
+        "the conversation. Raise the backend's context (Ollama: num_ctx, e.g. `PARAMETER "
+        "num_ctx 32768` in a Modelfile, or OLLAMA_CONTEXT_LENGTH for the server; llama.cpp: "
+        "--ctx-size; vLLM: --max-model-len) or send a shorter conversation."
+    )
+    return HTTPError(400, message, Code.CONTEXT_LENGTH_EXCEEDED, type_="invalid_request_error")
 
 
 def model_not_found(model_id: str, available: list[str] | None = None) -> HTTPError:

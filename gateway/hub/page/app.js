@@ -206,10 +206,12 @@ function showRunners(runners) {
         r.sessions,
         r.turnsInFlight,
         `${seconds(r.lastSeenSeconds)} ago`,
+        r.tier,
         revokeRunnerButton(r),
       ]);
       tr.dataset.id = r.id;
       tr.dataset.name = r.name || "";
+      tr.dataset.tier = r.tier;
       return tr;
     }),
   );
