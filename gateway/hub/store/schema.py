@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gateway.hub.store.team_schema import RECORDED as TEAM_RECORDED
 from gateway.hub.store.team_schema import STATEMENTS as TEAM_STATEMENTS
 
 
@@ -189,6 +190,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "a team of hubs on PostgreSQL: replicas, channels, runners' presence, limits shared",
         (),
         postgres=TEAM_STATEMENTS,  # SQLite's single hub has no team
+    ),
+    Migration(
+        9,
+        "a team's turns keep their usage row from admission: a replica lost for good loses none",
+        (),
+        postgres=TEAM_RECORDED,
     ),
 )
 LATEST = MIGRATIONS[-1].version
