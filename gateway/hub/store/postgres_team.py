@@ -208,9 +208,6 @@ class PostgresTeam(TeamStore):
             )
         )
 
-    async def settle_replica(self, replica: str, older_than: float) -> int:
-        return await self._run(team_usage.settle_replica(replica, older_than))
-
     # -- requests suspended for a resume ------------------------------------------------------
 
     async def suspend(self, job_id: str, request_id: str, frames: int) -> None:

@@ -274,11 +274,6 @@ class TeamStore(abc.ABC):
         """A turn ended: released and its usage row written, one statement; False when a
         survivor had settled it already (its row is there)."""
 
-    @abc.abstractmethod
-    async def settle_replica(self, replica: str, older_than: float) -> int:
-        """The rows of the turns ``replica`` left unsettled, written as their records say (cut),
-        those admitted at least ``older_than`` s ago; how many."""
-
     # -- requests suspended for a resume ------------------------------------------------------
 
     @abc.abstractmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
+from gateway.hub.store.postgres_ops import Op, Query
 from gateway.hub.store.postgres_usage import (
     USAGE_PARAMS,
     WRITE_USAGE,
@@ -57,25 +57,17 @@ def settle(
     return bool(rows[0][0])
 
 
-def settle_replica(replica: str, older_than: float) -> Op[int]:
-    """The turns ``replica`` left unsettled (it is dead, or this is its new life): each one's
-    row as its record has it (cut, with what was known at its admission), ended at the
-    database's time, in one transaction; how many. ``older_than``: only turns admitted at
-    least that many s ago (a replica's own, at its start, are all from its previous life)."""
-    yield BEGIN
-    settled = yield from settle_rows(replica, older_than)
-    yield COMMIT
-    return settled
-
-
-def settle_rows(replica: str, older_than: float = 0.0) -> Op[int]:
+def settle_rows(replica: str) -> Op[int]:
+    """The turns ``replica`` left unsettled (it is dead, or stopping, or this is its new life):
+    each one's row as its record has it (cut, with what was known at its admission), ended at
+    the database's time, in the caller's transaction (``team_ops.retire``); how many."""
     rows = yield Query(  # RETURNING gives the new row: the record is read before it goes
         "WITH old AS (SELECT id, record FROM team_turns WHERE replica = $1"
-        f" AND record IS NOT NULL AND admitted_at < {NOW} - $2 FOR UPDATE)"
+        " AND record IS NOT NULL FOR UPDATE)"
         f" UPDATE team_turns t SET ended_at = COALESCE(t.ended_at, {NOW}),"
         " tokens = COALESCE(t.tokens, 0), record = NULL FROM old WHERE t.id = old.id"
         f" RETURNING old.record, ({NOW})::float8",
-        (replica, older_than),
+        (replica,),
     )
     found = []
     for text, at in rows:
