@@ -48,6 +48,8 @@ class TeamAdmission(Protocol):
 
     async def settle(self, turn: Turn, record: UsageRecord, at: float) -> None: ...
 
+    def ending(self, turn: Turn) -> None: ...
+
 
 class LimitExceeded(Exception):
     """A turn would pass one of its key's limits (``limit``: rpm, tpm, tokens_per_day,
@@ -259,13 +261,13 @@ class Accounting:
         state.reserved -= turn.reserved
         turn.model_label = self.label(turn.model)
         try:
-            settles = self.team is not None
             tokens = turn.tokens
             if tokens:
                 state.tokens.append((trio.current_time(), tokens))
                 state.window_tokens += tokens
             wall = self.clock()
-            if settles:  # released and written by ``settle``, before the turn's last byte
+            if self.team is not None:  # released and written by ``settle``, before its end
+                self.team.ending(turn)
                 self._settling[id(turn)] = (_record(turn, turn.outcome or ""), wall)
             elif self.store is not None:
                 self._write(turn, wall)

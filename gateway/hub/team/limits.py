@@ -99,10 +99,20 @@ class TeamLimits:
         """The turn ended: released and its usage row written in the store, one statement,
         before its client has its last byte (a replica lost after it loses no row)."""
         release = Release(turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens)
-        if not await self.store.settle(release, record, at):
-            log.info(
-                "turn %s was settled by another replica (this one was taken for dead)", turn.id
-            )
+        try:
+            if not await self.store.settle(release, record, at):
+                log.info(
+                    "turn %s was settled by another replica (this one was taken for dead)",
+                    turn.id,
+                )
+        finally:  # the key's next admission here waited for it (``ending``)
+            self._written_one(turn.key_id)
+            self._wake_admissions()
+
+    def ending(self, turn: Turn) -> None:
+        """The turn ended and ``settle`` is on its way: the key's next admission here waits
+        for it (as for a release), so a client that saw its answer end is counted for it."""
+        self._unwritten[turn.key_id] = self._unwritten.get(turn.key_id, 0) + 1
 
     def release(self, turn: Turn) -> None:
         """The turn ended: its release queued (no I/O here)."""
@@ -129,10 +139,16 @@ class TeamLimits:
             except StoreError as exc:
                 log.warning("could not release %d turn(s) in the store: %s", len(batch), exc)
             for ended in batch:
-                left = self._unwritten[ended.key_id] - 1
-                if left:
-                    self._unwritten[ended.key_id] = left
-                else:
-                    del self._unwritten[ended.key_id]
-            event, self._written = self._written, trio.Event()
-            event.set()
+                self._written_one(ended.key_id)
+            self._wake_admissions()
+
+    def _written_one(self, key_id: str) -> None:
+        left = self._unwritten[key_id] - 1
+        if left:
+            self._unwritten[key_id] = left
+        else:
+            del self._unwritten[key_id]
+
+    def _wake_admissions(self) -> None:
+        event, self._written = self._written, trio.Event()
+        event.set()
