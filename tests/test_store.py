@@ -46,6 +46,7 @@ from gateway.hub.store import (
     open_store,
     token_hash,
 )
+from gateway.hub.store.schema import MIGRATIONS
 
 Place = Callable[[pytest.FixtureRequest, Path], "Path | str"]  # where a backend's store is
 
@@ -53,6 +54,8 @@ BACKENDS: dict[str, Place] = {
     "sqlite": lambda _request, tmp_path: tmp_path / "hub",  # a data directory
     "postgresql": lambda request, _tmp: request.getfixturevalue("pg_url"),  # a fresh database
 }
+
+ALL = [m.version for m in MIGRATIONS]  # every migration, applied in order
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -389,11 +392,11 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5] and SCHEMA_VERSION == 5
+    assert _versions(tmp_path / "hub.sqlite3") == ALL and SCHEMA_VERSION == ALL[-1]
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5]
+    assert _versions(tmp_path / "hub.sqlite3") == ALL
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
@@ -502,7 +505,7 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     # migration 3 the credentials table (empty: SQLite's admin token stays in its file);
     # migration 4 the turns' ``continued`` column (0: answered by one runner)
     after = _shape(path)
-    assert _versions(path) == [1, 2, 3, 4, 5] and after.keys() == before.keys() | {"credentials"}
+    assert _versions(path) == ALL and after.keys() == before.keys() | {"credentials"}
     assert after.pop("credentials")[1] == []
     for table, added in (
         ("usage_turns", ["estimated", "continued"]),
@@ -537,7 +540,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2, 3, 4, 5]
+    assert _versions(path) == ALL
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -559,7 +562,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 4, 5, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [*ALL, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 
