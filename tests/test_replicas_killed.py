@@ -363,6 +363,97 @@ async def test_a_replica_killed_under_load_loses_no_session_nor_usage_row(
     assert sum(n for (_s, o), n in counted.items() if o != "ok") == len(cut)
 
 
+async def test_a_replica_killed_for_good_loses_no_usage_row(
+    pg_url: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 36 point 2: as above, but the SIGKILLed replica never comes back (a pod moved
+    elsewhere, its data directory with it). Each turn's row is in the store from its admission
+    (its record, as a cut turn), and a finished turn's row is written before its client gets the
+    answer's last byte; the survivor settles the dead replica's turns in flight, as cut, within
+    10 s of its death. Every turn a client got whole is in the ledger once, as ``ok``; every
+    turn the kill cut is there once too, as cut."""
+    store = open_store(pg_url)
+    key = await store.create_api_key("team", f"{OWNER}/{PROJECT}", KeyLimits())
+    await store.close()
+    async with (
+        Notes(pg_url).running() as notes,
+        team(pg_url, tmp_path) as (a, b),
+        balancer([a.port, b.port]) as lb,
+        running(runner_config(lb.url, sim.url, tmp_path / "r1", name="r1", max_sessions=8)),
+        running(runner_config(lb.url, sim.url, tmp_path / "r2", name="r2", max_sessions=8)),
+    ):
+        for hub in (a, b):
+            url = f"http://127.0.0.1:{hub.port}"
+            await until(lambda url=url: _healthy(url, 2), lambda: notes.changed)
+        load = Load(lb.url, key)
+        names = [f"s{n}" for n in range(SESSIONS)]
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(load.session, name)
+
+            async def loaded() -> bool:  # every session served twice; streams on both
+                return (
+                    all(len([t for t in load.of(n) if t.ok]) >= 2 for n in names)
+                    and lb.active(a.port) >= 1
+                    and lb.active(b.port) >= 1
+                )
+
+            await until(loaded, lambda: load.changed, lambda: lb.changed)
+            victim, survivor = a, b
+            in_flight = [t for t in load.turns if not t.ended]
+            assert victim.proc is not None
+            victim.proc.kill()  # SIGKILL, and never started again
+            killed = trio.current_time()
+            with trio.fail_after(GUARD):
+                await victim.proc.wait()
+
+            async def settled() -> bool:  # the survivor retired it and settled its turns
+                rows = await asql(
+                    pg_url,
+                    "SELECT (SELECT stopped FROM replicas WHERE id = %s),"
+                    " (SELECT count(*) FROM team_turns WHERE replica = %s"
+                    " AND record IS NOT NULL)",
+                    victim.name,
+                    victim.name,
+                )
+                return bool(rows[0][0]) and rows[0][1] == 0
+
+            await until(settled, lambda: notes.changed)
+            settle = trio.current_time() - killed
+
+            async def served_again() -> bool:
+                return all(
+                    len([t for t in load.of(n) if t.ok and t.started > killed]) >= 1 for n in names
+                )
+
+            await until(served_again, lambda: load.changed)
+            load.stop.set()
+        await survivor.stop()  # gracefully: its own rows are in the store already
+    rows = await asql(pg_url, "SELECT session, outcome, count(*) FROM usage_turns GROUP BY 1, 2")
+    counted: dict[tuple[str, str], int] = {(s, o): n for s, o, n in rows}
+    whole = sum(1 for t in load.turns if t.ok)
+    cut = [t for t in in_flight if not t.ok]
+    print(
+        f"killed {victim.name} for good with {len(in_flight)} turns in flight ({len(cut)} cut, "
+        f"{len([t for t in cut if t.status == 200])} of them answering); "
+        f"its turns settled {settle:.2f} s after its death; {whole} turns whole, "
+        f"usage rows {sorted(counted.items())}"
+    )
+    assert settle <= 10.0, f"the dead replica's turns were settled {settle:.2f} s after"
+    assert cut, "no turn was cut by the kill"
+    for name in names:
+        ended = load.of(name)
+        ok = len([t for t in ended if t.ok])
+        assert counted.get((name, "ok"), 0) == ok, (name, counted, ok)  # none lost, none twice
+        # a cut turn whose client had its head was admitted: its row is there, once; one the
+        # kill cut before any answer may not have been (its client cannot tell)
+        admitted = len([t for t in ended if not t.ok and t.status == 200])
+        unknown = len([t for t in ended if not t.ok and t.status != 200])
+        others = sum(n for (s, o), n in counted.items() if s == name and o != "ok")
+        assert admitted <= others <= admitted + unknown, (name, counted, admitted, unknown)
+    assert sum(n for (_s, o), n in counted.items() if o == "ok") == whole
+
+
 HAPROXY_CFG = Path(__file__).resolve().parent.parent / "packaging" / "team" / "haproxy.cfg"
 
 

@@ -22,16 +22,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import trio
 
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
+from gateway.hub.store import HourlyUsage, KeyLimits, Store, StoreError, UsageRecord
 from gateway.hub.store.journal import CUT
 from gateway.hub.turn import Turn
 
 log = logging.getLogger("gateway.hub.accounting")
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
+SETTLE_WITHIN = 5.0  # s: a team's turn's row written before its last byte, or behind it past this
+_encode_record = msgspec.json.Encoder().encode
 DAY = 86400
 
 
@@ -39,9 +42,13 @@ class TeamAdmission(Protocol):
     """Admissions on a team of replicas (``gateway.hub.team.limits``): checked and counted in
     the team's store, released at the turn's end."""
 
-    async def admit(self, turn: Turn, limits: KeyLimits) -> None: ...
+    async def admit(self, turn: Turn, limits: KeyLimits, record: str | None = None) -> None: ...
 
     def release(self, turn: Turn) -> None: ...
+
+    async def settle(self, turn: Turn, record: UsageRecord, at: float) -> None: ...
+
+    def ending(self, turn: Turn) -> None: ...
 
 
 class LimitExceeded(Exception):
@@ -132,6 +139,13 @@ class Accounting:
         self._keys: dict[str, _KeyState] = {}  # key id -> its counters
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
         self.team: TeamAdmission | None = None  # a replica of a team: admissions in its store
+        self._settling: dict[int, tuple[UsageRecord, float]] = {}  # ended, row not written yet
+
+    @property
+    def settles(self) -> bool:
+        """Each turn's row is written by ``settle`` as it ends, before its client has its last
+        byte (a team's replica: another process may have to answer for it)."""
+        return self.team is not None
 
     # -- limits ----------------------------------------------------------------------
 
@@ -189,15 +203,17 @@ class Accounting:
             turn.reserved = 0  # nothing to hold tokens against
         else:  # its prompt is charged too: a long one with a small max_tokens holds it
             turn.reserved += turn.dialect.prompt_estimate(turn.body)
-        if self.team is not None:
-            await self.team.admit(turn, limits)
+        team = self.team
+        if team is not None:  # its row were it cut, in the store from now on
+            turn.model_label = self.label(turn.model)
+            await team.admit(turn, limits, _encode_record(_record(turn, CUT)).decode())
         else:
             self._check(state, limits, now)
         state.requests.append(now)
         state.in_flight += 1
         state.reserved += turn.reserved
         self.in_flight[id(turn)] = turn
-        journal = self.store.journal if self.store is not None else None
+        journal = self.store.journal if self.store is not None and team is None else None
         if journal is not None:  # a hub killed under it still records it, as cut
             turn.model_label = self.label(turn.model)  # never a client's made-up name
             journal.started(turn.id, _record(turn, CUT), self.clock())
@@ -245,14 +261,15 @@ class Accounting:
         state.reserved -= turn.reserved
         turn.model_label = self.label(turn.model)
         try:
-            if self.team is not None:
-                self.team.release(turn)
             tokens = turn.tokens
             if tokens:
                 state.tokens.append((trio.current_time(), tokens))
                 state.window_tokens += tokens
             wall = self.clock()
-            if self.store is not None:
+            if self.team is not None:  # released and written by ``settle``, before its end
+                self.team.ending(turn)
+                self._settling[id(turn)] = (_record(turn, turn.outcome or ""), wall)
+            elif self.store is not None:
                 self._write(turn, wall)
             day = int(wall) // DAY * DAY
             if state.day != day and self.store is None:  # nowhere to read the day from
@@ -263,14 +280,37 @@ class Accounting:
             for observe in self.observers:
                 observe(turn)
 
+    async def settle(self, turn: Turn) -> None:
+        """An ended turn of a team's replica: released and its row written in the store, one
+        statement, waited for (its client's last byte waits for it). A store that fails or
+        takes over ``SETTLE_WITHIN`` s: released and written behind the turn, as a single
+        hub does it (journalled, queued)."""
+        found = self._settling.pop(id(turn), None)
+        team = self.team
+        if found is None or team is None:
+            return
+        record, wall = found
+        with trio.CancelScope(shield=True):  # the hub stopping: written all the same, bounded
+            with trio.move_on_after(SETTLE_WITHIN):
+                try:
+                    await team.settle(turn, record, wall)
+                    return
+                except StoreError as exc:
+                    log.info("turn %s: its row is written behind it: %s", turn.id, exc)
+        team.release(turn)
+        if self.store is not None:
+            self._write_record(turn.id, record, wall)
+
     def _write(self, turn: Turn, wall: float) -> None:
         """The turn's row, journalled and queued for the store's writer (written in a batch,
         off the turn's path; old rows pruned there)."""
+        self._write_record(turn.id, _record(turn, turn.outcome or ""), wall)
+
+    def _write_record(self, turn_id: str, record: UsageRecord, wall: float) -> None:
         assert self.store is not None
-        record = _record(turn, turn.outcome or "")
         journal = self.store.journal
         if journal is not None:
-            journal.ended(turn.id, record, wall)
+            journal.ended(turn_id, record, wall)
         self.store.queue_usage(record, wall)
 
     async def hourly(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:

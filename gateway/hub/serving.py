@@ -33,6 +33,7 @@ from gateway.hub.frontdoor.shapes import (
 )
 from gateway.hub.sessions import Session, Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
+from gateway.hub.settled import SettledTurn
 from gateway.hub.store import ApiKey
 from gateway.hub.turn import Turn
 from gateway.hub.turnstate import State, TurnLost, TurnSuspended
@@ -98,7 +99,7 @@ class Serving:
     ) -> None:
         """Serve one turn of the key's session ``session_id`` ("" for the default one)."""
         settings = self.settings
-        turn = Turn(
+        turn = (SettledTurn if self.accounting.settles else Turn)(
             new_id(),
             key.id,
             key.name,
@@ -125,6 +126,8 @@ class Serving:
             self.accounting.refused(turn)
             return
         turn.on_end = self.accounting.ended
+        if isinstance(turn, SettledTurn):
+            turn.hold()  # its answer's last write waits for its row in the store
         try:
             try:
                 session, evicted = await self.sessions.enter(key, turn.session)
@@ -142,6 +145,9 @@ class Serving:
                 turn.cut()
             if turn.state is State.OVERRUN:
                 self.dispatcher.counters.turns_overrun += 1
+            if isinstance(turn, SettledTurn):  # a team's: its row in the store, then its end
+                await self.accounting.settle(turn)
+                turn.release_held()
 
     async def _attempts(
         self, req: Request, turn: Turn, session: Session, traceparent: str | None

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import trio
 
-from gateway.hub.store import ApiKey, Store, StoredSession
+from gateway.hub.store import ApiKey, Store, StoredSession, StoreError
 from gateway.hub.store.team_base import TeamStore
 
 log = logging.getLogger("gateway.hub.sessions")
+
+REAP_RETRY = 1.0  # s: the reaper looks again this soon after the store failed it
 
 SessionKey = tuple[str, str]  # (API key id, session id)
 LEGACY_KEY = "name:"  # the key part of a restored session whose key is known by name only
@@ -317,7 +319,11 @@ class Sessions:
         while True:
             self._changed = trio.Event()
             self._next_due = -math.inf
-            next_due = await self._reap()
+            try:
+                next_due = await self._reap()
+            except StoreError as exc:  # the store away (restarting): looked at again soon
+                log.debug("sessions not reaped: %s", exc)
+                next_due = trio.current_time() + REAP_RETRY
             if self._changed.is_set():
                 continue
             self._next_due = next_due

@@ -12,9 +12,10 @@ import trio
 from psycopg import pq
 
 from gateway.hub.store import team_ops as ops
+from gateway.hub.store import team_usage
 from gateway.hub.store.postgres_io import PgFailure, TrioConnection
 from gateway.hub.store.postgres_ops import Op, Query
-from gateway.hub.store.records import StoredJob, StoredSession
+from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
 from gateway.hub.store.team_base import (
     Admission,
     ChannelRow,
@@ -180,6 +181,7 @@ class PostgresTeam(TeamStore):
         limits: tuple[int | None, int | None, int | None, int | None],
         max_sessions: int,
         expiry: float,
+        record: str | None = None,
     ) -> Admission:
         return await self._run(
             ops.admit(
@@ -192,11 +194,19 @@ class PostgresTeam(TeamStore):
                 limits,
                 max_sessions,
                 expiry,
+                record,
             )
         )
 
     async def release(self, ended: list[Release]) -> None:
         await self._run(ops.release(ended))
+
+    async def settle(self, ended: Release, record: UsageRecord, at: float) -> bool:
+        return await self._run(
+            team_usage.settle(
+                ended.turn_id, ended.tokens, ended.key_name, ended.session, record, at
+            )
+        )
 
     # -- requests suspended for a resume ------------------------------------------------------
 

@@ -54,7 +54,8 @@ _WRITE_USAGE = (
 )
 
 
-_N = len(_USAGE_TYPES) + 9  # the parameters of _WRITE_USAGE; then a journal's name and mark
+WRITE_USAGE = _WRITE_USAGE  # rows and hourly totals, one statement (``usage_columns``)
+USAGE_PARAMS = _N = len(_USAGE_TYPES) + 9  # WRITE_USAGE's parameters; then a journal's mark
 _WRITE_USAGE_MARKED = _WRITE_USAGE.replace(
     "WITH turns AS",
     f"WITH meta AS (INSERT INTO usage_meta (name, value) VALUES (${_N + 1}, ${_N + 2})"
@@ -68,16 +69,22 @@ def write_usage(
     """The turns' rows and their keys' hourly totals, in one statement (so one transaction and
     one round trip, however many rows): each column sent as an array. ``mark``: a usage
     journal's name and the segment these rows complete, kept with them."""
+    columns = usage_columns(rows)
+    if mark is None:
+        yield Query(_WRITE_USAGE, columns)
+    else:
+        yield Query(_WRITE_USAGE_MARKED, (*columns, mark[0], float(mark[1])))
+
+
+def usage_columns(rows: list[tuple[UsageRecord, float]]) -> tuple[list[Any], ...]:
+    """The parameters of ``WRITE_USAGE`` for ``rows``: the turns' columns, then their keys'
+    hourly totals' (each a list, sent as an array)."""
     turns = [_turn(record, at) for record, at in rows]
     hourly = [
         (hour, key_id, t[0], model, *t[1:])
         for (hour, key_id, model), t in hourly_totals(rows).items()
     ]
-    columns = (*_columns(turns, len(_USAGE_COLUMNS)), *_columns(hourly, 9))
-    if mark is None:
-        yield Query(_WRITE_USAGE, columns)
-    else:
-        yield Query(_WRITE_USAGE_MARKED, (*columns, mark[0], float(mark[1])))
+    return (*_columns(turns, len(_USAGE_COLUMNS)), *_columns(hourly, 9))
 
 
 def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:

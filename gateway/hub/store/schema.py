@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gateway.hub.store.team_schema import RECORDED as TEAM_RECORDED
 from gateway.hub.store.team_schema import STATEMENTS as TEAM_STATEMENTS
 
 
@@ -247,6 +248,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         7,
         "people who sign in (OpenID Connect), the keys they own, their page sessions",
         _V7,
+    ),
+    Migration(
+        9,
+        "a team's turns keep their usage row from admission: a replica lost for good loses none",
+        (),
+        postgres=TEAM_RECORDED,
     ),
 )
 LATEST = MIGRATIONS[-1].version

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.hub.store.records import StoredJob, StoredSession
+from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
 
 # the notifications' kinds (``Note.kind``)
 JOB = "j"  # a job's row changed (inserted, updated, deleted): read it again
@@ -259,13 +259,20 @@ class TeamStore(abc.ABC):
         limits: tuple[int | None, int | None, int | None, int | None],
         max_sessions: int,
         expiry: float,
+        record: str | None = None,
     ) -> Admission:
         """A turn's admission (``limits``: rpm, tpm, tokens a day, streams; ``expiry``: s of
-        silence after which a replica's turns in flight are not counted)."""
+        silence after which a replica's turns in flight are not counted; ``record``: its usage
+        row were it cut now, JSON, kept with it until it is settled)."""
 
     @abc.abstractmethod
     async def release(self, ended: list[Release]) -> None:
         """Turns ended (one statement for all)."""
+
+    @abc.abstractmethod
+    async def settle(self, ended: Release, record: UsageRecord, at: float) -> bool:
+        """A turn ended: released and its usage row written, one statement; False when a
+        survivor had settled it already (its row is there)."""
 
     # -- requests suspended for a resume ------------------------------------------------------
 

@@ -36,6 +36,7 @@ from gateway.hub.store.team_base import (
     TeamJob,
 )
 from gateway.hub.store.team_schema import NOW
+from gateway.hub.store.team_usage import settle_rows
 
 NOTIFY_CHANNEL = "alp_hub"
 _JOB_COLUMNS = (
@@ -126,6 +127,7 @@ def retire(me: str, replica: str, older_than: float | None) -> Op[bool]:
         yield COMMIT
         return False
     gone = yield Query("DELETE FROM channels WHERE replica = $1 RETURNING job_id", (replica,))
+    yield from settle_rows(replica)  # its turns' rows, cut, with what was known
     yield Query(
         f"UPDATE team_turns SET ended_at = {NOW}, tokens = COALESCE(tokens, 0)"
         " WHERE replica = $1 AND ended_at IS NULL",
@@ -493,13 +495,25 @@ def admit(
     limits: tuple[int | None, int | None, int | None, int | None],
     max_sessions: int,
     expiry: float,
+    record: str | None = None,
 ) -> Op[Admission]:
-    rows = yield Query(
-        "SELECT verdict, wait, used, held, job, evicted_session, evicted_job FROM"
-        " alp_admit($1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8, $9::int8, $10::int8,"
-        " $11::int8, $12::float8)",
-        (turn_id, key_id, key_name, session, replica, reserved, *limits, max_sessions, expiry),
-    )
+    """``record``: the turn's usage row were it cut now (JSON), kept with it until it is
+    settled (``settle``), by this replica or, when it is dead, by a survivor (``retire``)."""
+    params = (turn_id, key_id, key_name, session, replica, reserved, *limits, max_sessions, expiry)
+    if record is None:
+        rows = yield Query(
+            "SELECT verdict, wait, used, held, job, evicted_session, evicted_job FROM"
+            " alp_admit($1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8, $9::int8, $10::int8,"
+            " $11::int8, $12::float8)",
+            params,
+        )
+    else:
+        rows = yield Query(
+            "SELECT verdict, wait, used, held, job, evicted_session, evicted_job FROM"
+            " alp_admit_recorded($13, $1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8,"
+            " $9::int8, $10::int8, $11::int8, $12::float8)",
+            (*params, record),
+        )
     return Admission(*rows[0])
 
 
@@ -514,8 +528,8 @@ def release(ended: list[Release]) -> Op[None]:
         f"WITH n AS (SELECT {NOW} AS t),"
         " r AS (SELECT * FROM unnest($1::text[], $2::int8[], $3::text[], $4::text[])"
         " AS r(id, tokens, key_name, session)),"
-        " ended AS (UPDATE team_turns f SET ended_at = n.t, tokens = r.tokens FROM r, n"
-        " WHERE f.id = r.id AND f.ended_at IS NULL RETURNING f.key_id, r.tokens),"
+        " ended AS (UPDATE team_turns f SET ended_at = n.t, tokens = r.tokens, record = NULL"
+        " FROM r, n WHERE f.id = r.id AND f.ended_at IS NULL RETURNING f.key_id, r.tokens),"
         " days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + e.tokens"
         " FROM (SELECT key_id, SUM(tokens) AS tokens FROM ended GROUP BY key_id) e, n"
         " WHERE k.key_id = e.key_id AND k.day = (floor(n.t / 86400) * 86400)::int8),"

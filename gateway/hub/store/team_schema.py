@@ -175,3 +175,25 @@ END
 $$"""
 
 STATEMENTS = (*TABLES, ADMIT)
+
+# migration 9: each turn's usage row as it would be were it cut now, kept from its admission
+# (``alp_admit_recorded``: the admission, then the record, one round trip) until the row is in
+# the ledger, by its replica as the turn ends or by a survivor when that replica is dead
+RECORDED = (
+    "ALTER TABLE team_turns ADD COLUMN IF NOT EXISTS record TEXT",
+    "CREATE INDEX IF NOT EXISTS team_turns_unsettled ON team_turns (replica)"
+    " WHERE record IS NOT NULL",
+    """CREATE OR REPLACE FUNCTION alp_admit_recorded(p_record TEXT,
+    p_turn TEXT, p_key TEXT, p_key_name TEXT, p_session TEXT, p_replica TEXT,
+    p_reserved BIGINT, p_rpm BIGINT, p_tpm BIGINT, p_tpd BIGINT, p_streams BIGINT,
+    p_sessions BIGINT, p_expiry DOUBLE PRECISION)
+RETURNS TABLE (verdict TEXT, wait DOUBLE PRECISION, used BIGINT, held BIGINT, job TEXT,
+    evicted_session TEXT, evicted_job TEXT)
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM alp_admit(p_turn, p_key, p_key_name, p_session, p_replica,
+        p_reserved, p_rpm, p_tpm, p_tpd, p_streams, p_sessions, p_expiry);
+    UPDATE team_turns SET record = p_record WHERE id = p_turn;  -- admitted: its row is there
+END
+$$""",
+)

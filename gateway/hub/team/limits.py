@@ -14,7 +14,7 @@ import trio
 from gateway.hub.accounting import exceeded, retry_after
 from gateway.hub.sessions import SessionKey, TooManySessions
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import KeyLimits, StoreError, StoreUnavailable
+from gateway.hub.store import KeyLimits, StoreError, StoreUnavailable, UsageRecord
 from gateway.hub.store.team_base import Release, TeamStore
 from gateway.hub.turn import Turn
 
@@ -47,8 +47,10 @@ class TeamLimits:
         self._queued = trio.Event()
         self._written = trio.Event()
 
-    async def admit(self, turn: Turn, limits: KeyLimits) -> None:
-        """Admitted, or LimitExceeded / TooManySessions (the store's verdict)."""
+    async def admit(self, turn: Turn, limits: KeyLimits, record: str | None = None) -> None:
+        """Admitted, or LimitExceeded / TooManySessions (the store's verdict); ``record``: the
+        turn's usage row were it cut now (JSON), kept in the store with the turn until
+        ``settle`` (or a survivor, should this replica die first)."""
         with trio.move_on_after(RETRY):  # this key's ended turns counted first
             while self._unwritten.get(turn.key_id):
                 await self._written.wait()
@@ -61,6 +63,7 @@ class TeamLimits:
             (limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams),
             self.settings.max_sessions_per_key,
             self.expiry,
+            record,
         )
         verdict = found.verdict
         if verdict == "ok":
@@ -92,6 +95,25 @@ class TeamLimits:
             raise StoreError(f"the store's admission answered {verdict!r}")
         raise exceeded(verdict, bound, found.used, found.held, retry_after(found.wait))
 
+    async def settle(self, turn: Turn, record: UsageRecord, at: float) -> None:
+        """The turn ended: released and its usage row written in the store, one statement,
+        before its client has its last byte (a replica lost after it loses no row)."""
+        release = Release(turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens)
+        try:
+            if not await self.store.settle(release, record, at):
+                log.info(
+                    "turn %s was settled by another replica (this one was taken for dead)",
+                    turn.id,
+                )
+        finally:  # the key's next admission here waited for it (``ending``)
+            self._written_one(turn.key_id)
+            self._wake_admissions()
+
+    def ending(self, turn: Turn) -> None:
+        """The turn ended and ``settle`` is on its way: the key's next admission here waits
+        for it (as for a release), so a client that saw its answer end is counted for it."""
+        self._unwritten[turn.key_id] = self._unwritten.get(turn.key_id, 0) + 1
+
     def release(self, turn: Turn) -> None:
         """The turn ended: its release queued (no I/O here)."""
         self._pending.append(
@@ -117,10 +139,16 @@ class TeamLimits:
             except StoreError as exc:
                 log.warning("could not release %d turn(s) in the store: %s", len(batch), exc)
             for ended in batch:
-                left = self._unwritten[ended.key_id] - 1
-                if left:
-                    self._unwritten[ended.key_id] = left
-                else:
-                    del self._unwritten[ended.key_id]
-            event, self._written = self._written, trio.Event()
-            event.set()
+                self._written_one(ended.key_id)
+            self._wake_admissions()
+
+    def _written_one(self, key_id: str) -> None:
+        left = self._unwritten[key_id] - 1
+        if left:
+            self._unwritten[key_id] = left
+        else:
+            del self._unwritten[key_id]
+
+    def _wake_admissions(self) -> None:
+        event, self._written = self._written, trio.Event()
+        event.set()
