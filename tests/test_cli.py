@@ -549,7 +549,7 @@ async def test_a_mistyped_hub_flag_is_named_not_taken_for_a_command(tmp_path: Pa
         (("--listn", "127.0.0.1:9999"), "unknown flag --listn (did you mean --listen?)"),
         (("--port", "9999"), "unknown flag --port (did you mean --listen HOST:PORT?)"),
         (("keys", "list", "--dta", "x"), "unknown flag --dta of `alp-gateway hub keys list`"),
-        (("serve",), "'serve' is not a command of `alp-gateway hub` (keys, usage, doctor)"),
+        (("serve",), "'serve' is not a command of `alp-gateway hub` (keys, usage, prices, doctor)"),
     ]:
         result = await cli("hub", *args, "--data", str(data))
         err = result.stderr.decode()

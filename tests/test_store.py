@@ -46,6 +46,7 @@ from gateway.hub.store import (
     open_store,
     token_hash,
 )
+from gateway.hub.store.schema import MIGRATIONS
 
 Place = Callable[[pytest.FixtureRequest, Path], "Path | str"]  # where a backend's store is
 
@@ -263,11 +264,13 @@ async def test_usage_rows_hourly_totals_and_tokens(store: Store) -> None:
         "outcome": "ok",
         "estimated": False,
         "continued": False,
+        "cost": None,
+        "ref_cost": None,
     }
     assert len(await store.usage_rows(hour + 25)) == 2
     assert await store.hourly_usage(hour, "alice") == [
-        HourlyUsage(hour, "alice", "m1", 2, 4, 6, 1),
-        HourlyUsage(hour + 3600, "alice", None, 1, 2, 3, 0),
+        HourlyUsage(hour, "alice", "m1", 2, 4, 6, 1, unpriced=2),
+        HourlyUsage(hour + 3600, "alice", None, 1, 2, 3, 0, unpriced=1),
     ]
     totals, exact = await store.usage_totals(hour)
     assert exact and [(t.key_name, t.model, t.turns, t.errors) for t in totals] == [
@@ -389,14 +392,16 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
     store = open_store(tmp_path)
     key = await store.create_api_key("alice")
     await store.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5] and SCHEMA_VERSION == 5
+    assert _versions(tmp_path / "hub.sqlite3") == VERSIONS and SCHEMA_VERSION == VERSIONS[-1]
     again = open_store(tmp_path)
     assert await again.check_api_key(key) is not None
     await again.close()
-    assert _versions(tmp_path / "hub.sqlite3") == [1, 2, 3, 4, 5]
+    assert _versions(tmp_path / "hub.sqlite3") == VERSIONS
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
+VERSIONS = [m.version for m in MIGRATIONS]  # every migration, applied in order
+
 BEFORE = """
 CREATE TABLE IF NOT EXISTS runners (id TEXT PRIMARY KEY, name TEXT NOT NULL, owner TEXT NOT NULL,
     project TEXT NOT NULL, labels TEXT NOT NULL, token_hash TEXT NOT NULL,
@@ -502,20 +507,25 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     # migration 3 the credentials table (empty: SQLite's admin token stays in its file);
     # migration 4 the turns' ``continued`` column (0: answered by one runner)
     after = _shape(path)
-    assert _versions(path) == [1, 2, 3, 4, 5] and after.keys() == before.keys() | {"credentials"}
+    # migration 8 the prices table (empty)
+    assert _versions(path) == VERSIONS
+    assert after.keys() == before.keys() | {"credentials", "prices"}
+    assert after.pop("prices")[1] == []
     assert after.pop("credentials")[1] == []
+    # (and migration 8 the turns' costs, unknown: NULL; the keys' budgets, none)
     for table, added in (
-        ("usage_turns", ["estimated", "continued"]),
-        ("usage_hourly", ["estimated"]),
+        ("usage_turns", ["estimated", "continued", "cost", "ref_cost"]),
+        ("usage_hourly", ["estimated", "cost", "ref_cost", "unpriced"]),
+        ("api_keys", ["budget_daily", "budget_monthly", "priority"]),
     ):
         columns, rows = after[table]
         width = len(before[table][0])
         assert columns[:width] == before[table][0] and [c[1] for c in columns[width:]] == added
         assert [row[:width] for row in rows] == before[table][1]
-        assert {v for row in rows for v in row[width:]} <= {0}
-    assert {t: v for t, v in after.items() if not t.startswith("usage_")} == {
-        t: v for t, v in before.items() if not t.startswith("usage_")
-    }
+        assert {v for row in rows for v in row[width:]} <= {0, None, "standard"}
+    assert {
+        t: v for t, v in after.items() if not t.startswith("usage_") and t != "api_keys"
+    } == {t: v for t, v in before.items() if not t.startswith("usage_") and t != "api_keys"}
     key = await store.check_api_key(KEY)
     assert key is not None and await store.key_limits("alice") == (
         key.id,
@@ -537,7 +547,7 @@ async def test_an_older_store_gains_the_columns_it_lacks(tmp_path: Path) -> None
     store = open_store(tmp_path)
     assert await store.load_sessions() == [StoredSession("alice", "s", "acme", "chat", "j-1")]
     await store.close()
-    assert _versions(path) == [1, 2, 3, 4, 5]
+    assert _versions(path) == VERSIONS
 
 
 def test_a_newer_schema_is_refused_with_one_line(
@@ -559,7 +569,7 @@ def test_a_newer_schema_is_refused_with_one_line(
         assert hub_main([*argv, "--data", str(data)]) == 2
         err = capsys.readouterr().err
         assert err == f"alp-gateway hub: error: {message}\n"
-    assert _versions(data / "hub.sqlite3") == [1, 2, 3, 4, 5, 99]  # left as it was
+    assert _versions(data / "hub.sqlite3") == [*VERSIONS, 99]  # left as it was
     assert not (data / "admin-token").exists()  # the hub made nothing before refusing
 
 

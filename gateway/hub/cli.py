@@ -39,6 +39,7 @@ from gateway.config import (
     parse_duration,
     setting_flags,
 )
+from gateway.hub import pricing
 from gateway.hub.app import serve_hub
 from gateway.hub.hub import Hub
 from gateway.hub.store import (
@@ -191,6 +192,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--tokens-per-day", type=_limit, metavar="N", help="tokens a day (the UTC day)"
     )
     parser.add_argument("--max-streams", type=_limit, metavar="N", help="turns in flight at once")
+    pricing.add_budget_flags(parser)  # and a key's budgets and priority class
 
 
 _COMMON = ("data", "store")  # settings every hub command takes (its store)
@@ -275,6 +277,7 @@ def _build_parser() -> _Parser:
     usage.add_argument(
         "--since", default="24h", metavar="DURATION", help="30m, 24h, 7d... (default 24h)"
     )
+    pricing.add_prices_command(sub, parser)
     parser.command(
         sub,
         "doctor",
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args, settings)
         if args.command == "usage":
             return _usage(args, settings)
+        if args.command == "prices":
+            return trio.run(pricing.run_prices, args, _open(settings), settings)
         if args.command == "doctor":
             from gateway.hub.doctor import main as doctor_main
 
@@ -392,17 +397,18 @@ def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
         extra = "; or `keys create --create` to start a new hub store there"
         return _fail(str(missing) + (extra if args.keys_command == "create" else ""))
     within = f"within key_check_interval ({_seconds(settings.key_check_interval)})"
-    return trio.run(_keys_in, args, store, within)
+    return trio.run(_keys_in, args, store, within, settings.currency)
 
 
-async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
+async def _keys_in(args: argparse.Namespace, store: Store, within: str, currency: str) -> int:
     try:
         if args.keys_command == "create":
             limits = limits_of(*(getattr(args, name) for name in LIMIT_NAMES))
             key = await store.create_api_key(args.name, args.project, limits)
+            budget = await pricing.set_budget(store, args)
             print(
                 f"created API key {logsafe.safe(args.name)!r} for {logsafe.safe(args.project)} "
-                f"(limits: {limits.describe()}); it is shown only now:",
+                f"(limits: {limits.describe()}; {budget.describe(currency)}); it is shown only now:",
                 file=sys.stderr,
             )
             print(key)
@@ -412,6 +418,7 @@ async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
             if not keys:
                 print("no API keys", file=sys.stderr)
                 return 0
+            budgets = await pricing.budget_cells(store, keys, currency)
             rows = []
             for k in keys:
                 key_limits = k["limits"]
@@ -423,21 +430,24 @@ async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
                         str(k["createdAt"]),
                         "revoked" if k["revoked"] else "active",
                         key_limits.describe(),
+                        budgets[str(k["name"])],
                     )
                 )
-            header = ("NAME", "PROJECT", "CREATED", "STATUS", "LIMITS")
+            header = ("NAME", "PROJECT", "CREATED", "STATUS", "LIMITS", "BUDGET")
             print("\n".join(_table(header, rows, left=len(header))))
             return 0
         name = logsafe.safe(args.name)
         if args.keys_command == "update":
             given = {limit: getattr(args, limit) for limit in LIMIT_NAMES}
-            if all(value is None for value in given.values()):
+            if all(value is None for value in given.values()) and not pricing.budget_given(args):
                 raise _UsageError(
-                    "keys update needs at least one of --rpm, --tpm, "
-                    "--tokens-per-day, --max-streams"
+                    "keys update needs at least one of --rpm, --tpm, --tokens-per-day, "
+                    "--max-streams, --budget-daily, --budget-monthly, --priority"
                 )
             found = await store.key_limits(args.name)
             if found is None:
+                return _fail(f"no active API key named {name!r}")
+            if not await pricing.update_budget(store, args, currency, within):
                 return _fail(f"no active API key named {name!r}")
             old = found[1]
             merged = {
@@ -495,7 +505,8 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
         )
         for t in totals
     ]
-    print("\n".join(_table(header, rows, left=2)))
+    print("\n".join(_table(*pricing.with_costs(header, rows, totals, settings.currency), left=2)))
+    print("\n".join(pricing.cost_summary(totals, settings.currency)))
     return 0
 
 

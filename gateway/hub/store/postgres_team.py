@@ -180,6 +180,7 @@ class PostgresTeam(TeamStore):
         limits: tuple[int | None, int | None, int | None, int | None],
         max_sessions: int,
         expiry: float,
+        budget: tuple[float, float | None, float | None] | None = None,
     ) -> Admission:
         return await self._run(
             ops.admit(
@@ -192,6 +193,7 @@ class PostgresTeam(TeamStore):
                 limits,
                 max_sessions,
                 expiry,
+                budget,
             )
         )
 

@@ -35,7 +35,7 @@ from gateway.hub.store.team_base import (
     Suspended,
     TeamJob,
 )
-from gateway.hub.store.team_schema import NOW
+from gateway.hub.store.team_schema import MONTH, NOW
 
 NOTIFY_CHANNEL = "alp_hub"
 _JOB_COLUMNS = (
@@ -493,7 +493,27 @@ def admit(
     limits: tuple[int | None, int | None, int | None, int | None],
     max_sessions: int,
     expiry: float,
+    budget: tuple[float, float | None, float | None] | None = None,
 ) -> Op[Admission]:
+    if budget is not None:  # the key's budgets first, in the same transaction
+        rows = yield Query(
+            "SELECT verdict, wait, used, held, job, evicted_session, evicted_job, spent, holding"
+            " FROM alp_admit_budget($1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8, $9::int8,"
+            " $10::int8, $11::int8, $12::float8, $13::float8, $14::float8, $15::float8)",
+            (
+                turn_id,
+                key_id,
+                key_name,
+                session,
+                replica,
+                reserved,
+                *limits,
+                max_sessions,
+                expiry,
+                *budget,
+            ),
+        )
+        return Admission(*rows[0])
     rows = yield Query(
         "SELECT verdict, wait, used, held, job, evicted_session, evicted_job FROM"
         " alp_admit($1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8, $9::int8, $10::int8,"
@@ -509,16 +529,24 @@ def release(ended: list[Release]) -> Op[None]:
         [r.tokens for r in ended],
         [r.key_name for r in ended],
         [r.session for r in ended],
+        [r.cost for r in ended],
     )
+    # the day's tokens, and the day's and month's cost, added where the key counts that day
+    # or month (else read again from the hourly totals at its next admission)
     yield Query(
         f"WITH n AS (SELECT {NOW} AS t),"
-        " r AS (SELECT * FROM unnest($1::text[], $2::int8[], $3::text[], $4::text[])"
-        " AS r(id, tokens, key_name, session)),"
+        " r AS (SELECT * FROM unnest($1::text[], $2::int8[], $3::text[], $4::text[],"
+        " $5::float8[]) AS r(id, tokens, key_name, session, cost)),"
         " ended AS (UPDATE team_turns f SET ended_at = n.t, tokens = r.tokens FROM r, n"
-        " WHERE f.id = r.id AND f.ended_at IS NULL RETURNING f.key_id, r.tokens),"
-        " days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + e.tokens"
-        " FROM (SELECT key_id, SUM(tokens) AS tokens FROM ended GROUP BY key_id) e, n"
-        " WHERE k.key_id = e.key_id AND k.day = (floor(n.t / 86400) * 86400)::int8),"
+        " WHERE f.id = r.id AND f.ended_at IS NULL RETURNING f.key_id, r.tokens, r.cost),"
+        " days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + CASE WHEN"
+        " k.day = (floor(n.t / 86400) * 86400)::int8 THEN e.tokens ELSE 0 END,"
+        " day_cost = k.day_cost + CASE WHEN"
+        " k.cost_day = (floor(n.t / 86400) * 86400)::int8 THEN e.cost ELSE 0 END,"
+        f" month_cost = k.month_cost + CASE WHEN k.cost_month = {MONTH.format(t='n.t')}"
+        " THEN e.cost ELSE 0 END"
+        " FROM (SELECT key_id, SUM(tokens) AS tokens, SUM(cost) AS cost FROM ended"
+        " GROUP BY key_id) e, n WHERE k.key_id = e.key_id),"
         " used AS (UPDATE sessions s SET last_used = n.t FROM r, n"
         " WHERE s.key_name = r.key_name AND s.session_id = r.session)"
         " SELECT COUNT(*) FROM ended",
