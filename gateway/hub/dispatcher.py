@@ -172,6 +172,7 @@ class Dispatcher:
             model=turn.model,
             arrived=trio.current_time(),
             job_id=session.job_id,
+            priority=turn.priority,
         )
         waiting = _Waiting(view, session, turn, traceparent)
         key = (session.owner, session.project)
@@ -225,6 +226,7 @@ class Dispatcher:
             queue_wait=s.queue_wait,
             dial_within=s.runner_wait_timeout,
             redial_within=min(s.reconnect_timeout, s.runner_wait_timeout),
+            promote_after=s.priority_promote_after,
         )
 
     def _runners(self, key: Project) -> dict[str, RunnerView]:
