@@ -523,9 +523,9 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
         assert columns[:width] == before[table][0] and [c[1] for c in columns[width:]] == added
         assert [row[:width] for row in rows] == before[table][1]
         assert {v for row in rows for v in row[width:]} <= {0, None, "standard"}
-    assert {
-        t: v for t, v in after.items() if not t.startswith("usage_") and t != "api_keys"
-    } == {t: v for t, v in before.items() if not t.startswith("usage_") and t != "api_keys"}
+    assert {t: v for t, v in after.items() if not t.startswith("usage_") and t != "api_keys"} == {
+        t: v for t, v in before.items() if not t.startswith("usage_") and t != "api_keys"
+    }
     key = await store.check_api_key(KEY)
     assert key is not None and await store.key_limits("alice") == (
         key.id,
