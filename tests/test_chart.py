@@ -1,4 +1,4 @@
-"""Usage over time on the status page (issue 35, point 4): tokens and cost per hour for the last
+"""Usage over time on the status page (issue 35, point 4), and its prices (point 1): tokens and cost per hour for the last
 day and per day for the last month, per key or per model, drawn as inline SVG by the page's own
 script (no script or font from elsewhere), checked in headless Chromium (tests/test_page.py's
 browser) with a screenshot (``ALP_CHART_SCREENSHOT``, default /work/shots/chart.png when that
@@ -14,6 +14,7 @@ from helpers import ADMIN
 from test_page import POLL_MS, STEP, Browser, browser, chromium  # noqa: F401 (fixtures)
 
 from gateway.hub import Hub
+from gateway.hub.money import Price
 from gateway.hub.store import UsageRecord
 
 DAY = 86400
@@ -50,6 +51,7 @@ async def test_the_chart_draws_tokens_and_cost_per_hour_and_per_day_by_key_or_mo
     await the_hub.store.add_usage(_row("alice", "m1", 50, 50, 0.05), now - 3600)
     await the_hub.store.add_usage(_row("bob", "m2", 300, 400, 1.5), now - 3 * 3600)
     await the_hub.store.add_usage(_row("bob", "m1", 1000, 1000, 4.0), now - 10 * DAY)
+    await the_hub.store.set_price(Price("m1", 0.5, 1.5, "hosted-x", 2.5, 10.0))
     page = browser.page
     run = browser.run
 
@@ -81,6 +83,11 @@ async def test_the_chart_draws_tokens_and_cost_per_hour_and_per_day_by_key_or_mo
         )
         expect(page.locator("#usage-chart .legend")).to_contain_text("m1")
 
+    def prices() -> None:
+        row = page.locator('#prices tbody tr[data-model="m1"]')
+        expect(row).to_contain_text("0.5 USD")
+        expect(row).to_contain_text("hosted-x 2.5 USD / 10 USD")
+
     def external() -> list[str]:
         found: list[str] = page.evaluate(
             "[...document.querySelectorAll('script[src],link[href],img[src]')]"
@@ -92,6 +99,7 @@ async def test_the_chart_draws_tokens_and_cost_per_hour_and_per_day_by_key_or_mo
         await run(sign_in)
         await run(day_by_key)
         await run(month_cost_by_model)
+        await run(prices)
         assert await run(external) == []  # nothing from outside the hub: it works on a LAN
     shot = os.environ.get("ALP_CHART_SCREENSHOT") or (
         "/work/shots/chart.png" if await trio.Path("/work/shots").is_dir() else ""

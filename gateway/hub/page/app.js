@@ -143,13 +143,14 @@ async function refresh(gen) {
   // 30 days of hourly totals: the chart draws the last 24 hours per hour or the last 30 days
   // per day (UTC days) from them, without asking again when its view changes
   const since = Math.floor(Date.now() / 1000 / DAY) * DAY - 29 * DAY;
-  const [runners, turns, sessions, usage, keys, replicas] = await Promise.all([
+  const [runners, turns, sessions, usage, keys, replicas, prices] = await Promise.all([
     api("GET", "/api/hub/runners"),
     api("GET", "/api/hub/turns"),
     api("GET", "/api/hub/sessions"),
     api("GET", `/api/hub/usage?since=${since}`),
     api("GET", "/api/hub/keys"),
     team === false ? null : api("GET", "/api/hub/replicas"), // a hub alone stays alone
+    api("GET", "/api/hub/prices"),
   ]);
   if (gen !== generation) return;
   const names = {};
@@ -164,6 +165,27 @@ async function refresh(gen) {
   lastUsage = usage;
   showUsage();
   showKeys(keys.keys, keys.limitsSupported);
+  showPrices(prices);
+}
+
+function showPrices(answer) {
+  const money = (v) => (v === null || v === undefined ? null : `${v} ${answer.currency}`);
+  fill(
+    "prices",
+    answer.prices.map((p) => {
+      const tr = row([
+        p.model,
+        money(p.input),
+        money(p.output),
+        p.watts === null ? null : `${p.watts} W at ${p.kwhPrice} ${answer.currency}/kWh`,
+        p.referenceInput === null && p.referenceOutput === null
+          ? null
+          : `${p.reference || ""} ${money(p.referenceInput) || "–"} / ${money(p.referenceOutput) || "–"}`,
+      ]);
+      tr.dataset.model = p.model;
+      return tr;
+    }),
+  );
 }
 
 function showReplicas(replicas, names) {
