@@ -215,6 +215,13 @@ def _str(value: Any) -> str:
     return str(value)
 
 
+def _currency(value: Any) -> str:
+    text = str(value).strip()
+    if not text or len(text) > 16 or not text.isprintable():
+        raise ValueError("not a currency's name such as USD or EUR (1 to 16 printable characters)")
+    return text
+
+
 def _path(value: Any) -> Path:
     return Path(str(value)).expanduser()
 
@@ -1089,6 +1096,23 @@ class HubSettings:
         "(tpm, tokens_per_day) while in flight, settled to what it used at its end",
         group="hub-frontdoor",
         metavar="TOKENS",
+    )
+    currency: str = setting(
+        "USD",
+        env="ALP_GATEWAY_HUB_CURRENCY",
+        parse=_currency,
+        help="the currency of model prices (`hub prices set`), turns' costs and API keys' budgets",
+        group="hub-frontdoor",
+        metavar="CODE",
+    )
+    priority_promote_after: float = setting(
+        30.0,
+        env="ALP_GATEWAY_HUB_PRIORITY_PROMOTE_AFTER",
+        parse=_positive_float,
+        help="seconds a turn of a lower priority class waits in the queue before it is served "
+        "as one class higher (again after as many more): no class starves",
+        group="hub-frontdoor",
+        metavar="S",
     )
     client_backlog: int = setting(
         MiB,

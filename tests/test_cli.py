@@ -598,7 +598,8 @@ async def test_a_mistyped_hub_flag_is_named_not_taken_for_a_command(tmp_path: Pa
         (("keys", "list", "--dta", "x"), "unknown flag --dta of `alp-gateway hub keys list`"),
         (
             ("serve",),
-            "'serve' is not a command of `alp-gateway hub` (keys, usage, backup, restore, runners, doctor)",
+            "'serve' is not a command of `alp-gateway hub`"
+            " (keys, usage, backup, restore, runners, prices, doctor)",
         ),
     ]:
         result = await cli("hub", *args, "--data", str(data))

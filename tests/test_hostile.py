@@ -612,7 +612,7 @@ async def test_a_model_name_with_terminal_escapes_is_printed_escaped_by_hub_usag
     assert await trio.to_thread.run_sync(hub_main, ["usage", "--data", str(data)]) == 0
     out = capsys.readouterr().out
     assert all(ch.isprintable() for ch in out.replace("\n", "")), repr(out)
-    _title, header, *rows = out.splitlines()
+    _title, header, *rows, _per_key, _per_model, _total = out.splitlines()  # (and the costs)
     assert header.split()[:2] == ["KEY", "MODEL"]
     (row,) = rows  # no forged row
     assert row.startswith("k  ") and "evil\\x1b]0;pwned\\x07\\x1b[2J\\u2028x\\r\\n" in row

@@ -313,10 +313,11 @@ def test_keys_create_update_list_with_limits(
     capsys.readouterr()
     assert hub_main(["keys", "list", *data]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "PROJECT", "CREATED", "STATUS", "LIMITS"]
+    assert lines[0].split() == ["NAME", "PROJECT", "CREATED", "STATUS", "LIMITS", "BUDGET"]
     a, b = (line.split() for line in lines[1:])
-    assert a[0] == "a" and a[3:] == ["active", "tpm=1000", "tokens/day=9", "streams=2"]
-    assert b[0] == "b" and b[3:] == ["active", "-"]
+    assert a[0] == "a"
+    assert a[3:] == ["active", "tpm=1000", "tokens/day=9", "streams=2", "priority=standard"]
+    assert b[0] == "b" and b[3:] == ["active", "-", "priority=standard"]
     hub = Hub(tmp_path / "hub")
     assert trio.run(hub.keys.limits, "a") == KeyLimits(tpm=1000, tokens_per_day=9, max_streams=2)
     trio.run(hub.store.close)

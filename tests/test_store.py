@@ -266,11 +266,13 @@ async def test_usage_rows_hourly_totals_and_tokens(store: Store) -> None:
         "outcome": "ok",
         "estimated": False,
         "continued": False,
+        "cost": None,
+        "ref_cost": None,
     }
     assert len(await store.usage_rows(hour + 25)) == 2
     assert await store.hourly_usage(hour, "alice") == [
-        HourlyUsage(hour, "alice", "m1", 2, 4, 6, 1),
-        HourlyUsage(hour + 3600, "alice", None, 1, 2, 3, 0),
+        HourlyUsage(hour, "alice", "m1", 2, 4, 6, 1, unpriced=2),
+        HourlyUsage(hour + 3600, "alice", None, 1, 2, 3, 0, unpriced=1),
     ]
     totals, exact = await store.usage_totals(hour)
     assert exact and [(t.key_name, t.model, t.turns, t.errors) for t in totals] == [
@@ -400,6 +402,8 @@ async def test_a_new_store_is_at_the_latest_version_and_reopens_unchanged(tmp_pa
 
 
 # The schema every store had before migrations (main at 96d9d4b, gateway/hub/store.py), verbatim.
+VERSIONS = [m.version for m in MIGRATIONS]  # every migration, applied in order
+
 BEFORE = """
 CREATE TABLE IF NOT EXISTS runners (id TEXT PRIMARY KEY, name TEXT NOT NULL, owner TEXT NOT NULL,
     project TEXT NOT NULL, labels TEXT NOT NULL, token_hash TEXT NOT NULL,
@@ -507,23 +511,27 @@ async def test_a_data_directory_from_before_migrations_opens_unchanged(tmp_path:
     # enrollment tokens (none) and the runners' revocation, enrollment and last sign of life;
     # migration 7 the people who sign in, the keys they own and their page sessions (empty)
     after = _shape(path)
+    # migration 8 the prices table (empty), the turns' costs (unknown: NULL), the keys' budgets
+    # (none) and priority class (standard)
     people = {"people", "key_owners", "page_sessions"}
-    made = {"credentials", "enrollment_tokens"} | people
+    made = {"credentials", "enrollment_tokens", "prices"} | people
     assert _versions(path) == VERSIONS and after.keys() == before.keys() | made
     assert after.pop("credentials")[1] == [] and after.pop("enrollment_tokens")[1] == []
+    assert after.pop("prices")[1] == []
     for table in people:
         assert after.pop(table)[1] == []
-    grown = ("usage_turns", "usage_hourly", "runners")
-    for table, added, value in (
-        ("usage_turns", ["estimated", "continued"], 0),
-        ("usage_hourly", ["estimated"], 0),
-        ("runners", ["revoked_at", "enrollment_id", "last_seen"], None),
+    grown = ("usage_turns", "usage_hourly", "runners", "api_keys")
+    for table, added, values in (
+        ("usage_turns", ["estimated", "continued", "cost", "ref_cost"], {0, None}),
+        ("usage_hourly", ["estimated", "cost", "ref_cost", "unpriced"], {0}),
+        ("runners", ["revoked_at", "enrollment_id", "last_seen"], {None}),
+        ("api_keys", ["budget_daily", "budget_monthly", "priority"], {None, "standard"}),
     ):
         columns, rows = after[table]
         width = len(before[table][0])
         assert columns[:width] == before[table][0] and [c[1] for c in columns[width:]] == added
         assert [row[:width] for row in rows] == before[table][1]
-        assert {v for row in rows for v in row[width:]} <= {value}
+        assert {v for row in rows for v in row[width:]} <= values
     assert {t: v for t, v in after.items() if t not in grown} == {
         t: v for t, v in before.items() if t not in grown
     }

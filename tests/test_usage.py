@@ -377,19 +377,26 @@ def test_hub_usage_prints_per_key_and_model(
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("usage since ") and "hourly" not in out[0]
     assert out[1].split() == (
-        "KEY MODEL TURNS PROMPT TOKENS COMPLETION TOKENS ERRORS ESTIMATED".split()
+        "KEY MODEL TURNS PROMPT TOKENS COMPLETION TOKENS ERRORS ESTIMATED COST (USD) AT "
+        "REFERENCE (USD)".split()
     )
-    assert [line.split() for line in out[2:]] == [
-        ["alice", "-", "1", "2", "3", "0", "0"],
-        ["alice", "m1", "3", "6", "9", "1", "1"],
-        ["bob", "m2", "1", "2", "3", "0", "0"],
+    # no model has a price: each row's cost is "no price", its reference cost 0; then the
+    # cost per key, per model and in total (issue 35)
+    assert [line.split() for line in out[2:-3]] == [
+        ["alice", "-", "1", "2", "3", "0", "0", "no", "price", "0.0000"],
+        ["alice", "m1", "3", "6", "9", "1", "1", "no", "price", "0.0000"],
+        ["bob", "m2", "1", "2", "3", "0", "0", "no", "price", "0.0000"],
     ]
+    assert out[-1] == (
+        "total cost 0.0000 USD (0.0000 USD at reference); 5 turn(s) of models with no price, "
+        "counted 0"
+    )
     assert hub_main(["usage", "--since", "30m", "--key", "alice", "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "of API key 'alice'" in out[0]
-    assert [line.split()[:3] for line in out[2:]] == [["alice", "-", "1"], ["alice", "m1", "3"]]
+    assert [line.split()[:3] for line in out[2:-3]] == [["alice", "-", "1"], ["alice", "m1", "3"]]
     assert hub_main(["usage", "--since", "7d", "--data", str(data)]) == 0
-    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == [
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:-3]] == [
         "alice",
         "alice",
         "bob",
@@ -410,7 +417,7 @@ def test_hub_usage_prints_per_key_and_model(
     trio.run(prune)
     assert hub_main(["usage", "--since", "7d", "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "from the hourly totals" in out[0] and out[-1].split()[:3] == ["carol", "m1", "1"]
+    assert "from the hourly totals" in out[0] and out[-4].split()[:3] == ["carol", "m1", "1"]
 
     assert hub_main(["usage", "--since", "soon", "--data", str(data)]) == 2
     assert hub_main(["usage", "--data", str(tmp_path / "none")]) == 2
@@ -447,7 +454,7 @@ def test_what_clients_chose_is_printed_escaped_as_in_the_logs(
         assert all(ch.isprintable() for ch in out.replace("\n", "")), repr(out)
         return out.splitlines()
 
-    title, header, *rows = printed("usage")
+    title, header, *rows, _per_key, _per_model, _total = printed("usage")  # (and the costs)
     assert header.split()[:2] == ["KEY", "MODEL"] and len(rows) == 2  # no forged row
     assert rows[0].startswith("alice  ") and "\\x1b]0;pwned\\x07\\x1b[2J\\u2028x\\r\\n" in rows[0]
     assert rows[1].startswith("mallory\\x1b[31m\\r\\nFAKE-KEY  x/y  m1 ")

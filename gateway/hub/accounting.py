@@ -10,6 +10,13 @@ one turn's reservation. ``ended`` frees the turn's slot and reservation and char
 used: the backend's usage, or, for a turn that ended without one (client gone, cancelled,
 channel lost), the tokens it delivered (a chunk a token) and its prompt estimated, marked
 estimated in the ledger. Nothing here runs per chunk.
+
+Money (``gateway.hub.money``): each ended turn's cost at its model's price then in force
+(None: the model has no price), and its cost at the reference price; a key's daily and monthly
+budgets checked as the token limits are (what the key spent this UTC day or month plus what its
+turns in flight hold: each its prompt's estimate and its answer's reservation at the model's
+price) and settled to the turn's cost at its end; a budget passed is ``LimitExceeded``
+(``budget_daily`` / ``budget_monthly``, answered 429 ``budget_exceeded``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Protocol
 import msgspec
 import trio
 
+from gateway.hub.money import KeyBudget, Price, derive, month_start, next_month, utc
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import HourlyUsage, KeyLimits, Store, StoreError, UsageRecord
 from gateway.hub.store.journal import CUT
@@ -42,7 +50,13 @@ class TeamAdmission(Protocol):
     """Admissions on a team of replicas (``gateway.hub.team.limits``): checked and counted in
     the team's store, released at the turn's end."""
 
-    async def admit(self, turn: Turn, limits: KeyLimits, record: str | None = None) -> None: ...
+    async def admit(
+        self,
+        turn: Turn,
+        limits: KeyLimits,
+        record: str | None = None,
+        funds: tuple[float, float | None, float | None] | None = None,
+    ) -> None: ...
 
     def release(self, turn: Turn) -> None: ...
 
@@ -87,6 +101,22 @@ def exceeded(limit: str, bound: int, used: int, held: int, wait: int) -> LimitEx
     return LimitExceeded(limit, message, wait)
 
 
+def over_budget(
+    limit: str, bound: float, spent: float, held: float, resets: float, now: float, currency: str
+) -> LimitExceeded:
+    """The refusal of a turn whose key passed its daily or monthly budget (``limit``:
+    ``budget_daily`` or ``budget_monthly``, of ``bound``), spent ``spent`` with ``held`` more
+    held by turns in flight; ``resets``: the Unix time its day or month ends."""
+    span = "daily" if limit == "budget_daily" else "monthly"
+    more = f", {held:.6g} {currency} more held by turns in flight" if held else ""
+    wait = retry_after(resets - now)
+    message = (
+        f"this API key's {span} budget of {bound:g} {currency} is spent ({spent:.6g} {currency} "
+        f"used{more}): it resets at {utc(resets)}, retry in {wait} s"
+    )
+    return LimitExceeded(limit, message, wait)
+
+
 def retry_after(seconds: float) -> int:
     """Seconds a client is told to wait: whole, at least 1."""
     return max(1, math.ceil(seconds))
@@ -103,6 +133,11 @@ class _KeyState:
     reserved: int = 0  # tokens the turns in flight reserved
     day: int = -1  # the UTC day (its start, Unix time) ``day_tokens`` counts; -1: not read yet
     day_tokens: int = 0
+    reserved_cost: float = 0.0  # what the turns in flight hold against the budgets
+    cost_day: int = -1  # the UTC day ``day_cost`` counts (-1: not read yet)
+    day_cost: float = 0.0
+    cost_month: int = -1  # the UTC month ``month_cost`` counts (-1: not read yet)
+    month_cost: float = 0.0
 
     def expire(self, now: float) -> None:
         since = now - WINDOW
@@ -140,12 +175,48 @@ class Accounting:
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
         self.team: TeamAdmission | None = None  # a replica of a team: admissions in its store
         self._settling: dict[int, tuple[UsageRecord, float]] = {}  # ended, row not written yet
+        self._budgets: tuple[dict[str, KeyBudget], float] = ({}, -math.inf)  # by key name
+        self._prices: tuple[dict[str, Price], float] = ({}, -math.inf)  # by model label
+        self._prices_lock = trio.Lock()
+        self._held: dict[int, float] = {}  # id(turn) -> the cost a turn in flight holds
 
     @property
     def settles(self) -> bool:
         """Each turn's row is written by ``settle`` as it ends, before its client has its last
         byte (a team's replica: another process may have to answer for it)."""
         return self.team is not None
+
+    # -- money ---------------------------------------------------------------------------
+
+    async def budget(self, key_name: str) -> KeyBudget:
+        """The key's budgets and priority class: every key's read from the store at once,
+        kept ``key_check_interval`` s (as its limits)."""
+        kept, until = self._budgets
+        now = trio.current_time()
+        if until <= now and self.store is not None:
+            kept = await self.store.key_budgets()
+            self._budgets = (kept, now + self.settings.key_check_interval)
+        return kept.get(key_name) or KeyBudget()
+
+    async def prices(self) -> dict[str, Price]:
+        """Every model's price by the ledger's name of it, kept ``key_check_interval`` s; a
+        price derived from a GPU's power at the model's throughput of the last day's turns."""
+        if self._prices[1] <= trio.current_time() and self.store is not None:
+            async with self._prices_lock:  # one reader; the others wait for what it read
+                if self._prices[1] <= trio.current_time():
+                    now = trio.current_time()
+                    found = {}
+                    for price in await self.store.list_prices():
+                        if price.watts is not None and price.kwh_price is not None:
+                            measured = await self.store.throughput(price.model, self.clock() - DAY)
+                            price = derive(price, *measured)
+                        found[price.model] = price
+                    self._prices = (found, now + self.settings.key_check_interval)
+        return self._prices[0]
+
+    def price(self, model_label: str) -> Price | None:
+        """The model's price as last read (None: it has none, it costs 0)."""
+        return self._prices[0].get(model_label)
 
     # -- limits ----------------------------------------------------------------------
 
@@ -165,14 +236,31 @@ class Accounting:
         return limits
 
     def forget_limits(self) -> None:
-        """Drop the kept limits (a key was created or its limits changed in this process)."""
+        """Drop the kept limits, budgets and prices (a key was created, its limits or budgets
+        changed, or a price set, in this process)."""
         self._limits.clear()
+        self._budgets = ({}, -math.inf)
+        self._prices = ({}, -math.inf)
 
     def _state(self, key_id: str) -> _KeyState:
         state = self._keys.get(key_id)
         if state is None:
             state = self._keys[key_id] = _KeyState()
         return state
+
+    async def _read_spent(self, state: _KeyState, key_id: str, budget: KeyBudget) -> None:
+        """The key's cost of ended turns this UTC day and month, read from the store once a
+        day and once a month."""
+        now = self.clock()
+        day, month = int(now) // DAY * DAY, month_start(now)
+        if budget.daily is not None and state.cost_day != day:
+            spent = await self.store.cost_since(key_id, day) if self.store else 0.0
+            if state.cost_day != day:
+                state.cost_day, state.day_cost = day, spent
+        if budget.monthly is not None and state.cost_month != month:
+            spent = await self.store.cost_since(key_id, month) if self.store else 0.0
+            if state.cost_month != month:
+                state.cost_month, state.month_cost = month, spent
 
     async def _read_day(self, state: _KeyState, key_id: str) -> None:
         """The key's tokens of ended turns this UTC day, read from the store once a day."""
@@ -194,29 +282,68 @@ class Accounting:
         they are exact under any number of concurrent turns. On a team of replicas the check
         and the count are the store's, in one transaction (``team``)."""
         limits = await self.limits(turn.key_id, turn.key_name)
+        budget = await self.budget(turn.key_name)
+        turn.priority = budget.rank
         state = self._state(turn.key_id)
         if limits.tokens_per_day is not None and self.team is None:
             await self._read_day(state, turn.key_id)
+        prices = await self.prices()  # read here, so the turn's end finds them kept
+        funded = budget.daily is not None or budget.monthly is not None
+        price: Price | None = None
+        if funded:  # the client's name too: its runner may not have been asked yet
+            price = prices.get(self.label(turn.model)) or prices.get(turn.model or "")
+            if self.team is None:
+                await self._read_spent(state, turn.key_id, budget)
         now = trio.current_time()
         state.expire(now)
+        answer = turn.reserved
+        prompt = 0
+        if (limits.tpm or limits.tokens_per_day) or (funded and price is not None):
+            prompt = turn.dialect.prompt_estimate(turn.body)
         if not (limits.tpm or limits.tokens_per_day):
             turn.reserved = 0  # nothing to hold tokens against
         else:  # its prompt is charged too: a long one with a small max_tokens holds it
-            turn.reserved += turn.dialect.prompt_estimate(turn.body)
+            turn.reserved += prompt
+        held = 0.0  # its worst case at its model's price, held against the key's budgets
+        if funded and price is not None:
+            held = price.cost(prompt, answer)
         team = self.team
         if team is not None:  # its row were it cut, in the store from now on
             turn.model_label = self.label(turn.model)
-            await team.admit(turn, limits, _encode_record(_record(turn, CUT)).decode())
+            funds = (held, budget.daily, budget.monthly) if funded else None
+            await team.admit(turn, limits, _encode_record(_record(turn, CUT)).decode(), funds)
         else:
+            if funded:
+                self._check_budget(state, budget)
             self._check(state, limits, now)
         state.requests.append(now)
         state.in_flight += 1
         state.reserved += turn.reserved
+        state.reserved_cost += held
+        if held:
+            self._held[id(turn)] = held
         self.in_flight[id(turn)] = turn
         journal = self.store.journal if self.store is not None and team is None else None
         if journal is not None:  # a hub killed under it still records it, as cut
             turn.model_label = self.label(turn.model)  # never a client's made-up name
             journal.started(turn.id, _record(turn, CUT), self.clock())
+
+    def _check_budget(self, state: _KeyState, budget: KeyBudget) -> None:
+        """LimitExceeded when the key's spend and what its turns in flight hold reach one of
+        its budgets (so concurrent turns pass it by at most one turn's reservation)."""
+        now = self.clock()
+        currency = self.settings.currency
+        held = state.reserved_cost
+        if budget.daily is not None and state.day_cost + held >= budget.daily:
+            resets = state.cost_day + DAY
+            raise over_budget(
+                "budget_daily", budget.daily, state.day_cost, held, resets, now, currency
+            )
+        if budget.monthly is not None and state.month_cost + held >= budget.monthly:
+            resets = next_month(now)
+            raise over_budget(
+                "budget_monthly", budget.monthly, state.month_cost, held, resets, now, currency
+            )
 
     def _check(self, state: _KeyState, limits: KeyLimits, now: float) -> None:
         """LimitExceeded when one more turn would pass one of ``limits``."""
@@ -259,7 +386,13 @@ class Accounting:
         state = self._state(turn.key_id)
         state.in_flight -= 1
         state.reserved -= turn.reserved
+        state.reserved_cost -= self._held.pop(id(turn), 0.0)
         turn.model_label = self.label(turn.model)
+        price = self.price(turn.model_label)
+        if price is not None:  # at the price in force now, as the turn ends
+            prompt, completion = turn.prompt_tokens or 0, turn.completion_tokens or 0
+            turn.cost = price.cost(prompt, completion)
+            turn.ref_cost = price.ref_cost(prompt, completion)
         try:
             tokens = turn.tokens
             if tokens:
@@ -276,6 +409,11 @@ class Accounting:
                 state.day, state.day_tokens = day, 0
             if state.day == day:  # else read from the store (this turn included) when needed
                 state.day_tokens += tokens
+            if turn.cost:
+                if state.cost_day == day:
+                    state.day_cost += turn.cost
+                if state.cost_month == month_start(wall):
+                    state.month_cost += turn.cost
         finally:
             for observe in self.observers:
                 observe(turn)
@@ -339,4 +477,6 @@ def _record(turn: Turn, outcome: str) -> UsageRecord:
         turn.duration,
         turn.estimated,
         turn.continued,
+        turn.cost,
+        turn.ref_cost,
     )

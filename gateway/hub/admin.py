@@ -14,10 +14,11 @@ from gateway.hub.board import JobsView
 from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
 from gateway.hub.metrics import CONTENT_TYPE
+from gateway.hub.money import KeyBudget, Price, budget_of, money
 from gateway.hub.people import ADMIN, person
 from gateway.hub.runners import RunnerNotFound
 from gateway.hub.snapshot import as_json, camel
-from gateway.hub.store import DEFAULT_KEY_PROJECT
+from gateway.hub.store import DEFAULT_KEY_PROJECT, HourlyUsage
 
 MAX_KEY_BODY = 4096  # bytes: a key's name, project and limits
 DAY = 24 * 3600
@@ -25,6 +26,7 @@ DAY = 24 * 3600
 LIMITS = {"rpm": "rpm", "tpm": "tpm", "tokensPerDay": "tokens_per_day", "maxStreams": "max_streams"}
 NO_STORE = [(b"cache-control", b"no-store")]
 PAGE_SESSION = "page_session"  # a request's scope key: it came with a person's page session
+PRICE_FIELDS = ("input", "output", "referenceInput", "referenceOutput", "watts", "kwhPrice")
 
 
 class AdminApi:
@@ -150,14 +152,89 @@ class AdminApi:
                 "promptTokens": row.prompt_tokens,
                 "completionTokens": row.completion_tokens,
                 "estimated": row.estimated,  # of ``turns``: tokens the hub's estimate
+                "cost": row.cost,
+                "referenceCost": row.ref_cost,
+                "unpriced": row.unpriced,  # of ``turns``: their model had no price (cost 0)
             }
             for row in rows
         ]
-        await req.resp.json(200, {"since": since, "usage": usage}, NO_STORE)
+        answer = {"since": since, "currency": self.hub.settings.currency, "usage": usage}
+        answer["cost"] = cost_totals(rows)
+        await req.resp.json(200, answer, NO_STORE)
+
+    async def prices(self, req: Request) -> None:
+        """``GET /api/hub/prices``: every model's price (a GPU-priced one as last derived)."""
+        prices = await self.hub.accounting.prices()
+        await req.resp.json(
+            200,
+            {
+                "currency": self.hub.settings.currency,
+                "prices": [p.as_json() for _model, p in sorted(prices.items())],
+            },
+            NO_STORE,
+        )
+
+    async def set_price(self, req: Request) -> None:
+        """``POST /api/hub/prices`` ``{"model", "input", "output"}`` or ``{"model", "watts",
+        "kwhPrice"}``, with ``"reference"``, ``"referenceInput"``, ``"referenceOutput"``."""
+        body = json_object(await req.body(MAX_KEY_BODY))
+        model = body.get("model")
+        if not isinstance(model, str) or not model.strip() or len(model) > 200:
+            raise HTTPError(400, '"model" must be a non-empty string', "invalid_request")
+        reference = body.get("reference")
+        if reference is not None and (not isinstance(reference, str) or len(reference) > 200):
+            raise HTTPError(400, '"reference" must be a string', "invalid_request")
+        values: dict[str, float | None] = {}
+        for field in PRICE_FIELDS:
+            try:
+                values[field] = money(body.get(field), f'"{field}"')
+            except ValueError as err:
+                raise HTTPError(400, str(err), "invalid_request") from None
+        gpu = values["watts"] is not None or values["kwhPrice"] is not None
+        if gpu and (values["watts"] is None or values["kwhPrice"] is None):
+            raise HTTPError(400, '"watts" and "kwhPrice" go together', "invalid_request")
+        if not gpu and values["input"] is None and values["output"] is None:
+            raise HTTPError(
+                400,
+                'a price needs "input" and "output", or "watts" and "kwhPrice"',
+                "invalid_request",
+            )
+        price = Price(
+            model,
+            values["input"] or 0.0,
+            values["output"] or 0.0,
+            reference,
+            values["referenceInput"],
+            values["referenceOutput"],
+            values["watts"],
+            values["kwhPrice"],
+        )
+        await self.hub.store.set_price(price)
+        self.hub.accounting.forget_limits()
+        await req.resp.json(200, price.as_json(), NO_STORE)
+
+    async def unset_price(self, req: Request) -> None:
+        """``DELETE /api/hub/prices/{model}``: the model costs 0 from now on."""
+        model = req.params["model"]
+        if not await self.hub.store.delete_price(model):
+            raise HTTPError(404, f"the model {model!r} has no price", "unknown_model")
+        self.hub.accounting.forget_limits()
+        await req.resp.json(200, {"model": model, "priced": False}, NO_STORE)
+
+    async def key_budget(self, req: Request) -> None:
+        """``POST /api/hub/keys/{name}/budget`` ``{"budgetDaily"?, "budgetMonthly"?,
+        "priority"?}``: the key's budgets (null or 0: none) and priority class."""
+        name = req.params["name"]
+        body = json_object(await req.body(MAX_KEY_BODY))
+        budget = _budget(body)
+        if not await self.hub.keys.set_budget(name, budget):
+            raise HTTPError(404, f"no active API key is named {name!r}", "unknown_key")
+        await req.resp.json(200, {"name": name, **budget.as_json()}, NO_STORE)
 
     async def keys(self, req: Request) -> None:
         """Every API key (never the key itself), with its turns and tokens since the hub started."""
         totals = self.hub.metrics.keys
+        budgets = await self.hub.store.key_budgets()
         keys = []
         owners = await self.hub.people.owners()
         who = person(req)
@@ -173,6 +250,8 @@ class AdminApi:
             limits = entry.get("limits")
             if limits is not None and not isinstance(limits, dict):  # a KeyLimits
                 entry["limits"] = {field: getattr(limits, kw, None) for field, kw in LIMITS.items()}
+            if not entry.get("revoked"):
+                entry.update((budgets.get(name) or KeyBudget()).as_json())
             keys.append(entry)
         await req.resp.json(200, {"keys": keys, "limitsSupported": True}, NO_STORE)
 
@@ -205,8 +284,10 @@ class AdminApi:
                     400, f'"{field}" must be a positive integer or null', "invalid_request"
                 )
             limits[keyword] = value
+        budget = _budget(body)
         try:
             key = await self.hub.keys.create(name, project, **limits)
+            await self.hub.keys.set_budget(name, budget)
         except ValueError as err:
             status = 409 if "already exists" in str(err) else 400
             raise HTTPError(status, str(err), "invalid_request") from None
@@ -215,6 +296,7 @@ class AdminApi:
             await self.hub.people.own(key, name, who)
             answer["person"] = {"sub": who.sub, "email": who.email}
         answer.update({field: body.get(field) for field in LIMITS if field in body})
+        answer.update(budget.as_json())
         await req.resp.json(201, answer, NO_STORE)
 
     async def revoke_key(self, req: Request) -> None:
@@ -310,3 +392,35 @@ class AdminApi:
         if not await self.hub.people.set_projects(sub, projects):
             raise HTTPError(404, f"no one with sub {sub!r} has signed in", "unknown_person")
         await req.resp.json(200, {"sub": sub, "projects": projects}, NO_STORE)
+
+
+def _budget(body: dict[str, Any]) -> KeyBudget:
+    """The budgets and priority a key's JSON body gives (HTTPError 400 on a bad one)."""
+    priority = body.get("priority")
+    if priority is not None and not isinstance(priority, str):
+        raise HTTPError(400, '"priority" must be a string', "invalid_request")
+    try:
+        return budget_of(body.get("budgetDaily"), body.get("budgetMonthly"), priority)
+    except ValueError as err:
+        raise HTTPError(400, str(err), "invalid_request") from None
+
+
+def cost_totals(rows: list[HourlyUsage]) -> dict[str, Any]:
+    """The rows' cost (and reference cost) per key, per model and in total."""
+    per_key: dict[str, list[float]] = {}
+    per_model: dict[str, list[float]] = {}
+    for row in rows:
+        for table, name in ((per_key, row.key_name), (per_model, row.model or "")):
+            pair = table.setdefault(name, [0.0, 0.0])
+            pair[0] += row.cost
+            pair[1] += row.ref_cost
+
+    def listed(table: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+        return {n: {"cost": c, "referenceCost": r} for n, (c, r) in table.items()}
+
+    return {
+        "perKey": listed(per_key),  # a person's (once keys have one) is a column to add here
+        "perModel": listed(per_model),
+        "total": sum(row.cost for row in rows),
+        "referenceTotal": sum(row.ref_cost for row in rows),
+    }

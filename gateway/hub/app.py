@@ -97,6 +97,10 @@ class App:
             _route("DELETE", "/api/hub/keys/(?P<name>[^/]+)", admin.revoke_key),
             _route("GET", "/api/hub/people", admin.people),
             _route("PUT", "/api/hub/people/(?P<sub>[^/]+)/projects", admin.set_person_projects),
+            _route("POST", "/api/hub/keys/(?P<name>[^/]+)/budget", admin.key_budget),
+            _route("GET", "/api/hub/prices", admin.prices),
+            _route("POST", "/api/hub/prices", admin.set_price),
+            _route("DELETE", "/api/hub/prices/(?P<model>[^/]+)", admin.unset_price),
             _route("GET", "/metrics", admin.metrics),
             # people's sign-in (issue 34): 404 on a hub without --oidc-issuer
             _route("GET", "/auth/login", hub.people.login),

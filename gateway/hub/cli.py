@@ -36,6 +36,7 @@ from gateway.config import (
     parse_duration,
     setting_flags,
 )
+from gateway.hub import pricing
 from gateway.hub.app import serve_hub
 from gateway.hub.cliparse import Parser, UsageError, parse
 from gateway.hub.hub import Hub
@@ -90,6 +91,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--tokens-per-day", type=_limit, metavar="N", help="tokens a day (the UTC day)"
     )
     parser.add_argument("--max-streams", type=_limit, metavar="N", help="turns in flight at once")
+    pricing.add_budget_flags(parser)  # and a key's budgets and priority class
 
 
 _COMMON = ("data", "store")  # settings every hub command takes (its store)
@@ -185,6 +187,7 @@ def _build_parser() -> _Parser:
     from gateway.hub.runnercli import add_runners_commands
 
     add_runners_commands(parser, sub, _limit)
+    pricing.add_prices_command(sub, parser)
     parser.command(
         sub,
         "doctor",
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             from gateway.hub.runnercli import runners_command
 
             return runners_command(args, _open(settings), _table)
+        if args.command == "prices":
+            return trio.run(pricing.run_prices, args, _open(settings), settings)
         if args.command == "doctor":
             from gateway.hub.doctor import main as doctor_main
 
@@ -307,17 +312,18 @@ def _keys(args: argparse.Namespace, settings: HubSettings) -> int:
         extra = "; or `keys create --create` to start a new hub store there"
         return _fail(str(missing) + (extra if args.keys_command == "create" else ""))
     within = f"within key_check_interval ({_seconds(settings.key_check_interval)})"
-    return trio.run(_keys_in, args, store, within)
+    return trio.run(_keys_in, args, store, within, settings.currency)
 
 
-async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
+async def _keys_in(args: argparse.Namespace, store: Store, within: str, currency: str) -> int:
     try:
         if args.keys_command == "create":
             limits = limits_of(*(getattr(args, name) for name in LIMIT_NAMES))
             key = await store.create_api_key(args.name, args.project, limits)
+            budget = await pricing.set_budget(store, args)
             print(
                 f"created API key {logsafe.safe(args.name)!r} for {logsafe.safe(args.project)} "
-                f"(limits: {limits.describe()}); it is shown only now:",
+                f"(limits: {limits.describe()}; {budget.describe(currency)}); it is shown only now:",
                 file=sys.stderr,
             )
             print(key)
@@ -327,6 +333,7 @@ async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
             if not keys:
                 print("no API keys", file=sys.stderr)
                 return 0
+            budgets = await pricing.budget_cells(store, keys, currency)
             rows = []
             for k in keys:
                 key_limits = k["limits"]
@@ -338,21 +345,24 @@ async def _keys_in(args: argparse.Namespace, store: Store, within: str) -> int:
                         str(k["createdAt"]),
                         "revoked" if k["revoked"] else "active",
                         key_limits.describe(),
+                        budgets[str(k["name"])],
                     )
                 )
-            header = ("NAME", "PROJECT", "CREATED", "STATUS", "LIMITS")
+            header = ("NAME", "PROJECT", "CREATED", "STATUS", "LIMITS", "BUDGET")
             print("\n".join(_table(header, rows, left=len(header))))
             return 0
         name = logsafe.safe(args.name)
         if args.keys_command == "update":
             given = {limit: getattr(args, limit) for limit in LIMIT_NAMES}
-            if all(value is None for value in given.values()):
+            if all(value is None for value in given.values()) and not pricing.budget_given(args):
                 raise UsageError(
-                    "keys update needs at least one of --rpm, --tpm, "
-                    "--tokens-per-day, --max-streams"
+                    "keys update needs at least one of --rpm, --tpm, --tokens-per-day, "
+                    "--max-streams, --budget-daily, --budget-monthly, --priority"
                 )
             found = await store.key_limits(args.name)
             if found is None:
+                return _fail(f"no active API key named {name!r}")
+            if not await pricing.update_budget(store, args, currency, within):
                 return _fail(f"no active API key named {name!r}")
             old = found[1]
             merged = {
@@ -412,7 +422,8 @@ def _usage(args: argparse.Namespace, settings: HubSettings) -> int:
         )
         for t in totals
     ]
-    print("\n".join(_table(header, rows, left=2)))
+    print("\n".join(_table(*pricing.with_costs(header, rows, totals, settings.currency), left=2)))
+    print("\n".join(pricing.cost_summary(totals, settings.currency)))
     return 0
 
 

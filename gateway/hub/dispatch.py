@@ -8,7 +8,9 @@ its session moved (its runner is gone, or does not serve the model), a job opene
 refused (and why), or nothing yet; and when to look again.
 
 New jobs wait in a fair queue (``FairQueue``): lanes, one per API key, FIFO within a lane, the
-lanes taking turns, so one key's burst cannot starve another. As many turns of the order hold a
+lanes taking turns, so one key's burst cannot starve another; a higher priority class (its key's:
+interactive, standard, background) before a lower one, fair within a class, and a turn that waited
+``promote_after`` s served as one class higher (again after as many more), so none starves. As many turns of the order hold a
 job as there are free runners that serve their model (at least the first of each model, so a
 runner that frees up claims exactly that one); a turn behind them waits, its place kept by
 arrival and lane, never by job.
@@ -34,8 +36,10 @@ RECENT_WAITS = 256  # the last waits kept for the metrics (seconds each)
 class FairQueue:
     """One project's waiting turns: round-robin across lanes (API keys), FIFO within one."""
 
-    def __init__(self) -> None:
+    def __init__(self, promote_after: float = math.inf) -> None:
         self._lanes: OrderedDict[str, deque[Waiter]] = OrderedDict()  # in rotation order
+        self.promote_after = promote_after  # s a turn waits before it counts one class higher
+        self.now = 0.0  # the clock the promotions are judged by (``plan`` sets it)
 
     def __len__(self) -> int:
         return sum(len(lane) for lane in self._lanes.values())
@@ -63,14 +67,26 @@ class FairQueue:
         elif served:
             self._lanes.move_to_end(waiter.lane)
 
+    def rank(self, waiter: Waiter) -> int:
+        """The class it is served in now: its key's, one higher for each ``promote_after`` s
+        it waited (0, interactive, the highest)."""
+        if waiter.priority <= 0:
+            return 0
+        waited = self.now - (waiter.seeking if waiter.seeking is not None else waiter.arrived)
+        return max(0, waiter.priority - int(max(0.0, waited) // self.promote_after))
+
     def order(self) -> list[Waiter]:
-        """Every waiting turn in the order it would be served: the lanes interleaved, one turn
-        each in turn, from the lane whose turn it is."""
+        """Every waiting turn in the order it would be served: class by class, the highest
+        first; within one, the lanes interleaved, one turn each in turn, from the lane whose
+        turn it is."""
         lanes = list(self._lanes.values())
+        ranks = {id(w): self.rank(w) for lane in lanes for w in lane}
         out: list[Waiter] = []
-        depth = max((len(lane) for lane in lanes), default=0)
-        for i in range(depth):
-            out.extend(lane[i] for lane in lanes if i < len(lane))
+        for rank in sorted(set(ranks.values())):
+            of_rank = [[w for w in lane if ranks[id(w)] == rank] for lane in lanes]
+            depth = max((len(lane) for lane in of_rank), default=0)
+            for i in range(depth):
+                out.extend(lane[i] for lane in of_rank if i < len(lane))
         return out
 
     def position(self, waiter: Waiter) -> tuple[int, int]:
@@ -104,6 +120,7 @@ class Waiter:
     redial_until: float | None = None  # its session's channel is gone: the redial waited until
     seeking: float | None = None  # clock: since when it needs a new job (its waits count from)
     follows: Waiter | None = None  # the turn of its session whose new job it will share
+    priority: int = 1  # its key's class: 0 interactive, 1 standard, 2 background
 
 
 @dataclass(frozen=True)
@@ -146,6 +163,7 @@ class Limits:
     # s a new job offered only to primary runners waits for one of them to take it before the
     # fallback tier's runners may take it too
     fallback_after: float = math.inf
+    promote_after: float = math.inf  # s a queued turn waits before it counts one class higher
 
 
 class Refusal(enum.Enum):
@@ -292,6 +310,7 @@ def plan(
     join ``queue`` here and leave it when their job is claimed; everything else the caller
     applies (``Plan.actions``) and then takes the served and refused turns out."""
     out = Plan()
+    queue.now, queue.promote_after = now, limits.promote_after
     pool = _Pool.of(runners.values())
     leaders: dict[Hashable, Waiter] = {}  # each session's turn that seeks its new job
     seeking: list[Waiter] = []
@@ -488,7 +507,11 @@ def _queue(
             waiter.queued = True  # it waits with every runner that serves it at capacity
             out.newly_queued.append(waiter)
         limit = limits.queue_wait if waiter.queued else limits.dial_within
-        due = (waiter.seeking if waiter.seeking is not None else waiter.arrived) + limit
+        since = waiter.seeking if waiter.seeking is not None else waiter.arrived
+        if queue.rank(waiter) > 0 and math.isfinite(queue.promote_after):  # its next class
+            steps = int(max(0.0, now - since) // queue.promote_after) + 1
+            out.wake = min(out.wake, since + steps * queue.promote_after)
+        due = since + limit
         if now < due:
             out.wake = min(out.wake, due)
         elif waiter.queued:

@@ -205,6 +205,7 @@ class Dispatcher:
             model=turn.model,
             arrived=trio.current_time(),
             job_id=session.job_id,
+            priority=turn.priority,
         )
         waiting = _Waiting(view, session, turn, traceparent)
         key = (session.owner, session.project)
@@ -259,6 +260,7 @@ class Dispatcher:
             dial_within=s.runner_wait_timeout,
             redial_within=min(s.reconnect_timeout, s.runner_wait_timeout),
             fallback_after=min(FALLBACK_AFTER, s.runner_wait_timeout / 2),
+            promote_after=s.priority_promote_after,
         )
 
     def _runners(self, key: Project) -> dict[str, RunnerView]:

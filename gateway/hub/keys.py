@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from gateway.hub.money import KeyBudget
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import (
     DEFAULT_KEY_PROJECT,
@@ -80,6 +81,13 @@ class Keys:
         False when there is no such key, ValueError on a bad limit."""
         limits = limits_of(limits.rpm, limits.tpm, limits.tokens_per_day, limits.max_streams)
         updated = await self.store.set_key_limits(name, limits)
+        self._changed(self.on_limits)
+        return updated
+
+    async def set_budget(self, name: str, budget: KeyBudget) -> bool:
+        """Replace the active key ``name``'s budgets and priority class, applied at once;
+        False when there is no such key."""
+        updated = await self.store.set_key_budget(name, budget)
         self._changed(self.on_limits)
         return updated
 

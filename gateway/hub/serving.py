@@ -60,11 +60,11 @@ def new_id() -> str:
 
 
 def limit_error(exc: LimitExceeded) -> HTTPError:
-    """A key's limit passed: 429 with Retry-After."""
+    """A key's limit passed: 429 with Retry-After (``budget_exceeded`` for a budget)."""
     return HTTPError(
         429,
         exc.message,
-        "rate_limit_exceeded",
+        "budget_exceeded" if exc.limit.startswith("budget") else "rate_limit_exceeded",
         type_="rate_limit_error",
         headers=[(b"retry-after", str(exc.retry_after).encode())],
     )

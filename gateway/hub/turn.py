@@ -58,6 +58,7 @@ class Turn:
         "completion_tokens",
         "estimated",
         "reserved",
+        *("cost", "ref_cost", "priority"),
         "chunks",
         "attempts",
         # the request and its answer
@@ -128,6 +129,9 @@ class Turn:
         self.completion_tokens: int | None = None
         self.estimated = False  # the tokens are the hub's estimate (the backend said none)
         self.reserved = reserved  # tokens held against the key's token limits until the end
+        self.cost: float | None = None  # at its model's price as it ended (None: no price)
+        self.ref_cost: float | None = None  # the same tokens at the reference price
+        self.priority = 1  # its key's class in the queue (0 interactive, 1 standard, 2 background)
         self.chunks = 0  # chunks of the answer so far (a streamed turn's pace, live)
         self.attempts = 0  # channels the request was sent on
         self.body = body  # the chat-completions body sent down the channel

@@ -231,10 +231,18 @@ class _Prompt(msgspec.Struct):
 _prompt_decoder = msgspec.json.Decoder(_Prompt)
 
 
+# what a chat template adds around the text (issue 35, point 5): each message's role and its
+# delimiters (ChatML's ``<|im_start|>user\n ... <|im_end|>\n`` is 5 tokens, Llama 3's header and
+# ``<|eot_id|>`` 5), and the assistant's turn opened for the answer (3); docs/hub.md has the error
+MESSAGE_TOKENS = 5
+REPLY_TOKENS = 3
+
+
 def estimate_prompt_tokens(body: bytes) -> int:
-    """A chat body's prompt tokens, ESTIMATED as ``count_tokens`` does (the hub has no
-    tokenizer): ``ceil(chars / 4)`` over the messages' text, tool calls and tools, plus
-    ``IMAGE_TOKENS`` per image. Read only when a turn ended without the backend's usage."""
+    """A chat body's prompt tokens, ESTIMATED (the hub has no tokenizer): ``ceil(chars / 4)``
+    over the messages' text, tool calls and tools, plus ``IMAGE_TOKENS`` per image, plus the
+    chat template's ``MESSAGE_TOKENS`` a message and ``REPLY_TOKENS``. Read at admission (the
+    token limits' and budgets' reservation) and when a turn ended without the backend's usage."""
     try:
         prompt = _prompt_decoder.decode(body)
     except (msgspec.DecodeError, RecursionError):
@@ -257,7 +265,8 @@ def estimate_prompt_tokens(body: bytes) -> int:
             chars += len(msgspec.json.encode(message.tool_calls))
     if prompt.tools is not None:
         chars += len(msgspec.json.encode(prompt.tools))
-    return math.ceil(chars / 4) + images * IMAGE_TOKENS
+    template = MESSAGE_TOKENS * len(prompt.messages) + REPLY_TOKENS
+    return math.ceil(chars / 4) + images * IMAGE_TOKENS + template
 
 
 # -- SSE and whole completions -----------------------------------------------------------------

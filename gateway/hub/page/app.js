@@ -8,6 +8,8 @@ const STORAGE = "alp-hub-admin";
 const POLL_MS = Math.min(Math.max(Number(new URLSearchParams(location.search).get("poll")) || 2000, 250), 60000);
 const HOUR = 3600;
 const SVG = "http://www.w3.org/2000/svg";
+const DAY = 24 * HOUR;
+let lastUsage = null; // the last answer of /api/hub/usage: the chart's view redraws from it
 const COLORS = ["#2f6fdb", "#e07b24", "#2a9d5c", "#b8427a", "#7a5cc7", "#8a7a12", "#1f9bb0", "#c23b3b"];
 
 let timer = null;
@@ -144,14 +146,17 @@ async function poll(gen) {
 
 async function refresh(gen) {
   if (person && person.role !== "admin") return refreshMember(gen);
-  const since = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
-  const [runners, turns, sessions, usage, keys, replicas] = await Promise.all([
+  // 30 days of hourly totals: the chart draws the last 24 hours per hour or the last 30 days
+  // per day (UTC days) from them, without asking again when its view changes
+  const since = Math.floor(Date.now() / 1000 / DAY) * DAY - 29 * DAY;
+  const [runners, turns, sessions, usage, keys, replicas, prices] = await Promise.all([
     api("GET", "/api/hub/runners"),
     api("GET", "/api/hub/turns"),
     api("GET", "/api/hub/sessions"),
     api("GET", `/api/hub/usage?since=${since}`),
     api("GET", "/api/hub/keys"),
     team === false ? null : api("GET", "/api/hub/replicas"), // a hub alone stays alone
+    api("GET", "/api/hub/prices"),
   ]);
   if (gen !== generation) return;
   const names = {};
@@ -163,9 +168,31 @@ async function refresh(gen) {
   showRunners(runners.runners);
   showTurns(turns.turns, names);
   showSessions(sessions.sessions, names);
-  showUsage(usage.usage, since);
+  lastUsage = usage;
+  showUsage();
   showKeys(keys.keys, keys.limitsSupported);
-  if (person) await refreshPeopleUsage(gen, since);
+  if (person) await refreshPeopleUsage(gen, Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR);
+  showPrices(prices);
+}
+
+function showPrices(answer) {
+  const money = (v) => (v === null || v === undefined ? null : `${v} ${answer.currency}`);
+  fill(
+    "prices",
+    answer.prices.map((p) => {
+      const tr = row([
+        p.model,
+        money(p.input),
+        money(p.output),
+        p.watts === null ? null : `${p.watts} W at ${p.kwhPrice} ${answer.currency}/kWh`,
+        p.referenceInput === null && p.referenceOutput === null
+          ? null
+          : `${p.reference || ""} ${money(p.referenceInput) || "–"} / ${money(p.referenceOutput) || "–"}`,
+      ]);
+      tr.dataset.model = p.model;
+      return tr;
+    }),
+  );
 }
 
 function showReplicas(replicas, names) {
@@ -304,38 +331,55 @@ function showKeys(keys, limitsSupported) {
   $("limits-note").hidden = limitsSupported;
 }
 
-function showUsage(rows, since) {
+function showUsage() {
+  if (lastUsage === null) return;
   const chart = $("usage-chart");
-  const byHour = new Map(); // hour index -> Map(key -> tokens)
+  const month = $("usage-span").value === "month";
+  const cost = $("usage-measure").value === "cost";
+  const byModel = $("usage-by").value === "model";
+  const currency = lastUsage.currency || "";
+  const step = month ? DAY : HOUR;
+  const slots = month ? 30 : 24;
+  const since = month
+    ? Math.floor(Date.now() / 1000 / DAY) * DAY - 29 * DAY
+    : Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
+  const byHour = new Map(); // slot index -> Map(key or model -> tokens or cost)
   const keys = [];
   let most = 0;
-  for (const r of rows) {
-    const slot = Math.floor((r.hour - since) / HOUR);
-    if (slot < 0 || slot > 23) continue;
-    if (!keys.includes(r.key)) keys.push(r.key);
+  let rows = 0;
+  for (const r of lastUsage.usage) {
+    const slot = Math.floor((r.hour - since) / step);
+    if (slot < 0 || slot >= slots) continue;
+    rows += 1;
+    const name = byModel ? r.model || "(default)" : r.key;
+    if (!keys.includes(name)) keys.push(name);
     const hour = byHour.get(slot) || new Map();
-    hour.set(r.key, (hour.get(r.key) || 0) + r.promptTokens + r.completionTokens);
+    const value = cost ? r.cost || 0 : r.promptTokens + r.completionTokens;
+    hour.set(name, (hour.get(name) || 0) + value);
     byHour.set(slot, hour);
   }
+  const shown = (v) => (cost ? `${v.toFixed(v && v < 1 ? 4 : 2)} ${currency}` : v.toLocaleString());
   for (const hour of byHour.values()) {
     let sum = 0;
     for (const v of hour.values()) sum += v;
     most = Math.max(most, sum);
   }
-  document.querySelector('.empty[data-for="usage"]').hidden = rows.length > 0;
-  chart.hidden = rows.length === 0;
+  document.querySelector('.empty[data-for="usage"]').hidden = rows > 0;
+  chart.hidden = rows === 0;
   keys.sort();
   const width = 760;
   const height = 220;
-  const left = 56;
+  const left = cost ? 84 : 56; // room for the top value's label
   const bottom = 24;
   const plotH = height - bottom - 10;
-  const barW = (width - left) / 24;
+  const barW = (width - left) / slots;
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   svg.setAttribute("preserveAspectRatio", "xMinYMin meet");
   svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", "Tokens per hour and key, last 24 hours");
+  const what = `${cost ? "Cost" : "Tokens"} per ${month ? "day" : "hour"} and ${byModel ? "model" : "key"}`;
+  svg.setAttribute("aria-label", `${what}, last ${month ? "30 days" : "24 hours"}`);
+  svg.dataset.view = `${month ? "month" : "day"}-${cost ? "cost" : "tokens"}-${byModel ? "model" : "key"}`;
   const text = (x, y, value, anchor) => {
     const t = document.createElementNS(SVG, "text");
     t.setAttribute("x", x);
@@ -352,11 +396,14 @@ function showUsage(rows, since) {
   axis.setAttribute("y2", height - bottom);
   axis.setAttribute("class", "axisline");
   svg.append(axis);
-  text(left - 6, 16, most ? most.toLocaleString() : "0", "end");
+  text(left - 6, 16, most ? shown(most) : "0", "end");
   text(left - 6, height - bottom, "0", "end");
-  for (let slot = 0; slot < 24; slot++) {
-    const start = new Date((since + slot * HOUR) * 1000);
-    if (slot % 3 === 0) text(left + slot * barW + barW / 2, height - 6, `${String(start.getHours()).padStart(2, "0")}:00`);
+  for (let slot = 0; slot < slots; slot++) {
+    const start = new Date((since + slot * step) * 1000);
+    const label = month
+      ? `${start.getUTCMonth() + 1}/${start.getUTCDate()}`
+      : `${String(start.getHours()).padStart(2, "0")}:00`;
+    if (slot % (month ? 5 : 3) === 0) text(left + slot * barW + barW / 2, height - 6, label);
     const hour = byHour.get(slot);
     if (!hour || !most) continue;
     let y = height - bottom;
@@ -373,7 +420,7 @@ function showUsage(rows, since) {
       bar.setAttribute("fill", COLORS[keys.indexOf(key) % COLORS.length]);
       bar.setAttribute("data-key", key);
       const title = document.createElementNS(SVG, "title");
-      title.textContent = `${key}, ${start.toLocaleString()}: ${tokens.toLocaleString()} tokens`;
+      title.textContent = `${key}, ${start.toLocaleString()}: ${shown(tokens)}${cost ? "" : " tokens"}`;
       bar.append(title);
       svg.append(bar);
     }
@@ -454,6 +501,8 @@ document.addEventListener("DOMContentLoaded", () => {
   $("signin-fields").disabled = false; // the form can be used once this script handles it
   $("signout").addEventListener("click", () => signOut());
   $("create-key").addEventListener("submit", createKey);
+  for (const id of ["usage-span", "usage-measure", "usage-by"]) $(id).addEventListener("change", showUsage);
+  $("usage-view").addEventListener("submit", (event) => event.preventDefault());
   $("new-key-done").addEventListener("click", () => {
     $("new-key").hidden = true;
     $("new-key-value").textContent = "";

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from gateway.config import STORE_POOL
+from gateway.hub.money import KeyBudget, Price
 from gateway.hub.store.journal import Journal
 from gateway.hub.store.records import (
     DEFAULT_KEY_PROJECT,
@@ -480,3 +481,34 @@ class Store(abc.ABC):
     async def people(self, op: Op[T]) -> T:
         """``op``, one of ``people_ops``' statements about people, their keys, page sessions
         and usage, run on this store (the queued usage rows written first)."""
+
+    @abc.abstractmethod
+    async def cost_since(self, key_id: str, hour: int) -> float:
+        """The key's cost (the hub's currency) from ``hour`` (an hour's start) on."""
+
+    @abc.abstractmethod
+    async def throughput(self, model: str, since: float) -> tuple[float, float]:
+        """The model's measured tokens a second, of prefill and of decoding, over the kept
+        turn rows since ``since`` (0 where none measured)."""
+
+    # prices and budgets
+
+    @abc.abstractmethod
+    async def set_price(self, price: Price) -> None:
+        """Insert or replace the model's price."""
+
+    @abc.abstractmethod
+    async def delete_price(self, model: str) -> bool:
+        """Forget the model's price (it costs 0 from now on); False when it had none."""
+
+    @abc.abstractmethod
+    async def list_prices(self) -> list[Price]:
+        """Every model's price, by model."""
+
+    @abc.abstractmethod
+    async def key_budgets(self) -> dict[str, KeyBudget]:
+        """Every active key's budgets and priority class, by name."""
+
+    @abc.abstractmethod
+    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
+        """Replace the active key ``name``'s budgets and priority; False when there is none."""

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from gateway.hub.money import KeyBudget, Price
 from gateway.hub.store import dburl, team_ops
 from gateway.hub.store import postgres_ops as ops
 from gateway.hub.store import postgres_trust as trust
@@ -410,3 +411,28 @@ class PostgresStore(Store):
     async def people(self, op: ops.Op[T]) -> T:
         await self.flush_usage()
         return await self._run(op)
+
+    async def cost_since(self, key_id: str, hour: int) -> float:
+        await self.flush_usage()
+        return await self._run(usage_ops.cost_since(key_id, hour))
+
+    async def throughput(self, model: str, since: float) -> tuple[float, float]:
+        await self.flush_usage()
+        return await self._run(usage_ops.throughput(model, since))
+
+    # -- prices and budgets ----------------------------------------------------------------------
+
+    async def set_price(self, price: Price) -> None:
+        await self._run(usage_ops.set_price(price))
+
+    async def delete_price(self, model: str) -> bool:
+        return await self._run(usage_ops.delete_price(model))
+
+    async def list_prices(self) -> list[Price]:
+        return await self._run(usage_ops.list_prices())
+
+    async def key_budgets(self) -> dict[str, KeyBudget]:
+        return await self._run(usage_ops.key_budgets())
+
+    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
+        return await self._run(usage_ops.set_key_budget(name, budget))

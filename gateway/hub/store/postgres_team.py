@@ -182,6 +182,7 @@ class PostgresTeam(TeamStore):
         max_sessions: int,
         expiry: float,
         record: str | None = None,
+        budget: tuple[float, float | None, float | None] | None = None,
     ) -> Admission:
         return await self._run(
             ops.admit(
@@ -195,6 +196,7 @@ class PostgresTeam(TeamStore):
                 max_sessions,
                 expiry,
                 record,
+                budget,
             )
         )
 
@@ -204,7 +206,7 @@ class PostgresTeam(TeamStore):
     async def settle(self, ended: Release, record: UsageRecord, at: float) -> bool:
         return await self._run(
             team_usage.settle(
-                ended.turn_id, ended.tokens, ended.key_name, ended.session, record, at
+                ended.turn_id, ended.tokens, ended.key_name, ended.session, record, at, ended.cost
             )
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.hub.money import KeyBudget, Price
 from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
 from gateway.hub.store.records import (
     ERROR_OUTCOMES,
@@ -13,15 +14,20 @@ from gateway.hub.store.records import (
     UsageTotal,
     hour_of,
     hourly_totals,
+    price_values,
+    rates,
+    utc_now,
 )
 
 _USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
-    " completion_tokens ttft duration outcome estimated continued"
+    " completion_tokens ttft duration outcome estimated continued cost ref_cost"
 ).split()
 _USAGE_TYPES = (
-    "float8 text text text text text text text int8 int8 int8 float8 float8 text int8 int8".split()
-)
+    "float8 text text text text text text text int8 int8 int8 float8 float8 text int8 int8"
+    " float8 float8"
+).split()
+_PRICE_COLUMNS = "model, input, output, reference, ref_input, ref_output, watts, kwh_price"
 _ERRORS = ", ".join(f"'{outcome}'" for outcome in ERROR_OUTCOMES)  # our own constants
 
 
@@ -38,11 +44,12 @@ _WRITE_USAGE = (
     f"WITH turns AS (INSERT INTO usage_turns ({', '.join(_USAGE_COLUMNS)}) SELECT * FROM unnest("
     + ", ".join(f"${n}::{kind}[]" for n, kind in enumerate(_USAGE_TYPES, 1))
     + ")) INSERT INTO usage_hourly (hour, key_id, key_name, model, turns, prompt_tokens,"
-    " completion_tokens, errors, estimated) SELECT * FROM unnest("
+    " completion_tokens, errors, estimated, cost, ref_cost, unpriced) SELECT * FROM unnest("
     + ", ".join(
         f"${n}::{kind}[]"
         for n, kind in enumerate(
-            "int8 text text text int8 int8 int8 int8 int8".split(), len(_USAGE_TYPES) + 1
+            "int8 text text text int8 int8 int8 int8 int8 float8 float8 int8".split(),
+            len(_USAGE_TYPES) + 1,
         )
     )
     + ") ON CONFLICT (hour, key_id, model) DO UPDATE SET"
@@ -50,12 +57,15 @@ _WRITE_USAGE = (
     " prompt_tokens = usage_hourly.prompt_tokens + excluded.prompt_tokens,"
     " completion_tokens = usage_hourly.completion_tokens + excluded.completion_tokens,"
     " errors = usage_hourly.errors + excluded.errors,"
-    " estimated = usage_hourly.estimated + excluded.estimated, key_name = excluded.key_name"
+    " estimated = usage_hourly.estimated + excluded.estimated,"
+    " cost = usage_hourly.cost + excluded.cost,"
+    " ref_cost = usage_hourly.ref_cost + excluded.ref_cost,"
+    " unpriced = usage_hourly.unpriced + excluded.unpriced, key_name = excluded.key_name"
 )
 
 
 WRITE_USAGE = _WRITE_USAGE  # rows and hourly totals, one statement (``usage_columns``)
-USAGE_PARAMS = _N = len(_USAGE_TYPES) + 9  # WRITE_USAGE's parameters; then a journal's mark
+USAGE_PARAMS = _N = len(_USAGE_TYPES) + 12  # WRITE_USAGE's parameters; then a journal's mark
 _WRITE_USAGE_MARKED = _WRITE_USAGE.replace(
     "WITH turns AS",
     f"WITH meta AS (INSERT INTO usage_meta (name, value) VALUES (${_N + 1}, ${_N + 2})"
@@ -84,7 +94,7 @@ def usage_columns(rows: list[tuple[UsageRecord, float]]) -> tuple[list[Any], ...
         (hour, key_id, t[0], model, *t[1:])
         for (hour, key_id, model), t in hourly_totals(rows).items()
     ]
-    return (*_columns(turns, len(_USAGE_COLUMNS)), *_columns(hourly, 9))
+    return (*_columns(turns, len(_USAGE_COLUMNS)), *_columns(hourly, 12))
 
 
 def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
@@ -141,8 +151,8 @@ def usage_rows(since: float, key_name: str | None) -> Op[list[dict[str, Any]]]:
 def hourly_usage(since: float, key_name: str | None) -> Op[list[HourlyUsage]]:
     query = (
         "SELECT hour, key_name, model, SUM(turns)::int8, SUM(prompt_tokens)::int8,"
-        " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8"
-        " FROM usage_hourly WHERE hour >= $1"
+        " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8,"
+        " SUM(cost), SUM(ref_cost), SUM(unpriced)::int8 FROM usage_hourly WHERE hour >= $1"
     )
     args: tuple[Any, ...] = (hour_of(since),)
     if key_name is not None:
@@ -152,7 +162,7 @@ def hourly_usage(since: float, key_name: str | None) -> Op[list[HourlyUsage]]:
         ' GROUP BY hour, key_name, model ORDER BY hour, key_name COLLATE "C", model COLLATE "C"'
     )
     rows = yield Query(query, args)
-    return [HourlyUsage(r[0], r[1], r[2] or None, r[3], r[4], r[5], r[6], r[7]) for r in rows]
+    return [HourlyUsage(r[0], r[1], r[2] or None, *r[3:]) for r in rows]
 
 
 def usage_totals(since: float, key_name: str | None) -> Op[tuple[list[UsageTotal], bool]]:
@@ -161,15 +171,16 @@ def usage_totals(since: float, key_name: str | None) -> Op[tuple[list[UsageTotal
         query = (
             "SELECT key_name, model, COUNT(*), SUM(COALESCE(prompt_tokens, 0))::int8,"
             " SUM(COALESCE(completion_tokens, 0))::int8,"
-            f" COUNT(*) FILTER (WHERE outcome IN ({_ERRORS})), SUM(estimated)::int8"
-            " FROM usage_turns WHERE at >= $1"
+            f" COUNT(*) FILTER (WHERE outcome IN ({_ERRORS})), SUM(estimated)::int8,"
+            " COALESCE(SUM(cost), 0), COALESCE(SUM(ref_cost), 0),"
+            " COUNT(*) FILTER (WHERE cost IS NULL) FROM usage_turns WHERE at >= $1"
         )
         args: tuple[Any, ...] = (since,)
     else:
         query = (
             "SELECT key_name, model, SUM(turns)::int8, SUM(prompt_tokens)::int8,"
-            " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8"
-            " FROM usage_hourly WHERE hour >= $1"
+            " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8,"
+            " SUM(cost), SUM(ref_cost), SUM(unpriced)::int8 FROM usage_hourly WHERE hour >= $1"
         )
         args = (hour_of(since),)
     if key_name is not None:
@@ -187,3 +198,63 @@ def tokens_since(key_id: str, hour: int) -> Op[int]:
         (key_id, hour),
     )
     return int(rows[0][0])
+
+
+def cost_since(key_id: str, hour: int) -> Op[float]:
+    rows = yield Query(
+        "SELECT COALESCE(SUM(cost), 0)::float8 FROM usage_hourly WHERE key_id = $1 AND hour >= $2",
+        (key_id, hour),
+    )
+    return float(rows[0][0])
+
+
+def throughput(model: str, since: float) -> Op[tuple[float, float]]:
+    rows = yield Query(
+        "SELECT COALESCE(SUM(prompt_tokens), 0)::float8, COALESCE(SUM(ttft), 0)::float8,"
+        " COALESCE(SUM(completion_tokens), 0)::float8, COALESCE(SUM(duration - ttft), 0)::float8"
+        " FROM usage_turns WHERE model = $1 AND at >= $2 AND estimated = 0"
+        " AND ttft IS NOT NULL AND duration IS NOT NULL AND duration > ttft",
+        (model, since),
+    )
+    return rates(*rows[0])
+
+
+# -- prices and budgets ---------------------------------------------------------------------
+
+
+def set_price(price: Price) -> Op[None]:
+    yield Query(
+        f"INSERT INTO prices ({_PRICE_COLUMNS}, updated_at)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (model) DO UPDATE SET"
+        " input = excluded.input, output = excluded.output, reference = excluded.reference,"
+        " ref_input = excluded.ref_input, ref_output = excluded.ref_output,"
+        " watts = excluded.watts, kwh_price = excluded.kwh_price,"
+        " updated_at = excluded.updated_at",
+        (*price_values(price), utc_now()),
+    )
+
+
+def delete_price(model: str) -> Op[bool]:
+    rows = yield Query("DELETE FROM prices WHERE model = $1 RETURNING model", (model,))
+    return bool(rows)
+
+
+def list_prices() -> Op[list[Price]]:
+    rows = yield Query(f'SELECT {_PRICE_COLUMNS} FROM prices ORDER BY model COLLATE "C"')
+    return [Price(*row) for row in rows]
+
+
+def key_budgets() -> Op[dict[str, KeyBudget]]:
+    rows = yield Query(
+        "SELECT name, budget_daily, budget_monthly, priority FROM api_keys WHERE revoked = 0"
+    )
+    return {r[0]: KeyBudget(*r[1:]) for r in rows}
+
+
+def set_key_budget(name: str, budget: KeyBudget) -> Op[bool]:
+    rows = yield Query(
+        "UPDATE api_keys SET budget_daily = $1, budget_monthly = $2, priority = $3"
+        " WHERE name = $4 AND revoked = 0 RETURNING name",
+        (budget.daily, budget.monthly, budget.priority, name),
+    )
+    return bool(rows)

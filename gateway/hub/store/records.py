@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.hub.money import Price
+
 HOUR = 3600
 DEFAULT_KEY_PROJECT = "local/chat"
 # the outcomes counted as errors in the totals (``gateway.hub.turn.State``: failed, lost, refused,
@@ -154,6 +156,9 @@ class HourlyUsage:
     completion_tokens: int
     errors: int = 0  # turns that ended in error, lost or refused (by the hub, not its limits)
     estimated: int = 0  # turns whose tokens are the hub's estimate (ended before the backend said)
+    cost: float = 0.0  # in the hub's currency, at the prices in force as each turn ended
+    ref_cost: float = 0.0  # the same tokens at the reference prices
+    unpriced: int = 0  # turns whose model had no price (they cost 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +185,8 @@ class UsageRecord:
     duration: float | None = None
     estimated: bool = False
     continued: bool = False
+    cost: float | None = None  # at the model's price as the turn ended (None: it had none)
+    ref_cost: float | None = None  # the same tokens at the reference price (None: none named)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +201,9 @@ class UsageTotal:
     completion_tokens: int
     errors: int
     estimated: int = 0  # turns whose tokens are the hub's estimate
+    cost: float = 0.0  # in the hub's currency, at the prices in force as each turn ended
+    ref_cost: float = 0.0  # the same tokens at the reference prices
+    unpriced: int = 0  # turns whose model had no price (they cost 0)
 
 
 @dataclass(slots=True)
@@ -326,18 +336,46 @@ Hourly = dict[tuple[int, str, str], list[Any]]  # (hour, key id, model) -> [name
 
 def hourly_totals(rows: Iterable[tuple[UsageRecord, float]]) -> Hourly:
     """Ended turns summed per hour, key id and model: the key's latest name, then the turns,
-    prompt tokens, completion tokens, errors and estimated turns (what a batch adds to the
-    hourly totals)."""
+    prompt tokens, completion tokens, errors, estimated turns, cost, reference cost and unpriced
+    turns (what a batch adds to the hourly totals)."""
     hourly: Hourly = {}
     for record, at in rows:
         group = (int(at) // HOUR * HOUR, record.key_id, record.model)
         totals = hourly.get(group)
         if totals is None:
-            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0]
+            totals = hourly[group] = [record.key_name, 0, 0, 0, 0, 0, 0.0, 0.0, 0]
         totals[0] = record.key_name  # the latest name of the key
         totals[1] += 1
         totals[2] += record.prompt_tokens or 0
         totals[3] += record.completion_tokens or 0
         totals[4] += int(record.outcome in ERROR_OUTCOMES)
         totals[5] += int(record.estimated)
+        totals[6] += record.cost or 0.0
+        totals[7] += record.ref_cost or 0.0
+        totals[8] += int(record.cost is None)
     return hourly
+
+
+def price_values(price: Price) -> tuple[Any, ...]:
+    """A price's columns as every backend writes them: model, input, output, reference,
+    ref_input, ref_output, watts, kwh_price."""
+    return (
+        price.model,
+        price.input,
+        price.output,
+        price.reference,
+        price.ref_input,
+        price.ref_output,
+        price.watts,
+        price.kwh_price,
+    )
+
+
+def rates(prompt: float, prefill: float, completion: float, decode: float) -> tuple[float, float]:
+    """Tokens a second of prefill and of decoding from the ledger's sums (prompt tokens and
+    the seconds to their first token; completion tokens and the seconds after it): 0 where
+    nothing was measured."""
+    return (
+        float(prompt) / float(prefill) if prefill else 0.0,
+        float(completion) / float(decode) if decode else 0.0,
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gateway.hub.store.team_schema import BUDGET_STATEMENTS
 from gateway.hub.store.team_schema import RECORDED as TEAM_RECORDED
 from gateway.hub.store.team_schema import STATEMENTS as TEAM_STATEMENTS
 
@@ -248,6 +249,34 @@ MIGRATIONS: tuple[Migration, ...] = (
         7,
         "people who sign in (OpenID Connect), the keys they own, their page sessions",
         _V7,
+    ),
+    Migration(
+        8,
+        "money and priority: model prices, each turn's cost, keys' budgets and priority class",
+        (
+            """CREATE TABLE IF NOT EXISTS prices (
+    model TEXT PRIMARY KEY,
+    input REAL NOT NULL,
+    output REAL NOT NULL,
+    reference TEXT,
+    ref_input REAL,
+    ref_output REAL,
+    watts REAL,
+    kwh_price REAL,
+    updated_at TEXT NOT NULL
+)""",
+        ),
+        columns=(
+            ("api_keys", "budget_daily", "REAL"),
+            ("api_keys", "budget_monthly", "REAL"),
+            ("api_keys", "priority", "TEXT NOT NULL DEFAULT 'standard'"),
+            ("usage_turns", "cost", "REAL"),
+            ("usage_turns", "ref_cost", "REAL"),
+            ("usage_hourly", "cost", "REAL NOT NULL DEFAULT 0"),
+            ("usage_hourly", "ref_cost", "REAL NOT NULL DEFAULT 0"),
+            ("usage_hourly", "unpriced", "INTEGER NOT NULL DEFAULT 0"),
+        ),
+        postgres=BUDGET_STATEMENTS,  # a team's budgets: admitted in the store (SQLite: in memory)
     ),
     Migration(
         9,

@@ -24,6 +24,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import trio
 
+from gateway.hub.money import KeyBudget, Price
 from gateway.hub.store import people_ops
 from gateway.hub.store import sqlite_ops as ops
 from gateway.hub.store import sqlite_trust as trust
@@ -318,6 +319,31 @@ class SqliteStore(Store):
     async def people(self, op: Op[T]) -> T:
         await self.flush_usage()
         return await self._run(people_ops.run_sqlite, op)
+
+    async def cost_since(self, key_id: str, hour: int) -> float:
+        await self.flush_usage()
+        return await self._run(ops.cost_since, key_id, hour)
+
+    async def throughput(self, model: str, since: float) -> tuple[float, float]:
+        await self.flush_usage()
+        return await self._run(ops.throughput, model, since)
+
+    # -- prices and budgets ----------------------------------------------------------------------
+
+    async def set_price(self, price: Price) -> None:
+        await self._run(ops.set_price, price)
+
+    async def delete_price(self, model: str) -> bool:
+        return await self._run(ops.delete_price, model)
+
+    async def list_prices(self) -> list[Price]:
+        return await self._run(ops.list_prices)
+
+    async def key_budgets(self) -> dict[str, KeyBudget]:
+        return await self._run(ops.key_budgets)
+
+    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
+        return await self._run(ops.set_key_budget, name, budget)
 
 
 def _error(where: str, exc: sqlite3.Error) -> StoreError:

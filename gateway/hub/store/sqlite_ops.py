@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gateway.config import split_project
+from gateway.hub.money import KeyBudget, Price
 from gateway.hub.store.credentials import (
     API_KEY_PREFIX,
     RUNNER_TOKEN_PREFIX,
@@ -38,6 +39,8 @@ from gateway.hub.store.records import (
     hourly_totals,
     job_of,
     job_values,
+    price_values,
+    rates,
     registration_of,
     utc_now,
 )
@@ -45,6 +48,7 @@ from gateway.hub.store.schema import MIGRATIONS, VERSION_TABLE, SchemaTooNew, to
 
 Db = sqlite3.Connection
 _KEY_LIMIT_COLUMNS = ", ".join(LIMIT_NAMES)
+_PRICE_COLUMNS = "model, input, output, reference, ref_input, ref_output, watts, kwh_price"
 _JOB_COLUMNS = (
     "id, owner, project, needs, agent_definition, origin, run_id, claimed_by,"
     " runner_name, status, conclusion, final_reported, cancelled, cancel_reason"
@@ -52,7 +56,7 @@ _JOB_COLUMNS = (
 _RUNNER_COLUMNS = "id, name, owner, project, labels, registered_at, token_hash"
 _USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
-    " completion_tokens ttft duration outcome estimated continued"
+    " completion_tokens ttft duration outcome estimated continued cost ref_cost"
 ).split()
 
 
@@ -387,7 +391,8 @@ def write_usage(
         db.executemany(
             "INSERT INTO usage_turns (at, key_id, key_name, session, runner_id, job_id, model,"
             " api, stream, prompt_tokens, completion_tokens, ttft, duration, outcome, estimated,"
-            " continued) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " continued, cost, ref_cost)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     at,
@@ -406,18 +411,22 @@ def write_usage(
                     record.outcome,
                     int(record.estimated),
                     int(record.continued),
+                    record.cost,
+                    record.ref_cost,
                 )
                 for record, at in rows
             ],
         )
         db.executemany(
             "INSERT INTO usage_hourly (hour, key_id, key_name, model, turns, prompt_tokens,"
-            " completion_tokens, errors, estimated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " completion_tokens, errors, estimated, cost, ref_cost, unpriced)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(hour, key_id, model) DO UPDATE SET turns = turns + excluded.turns,"
             " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
             " completion_tokens = completion_tokens + excluded.completion_tokens,"
             " errors = errors + excluded.errors, estimated = estimated + excluded.estimated,"
-            " key_name = excluded.key_name",
+            " cost = cost + excluded.cost, ref_cost = ref_cost + excluded.ref_cost,"
+            " unpriced = unpriced + excluded.unpriced, key_name = excluded.key_name",
             [(hour, key_id, t[0], model, *t[1:]) for (hour, key_id, model), t in hourly.items()],
         )
 
@@ -465,17 +474,15 @@ def usage_rows(db: Db, since: float, key_name: str | None) -> list[dict[str, Any
 def hourly_usage(db: Db, since: float, key_name: str | None) -> list[HourlyUsage]:
     query = (
         "SELECT hour, key_name, model, SUM(turns), SUM(prompt_tokens), SUM(completion_tokens),"
-        " SUM(errors), SUM(estimated) FROM usage_hourly WHERE hour >= ?"
+        " SUM(errors), SUM(estimated), SUM(cost), SUM(ref_cost), SUM(unpriced)"
+        " FROM usage_hourly WHERE hour >= ?"
     )
     args: tuple[Any, ...] = (hour_of(since),)
     if key_name is not None:
         query += " AND key_name = ?"
         args = (*args, key_name)
     query += " GROUP BY hour, key_name, model ORDER BY hour, key_name, model"
-    return [
-        HourlyUsage(r[0], r[1], r[2] or None, r[3], r[4], r[5], r[6], r[7])
-        for r in db.execute(query, args)
-    ]
+    return [HourlyUsage(r[0], r[1], r[2] or None, *r[3:]) for r in db.execute(query, args)]
 
 
 def usage_totals(db: Db, since: float, key_name: str | None) -> tuple[list[UsageTotal], bool]:
@@ -484,14 +491,16 @@ def usage_totals(db: Db, since: float, key_name: str | None) -> tuple[list[Usage
         query = (
             "SELECT key_name, model, COUNT(*), SUM(COALESCE(prompt_tokens, 0)),"
             " SUM(COALESCE(completion_tokens, 0)),"
-            f" SUM(outcome IN ({', '.join('?' * len(ERROR_OUTCOMES))})), SUM(estimated)"
+            f" SUM(outcome IN ({', '.join('?' * len(ERROR_OUTCOMES))})), SUM(estimated),"
+            " COALESCE(SUM(cost), 0), COALESCE(SUM(ref_cost), 0), SUM(cost IS NULL)"
             " FROM usage_turns WHERE at >= ?"
         )
         args: tuple[Any, ...] = (*ERROR_OUTCOMES, since)
     else:
         query = (
             "SELECT key_name, model, SUM(turns), SUM(prompt_tokens), SUM(completion_tokens),"
-            " SUM(errors), SUM(estimated) FROM usage_hourly WHERE hour >= ?"
+            " SUM(errors), SUM(estimated), SUM(cost), SUM(ref_cost), SUM(unpriced)"
+            " FROM usage_hourly WHERE hour >= ?"
         )
         args = (hour_of(since),)
     if key_name is not None:
@@ -508,3 +517,61 @@ def tokens_since(db: Db, key_id: str, hour: int) -> int:
         (key_id, hour),
     ).fetchone()
     return int(row[0])
+
+
+def cost_since(db: Db, key_id: str, hour: int) -> float:
+    row = db.execute(
+        "SELECT COALESCE(SUM(cost), 0) FROM usage_hourly WHERE key_id = ? AND hour >= ?",
+        (key_id, hour),
+    ).fetchone()
+    return float(row[0])
+
+
+def throughput(db: Db, model: str, since: float) -> tuple[float, float]:
+    row = db.execute(
+        "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(ttft), 0),"
+        " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(duration - ttft), 0)"
+        " FROM usage_turns WHERE model = ? AND at >= ? AND estimated = 0"
+        " AND ttft IS NOT NULL AND duration IS NOT NULL AND duration > ttft",
+        (model, since),
+    ).fetchone()
+    return rates(*row)
+
+
+# -- prices and budgets ---------------------------------------------------------------------
+
+
+def set_price(db: Db, price: Price) -> None:
+    with transaction(db):
+        db.execute(
+            f"INSERT OR REPLACE INTO prices ({_PRICE_COLUMNS}, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*price_values(price), utc_now()),
+        )
+
+
+def delete_price(db: Db, model: str) -> bool:
+    with transaction(db):
+        return db.execute("DELETE FROM prices WHERE model = ?", (model,)).rowcount > 0
+
+
+def list_prices(db: Db) -> list[Price]:
+    rows = db.execute(f"SELECT {_PRICE_COLUMNS} FROM prices ORDER BY model").fetchall()
+    return [Price(*row) for row in rows]
+
+
+def key_budgets(db: Db) -> dict[str, KeyBudget]:
+    rows = db.execute(
+        "SELECT name, budget_daily, budget_monthly, priority FROM api_keys WHERE revoked = 0"
+    ).fetchall()
+    return {r[0]: KeyBudget(*r[1:]) for r in rows}
+
+
+def set_key_budget(db: Db, name: str, budget: KeyBudget) -> bool:
+    with transaction(db):
+        cur = db.execute(
+            "UPDATE api_keys SET budget_daily = ?, budget_monthly = ?, priority = ?"
+            " WHERE name = ? AND revoked = 0",
+            (budget.daily, budget.monthly, budget.priority, name),
+        )
+    return cur.rowcount > 0

@@ -94,6 +94,8 @@ class Admission:
     job_id: str | None
     evicted_session: str | None
     evicted_job: str | None
+    spent: float = 0.0  # a budget's verdict: what the key spent in its day or month
+    holding: float = 0.0  # ...and what its turns in flight hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,7 @@ class Release:
     key_name: str
     session: str
     tokens: int
+    cost: float = 0.0  # in the hub's currency (0: its model has no price)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,10 +263,12 @@ class TeamStore(abc.ABC):
         max_sessions: int,
         expiry: float,
         record: str | None = None,
+        budget: tuple[float, float | None, float | None] | None = None,
     ) -> Admission:
         """A turn's admission (``limits``: rpm, tpm, tokens a day, streams; ``expiry``: s of
         silence after which a replica's turns in flight are not counted; ``record``: its usage
-        row were it cut now, JSON, kept with it until it is settled)."""
+        row were it cut now, JSON, kept with it until it is settled; ``budget``: the turn's
+        reserved cost, the key's daily and monthly budget, checked first)."""
 
     @abc.abstractmethod
     async def release(self, ended: list[Release]) -> None:

@@ -9,6 +9,7 @@ statement (a claim, an end, a withdrawal, a session's job, a dead replica's clea
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
@@ -35,7 +36,7 @@ from gateway.hub.store.team_base import (
     Suspended,
     TeamJob,
 )
-from gateway.hub.store.team_schema import NOW
+from gateway.hub.store.team_schema import MONTH, NOW
 from gateway.hub.store.team_usage import settle_rows
 
 NOTIFY_CHANNEL = "alp_hub"
@@ -485,6 +486,25 @@ def sessions_listing() -> Op[list[dict[str, Any]]]:
 # -- admissions -----------------------------------------------------------------------------
 
 
+def _admit_statement(budget: bool, record: bool) -> str:
+    """The admission's statement: ``alp_admit``, or ``alp_admit_budget`` (the key's budgets
+    first), each ``_recorded`` when the turn's record is kept with it (its first parameter)."""
+    types = ["$1", "$2", "$3", "$4", "$5", *(f"${n}::int8" for n in range(6, 12)), "$12::float8"]
+    columns = "verdict, wait, used, held, job, evicted_session, evicted_job"
+    function = "alp_admit"
+    if budget:
+        types += ["$13::float8", "$14::float8", "$15::float8"]
+        columns += ", spent, holding"
+        function += "_budget"
+    if record:
+        types = ["$1", *(re.sub(r"\$(\d+)", lambda m: f"${int(m[1]) + 1}", t) for t in types)]
+        function += "_recorded"
+    return f"SELECT {columns} FROM {function}({', '.join(types)})"
+
+
+_ADMIT = {(b, r): _admit_statement(b, r) for b in (False, True) for r in (False, True)}
+
+
 def admit(
     replica: str,
     turn_id: str,
@@ -496,24 +516,28 @@ def admit(
     max_sessions: int,
     expiry: float,
     record: str | None = None,
+    budget: tuple[float, float | None, float | None] | None = None,
 ) -> Op[Admission]:
     """``record``: the turn's usage row were it cut now (JSON), kept with it until it is
-    settled (``settle``), by this replica or, when it is dead, by a survivor (``retire``)."""
-    params = (turn_id, key_id, key_name, session, replica, reserved, *limits, max_sessions, expiry)
-    if record is None:
-        rows = yield Query(
-            "SELECT verdict, wait, used, held, job, evicted_session, evicted_job FROM"
-            " alp_admit($1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8, $9::int8, $10::int8,"
-            " $11::int8, $12::float8)",
-            params,
-        )
-    else:
-        rows = yield Query(
-            "SELECT verdict, wait, used, held, job, evicted_session, evicted_job FROM"
-            " alp_admit_recorded($13, $1, $2, $3, $4, $5, $6::int8, $7::int8, $8::int8,"
-            " $9::int8, $10::int8, $11::int8, $12::float8)",
-            (*params, record),
-        )
+    settled (``settle``), by this replica or, when it is dead, by a survivor (``retire``);
+    ``budget``: the turn's reserved cost and the key's daily and monthly budgets, checked first
+    in the same transaction. One statement, one round trip, whichever of them is given."""
+    params: tuple[Any, ...] = (
+        turn_id,
+        key_id,
+        key_name,
+        session,
+        replica,
+        reserved,
+        *limits,
+        max_sessions,
+        expiry,
+    )
+    if budget is not None:
+        params = (*params, *budget)
+    if record is not None:
+        params = (record, *params)
+    rows = yield Query(_ADMIT[(budget is not None, record is not None)], params)
     return Admission(*rows[0])
 
 
@@ -523,16 +547,25 @@ def release(ended: list[Release]) -> Op[None]:
         [r.tokens for r in ended],
         [r.key_name for r in ended],
         [r.session for r in ended],
+        [r.cost for r in ended],
     )
+    # the day's tokens, and the day's and month's cost, added where the key counts that day
+    # or month (else read again from the hourly totals at its next admission)
     yield Query(
         f"WITH n AS (SELECT {NOW} AS t),"
-        " r AS (SELECT * FROM unnest($1::text[], $2::int8[], $3::text[], $4::text[])"
-        " AS r(id, tokens, key_name, session)),"
+        " r AS (SELECT * FROM unnest($1::text[], $2::int8[], $3::text[], $4::text[],"
+        " $5::float8[]) AS r(id, tokens, key_name, session, cost)),"
         " ended AS (UPDATE team_turns f SET ended_at = n.t, tokens = r.tokens, record = NULL"
-        " FROM r, n WHERE f.id = r.id AND f.ended_at IS NULL RETURNING f.key_id, r.tokens),"
-        " days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + e.tokens"
-        " FROM (SELECT key_id, SUM(tokens) AS tokens FROM ended GROUP BY key_id) e, n"
-        " WHERE k.key_id = e.key_id AND k.day = (floor(n.t / 86400) * 86400)::int8),"
+        " FROM r, n"
+        " WHERE f.id = r.id AND f.ended_at IS NULL RETURNING f.key_id, r.tokens, r.cost),"
+        " days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + CASE WHEN"
+        " k.day = (floor(n.t / 86400) * 86400)::int8 THEN e.tokens ELSE 0 END,"
+        " day_cost = k.day_cost + CASE WHEN"
+        " k.cost_day = (floor(n.t / 86400) * 86400)::int8 THEN e.cost ELSE 0 END,"
+        f" month_cost = k.month_cost + CASE WHEN k.cost_month = {MONTH.format(t='n.t')}"
+        " THEN e.cost ELSE 0 END"
+        " FROM (SELECT key_id, SUM(tokens) AS tokens, SUM(cost) AS cost FROM ended"
+        " GROUP BY key_id) e, n WHERE k.key_id = e.key_id),"
         " used AS (UPDATE sessions s SET last_used = n.t FROM r, n"
         " WHERE s.key_name = r.key_name AND s.session_id = r.session)"
         " SELECT COUNT(*) FROM ended",

@@ -176,10 +176,92 @@ $$"""
 
 STATEMENTS = (*TABLES, ADMIT)
 
+# migration 8: a team's budgets in money, admitted in the same transaction as the limits above
+# (``alp_admit_budget`` checks the key's spend of the UTC day and month and what its turns in
+# flight hold, then runs ``alp_admit`` and marks the turn's reservation); a turn's cost is added
+# at its release, as its tokens are
+MONTH = "extract(epoch FROM date_trunc('month', to_timestamp({t}) AT TIME ZONE 'UTC'))::BIGINT"
+NEXT_MONTH = (
+    "extract(epoch FROM date_trunc('month', to_timestamp({t}) AT TIME ZONE 'UTC')"
+    " + interval '1 month')::BIGINT"
+)
+
+ADMIT_BUDGET = f"""CREATE OR REPLACE FUNCTION alp_admit_budget(
+    p_turn TEXT, p_key TEXT, p_key_name TEXT, p_session TEXT, p_replica TEXT,
+    p_reserved BIGINT, p_rpm BIGINT, p_tpm BIGINT, p_tpd BIGINT, p_streams BIGINT,
+    p_sessions BIGINT, p_expiry DOUBLE PRECISION,
+    p_cost DOUBLE PRECISION, p_daily DOUBLE PRECISION, p_monthly DOUBLE PRECISION)
+RETURNS TABLE (verdict TEXT, wait DOUBLE PRECISION, used BIGINT, held BIGINT, job TEXT,
+    evicted_session TEXT, evicted_job TEXT, spent DOUBLE PRECISION, holding DOUBLE PRECISION)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ DOUBLE PRECISION := {NOW};
+    today BIGINT := (floor(now_ / 86400) * 86400)::BIGINT;
+    month_ BIGINT := {MONTH.format(t="now_")};
+    next_ BIGINT := {NEXT_MONTH.format(t="now_")};
+    live TEXT[];
+    k team_keys%ROWTYPE;
+    held_ DOUBLE PRECISION;
+BEGIN
+    IF p_daily IS NOT NULL OR p_monthly IS NOT NULL THEN
+        INSERT INTO team_keys (key_id) VALUES (p_key) ON CONFLICT DO NOTHING;
+        SELECT * INTO k FROM team_keys WHERE key_id = p_key FOR UPDATE;
+        SELECT array_agg(id) INTO live FROM replicas
+            WHERE heartbeat_at > now_ - p_expiry AND NOT stopped;
+        live := array_append(COALESCE(live, '{{}}'::TEXT[]), p_replica);
+        SELECT COALESCE(SUM(reserved_cost), 0) INTO held_ FROM team_turns
+            WHERE key_id = p_key AND ended_at IS NULL AND replica = ANY(live);
+        IF p_daily IS NOT NULL THEN
+            IF k.cost_day <> today THEN
+                k.day_cost := COALESCE((SELECT SUM(cost) FROM usage_hourly
+                    WHERE key_id = p_key AND hour >= today), 0);
+                k.cost_day := today;
+                UPDATE team_keys SET cost_day = today, day_cost = k.day_cost
+                    WHERE key_id = p_key;
+            END IF;
+            IF k.day_cost + held_ >= p_daily THEN
+                RETURN QUERY SELECT 'budget_daily'::TEXT, today + 86400 - now_, 0::BIGINT,
+                    0::BIGINT, NULL::TEXT, NULL::TEXT, NULL::TEXT, k.day_cost, held_;
+                RETURN;
+            END IF;
+        END IF;
+        IF p_monthly IS NOT NULL THEN
+            IF k.cost_month <> month_ THEN
+                k.month_cost := COALESCE((SELECT SUM(cost) FROM usage_hourly
+                    WHERE key_id = p_key AND hour >= month_), 0);
+                k.cost_month := month_;
+                UPDATE team_keys SET cost_month = month_, month_cost = k.month_cost
+                    WHERE key_id = p_key;
+            END IF;
+            IF k.month_cost + held_ >= p_monthly THEN
+                RETURN QUERY SELECT 'budget_monthly'::TEXT, next_ - now_, 0::BIGINT,
+                    0::BIGINT, NULL::TEXT, NULL::TEXT, NULL::TEXT, k.month_cost, held_;
+                RETURN;
+            END IF;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT a.verdict, a.wait, a.used, a.held, a.job, a.evicted_session,
+        a.evicted_job, 0::DOUBLE PRECISION, 0::DOUBLE PRECISION
+        FROM alp_admit(p_turn, p_key, p_key_name, p_session, p_replica, p_reserved, p_rpm,
+            p_tpm, p_tpd, p_streams, p_sessions, p_expiry) a;
+    UPDATE team_turns SET reserved_cost = p_cost WHERE id = p_turn;
+END
+$$"""
+
+BUDGET_STATEMENTS = (
+    "ALTER TABLE team_keys ADD COLUMN IF NOT EXISTS cost_day BIGINT NOT NULL DEFAULT -1",
+    "ALTER TABLE team_keys ADD COLUMN IF NOT EXISTS day_cost DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "ALTER TABLE team_keys ADD COLUMN IF NOT EXISTS cost_month BIGINT NOT NULL DEFAULT -1",
+    "ALTER TABLE team_keys ADD COLUMN IF NOT EXISTS month_cost DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "ALTER TABLE team_turns ADD COLUMN IF NOT EXISTS reserved_cost DOUBLE PRECISION NOT NULL"
+    " DEFAULT 0",
+    ADMIT_BUDGET,
+)
+
 # migration 9: each turn's usage row as it would be were it cut now, kept from its admission
 # (``alp_admit_recorded``: the admission, then the record, one round trip) until the row is in
 # the ledger, by its replica as the turn ends or by a survivor when that replica is dead
-RECORDED = (
+RECORDED: tuple[str, ...] = (
     "ALTER TABLE team_turns ADD COLUMN IF NOT EXISTS record TEXT",
     "CREATE INDEX IF NOT EXISTS team_turns_unsettled ON team_turns (replica)"
     " WHERE record IS NOT NULL",
@@ -197,3 +279,21 @@ BEGIN
 END
 $$""",
 )
+
+# both: a turn with a budget and a record (migration 9 comes after 8, so alp_admit_budget is there)
+ADMIT_BUDGET_RECORDED = """CREATE OR REPLACE FUNCTION alp_admit_budget_recorded(p_record TEXT,
+    p_turn TEXT, p_key TEXT, p_key_name TEXT, p_session TEXT, p_replica TEXT,
+    p_reserved BIGINT, p_rpm BIGINT, p_tpm BIGINT, p_tpd BIGINT, p_streams BIGINT,
+    p_sessions BIGINT, p_expiry DOUBLE PRECISION,
+    p_cost DOUBLE PRECISION, p_daily DOUBLE PRECISION, p_monthly DOUBLE PRECISION)
+RETURNS TABLE (verdict TEXT, wait DOUBLE PRECISION, used BIGINT, held BIGINT, job TEXT,
+    evicted_session TEXT, evicted_job TEXT, spent DOUBLE PRECISION, holding DOUBLE PRECISION)
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM alp_admit_budget(p_turn, p_key, p_key_name, p_session,
+        p_replica, p_reserved, p_rpm, p_tpm, p_tpd, p_streams, p_sessions, p_expiry, p_cost,
+        p_daily, p_monthly);
+    UPDATE team_turns SET record = p_record WHERE id = p_turn;  -- admitted: its row is there
+END
+$$"""
+RECORDED = (*RECORDED, ADMIT_BUDGET_RECORDED)

@@ -14,7 +14,7 @@ from gateway.hub.store.postgres_usage import (
     write_usage,
 )
 from gateway.hub.store.records import UsageRecord
-from gateway.hub.store.team_schema import NOW
+from gateway.hub.store.team_schema import MONTH, NOW
 
 # a turn settled by its replica as it ends, in one statement: its release (as ``release``) and
 # its usage row and hourly totals (as ``postgres_usage.write_usage``), only when the turn's
@@ -25,9 +25,14 @@ _SETTLE_FROM = WRITE_USAGE.replace(
     f" ended AS (UPDATE team_turns f SET ended_at = COALESCE(f.ended_at, n.t),"
     f" tokens = ${USAGE_PARAMS + 1}::int8, record = NULL FROM n"
     f" WHERE f.id = ${USAGE_PARAMS + 2} AND f.record IS NOT NULL RETURNING f.key_id),"
-    f" days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + ${USAGE_PARAMS + 1}::int8"
-    " FROM ended, n WHERE k.key_id = ended.key_id"
-    " AND k.day = (floor(n.t / 86400) * 86400)::int8),"
+    f" days AS (UPDATE team_keys k SET day_tokens = k.day_tokens + CASE WHEN"
+    f" k.day = (floor(n.t / 86400) * 86400)::int8 THEN ${USAGE_PARAMS + 1}::int8 ELSE 0 END,"
+    " day_cost = k.day_cost + CASE WHEN"
+    f" k.cost_day = (floor(n.t / 86400) * 86400)::int8 THEN ${USAGE_PARAMS + 5}::float8"
+    " ELSE 0 END,"
+    f" month_cost = k.month_cost + CASE WHEN k.cost_month = {MONTH.format(t='n.t')}"
+    f" THEN ${USAGE_PARAMS + 5}::float8 ELSE 0 END"
+    " FROM ended, n WHERE k.key_id = ended.key_id),"
     f" used AS (UPDATE sessions s SET last_used = n.t FROM n, ended"
     f" WHERE s.key_name = ${USAGE_PARAMS + 3} AND s.session_id = ${USAGE_PARAMS + 4}),"
     " turns AS (",
@@ -48,12 +53,19 @@ _SETTLE = (
 
 
 def settle(
-    turn_id: str, tokens: int, key_name: str, session: str, record: UsageRecord, at: float
+    turn_id: str,
+    tokens: int,
+    key_name: str,
+    session: str,
+    record: UsageRecord,
+    at: float,
+    cost: float = 0.0,
 ) -> Op[bool]:
-    """A turn of this replica ended: released and its usage row written, one statement; False
-    when it was settled already (a survivor took this replica for dead: its row is there)."""
+    """A turn of this replica ended: released (its tokens and ``cost`` counted to its key's day
+    and month) and its usage row written, one statement; False when it was settled already (a
+    survivor took this replica for dead: its row is there)."""
     columns = usage_columns([(record, at)])
-    rows = yield Query(_SETTLE, (*columns, tokens, turn_id, key_name, session))
+    rows = yield Query(_SETTLE, (*columns, tokens, turn_id, key_name, session, cost))
     return bool(rows[0][0])
 
 

@@ -7,11 +7,12 @@ another turn of the same key, so a client that saw its answer end is not refused
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from gateway.hub.accounting import exceeded, retry_after
+from gateway.hub.accounting import exceeded, over_budget, retry_after
 from gateway.hub.sessions import SessionKey, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import KeyLimits, StoreError, StoreUnavailable, UsageRecord
@@ -47,10 +48,18 @@ class TeamLimits:
         self._queued = trio.Event()
         self._written = trio.Event()
 
-    async def admit(self, turn: Turn, limits: KeyLimits, record: str | None = None) -> None:
+    async def admit(
+        self,
+        turn: Turn,
+        limits: KeyLimits,
+        record: str | None = None,
+        funds: tuple[float, float | None, float | None] | None = None,
+    ) -> None:
         """Admitted, or LimitExceeded / TooManySessions (the store's verdict); ``record``: the
         turn's usage row were it cut now (JSON), kept in the store with the turn until
-        ``settle`` (or a survivor, should this replica die first)."""
+        ``settle`` (or a survivor, should this replica die first); with ``funds`` (the cost the
+        turn holds, the key's daily and monthly budget), the key's budgets are checked first in
+        the same transaction."""
         with trio.move_on_after(RETRY):  # this key's ended turns counted first
             while self._unwritten.get(turn.key_id):
                 await self._written.wait()
@@ -64,8 +73,21 @@ class TeamLimits:
             self.settings.max_sessions_per_key,
             self.expiry,
             record,
+            funds,
         )
         verdict = found.verdict
+        if verdict in ("budget_daily", "budget_monthly") and funds is not None:
+            bound = funds[1] if verdict == "budget_daily" else funds[2]
+            now = time.time()
+            raise over_budget(
+                verdict,
+                bound or 0.0,
+                found.spent,
+                found.holding,
+                now + found.wait,
+                now,
+                self.settings.currency,
+            )
         if verdict == "ok":
             self.learned[(turn.key_id, turn.session)] = found.job_id
             if found.evicted_session is not None:
@@ -98,7 +120,9 @@ class TeamLimits:
     async def settle(self, turn: Turn, record: UsageRecord, at: float) -> None:
         """The turn ended: released and its usage row written in the store, one statement,
         before its client has its last byte (a replica lost after it loses no row)."""
-        release = Release(turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens)
+        release = Release(
+            turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens, turn.cost or 0.0
+        )
         try:
             if not await self.store.settle(release, record, at):
                 log.info(
@@ -117,7 +141,9 @@ class TeamLimits:
     def release(self, turn: Turn) -> None:
         """The turn ended: its release queued (no I/O here)."""
         self._pending.append(
-            Release(turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens)
+            Release(
+                turn.id, turn.key_id, turn.key_name, turn.session, turn.tokens, turn.cost or 0.0
+            )
         )
         self._unwritten[turn.key_id] = self._unwritten.get(turn.key_id, 0) + 1
         self._queued.set()
