@@ -9,7 +9,6 @@ statement (a claim, an end, a withdrawal, a session's job, a dead replica's clea
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
@@ -36,7 +35,7 @@ from gateway.hub.store.team_base import (
     Suspended,
     TeamJob,
 )
-from gateway.hub.store.team_schema import MONTH, NOW
+from gateway.hub.store.team_schema import ADMIT_CALLS, MONTH, NOW
 from gateway.hub.store.team_usage import settle_rows
 
 NOTIFY_CHANNEL = "alp_hub"
@@ -486,25 +485,6 @@ def sessions_listing() -> Op[list[dict[str, Any]]]:
 # -- admissions -----------------------------------------------------------------------------
 
 
-def _admit_statement(budget: bool, record: bool) -> str:
-    """The admission's statement: ``alp_admit``, or ``alp_admit_budget`` (the key's budgets
-    first), each ``_recorded`` when the turn's record is kept with it (its first parameter)."""
-    types = ["$1", "$2", "$3", "$4", "$5", *(f"${n}::int8" for n in range(6, 12)), "$12::float8"]
-    columns = "verdict, wait, used, held, job, evicted_session, evicted_job"
-    function = "alp_admit"
-    if budget:
-        types += ["$13::float8", "$14::float8", "$15::float8"]
-        columns += ", spent, holding"
-        function += "_budget"
-    if record:
-        types = ["$1", *(re.sub(r"\$(\d+)", lambda m: f"${int(m[1]) + 1}", t) for t in types)]
-        function += "_recorded"
-    return f"SELECT {columns} FROM {function}({', '.join(types)})"
-
-
-_ADMIT = {(b, r): _admit_statement(b, r) for b in (False, True) for r in (False, True)}
-
-
 def admit(
     replica: str,
     turn_id: str,
@@ -537,7 +517,7 @@ def admit(
         params = (*params, *budget)
     if record is not None:
         params = (record, *params)
-    rows = yield Query(_ADMIT[(budget is not None, record is not None)], params)
+    rows = yield Query(ADMIT_CALLS[(budget is not None, record is not None)], params)
     return Admission(*rows[0])
 
 

@@ -16,6 +16,8 @@ figures a refusal names, the session's stored job, and the session evicted (if o
 
 from __future__ import annotations
 
+import re
+
 NOW = "extract(epoch FROM clock_timestamp())"  # the database's clock, Unix seconds
 
 TABLES = (
@@ -297,3 +299,24 @@ BEGIN
 END
 $$"""
 RECORDED = (*RECORDED, ADMIT_BUDGET_RECORDED)
+
+
+def _admit_call(budget: bool, record: bool) -> str:
+    """How a replica calls for an admission: ``alp_admit``, or ``alp_admit_budget`` (the key's
+    budgets first), each ``_recorded`` when the turn's record is kept with it (its first
+    parameter)."""
+    types = ["$1", "$2", "$3", "$4", "$5", *(f"${n}::int8" for n in range(6, 12)), "$12::float8"]
+    columns = "verdict, wait, used, held, job, evicted_session, evicted_job"
+    function = "alp_admit"
+    if budget:
+        types += ["$13::float8", "$14::float8", "$15::float8"]
+        columns += ", spent, holding"
+        function += "_budget"
+    if record:
+        types = ["$1", *(re.sub(r"\$(\d+)", lambda m: f"${int(m[1]) + 1}", t) for t in types)]
+        function += "_recorded"
+    return f"SELECT {columns} FROM {function}({', '.join(types)})"
+
+
+# (budget given, record given) -> the statement
+ADMIT_CALLS = {(b, r): _admit_call(b, r) for b in (False, True) for r in (False, True)}
