@@ -542,15 +542,18 @@ async function startPeople() {
 
 async function refreshMember(gen) {
   // a member: their own keys, and their own usage (per person: theirs alone)
-  const since = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
+  // 30 days for the chart's views (as an admin's), the last day for the table
+  const since = Math.floor(Date.now() / 1000 / DAY) * DAY - 29 * DAY;
+  const day = Math.floor(Date.now() / 1000 / HOUR) * HOUR - 23 * HOUR;
   const [usage, keys] = await Promise.all([
     api("GET", `/api/hub/usage?since=${since}`),
     api("GET", "/api/hub/keys"),
   ]);
   if (gen !== generation) return;
   const mine = usage.usage.map((r) => ({ ...r, key: r.email || r.person || "–" }));
-  showUsage(mine, since);
-  showPeopleUsage(usage.usage);
+  lastUsage = { ...usage, usage: mine };
+  showUsage();
+  showPeopleUsage(usage.usage.filter((r) => r.hour >= day));
   showKeys(keys.keys, keys.limitsSupported);
 }
 
