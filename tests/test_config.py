@@ -253,6 +253,7 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "key_check_interval": ("30", 30, 30.0),
     "usage_retention": ("36h", "36h", 36 * 3600.0),
     "token_reservation": ("512", 512, 512),
+    "channel_backlog": ("65536", 65536, 65536),
     "client_backlog": ("4096", 4096, 4096),
     "head_timeout": ("4", 4, 4.0),
     "body_timeout": ("8", 8, 8.0),

@@ -27,6 +27,7 @@ from gateway.hub.frontdoor.shapes import (
     no_runner_connected,
     queue_full,
     queue_timeout,
+    runner_busy,
     too_many_sessions,
 )
 from gateway.hub.sessions import Session, Sessions, TooManySessions
@@ -181,13 +182,23 @@ class Serving:
         waited for (``_resume``), else the answer is continued on another runner."""
         settings = self.settings
         rid = new_id()
+        frame = protocol.encode_frame(
+            protocol.RequestFrame(ch.job_id, rid, msgspec.Raw(turn.body), traceparent, continuation)
+        )
+        backlog = ch.backlog
+        if backlog and backlog + len(frame) > settings.channel_backlog:  # a runner not reading
+            log.warning(
+                "job %s: %d bytes of requests wait unsent on its channel: turn %s refused",
+                ch.job_id,
+                backlog,
+                turn.id,
+            )
+            turn.refuse(runner_busy(backlog, settings.channel_backlog))
+            return True
         turn.sent(rid, ch.runner_id, ch.job_id)
         ch.open(rid, turn)
-        frame = protocol.RequestFrame(
-            ch.job_id, rid, msgspec.Raw(turn.body), traceparent, continuation
-        )
         try:
-            if not await ch.send(protocol.encode_frame(frame)):
+            if not await ch.send(frame):
                 turn.unsent()
                 if turn.state is not State.SUSPENDED:
                     return False
