@@ -38,6 +38,7 @@ class Code:
     MODEL_NOT_FOUND = "model_not_found"  # no runner of the project lists the model (404)
     TOO_MANY_SESSIONS = "too_many_sessions"  # the key holds max_sessions_per_key busy sessions
     SESSION_ENDED = "session_ended"  # the session was ended (its key revoked) under the turn
+    KEY_REVOKED = "api_key_revoked"  # the turn's API key was revoked while it was in flight
 
 
 def no_runner(within: float, what: str = "") -> HTTPError:
