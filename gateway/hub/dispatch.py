@@ -402,19 +402,27 @@ def _queue(
     for waiter in seeking:
         if waiter.seeking is None:
             waiter.seeking = now
+    # a runner that withdrew chat-llm:v1 and holds no job (one that stopped, whose last poll
+    # withdrew it; or one whose backends are down) takes no new job: no turn waits for its
+    # list (a model it listed waits for it to come back, as before; its models are still named)
     alive = [r for r in runners.values() if r.alive]
+    able = [r for r in alive if r.capable is not False or r.held]
+    listed = sorted({m for r in alive for m in r.models or ()})
     targets_of: dict[str | None, frozenset[str] | None] = {}
     free_of: dict[str | None, int] = {}
     for waiter in seeking:
         if waiter.model not in targets_of:
-            targets = targets_of[waiter.model] = eligible(alive, waiter.model)
+            targets = targets_of[waiter.model] = eligible(able, waiter.model)
             free_of[waiter.model] = sum(1 for r in pool.free if _in(r, targets))
     fresh: set[int] = set()  # the turns that join the queue now
     for waiter in seeking:  # newcomers: served at once, or waiting (within the queue's bound)
         if waiter in queue:
             continue
-        if targets_of[waiter.model] == frozenset() and all(r.models is not None for r in alive):
-            listed = sorted({m for r in alive for m in r.models or ()})
+        if (
+            targets_of[waiter.model] == frozenset()
+            and all(r.models is not None for r in able)
+            and waiter.model not in listed
+        ):
             out.actions.append(Refuse(waiter, Refusal.UNKNOWN_MODEL, models=tuple(listed)))
             continue
         ahead_hold = all(e.job_id is not None for e in queue.order() if e.model == waiter.model)
@@ -432,7 +440,7 @@ def _queue(
     for position, waiter in enumerate(order, 1):
         model = waiter.model
         if model not in targets_of:
-            targets_of[model] = eligible(alive, model)
+            targets_of[model] = eligible(able, model)
             free_of[model] = sum(1 for r in pool.free if _in(r, targets_of[model]))
         targets, free = targets_of[model], free_of[model]
         nth = rank.get(model, 0)
