@@ -1114,6 +1114,16 @@ class HubSettings:
         group="hub-frontdoor",
         metavar="S",
     )
+    channel_backlog: int = setting(
+        8 * MiB,
+        env="ALP_GATEWAY_HUB_CHANNEL_BACKLOG",
+        parse=_positive_int,
+        help="bytes of requests that may wait unsent on one Chat Channel whose runner reads "
+        "slowly or not at all; a turn past it gets 503 runner_busy at once (one request alone "
+        "always goes)",
+        group="hub-frontdoor",
+        metavar="BYTES",
+    )
     client_backlog: int = setting(
         MiB,
         env="ALP_GATEWAY_HUB_CLIENT_BACKLOG",

@@ -6,6 +6,7 @@ reconnect_timeout) is set so long that making it would show as that much virtual
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,13 +17,14 @@ import openai
 import pytest
 import trio
 import trio.testing
-from fake_runner import FakeRunner, Script
+from fake_runner import FakeRunner, Script, stream_chunks
 from helpers import hub_command, register_runner
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.board import RECENT_ENDED
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import StoredSession
+from gateway.wire import protocol
 
 ADMIN = "alpa_test_admin_credential"
 OWNER, PROJECT = "acme", "chat"
@@ -550,3 +552,80 @@ def test_hub_cli_flags_for_the_new_settings(
     err = capsys.readouterr().err  # --capacity-wait is --queue-wait's old name
     assert "--queue-wait" in err and "--max-sessions-per-key" in err
     assert "--queue-length" in err
+
+
+async def test_a_key_revoked_through_the_admin_api_ends_its_turns_in_flight_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 36, point 4: a streamed turn and a non-streamed one of a key revoked through the
+    admin API (as the status page does) end at once, their clients told in their API, their
+    runner told to stop; the key check (``key_check_interval``) is not waited for."""
+    async with open_hub(hub_of(key_check_interval=NEVER)) as (hub, url):
+        key = await hub.keys.create("dave", f"{OWNER}/{PROJECT}")
+        answering = {"turns": 0, "both": trio.Event()}
+
+        async def four_then_silence(send: Any, turn: Any) -> None:
+            """Four chunks (the non-streamed turn's gathered by the hub), then nothing until
+            the turn is cancelled."""
+            frames = protocol.TurnFrames(turn.job_id, turn.request_id)
+            for chunk in stream_chunks({**turn.body, "stream": True}, Script(chunks=4)):
+                await send(frames.chunk(json.dumps(chunk).encode()).decode())
+            answering["turns"] += 1
+            if answering["turns"] == 2:
+                answering["both"].set()
+            await trio.sleep_forever()
+
+        endless = Script(play=four_then_silence)
+        async with fake_runner(url, default=endless) as (fake, _):
+            auth = {"Authorization": f"Bearer {key}"}
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            body = {"model": "fake-model", "messages": MESSAGES}
+            ended: dict[str, float] = {}
+            whole: list[httpx.Response] = []
+            events: list[str] = []
+            async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+
+                async def streamed() -> None:
+                    stream = {**body, "stream": True}
+                    headers = {**auth, "X-Chat-Session": "a"}
+                    async with http.stream(
+                        "POST", "/v1/chat/completions", json=stream, headers=headers
+                    ) as reply:
+                        async for line in reply.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line[6:])
+                    ended["streamed"] = trio.current_time()
+
+                async def whole_turn() -> None:
+                    headers = {**auth, "X-Chat-Session": "b"}
+                    whole.append(
+                        await http.post("/v1/chat/completions", json=body, headers=headers)
+                    )
+                    ended["whole"] = trio.current_time()
+
+                with trio.fail_after(GUARD):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(streamed)
+                        nursery.start_soon(whole_turn)
+                        await answering["both"].wait()  # both turns are answering
+                        revoked = await http.delete("/api/hub/keys/dave", headers=admin)
+                        assert revoked.status_code == 200, revoked.text
+                        revoked_at = trio.current_time()
+                    # its runner told to stop each: the turn cancelled, or its session ended
+                    await fake.wait_until(
+                        lambda: all(
+                            t.cancelled.is_set() or (t.job_id, "api key revoked") in fake.ends
+                            for t in fake.turns.values()
+                        )
+                    )
+                    cancelled_by = trio.current_time() - revoked_at
+                    after = await http.post("/v1/chat/completions", json=body, headers=auth)
+    took = {name: at - revoked_at for name, at in ended.items()}
+    print(f"ended {took} s after the revocation; runner told within {cancelled_by:.3f} s")
+    assert max(took.values()) < 1.0 and cancelled_by < 1.0
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "api_key_revoked" and "[DONE]" not in events
+    assert len(events) > 3  # it had streamed before the revocation
+    assert whole[0].status_code == 401
+    assert whole[0].json()["error"]["code"] == "api_key_revoked"
+    assert after.status_code == 401

@@ -257,6 +257,7 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "token_reservation": ("512", 512, 512),
     "currency": ("EUR", "EUR", "EUR"),
     "priority_promote_after": ("12", 12, 12.0),
+    "channel_backlog": ("65536", 65536, 65536),
     "client_backlog": ("4096", 4096, 4096),
     "head_timeout": ("4", 4, 4.0),
     "body_timeout": ("8", 8, 8.0),

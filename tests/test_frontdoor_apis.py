@@ -205,6 +205,10 @@ async def test_healthz_and_the_endpoints_not_served(tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=url) as http:
             down = await http.get("/healthz")
             assert down.status_code == 503 and down.json()["reason"] == "no runner is connected"
+            ready = await http.get("/readyz")  # the readiness probe: not ready without a runner
+            assert ready.status_code == 503 and ready.json() == down.json()
+            live = await http.get("/livez")  # the liveness probe: the hub serves, runners or not
+            assert live.status_code == 200 and live.json() == {"status": "ok"}
             key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
             for path in ("/v1/completions",):
                 r = await http.post(path, json={}, headers={"authorization": f"Bearer {key}"})
@@ -213,3 +217,5 @@ async def test_healthz_and_the_endpoints_not_served(tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=url) as http:
             up = await http.get("/healthz")
             assert up.status_code == 200 and up.json()["runners"] == 1
+            assert (await http.get("/readyz")).json() == up.json()
+            assert (await http.get("/livez")).status_code == 200

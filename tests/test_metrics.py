@@ -236,6 +236,9 @@ async def test_healthz_503_while_polls_fail_then_200_again(
                     await runner.counters.wait("poll_errors", errors)
             assert resp.status_code == 503
             assert "last successful poll" in resp.text and "503" in resp.text
+            ready = await get(metrics_url(runner) + "/readyz")  # the readiness probe's name
+            assert ready.status_code == 503 and "last successful poll" in ready.text
+            assert (await get(metrics_url(runner) + "/livez")).status_code == 200  # not restarted
             proxy.faults["poll"] = []
             with trio.fail_after(15):
                 while (resp := await get(url)).status_code != 200:

@@ -163,3 +163,41 @@ async def test_a_session_keeps_its_runner_for_a_model_it_serves_but_had_not_list
     assert [t.body["model"] for t in b.turns.values()] == ["slow-model"]  # the other session's
     assert a.ends == [] and len(a.claimed) == 1  # the session's job never left a
     assert hub.sessions.listing()[("k", "s")] == a.claimed[0]
+
+
+async def test_an_unknown_model_is_404_at_once_beside_a_runner_that_withdrew_its_capability(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 36, point 1: one live runner serving ``sim-model``, and one that stopped (its last
+    poll withdrew chat-llm:v1; its models never listed): a model nobody lists is 404
+    ``model_not_found`` at once, not a wait for the stopped runner (``runner_wait_timeout``,
+    here so long that waiting would show) ending in 503 "no runner connected within"."""
+    async with open_hub(hub_of()) as (hub, url), trio.open_nursery() as runners:
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        a = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, models=("sim-model",), name="a")
+        await runners.start(a.run)
+        base = f"/api/owners/{OWNER}/projects/{PROJECT}"
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+            reply = await http.post(
+                f"{base}/runners",
+                json={"name": "stopped"},
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            )
+            token = reply.json()["token"]
+            auth = {"Authorization": f"Bearer {token}"}
+            for capabilities in (["chat-llm:v1"], []):  # served, then stopped: withdrawn
+                polled = await http.post(
+                    f"{base}/runners/jobs", json={"capabilities": capabilities}, headers=auth
+                )
+                assert polled.status_code in (200, 204), polled.text
+        with trio.fail_after(GUARD):
+            asked_at = trio.current_time()
+            unknown = await chat(url, key, "s", model="no-such-model")
+            took = trio.current_time() - asked_at
+            served = await chat(url, key, "t", model="sim-model")
+        runners.cancel_scope.cancel()
+    print(f"no-such-model: {unknown.status_code} in {took:.3f} s")
+    assert unknown.status_code == 404, unknown.text
+    assert unknown.json()["error"]["code"] == "model_not_found" and took < 1.0
+    assert "sim-model" in unknown.json()["error"]["message"]
+    assert served.status_code == 200

@@ -370,6 +370,17 @@ class Accounting:
         if limits.max_streams is not None and state.in_flight >= limits.max_streams:
             raise exceeded("max_streams", limits.max_streams, state.in_flight, 0, 1)
 
+    def end_turns(self, revoked: Callable[[str], bool]) -> int:
+        """End every turn in flight whose API key id is ``revoked`` (its key was revoked): each
+        client told now, each runner told to stop by the turn's own task; how many ended."""
+        ended = 0
+        for turn in list(self.in_flight.values()):
+            if turn.key_id and revoked(turn.key_id) and not turn.state.final:
+                log.info("turn %s: its API key %s was revoked: ended", turn.id, turn.key_name)
+                turn.revoke()
+                ended += 1
+        return ended
+
     def refused(self, turn: Turn) -> None:
         """A turn refused before it was admitted (a limit): only the observers are told (no
         store write per refused request)."""

@@ -116,6 +116,8 @@ class App:
             _route("POST", "/v1/embeddings", door.embeddings),
             _route("POST", "/v1/completions", door.not_served),
             _route("GET", "/healthz", self.healthz),
+            _route("GET", "/readyz", self.healthz),
+            _route("GET", "/livez", self.livez),
             _route("GET", "/v1/models", door.list_models),
             _route("GET", "/v1/models/(?P<model>.+)", door.retrieve_model),
         ]
@@ -140,9 +142,15 @@ class App:
                 _route("POST", PATHS["frames"], relay.frames),
             ]
 
+    async def livez(self, req: Request) -> None:
+        """``GET /livez`` (no key): 200 while the process serves, runners or not: for a liveness
+        probe and a balancer's check (runners must reach a hub that has none yet)."""
+        await req.resp.json(200, {"status": "ok"})
+
     async def healthz(self, req: Request) -> None:
-        """``GET /healthz`` (no key): 200 with the connected runners and the models they list;
-        503 saying why when no runner can serve a chat turn."""
+        """``GET /readyz`` and ``GET /healthz`` (no key): 200 with the connected runners and the
+        models they list; 503 saying why when no runner can serve a chat turn (a readiness probe:
+        not a reason to restart the hub)."""
         board = self.hub.board
         live = [state for rid, state in board.runners.items() if board.alive(rid)]
         capable = [s for s in live if s.capabilities is None or CAPABILITY in s.capabilities]

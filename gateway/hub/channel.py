@@ -172,9 +172,16 @@ class ServerChannel:
         """Requests open on the channel now."""
         return len(self._sinks)
 
+    @property
+    def backlog(self) -> int:
+        """Bytes written to the channel that its socket has not taken yet (a runner that reads
+        slowly, or not at all)."""
+        ws = self._ws
+        return 0 if ws is None else len(ws.transport.unsent)
+
     async def send(self, frame: bytes) -> bool:
         """Send one frame (UTF-8 JSON text, ``protocol.encode_frame``'s); False when the channel
-        is closed or broke under the send (its reader then ends it)."""
+        is closed or broke under the send (it is ended then: a normal outcome, not an error)."""
         if self.held is not None:
             await self.held.wait()
         if self.closed.is_set() or self._ws is None:
@@ -183,6 +190,11 @@ class ServerChannel:
             await self._ws.send_text(frame)
         except ClientGone as exc:
             log.debug("channel %s: send failed: %r", self.job_id, exc)
+            # ended now, not once its reader notices: the turns that wait on it move on at once
+            # (else a retry finds it still open and fails on it again)
+            if self._close_code is None:
+                self._close_code = 1006
+            self._finish()
             return False
         return True
 

@@ -378,7 +378,8 @@ async def _keys_in(args: argparse.Namespace, store: Store, within: str, currency
             return 0
         if await store.revoke_api_key(args.name):
             print(
-                f"revoked API key {name!r}; a running hub refuses it and ends its sessions {within}"
+                f"revoked API key {name!r}; a running hub refuses it and ends its sessions and "
+                f"turns in flight {within} (the admin API and the status page: at once)"
             )
             return 0
         return _fail(f"no active API key named {name!r}")

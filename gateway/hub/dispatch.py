@@ -446,14 +446,19 @@ def _queue(
     for waiter in seeking:
         if waiter.seeking is None:
             waiter.seeking = now
+    # a runner that withdrew chat-llm:v1 and holds no job (one that stopped, whose last poll
+    # withdrew it; or one whose backends are down) takes no new job: no turn waits for its
+    # list (a model it listed waits for it to come back, as before; its models are still named)
     alive = [r for r in runners.values() if r.alive]
+    able = [r for r in alive if r.capable is not False or r.held]
+    listed = sorted({m for r in alive for m in r.models or ()})
     # (model, spilled) -> the runners its new job may go to, and how many of them are free
     targets_of: dict[tuple[str | None, bool], frozenset[str] | None] = {}
     free_of: dict[tuple[str | None, bool], int] = {}
 
     def targets_for(key: tuple[str | None, bool]) -> tuple[frozenset[str] | None, int]:
         if key not in targets_of:
-            targets = targets_of[key] = eligible(alive, key[0], spill=key[1])
+            targets = targets_of[key] = eligible(able, key[0], spill=key[1])
             free_of[key] = sum(1 for r in pool.free if _in(r, targets))
         return targets_of[key], free_of[key]
 
@@ -462,8 +467,11 @@ def _queue(
         if waiter in queue:
             continue
         targets, free = targets_for((waiter.model, False))
-        if targets == frozenset() and all(r.models is not None for r in alive):
-            listed = sorted({m for r in alive for m in r.models or ()})
+        if (
+            targets == frozenset()
+            and all(r.models is not None for r in able)
+            and waiter.model not in listed
+        ):
             out.actions.append(Refuse(waiter, Refusal.UNKNOWN_MODEL, models=tuple(listed)))
             continue
         ahead_hold = all(e.job_id is not None for e in queue.order() if e.model == waiter.model)

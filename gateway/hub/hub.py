@@ -93,6 +93,8 @@ class Hub:
         self.metrics = HubMetrics()
         accounting.observers.append(self.metrics.observe)
         keys.on_revoked.append(sessions.check_keys)
+        keys.on_revoked_key.append(self._revoked)  # its turns in flight end at once
+        sessions.on_key_check.append(self._key_check)
         keys.on_limits.append(accounting.forget_limits)
         sessions.on_key_check.append(keys.keep_active)
         # on a store other hubs share: this hub is one replica of a team (gateway.hub.team)
@@ -110,6 +112,14 @@ class Hub:
                 catalog=catalog,
                 accounting=accounting,
             )
+
+    def _revoked(self, key_id: str) -> None:
+        """A key revoked here (or, on a team, by another replica): its turns in flight end."""
+        self.accounting.end_turns(key_id.__eq__)
+
+    def _key_check(self, active: set[str]) -> None:
+        """The sessions' key check: the turns of a key revoked by another process end too."""
+        self.accounting.end_turns(lambda key_id: key_id not in active)
 
     def _job_over(self, job_id: str) -> bool:
         """No further turn can be served by this job (completed, cancelled, its runner ended it)."""

@@ -33,6 +33,7 @@ class Keys:
         self._admin_hash = admin_hash  # the admin credential's hash (never the credential)
         self._answers: dict[str, tuple[ApiKey | None, float]] = {}  # token -> (key, until)
         self.on_revoked: list[Callable[[], None]] = []
+        self.on_revoked_key: list[Callable[[str], None]] = []  # told the revoked key's id
         self.on_limits: list[Callable[[], None]] = []
 
     def is_admin(self, token: str) -> bool:
@@ -101,10 +102,15 @@ class Keys:
         return await self.store.list_api_keys()
 
     async def revoke(self, name: str) -> bool:
-        """Revoke the active key ``name``: refused at once, its chat sessions ended."""
+        """Revoke the active key ``name``: refused at once, its turns in flight and its chat
+        sessions ended."""
+        key_id = await self.store.active_key_id(name)
         revoked = await self.store.revoke_api_key(name)
         self._answers.clear()
         if revoked:
+            if key_id is not None:
+                for observe in self.on_revoked_key:
+                    observe(key_id)
             self._changed(self.on_revoked)
         return revoked
 

@@ -29,6 +29,7 @@ from gateway.hub.frontdoor.shapes import (
     no_runner_connected,
     queue_full,
     queue_timeout,
+    runner_busy,
     too_many_sessions,
 )
 from gateway.hub.sessions import Session, Sessions, TooManySessions
@@ -192,20 +193,31 @@ class Serving:
         waited for (``_resume``), else the answer is continued on another runner."""
         settings = self.settings
         rid = new_id()
-        frame: protocol.RequestFrame | protocol.EmbeddingsRequestFrame
+        request: protocol.RequestFrame | protocol.EmbeddingsRequestFrame
         if turn.api == protocol.EMBEDDINGS:
             if self.embeds is None or not await self.embeds(ch):
                 turn.refuse(embeddings_unsupported(turn.model or "", ch.runner_id))
                 return True
-            frame = protocol.EmbeddingsRequestFrame(ch.job_id, rid, msgspec.Raw(turn.body))
+            request = protocol.EmbeddingsRequestFrame(ch.job_id, rid, msgspec.Raw(turn.body))
         else:
-            frame = protocol.RequestFrame(
+            request = protocol.RequestFrame(
                 ch.job_id, rid, msgspec.Raw(turn.body), traceparent, continuation
             )
+        frame = protocol.encode_frame(request)
+        backlog = ch.backlog
+        if backlog and backlog + len(frame) > settings.channel_backlog:  # a runner not reading
+            log.warning(
+                "job %s: %d bytes of requests wait unsent on its channel: turn %s refused",
+                ch.job_id,
+                backlog,
+                turn.id,
+            )
+            turn.refuse(runner_busy(backlog, settings.channel_backlog))
+            return True
         turn.sent(rid, ch.runner_id, ch.job_id)
         ch.open(rid, turn)
         try:
-            if not await ch.send(protocol.encode_frame(frame)):
+            if not await ch.send(frame):
                 turn.unsent()
                 if turn.state is not State.SUSPENDED:
                     return False

@@ -23,7 +23,7 @@ import trio
 from gateway.hub.continuation import Stitch
 from gateway.hub.frontdoor.chunks import choices_mark, has_usage, is_usage_only, read_usage
 from gateway.hub.frontdoor.dialects import Dialect, Translation
-from gateway.hub.frontdoor.shapes import SSE_HEADERS, upstream_error
+from gateway.hub.frontdoor.shapes import SSE_HEADERS, Code, upstream_error
 from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.http import Connection, Response
@@ -343,6 +343,19 @@ class Turn:
         self.state = State.SUSPENDED  # resumed on the redial, else continued, else lost
         self.wake()
         return True
+
+    def revoke(self) -> None:
+        """Its API key was revoked under it: it ends now (``CUT``: charged what its client got),
+        the client told in its API (an error event after what it got, or a whole 401)."""
+        if self.state.final:
+            return
+        message = "this API key was revoked: the turn was ended"
+        if self.translation is not None and self.resp.started:
+            self._cut(State.CUT, message, Code.KEY_REVOKED)
+            return
+        self.status = 401
+        self._whole_error(HTTPError(401, message, Code.KEY_REVOKED, type_="invalid_request_error"))
+        self._end(State.CUT)
 
     def lose(self) -> None:
         """It could be neither resumed nor continued: ends ``LOST``, its client told."""

@@ -234,7 +234,7 @@ class MetricsServer:
         path = target.split("?", 1)[0]
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", "only GET and HEAD\n"
-        if path == "/healthz":
+        if path in ("/healthz", "/readyz"):  # /readyz: the same, for a readiness probe
             healthy, reason = self.status().health()
             return (200 if healthy else 503), "text/plain; charset=utf-8", reason + "\n"
         if path == "/livez":  # the event loop answers: for a liveness probe
@@ -243,7 +243,11 @@ class MetricsServer:
             from prometheus_client.exposition import generate_latest
 
             return 200, CONTENT_TYPE, generate_latest(self.registry).decode()
-        return 404, "text/plain; charset=utf-8", "not found: try /healthz, /livez or /metrics\n"
+        return (
+            404,
+            "text/plain; charset=utf-8",
+            "not found: try /healthz, /readyz, /livez or /metrics\n",
+        )
 
     async def http(self, req: Request) -> None:
         """One request, answered whole (the body left out for HEAD)."""

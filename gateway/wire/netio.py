@@ -90,6 +90,8 @@ class Transport:
         buf = self.unsent
         sock = self.sock
         while buf:
+            if self.closed:  # closed under a writer that waited its turn: not a descriptor of -1
+                raise trio.ClosedResourceError("the connection was closed")
             await _wait_writable(sock)
             try:
                 sent = sock.send(buf)

@@ -40,6 +40,7 @@ class Code:
     SESSION_ENDED = "session_ended"  # the session was ended (its key revoked) under the turn
     # the prompt's estimate is over the context its runners' backend said for the model (400)
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    KEY_REVOKED = "api_key_revoked"  # the turn's API key was revoked while it was in flight
 
 
 def no_runner(within: float, what: str = "") -> HTTPError:
@@ -108,7 +109,19 @@ def too_many_sessions(limit: int) -> HTTPError:
 
 
 def channel_lost(message: str = "the chat channel to the runner was lost mid-turn") -> HTTPError:
-    return HTTPError(503, message, "channel_lost")
+    """502: the turn's channel went, and no other took it (as ``Turn.lose``'s answer)."""
+    return HTTPError(502, message, "channel_lost")
+
+
+def runner_busy(backlog: int, bound: int) -> HTTPError:
+    """503 at once with Retry-After: the session's runner does not read its channel fast enough
+    (``backlog`` bytes of requests wait unsent on it, ``bound`` at most)."""
+    _, headers = _retry_after(1)
+    message = (
+        f"the runner of this chat session is not reading its requests ({backlog} bytes wait on "
+        f"its channel, the hub's bound is {bound}): retry shortly"
+    )
+    return HTTPError(503, message, "runner_busy", headers=headers)
 
 
 _BACKEND_STATUS = re.compile(r"^backend returned (\d{3})\b")
