@@ -40,6 +40,7 @@ SESSION_HEADERS = (
     b"session_id",  # Codex CLI before it
     b"x-opencode-session",  # OpenCode
 )
+_SESSION_RANK = {name: n for n, name in enumerate(SESSION_HEADERS)}  # name -> its precedence
 MAX_SESSION_ID = 200  # characters of a session id a client may name
 # the session of a key's /v1/embeddings requests: one Chat Job of their own, never a chat's
 EMBEDDINGS_SESSION = "embeddings"
@@ -231,13 +232,13 @@ def _wrong_credential(token: str | None, keys: Keys) -> HTTPError:
 
 def _session_id(req: Request) -> str:
     """The session the client names in the first of ``SESSION_HEADERS`` it sends ("" without
-    one); 400 past ``MAX_SESSION_ID`` characters."""
-    for name in SESSION_HEADERS:
-        raw = header(req.scope, name)
-        if raw and (text := raw.decode("latin-1").strip()):
-            break
-    else:
-        return ""
+    one); 400 past ``MAX_SESSION_ID`` characters. The request's headers are read once."""
+    best = len(SESSION_HEADERS)
+    name, text = b"", ""
+    for key, value in req.scope["headers"]:
+        if key in _SESSION_RANK and _SESSION_RANK[key] < best:
+            if found := value.decode("latin-1").strip():
+                best, name, text = _SESSION_RANK[key], key, found
     if len(text) > MAX_SESSION_ID:
         raise HTTPError(
             400,
