@@ -259,14 +259,32 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
                 names = [f"s{n}-{uuid.uuid4().hex[:8]}" for n in range(sessions)]
                 limiter = trio.CapacityLimiter(args.open_parallel)
 
+                opened = 0
+
                 async def open_one(name: str) -> None:
+                    nonlocal opened
                     async with limiter:
                         await turn(http, base, key, name)
+                    opened += 1
+
+                async def progress() -> None:
+                    while True:
+                        await trio.sleep(10)
+                        print(
+                            f"  {runners}/{sessions}: {opened} sessions open, "
+                            f"{fleet.sessions} held, claims {fleet.claims} "
+                            f"(lost {fleet.lost_claims}), polls {fleet.polls}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
 
                 started = time.perf_counter()
                 async with trio.open_nursery() as opening:
-                    for name in names:
-                        opening.start_soon(open_one, name)
+                    opening.start_soon(progress)
+                    async with trio.open_nursery() as each:
+                        for name in names:
+                            each.start_soon(open_one, name)
+                    opening.cancel_scope.cancel()
                 out["setup_s"] = round(time.perf_counter() - started, 1)
             await trio.sleep(2.0)
             out["rss_mb"] = round(rss_bytes(pid) / 1e6)
