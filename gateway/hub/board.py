@@ -151,6 +151,9 @@ class JobBoard:
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+        # runner id -> its open push streams (a job offered to a few runners wakes only them)
+        self._pushed: dict[str, set[trio.MemorySendChannel[str]]] = {}
+        self.pushes = 0  # job_available events sent (tests count who a new job wakes)
         self.sync: Sync | None = None  # one replica's board of a team: its writes go there
 
     @property
@@ -216,28 +219,51 @@ class JobBoard:
         return job
 
     def announce(self, job: Job) -> None:
-        """``job_available`` for the job to every subscriber of its project."""
-        subscribers = self._subscribers.get((job.owner, job.project), set())
+        """``job_available`` for the job to the push streams of the runners it is offered to
+        (``job.runners``: a few the dispatcher chose), or of its whole project (offered to any)."""
+        if job.runners is None:
+            self._push(job.id, self._subscribers.get((job.owner, job.project), set()))
+            return
+        for runner_id in job.runners:
+            self._push(job.id, self._pushed.get(runner_id, set()))
+
+    def _push(self, job_id: str, subscribers: set[trio.MemorySendChannel[str]]) -> None:
         for send_ch in list(subscribers):
+            self.pushes += 1
             try:
-                send_ch.send_nowait(job.id)
+                send_ch.send_nowait(job_id)
             except trio.WouldBlock:
                 pass  # that subscriber has events pending already: it will poll anyway
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 subscribers.discard(send_ch)
 
+    def subscribed(self, runner_id: str) -> bool:
+        """Whether the runner has a push stream open to this hub."""
+        return bool(self._pushed.get(runner_id))
+
     @contextmanager
-    def subscribe(self, owner: str, project: str) -> Iterator[trio.MemoryReceiveChannel[str]]:
-        """The ids of jobs queued in ``owner/project`` while the block runs (a few buffered)."""
+    def subscribe(
+        self, owner: str, project: str, runner_id: str | None = None
+    ) -> Iterator[trio.MemoryReceiveChannel[str]]:
+        """The ids of jobs queued in ``owner/project`` while the block runs (a few buffered):
+        those offered to any runner, and those offered to ``runner_id``."""
         send_ch, recv_ch = trio.open_memory_channel[str](SUBSCRIBER_BUFFER)
         subscribers = self._subscribers.setdefault((owner, project), set())
         subscribers.add(send_ch)
+        if runner_id is not None:
+            self._pushed.setdefault(runner_id, set()).add(send_ch)
         try:
             yield recv_ch
         finally:
             subscribers.discard(send_ch)
             if not subscribers and self._subscribers.get((owner, project)) is subscribers:
                 del self._subscribers[(owner, project)]
+            if runner_id is not None:
+                own = self._pushed.get(runner_id)
+                if own is not None:
+                    own.discard(send_ch)
+                    if not own:
+                        del self._pushed[runner_id]
             send_ch.close()
 
     async def save(self, job: Job) -> None:

@@ -76,8 +76,10 @@ def apply(board: JobBoard, job_id: str, found: TeamJob | None) -> Job | None:
         job.run_id = stored.run_id
         job.claimed_at = trio.current_time()
         job.claimed.set()
-    if job.claimed_by is None:
+    if job.claimed_by is None and job.runners != found.offered_to:
         job.runners = found.offered_to
+        if not job.cancelled:  # offered to others now: those of them here are told
+            board.announce(job)
     if stored.cancelled and not job.cancelled:
         job.cancelled, job.cancel_reason = True, stored.cancel_reason
     if job.status != "completed" and stored.status != job.status:

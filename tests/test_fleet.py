@@ -1,0 +1,82 @@
+"""A hub under a fleet (issue 39), counted, never timed, on trio's autojump clock: a real hub
+on loopback and runners that keep the push stream open. A new session wakes one runner it was
+offered to, not the fleet, and no claim is lost; a runner that does not take its offer is passed
+over for the next."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from fake_runner import FakeRunner
+from test_causes import ADMIN, GUARD, OWNER, PROJECT, chat, hub_of
+
+from gateway.hub import open_hub
+
+RUNNERS = 12
+POLL = 10.0  # s: as a deployed runner polls; pushes wake it in between
+
+
+def fleet(url: str, n: int, **kwargs: object) -> list[FakeRunner]:
+    return [
+        FakeRunner(
+            url,
+            ADMIN,
+            owner=OWNER,
+            project=PROJECT,
+            name=f"r{i}",
+            poll_interval=POLL,
+            push=True,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        for i in range(n)
+    ]
+
+
+async def test_a_new_session_wakes_one_runner_not_the_fleet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_hub(hub_of(max_sessions_per_key=1000)) as (hub, url):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        async with trio.open_nursery() as nursery:
+            runners = fleet(url, RUNNERS)
+            for fake in runners:
+                await nursery.start(fake.run)
+            with trio.fail_after(GUARD):
+                await trio.sleep(POLL)  # every runner has polled once: all of them capable
+                pushed, offered = [], []
+                for n in range(20):
+                    pushes0 = sum(f.pushes for f in runners)
+                    offers0 = sum(f.offers for f in runners)
+                    reply = await chat(url, key, f"s{n}")
+                    assert reply.status_code == 200, reply.text
+                    pushed.append(sum(f.pushes for f in runners) - pushes0)
+                    offered.append(sum(f.offers for f in runners) - offers0)
+            nursery.cancel_scope.cancel()
+    assert max(pushed) <= 2, pushed  # one runner woken a session (main: all 12)
+    assert max(offered) <= 2, offered  # only the woken runner's poll offers it
+    assert sum(f.lost_claims for f in runners) == 0
+    # spread over the fleet: the least busy runner is chosen each time
+    assert sum(1 for f in runners if f.claimed) == RUNNERS
+
+
+async def test_a_runner_that_does_not_take_its_offer_is_passed_over(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_hub(hub_of(max_sessions_per_key=1000)) as (hub, url):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        async with trio.open_nursery() as nursery:
+            runners = fleet(url, 3)
+            for fake in runners:
+                await nursery.start(fake.run)
+            with trio.fail_after(GUARD):
+                await trio.sleep(POLL)
+                for stuck in runners[:2]:  # they poll, are offered the job, never claim it
+                    stuck.claims = False
+                replies = [await chat(url, key, f"s{n}") for n in range(3)]
+                assert [r.status_code for r in replies] == [200] * 3, replies[0].text
+            nursery.cancel_scope.cancel()
+    assert not runners[0].claimed and not runners[1].claimed
+    assert len(runners[2].claimed) == 3
+    # each stuck runner was offered the first job and passed over; the next jobs skip neither
+    # (the choice goes round): each was offered at most two jobs
+    assert 1 <= runners[0].offers <= 2 and 1 <= runners[1].offers <= 2
