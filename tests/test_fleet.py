@@ -1,7 +1,8 @@
 """A hub under a fleet (issue 39), counted, never timed, on trio's autojump clock: a real hub
 on loopback and runners that keep the push stream open. A new session wakes one runner it was
 offered to, not the fleet, and no claim is lost; a runner that does not take its offer is passed
-over for the next."""
+over for the next; an idle poll looks at the jobs a poll may offer, never at the open sessions;
+the ended jobs' notes do not pile up."""
 
 from __future__ import annotations
 
@@ -80,3 +81,62 @@ async def test_a_runner_that_does_not_take_its_offer_is_passed_over(
     # each stuck runner was offered the first job and passed over; the next jobs skip neither
     # (the choice goes round): each was offered at most two jobs
     assert 1 <= runners[0].offers <= 2 and 1 <= runners[1].offers <= 2
+
+
+async def test_an_idle_poll_does_not_walk_the_open_sessions(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    scanned: dict[int, int] = {}
+    async with open_hub(hub_of(max_sessions_per_key=1000)) as (hub, url):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        async with trio.open_nursery() as nursery:
+            runners = fleet(url, 4)
+            for fake in runners:
+                await nursery.start(fake.run)
+            with trio.fail_after(GUARD):
+                opened = 0
+                for sessions in (10, 60):
+                    while opened < sessions:
+                        assert (await chat(url, key, f"s{opened}")).status_code == 200
+                        opened += 1
+                    assert len(hub.board.jobs) >= sessions  # every session's job is live
+                    before, polls = hub.board.scanned, sum(f.polls for f in runners)
+                    await trio.sleep(3 * POLL)  # every runner polls a few times, idle
+                    polls = sum(f.polls for f in runners) - polls
+                    assert polls >= len(runners)
+                    scanned[sessions] = hub.board.scanned - before
+                # turns that name their model on open sessions: no walk over the runners
+                walks = hub.catalog.walks
+                for n in range(20):
+                    reply = await chat(url, key, f"s{n}", model="fake-model")
+                    assert reply.status_code == 200
+                walked = hub.catalog.walks - walks
+            nursery.cancel_scope.cancel()
+    assert scanned[60] <= scanned[10] + 4, scanned  # main walked every live job on each poll
+    assert walked == 0  # main: a walk over every runner per turn (Catalog.known)
+
+
+async def test_a_runners_ended_sessions_are_not_kept_for_ever(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_hub(hub_of(max_sessions_per_key=1000)) as (hub, url):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        async with trio.open_nursery() as nursery:
+            (runner,) = fleet(url, 1)
+            await nursery.start(runner.run)
+            with trio.fail_after(GUARD):
+                for n in range(5):
+                    assert (await chat(url, key, f"s{n}")).status_code == 200
+                ended = list(runner.claimed)
+                for job_id in ended:
+                    await runner.end_session(job_id)
+                # its final report answered: the hub has ended the job by then
+                await runner.wait_until(
+                    lambda: all(
+                        runner.reports.get(job_id, [{}])[-1].get("status") == "completed"
+                        for job_id in ended
+                    )
+                )
+                assert not set(ended) & set(hub.board.jobs)
+            nursery.cancel_scope.cancel()
+        assert not set(ended) & hub.channels.runner_ended  # main kept every one

@@ -6,7 +6,7 @@ import logging
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, Protocol
@@ -153,7 +153,13 @@ class JobBoard:
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
         # runner id -> its open push streams (a job offered to a few runners wakes only them)
         self._pushed: dict[str, set[trio.MemorySendChannel[str]]] = {}
+        # per project, the jobs a poll may offer (queued, or claimed and not started yet), in
+        # order: an idle poll looks at these, never at every live job (pruned as it looks)
+        self._pending: dict[tuple[str, str], dict[str, Job]] = {}
+        self.generation = 0  # bumped when a runner is seen first, or again after its silence
+        self.scanned = 0  # jobs the polls looked at (a poll's work: tests count it)
         self.pushes = 0  # job_available events sent (tests count who a new job wakes)
+        self.on_forget: list[Callable[[str], None]] = []  # told of each job leaving memory
         self.sync: Sync | None = None  # one replica's board of a team: its writes go there
 
     @property
@@ -164,7 +170,15 @@ class JobBoard:
     async def load(self) -> None:
         """Read the live jobs back from the store (at start; a job already on the board stays)."""
         for stored in await self.store.load_jobs(live_only=True):
-            self.jobs.setdefault(stored.id, Job.from_record(stored))
+            if stored.id not in self.jobs:
+                self.add(Job.from_record(stored))
+
+    def add(self, job: Job) -> None:
+        """A live job onto the board (and among its project's pending ones while a poll may
+        still offer it)."""
+        self.jobs[job.id] = job
+        if job.status == "queued" and not job.channel_opened:
+            self._pending.setdefault((job.owner, job.project), {})[job.id] = job
 
     async def lookup(self, job_id: str) -> Job | None:
         """The job, live (the board's own object) or ended (a copy read from the store)."""
@@ -188,6 +202,8 @@ class JobBoard:
             self.recent[job.id] = job
             while len(self.recent) > RECENT_ENDED:
                 self.recent.popitem(last=False)
+            for observe in self.on_forget:
+                observe(job.id)
 
     # -- jobs in ----------------------------------------------------------------
 
@@ -212,7 +228,7 @@ class JobBoard:
             origin=origin,
             runners=runners,
         )
-        self.jobs[job.id] = job
+        self.add(job)
         await self.save(job)
         self.changes.notify()
         self.announce(job)
@@ -287,8 +303,12 @@ class JobBoard:
     def seen(self, runner_id: str, registration: Registration | None = None) -> None:
         """The runner gave a sign of life (the first one wakes whoever waits on the board);
         its ``registration``, when the caller has it, tells the board its project."""
-        first = runner_id not in self.last_seen
-        self.last_seen[runner_id] = trio.current_time()
+        now = trio.current_time()
+        last = self.last_seen.get(runner_id)
+        first = last is None
+        if last is None or now - last > self.settings.offline_after:
+            self.generation += 1  # a runner new, or back from silence: live lists differ
+        self.last_seen[runner_id] = now
         if self.sync is not None:
             self.sync.touched.add(runner_id)
         if registration is not None:
@@ -362,26 +382,34 @@ class JobBoard:
         claim after ``reoffer_after`` (its claim answer may have been lost)."""
         self.polled(runner_id, owner, project, capabilities)
         now = trio.current_time()
-
-        def offer(job: Job) -> bool:
+        pending = self._pending.get((owner, project))
+        if not pending:
+            return []
+        out = []
+        for job in list(pending.values()):
+            self.scanned += 1
+            if (
+                self.jobs.get(job.id) is not job
+                or job.status != "queued"
+                or job.channel_opened
+                or job.cancelled
+            ):
+                del pending[job.id]  # no poll offers it again: out of the index
+                continue
+            if not set(job.needs) <= capabilities:
+                continue
             if job.claimed_by is None:
                 targets = job.runners
-                return (
-                    job.status == "queued"
-                    and not job.cancelled
-                    and (targets is None or runner_id in targets)
-                )
+                if targets is None or runner_id in targets:
+                    out.append(job)
+                continue
             claimed_at = -math.inf if job.claimed_at is None else job.claimed_at
             due = now - claimed_at >= self.settings.reoffer_after
-            return due and self.unstarted_claim(job, runner_id)
-
-        return [
-            job
-            for job in self.jobs.values()
-            if (job.owner, job.project) == (owner, project)
-            and set(job.needs) <= capabilities
-            and offer(job)
-        ]
+            if due and self.unstarted_claim(job, runner_id):
+                out.append(job)
+        if not pending:
+            del self._pending[(owner, project)]
+        return out
 
     async def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
         """Claim a job for ``runner_id``: its run id. The same runner again before starting it
@@ -544,6 +572,7 @@ class JobBoard:
             last = self.last_seen.get(job.claimed_by)
             if last is None:  # a job reloaded at start: its runner gets offline_after to show up
                 self.last_seen[job.claimed_by] = now
+                self.generation += 1
                 continue
             if now - last <= self.settings.offline_after:
                 continue

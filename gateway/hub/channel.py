@@ -297,7 +297,9 @@ class Channels:
         self.changes = changes
         self.counters = counters
         self._open: dict[str, ServerChannel] = {}
-        self.runner_ended: set[str] = set()  # job ids whose runner sent chat.end (no redial)
+        # job ids whose runner sent chat.end (no redial), until the job leaves the board
+        self.runner_ended: set[str] = set()
+        board.on_forget.append(self.runner_ended.discard)
         # when the hub read its jobs back at start, and those of them whose channel has not
         # come back since (their runners' redials are waited for a moment: ``Dispatcher``)
         self.restored_at: float | None = None
