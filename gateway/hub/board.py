@@ -429,9 +429,8 @@ class JobBoard:
         run_id = str(uuid.uuid4())
         if self.sync is not None:
             if await self.sync.claim(job, runner_id, name, run_id) is None:
-                found = await self.sync.refresh(
-                    job_id
-                )  # another claim (or a withdrawal) came first
+                # another claim (or a withdrawal) came first
+                found = await self.sync.refresh(job_id)
                 if found is not None and self.unstarted_claim(found, runner_id):
                     assert found.run_id is not None
                     return found.run_id
