@@ -258,6 +258,8 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "body_timeout": ("8", 8, 8.0),
     "max_body": ("2048", 2048, 2048),
     "max_connections": ("5", 5, 5),
+    "max_runner_connections": ("7", 7, 7),
+    "max_client_connections": ("6", 6, 6),
 }
 
 
