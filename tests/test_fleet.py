@@ -12,6 +12,7 @@ from fake_runner import FakeRunner
 from test_causes import ADMIN, GUARD, OWNER, PROJECT, chat, hub_of
 
 from gateway.hub import open_hub
+from gateway.runner.backoff import POLL_SPREAD, poll_delay
 
 RUNNERS = 12
 POLL = 10.0  # s: as a deployed runner polls; pushes wake it in between
@@ -140,3 +141,12 @@ async def test_a_runners_ended_sessions_are_not_kept_for_ever(
                 assert not set(ended) & set(hub.board.jobs)
             nursery.cancel_scope.cancel()
         assert not set(ended) & hub.channels.runner_ended  # main kept every one
+
+
+def test_a_fleets_poll_timers_drift_apart_after_a_push() -> None:
+    """A push wakes every runner it reaches at one instant: their next polls' timers differ (a
+    fleet's polls do not stay in one burst), none later than the interval."""
+    delays = [poll_delay(POLL) for _ in range(200)]
+    assert all(POLL * (1 - POLL_SPREAD) <= d <= POLL for d in delays)
+    assert max(delays) - min(delays) > POLL * POLL_SPREAD / 2
+    assert len(set(delays)) > 190
