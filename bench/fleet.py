@@ -293,6 +293,12 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             await trio.sleep(args.idle)
             idle_rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
             out["idle_pct"] = round(100 * idle_rate, 1)
+            # the idle events a second: polls and push keepalives (the hub's events stream is
+            # quiet at most min(keepalive 15 s, ping 20 s / 2) = 10 s) per runner, pings and
+            # heartbeats per session
+            events = runners / args.poll + runners / 10.0 + sessions / 20.0
+            events += sessions / args.heartbeat
+            out["idle_event_us"] = round(1e6 * idle_rate / events)
             # a poll's marginal cost: one more runner, polling in a loop
             probe = FakeRunner(fleet, runners)
             await probe.register()
@@ -340,17 +346,18 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
 
 HEAD = (
     "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll (µs, marginal) "
-    "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn |"
+    "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn "
+    "| idle: µs an event |"
 )
 
 
 def row(r: dict[str, Any]) -> str:
     if "error" in r:
-        return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | |"
+        return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | | |"
     return (
         f"| {r['runners']:,} | {r['sessions']:,} | {r['rss_mb']} MB | {r['idle_pct']} "
         f"| {r['poll_us']} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
-        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms |"
+        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms | {r.get('idle_event_us', '')} |"
     )
 
 
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="append each point's figures to this file")
     args = p.parse_args(argv)
     print(HEAD.format(c=args.clients))
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         runners, sessions = (int(x) for x in size.split("/"))
         try:
