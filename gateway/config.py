@@ -850,8 +850,8 @@ class HubSettings:
         60.0,
         env="ALP_GATEWAY_HUB_OFFLINE_AFTER",
         parse=_positive_float,
-        help="seconds without a sign of life from a runner (a poll, a heartbeat, a frame) before "
-        "it counts as gone and its jobs are ended",
+        help="seconds without a sign of life from a runner (a poll, a heartbeat, a frame or a "
+        "channel's pong) before it counts as gone and its jobs are ended",
         group="hub-runners",
         metavar="S",
     )

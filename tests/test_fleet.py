@@ -150,3 +150,28 @@ def test_a_fleets_poll_timers_drift_apart_after_a_push() -> None:
     assert all(POLL * (1 - POLL_SPREAD) <= d <= POLL for d in delays)
     assert max(delays) - min(delays) > POLL * POLL_SPREAD / 2
     assert len(set(delays)) > 190
+
+
+async def test_a_live_channels_pongs_keep_its_runner_alive_without_polls_or_heartbeats() -> None:
+    """One liveness signal a session: a runner that neither polls nor sends heartbeats once it
+    holds its job (the fake sends none) stays alive while its channel answers the hub's pings,
+    well past ``offline_after``: its job is not force-completed (main: ended after 1 s)."""
+    ping = 0.1  # s, real sockets and the real clock; nothing asserts how long anything took
+    hub = hub_of(ping_interval=ping, offline_after=1.0, max_sessions_per_key=10)
+    async with open_hub(hub) as (hub, url), trio.open_nursery() as nursery:
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        runner = FakeRunner(url, ADMIN, owner=OWNER, project=PROJECT, poll_until_claimed=True)
+        await nursery.start(runner.run)
+        with trio.fail_after(60):
+            assert (await chat(url, key, "s")).status_code == 200
+            (job_id,) = runner.claimed
+            pings = hub.counters.pings_sent
+            # 40 pings (4 s): four times offline_after, counted (no event says a ping went)
+            while hub.counters.pings_sent < pings + 40:  # noqa: ASYNC110
+                await trio.sleep(ping)
+            job = hub.board.jobs.get(job_id)
+            assert job is not None and job.status != "completed"
+            assert hub.board.alive(runner.runner_id or "")
+            assert (await chat(url, key, "s")).status_code == 200  # the same channel serves
+        nursery.cancel_scope.cancel()
+    assert runner.dials[job_id] == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -340,6 +341,8 @@ class Channels:
         ``hello`` is the first frame to send on it: the extensions, and the requests it
         resumes (those of a dropped channel of the job) with their counts."""
         ch = ServerChannel(job_id, runner_id, ws, self)
+        if ws is not None:  # its pongs are its runner's sign of life: one signal per session
+            ws.on_alive = partial(self.board.seen, runner_id)
         self.awaited.discard(job_id)
         old = self._open.get(job_id)
         self._open[job_id] = ch
