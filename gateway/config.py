@@ -921,8 +921,8 @@ class HubSettings:
         60.0,
         env="ALP_GATEWAY_HUB_OFFLINE_AFTER",
         parse=_positive_float,
-        help="seconds without a sign of life from a runner (a poll, a heartbeat, a frame) before "
-        "it counts as gone and its jobs are ended",
+        help="seconds without a sign of life from a runner (a poll, a heartbeat, a frame or a "
+        "channel's pong) before it counts as gone and its jobs are ended",
         group="hub-runners",
         metavar="S",
     )
@@ -1159,10 +1159,29 @@ class HubSettings:
         metavar="BYTES",
     )
     max_connections: int = setting(
-        1024,
+        16384,
         env="ALP_GATEWAY_HUB_MAX_CONNECTIONS",
         parse=_positive_int,
-        help="open connections at most; one more gets 503 and is closed",
+        help="open connections at most, runners' and clients' together (and within the file "
+        "limit, raised to its hard limit at start); one more gets 503 and is closed",
+        group="hub-bounds",
+        metavar="N",
+    )
+    max_runner_connections: int = setting(
+        12288,
+        env="ALP_GATEWAY_HUB_MAX_RUNNER_CONNECTIONS",
+        parse=_positive_int,
+        help="runners' requests and channels in progress at most (a channel per session, a push "
+        "stream and a poll per runner); one more gets 503 at once",
+        group="hub-bounds",
+        metavar="N",
+    )
+    max_client_connections: int = setting(
+        4096,
+        env="ALP_GATEWAY_HUB_MAX_CLIENT_CONNECTIONS",
+        parse=_positive_int,
+        help="front-door requests in progress at most (/v1: a turn each), apart from the "
+        "runners' so that a fleet never locks clients out; one more gets 503 in its API's shape",
         group="hub-bounds",
         metavar="N",
     )

@@ -74,6 +74,7 @@ class FakeRunner:
         redials: int = 3,
         poll_until_claimed: bool = False,
         lists_models: bool = True,
+        push: bool = False,
     ) -> None:
         self.server = server.rstrip("/")
         self.admin_token = admin_token
@@ -87,6 +88,8 @@ class FakeRunner:
         self.redials = redials
         self.poll_until_claimed = poll_until_claimed  # no poll once it holds a job
         self.lists_models = lists_models  # False: models requests go unanswered
+        self.push = push  # keep the push stream open: poll at each job_available too
+        self.claims = True  # False: offered jobs are left (a runner that hangs before its claim)
         self.runner_id: str | None = None
         self.token: str | None = None
         # observations
@@ -97,6 +100,11 @@ class FakeRunner:
         self.models_requests = 0
         self.dials: dict[str, int] = {}
         self.reports: dict[str, list[dict[str, Any]]] = {}
+        self.polls = 0
+        self.pushes = 0  # job_available events received
+        self.offers = 0  # jobs its polls offered
+        self.lost_claims = 0  # claims refused (another runner had it)
+        self._pushed = trio.Event()
         self._change = trio.Event()
         self._sockets: dict[str, trio_websocket.WebSocketConnection] = {}
         self._closing: set[str] = set()
@@ -145,19 +153,28 @@ class FakeRunner:
             reply.raise_for_status()
             registration = reply.json()
             self.runner_id, self.token = registration["id"], registration["token"]
-            task_status.started()
             auth = {"Authorization": f"Bearer {self.token}"}
+            if self.push:
+                await nursery.start(self._events, http, auth)
+            task_status.started()
             while True:
-                reply = await http.post(
-                    f"{self.base}/runners/jobs",
-                    json={"capabilities": [protocol.CAPABILITY]},
-                    headers=auth,
-                )
+                self.polls += 1
+                try:
+                    reply = await http.post(
+                        f"{self.base}/runners/jobs",
+                        json={"capabilities": [protocol.CAPABILITY]},
+                        headers=auth,
+                    )
+                except httpx.RemoteProtocolError:  # a kept-alive connection the hub closed idle
+                    continue
                 jobs: list[dict[str, Any]] = []
                 if reply.status_code == 200 and reply.content:
                     jobs = (reply.json() or {}).get("jobs") or []
                 for job in jobs:
                     if job["id"] in self.claimed or not _is_chat_job(job):
+                        continue
+                    self.offers += 1
+                    if not self.claims:
                         continue
                     claim = await http.post(
                         f"{self.base}/runners/generate-jitconfig",
@@ -165,6 +182,7 @@ class FakeRunner:
                         headers=auth,
                     )
                     if not claim.is_success:
+                        self.lost_claims += 1
                         continue
                     run_id = claim.json()["runId"]
                     self.claimed.append(job["id"])
@@ -172,7 +190,26 @@ class FakeRunner:
                     nursery.start_soon(self._session, http, auth, job["id"], run_id)
                 if self.poll_until_claimed and self.claimed:
                     await trio.sleep_forever()
-                await trio.sleep(self.poll_interval)
+                with trio.move_on_after(self.poll_interval):
+                    await self._pushed.wait()
+                self._pushed = trio.Event()
+
+    async def _events(
+        self,
+        http: httpx.AsyncClient,
+        auth: dict[str, str],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The push stream: a poll at once on each ``job_available``."""
+        url = f"{self.base}/runners/events"
+        async with http.stream("GET", url, headers=auth, timeout=None) as resp:
+            task_status.started()
+            async for line in resp.aiter_lines():
+                if line.startswith("event: job_available"):
+                    self.pushes += 1
+                    self._pushed.set()
+                    self._changed()
 
     async def _report(
         self,

@@ -276,6 +276,8 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     ),
     "oidc_redirect_url": ("https://hub.example",) * 3,
     "oidc_session_lifetime": ("8h", "8h", 8 * 3600.0),
+    "max_runner_connections": ("7", 7, 7),
+    "max_client_connections": ("6", 6, 6),
 }
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 import re
+import resource
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -15,6 +17,7 @@ from typing import Any
 import trio
 
 from gateway.hub.admin import PAGE_SESSION, AdminApi
+from gateway.hub.frontdoor.dialects import anthropic_error_body
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
@@ -31,6 +34,20 @@ log = logging.getLogger("gateway.hub")
 Handler = Callable[[Request], Awaitable[None]]
 _STORE_UNAVAILABLE = "the hub's store is unavailable: retry shortly"
 _BASE = r"/api/owners/(?P<owner>[^/]+)/projects/(?P<project>[^/]+)/"
+WARN_EVERY = 60.0  # s: at most one warning this often about a full budget
+FILE_RESERVE = 64  # descriptors kept for the store, the journal, logs and the spare one
+
+
+@dataclass
+class Budget:
+    """One kind of caller's connections in progress (runners', clients'), capped apart from the
+    other kind's: past ``limit`` a 503 at once, one warning a minute."""
+
+    kind: str
+    limit: int
+    open: int = 0
+    refused: int = 0
+    warned_at: float = -math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +77,8 @@ class App:
         door = hub.frontdoor
         settings = hub.settings
         self.runners = runners
+        self.runner_budget = Budget("runners'", settings.max_runner_connections)
+        self.client_budget = Budget("clients'", settings.max_client_connections)
         # (method, path) → the handler of a route without params that matched it (memoised: the
         # routes are fixed, so it resolves the same each time; a front-door turn tried 18 patterns)
         self._literal: dict[tuple[str, str], Handler] = {}
@@ -214,7 +233,60 @@ class App:
             )
         raise HTTPError(404, message, "unknown_url")
 
+    def _budget_of(self, path: str) -> Budget | None:
+        """The budget a request's connection counts in: a runner's (the runner API), a client's
+        (the front door), or none (the admin API, the status page, /healthz, a replica's relay)."""
+        if path.startswith("/v1/"):
+            return self.client_budget
+        if path.startswith("/api/owners/"):
+            return self.runner_budget
+        return None
+
+    def _over(self, budget: Budget) -> HTTPError:
+        """The answer past a budget, counted, said once a minute."""
+        budget.refused += 1
+        self.hub.counters.connections_refused += 1
+        now = trio.current_time()
+        if now - budget.warned_at >= WARN_EVERY:
+            budget.warned_at = now
+            log.warning(
+                "%d %s connections in progress (their budget): refusing more with 503 "
+                "(refused so far: %d)",
+                budget.open,
+                budget.kind,
+                budget.refused,
+            )
+        return HTTPError(
+            503,
+            f"the hub serves {budget.limit} {budget.kind} connections at once; retry shortly",
+            "too_many_connections",
+            headers=[(b"retry-after", b"1")],
+        )
+
     async def http(self, req: Request) -> None:
+        """One HTTP request within its kind's budget (past it, 503 in the caller's shape)."""
+        path = req.scope["path"]
+        budget = self._budget_of(path)
+        if budget is None:
+            await self._http(req)
+            return
+        if budget.open >= budget.limit:
+            err = self._over(budget)
+            try:
+                if path.startswith("/v1/messages"):
+                    await req.resp.whole(err.status, anthropic_error_body(err), err.headers)
+                else:
+                    await req.resp.error(err)
+            except ClientGone:
+                pass
+            return
+        budget.open += 1
+        try:
+            await self._http(req)
+        finally:
+            budget.open -= 1
+
+    async def _http(self, req: Request) -> None:
         """One HTTP request through its route; every failure answered in the error shape."""
         resp = req.resp
         scope = req.scope
@@ -259,7 +331,30 @@ class App:
         if req.scope["path"] != CHANNEL_PATH:
             await req.refuse(404, "not found", "unknown_url")
             return
-        await self.runners.channel(req)
+        budget = self.runner_budget
+        if budget.open >= budget.limit:
+            err = self._over(budget)
+            await req.refuse(err.status, err.message, "too_many_connections")
+            return
+        budget.open += 1
+        try:
+            await self.runners.channel(req)
+        finally:
+            budget.open -= 1
+
+
+def raise_file_limit() -> tuple[int, int]:
+    """The process's soft file limit raised to its hard limit (where it can be): (soft, hard)
+    after. Each connection holds a descriptor; systemd's and many shells' soft 1,024 would cap
+    a hub at about a thousand sessions."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft, hard
 
 
 def _ssl_context(
@@ -292,6 +387,15 @@ async def serve_hub(
     ``app``: what to serve instead of the hub's own ``App`` (a wrapper around it).
     """
     settings = hub.settings
+    soft, _hard = raise_file_limit()
+    holds = max(1, min(settings.max_connections, soft - FILE_RESERVE))
+    log.info(
+        "file limit %d: up to %d connections (runners' budget %d, clients' %d)",
+        soft,
+        holds,
+        settings.max_runner_connections,
+        settings.max_client_connections,
+    )
     server = Server(
         app if app is not None else App(hub),
         keepalive=Keepalive(settings.ping_interval, settings.pong_timeout),
@@ -299,7 +403,7 @@ async def serve_hub(
         limits=Limits(
             head_timeout=settings.head_timeout,
             body_timeout=settings.body_timeout,
-            max_connections=settings.max_connections,
+            max_connections=holds,
             max_message=settings.max_body,
         ),
         ssl_context=_ssl_context(certfile, keyfile),

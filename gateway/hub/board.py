@@ -6,7 +6,7 @@ import logging
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, Protocol
@@ -159,6 +159,15 @@ class JobBoard:
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
+        # runner id -> its open push streams (a job offered to a few runners wakes only them)
+        self._pushed: dict[str, set[trio.MemorySendChannel[str]]] = {}
+        # per project, the jobs a poll may offer (queued, or claimed and not started yet), in
+        # order: an idle poll looks at these, never at every live job (pruned as it looks)
+        self._pending: dict[tuple[str, str], dict[str, Job]] = {}
+        self.generation = 0  # bumped when a runner is seen first, or again after its silence
+        self.scanned = 0  # jobs the polls looked at (a poll's work: tests count it)
+        self.pushes = 0  # job_available events sent (tests count who a new job wakes)
+        self.on_forget: list[Callable[[str], None]] = []  # told of each job leaving memory
         self.sync: Sync | None = None  # one replica's board of a team: its writes go there
 
     @property
@@ -169,7 +178,15 @@ class JobBoard:
     async def load(self) -> None:
         """Read the live jobs back from the store (at start; a job already on the board stays)."""
         for stored in await self.store.load_jobs(live_only=True):
-            self.jobs.setdefault(stored.id, Job.from_record(stored))
+            if stored.id not in self.jobs:
+                self.add(Job.from_record(stored))
+
+    def add(self, job: Job) -> None:
+        """A live job onto the board (and among its project's pending ones while a poll may
+        still offer it)."""
+        self.jobs[job.id] = job
+        if job.status == "queued" and not job.channel_opened:
+            self._pending.setdefault((job.owner, job.project), {})[job.id] = job
 
     async def lookup(self, job_id: str) -> Job | None:
         """The job, live (the board's own object) or ended (a copy read from the store)."""
@@ -193,6 +210,8 @@ class JobBoard:
             self.recent[job.id] = job
             while len(self.recent) > RECENT_ENDED:
                 self.recent.popitem(last=False)
+            for observe in self.on_forget:
+                observe(job.id)
 
     # -- jobs in ----------------------------------------------------------------
 
@@ -217,35 +236,58 @@ class JobBoard:
             origin=origin,
             runners=runners,
         )
-        self.jobs[job.id] = job
+        self.add(job)
         await self.save(job)
         self.changes.notify()
         self.announce(job)
         return job
 
     def announce(self, job: Job) -> None:
-        """``job_available`` for the job to every subscriber of its project."""
-        subscribers = self._subscribers.get((job.owner, job.project), set())
+        """``job_available`` for the job to the push streams of the runners it is offered to
+        (``job.runners``: a few the dispatcher chose), or of its whole project (offered to any)."""
+        if job.runners is None:
+            self._push(job.id, self._subscribers.get((job.owner, job.project), set()))
+            return
+        for runner_id in job.runners:
+            self._push(job.id, self._pushed.get(runner_id, set()))
+
+    def _push(self, job_id: str, subscribers: set[trio.MemorySendChannel[str]]) -> None:
         for send_ch in list(subscribers):
+            self.pushes += 1
             try:
-                send_ch.send_nowait(job.id)
+                send_ch.send_nowait(job_id)
             except trio.WouldBlock:
                 pass  # that subscriber has events pending already: it will poll anyway
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 subscribers.discard(send_ch)
 
+    def subscribed(self, runner_id: str) -> bool:
+        """Whether the runner has a push stream open to this hub."""
+        return bool(self._pushed.get(runner_id))
+
     @contextmanager
-    def subscribe(self, owner: str, project: str) -> Iterator[trio.MemoryReceiveChannel[str]]:
-        """The ids of jobs queued in ``owner/project`` while the block runs (a few buffered)."""
+    def subscribe(
+        self, owner: str, project: str, runner_id: str | None = None
+    ) -> Iterator[trio.MemoryReceiveChannel[str]]:
+        """The ids of jobs queued in ``owner/project`` while the block runs (a few buffered):
+        those offered to any runner, and those offered to ``runner_id``."""
         send_ch, recv_ch = trio.open_memory_channel[str](SUBSCRIBER_BUFFER)
         subscribers = self._subscribers.setdefault((owner, project), set())
         subscribers.add(send_ch)
+        if runner_id is not None:
+            self._pushed.setdefault(runner_id, set()).add(send_ch)
         try:
             yield recv_ch
         finally:
             subscribers.discard(send_ch)
             if not subscribers and self._subscribers.get((owner, project)) is subscribers:
                 del self._subscribers[(owner, project)]
+            if runner_id is not None:
+                own = self._pushed.get(runner_id)
+                if own is not None:
+                    own.discard(send_ch)
+                    if not own:
+                        del self._pushed[runner_id]
             send_ch.close()
 
     async def save(self, job: Job) -> None:
@@ -273,8 +315,12 @@ class JobBoard:
     def seen(self, runner_id: str, registration: Registration | None = None) -> None:
         """The runner gave a sign of life (the first one wakes whoever waits on the board);
         its ``registration``, when the caller has it, tells the board its project."""
-        first = runner_id not in self.last_seen
-        self.last_seen[runner_id] = trio.current_time()
+        now = trio.current_time()
+        last = self.last_seen.get(runner_id)
+        first = last is None
+        if last is None or now - last > self.settings.offline_after:
+            self.generation += 1  # a runner new, or back from silence: live lists differ
+        self.last_seen[runner_id] = now
         if self.sync is not None:
             self.sync.touched.add(runner_id)
         if registration is not None:
@@ -348,26 +394,34 @@ class JobBoard:
         claim after ``reoffer_after`` (its claim answer may have been lost)."""
         self.polled(runner_id, owner, project, capabilities)
         now = trio.current_time()
-
-        def offer(job: Job) -> bool:
+        pending = self._pending.get((owner, project))
+        if not pending:
+            return []
+        out = []
+        for job in list(pending.values()):
+            self.scanned += 1
+            if (
+                self.jobs.get(job.id) is not job
+                or job.status != "queued"
+                or job.channel_opened
+                or job.cancelled
+            ):
+                del pending[job.id]  # no poll offers it again: out of the index
+                continue
+            if not set(job.needs) <= capabilities:
+                continue
             if job.claimed_by is None:
                 targets = job.runners
-                return (
-                    job.status == "queued"
-                    and not job.cancelled
-                    and (targets is None or runner_id in targets)
-                )
+                if targets is None or runner_id in targets:
+                    out.append(job)
+                continue
             claimed_at = -math.inf if job.claimed_at is None else job.claimed_at
             due = now - claimed_at >= self.settings.reoffer_after
-            return due and self.unstarted_claim(job, runner_id)
-
-        return [
-            job
-            for job in self.jobs.values()
-            if (job.owner, job.project) == (owner, project)
-            and set(job.needs) <= capabilities
-            and offer(job)
-        ]
+            if due and self.unstarted_claim(job, runner_id):
+                out.append(job)
+        if not pending:
+            del self._pending[(owner, project)]
+        return out
 
     async def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
         """Claim a job for ``runner_id``: its run id. The same runner again before starting it
@@ -387,9 +441,8 @@ class JobBoard:
         run_id = str(uuid.uuid4())
         if self.sync is not None:
             if await self.sync.claim(job, runner_id, name, run_id) is None:
-                found = await self.sync.refresh(
-                    job_id
-                )  # another claim (or a withdrawal) came first
+                # another claim (or a withdrawal) came first
+                found = await self.sync.refresh(job_id)
                 if found is not None and self.unstarted_claim(found, runner_id):
                     assert found.run_id is not None
                     return found.run_id
@@ -536,6 +589,7 @@ class JobBoard:
             last = self.last_seen.get(job.claimed_by)
             if last is None:  # a job reloaded at start: its runner gets offline_after to show up
                 self.last_seen[job.claimed_by] = now
+                self.generation += 1
                 continue
             if now - last <= self.settings.offline_after:
                 continue

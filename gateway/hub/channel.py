@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -312,7 +313,9 @@ class Channels:
         self.changes = changes
         self.counters = counters
         self._open: dict[str, ServerChannel] = {}
-        self.runner_ended: set[str] = set()  # job ids whose runner sent chat.end (no redial)
+        # job ids whose runner sent chat.end (no redial), until the job leaves the board
+        self.runner_ended: set[str] = set()
+        board.on_forget.append(self.runner_ended.discard)
         # when the hub read its jobs back at start, and those of them whose channel has not
         # come back since (their runners' redials are waited for a moment: ``Dispatcher``)
         self.restored_at: float | None = None
@@ -353,6 +356,8 @@ class Channels:
         ``hello`` is the first frame to send on it: the extensions, and the requests it
         resumes (those of a dropped channel of the job) with their counts."""
         ch = ServerChannel(job_id, runner_id, ws, self)
+        if ws is not None:  # its pongs are its runner's sign of life: one signal per session
+            ws.on_alive = partial(self.board.seen, runner_id)
         self.awaited.discard(job_id)
         old = self._open.get(job_id)
         self._open[job_id] = ch

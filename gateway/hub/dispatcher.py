@@ -53,7 +53,21 @@ RELIST_AFTER = (
 # s a new job offered to primary runners only waits for one to take it before the fallback tier
 # may take it too (at most half of runner_wait_timeout)
 FALLBACK_AFTER = 3.0
+# s a runner chosen for a new job has to claim it before it is offered to the next one (a
+# pushed runner polls and claims within milliseconds)
+OFFER_WITHIN = 2.0
+PASSED_FOR = 60.0  # s a runner that let an offer pass is chosen after the others
 Project = tuple[str, str]
+
+
+@dataclass
+class _Offer:
+    """Who a new job is offered to: one runner the dispatcher chose (None: every eligible one,
+    when no runner it could choose hears a push), until when, and those passed over."""
+
+    runner: str | None
+    until: float
+    passed: set[str] = field(default_factory=set)
 
 
 class Unplaced(Exception):
@@ -119,6 +133,9 @@ class Dispatcher:
         self.changes: Changes = board.changes
         self._projects: dict[Project, _Project] = {}
         self.waits = WaitStats()
+        self._offers: dict[str, _Offer] = {}  # unclaimed new jobs by id: who they are offered to
+        self._offered_at: dict[str, float] = {}  # runner id -> when it was last chosen
+        self._passed_at: dict[str, float] = {}  # runner id -> when it last let an offer pass
         # a replica of a team: whether a job's channel went with the replica that held it
         self.awaiting: Callable[[str], bool] = lambda job_id: False
         # a runner's models asked again on its channel (the catalog's; None: never)
@@ -319,6 +336,7 @@ class Dispatcher:
         """One step for every project with waiting turns; when the next falls due."""
         wake = math.inf
         limits = self._limits()
+        self._prune_offers()
         for key, project in list(self._projects.items()):
             for waiting in project.waiting:  # a session's new job, taken by its other turns
                 view = waiting.view
@@ -327,25 +345,96 @@ class Dispatcher:
             now = trio.current_time()
             views = [w.view for w in project.waiting if w.job_id is None and w.refusal is None]
             depth = len(project.queue)
-            decided = plan(
-                project.queue, views, self._runners(key), self._jobs(project), limits, now
-            )
+            runners = self._runners(key)
+            decided = plan(project.queue, views, runners, self._jobs(project), limits, now)
             if len(project.queue) != depth:
                 self.changes.notify()  # whoever watches the queue (its depth) sees it
             self.counters.queued += len(decided.newly_queued)
             self.counters.redial_waits += len(decided.redialling)
             by_view = {id(w.view): w for w in project.waiting}
             for action in decided.actions:
-                await self._apply(key, project, by_view, action)
+                await self._apply(key, project, by_view, action, runners)
             wake = min(wake, decided.wake)
+        for offer in self._offers.values():
+            wake = min(wake, offer.until)
         return wake
 
+    def _prune_offers(self) -> None:
+        """The offers of jobs claimed, ended or withdrawn meanwhile forgotten."""
+        jobs = self.board.jobs
+        for job_id in [j for j in self._offers if (job := jobs.get(j)) is None or job.claimed_by]:
+            del self._offers[job_id]
+
+    def _offer(
+        self,
+        job_id: str | None,
+        targets: frozenset[str] | None,
+        runners: dict[str, RunnerView],
+    ) -> tuple[frozenset[str] | None, _Offer]:
+        """Who a new job (``job_id``: None before it is opened) is offered to among the runners
+        it may go to (``targets``, None: any): the runner chosen for it while it has time to
+        claim it, else the next one (the least busy that hears a push, the longest unchosen
+        first): one runner woken per new session, not the fleet. When none is left to choose,
+        every eligible runner, as a poll finds it."""
+        now = trio.current_time()
+        offer = self._offers.get(job_id) if job_id is not None else None
+        passed = offer.passed if offer is not None else set()
+        if offer is not None and offer.runner is not None:
+            view = runners.get(offer.runner)
+            if (
+                now < offer.until
+                and view is not None
+                and view.alive
+                and view.capable is not False
+                and (targets is None or offer.runner in targets)
+            ):
+                return frozenset({offer.runner}), offer
+            passed.add(offer.runner)
+            self._passed_at[offer.runner] = now
+            log.info("job %s: runner %s did not take it in time: passed over", job_id, offer.runner)
+        elif offer is not None:  # offered to every eligible runner already
+            return targets, offer
+        board = self.board
+        best: tuple[bool, bool, int, float] | None = None
+        chosen: str | None = None
+        for view in runners.values():
+            if not view.alive or view.capable is False or view.id in passed:
+                continue
+            if targets is not None and view.id not in targets:
+                continue
+            if not board.subscribed(view.id):
+                continue
+            rank = (
+                now - self._passed_at.get(view.id, -math.inf) < PASSED_FOR,  # others first
+                view.capable is None,
+                view.held,
+                self._offered_at.get(view.id, -math.inf),
+            )
+            if best is None or rank < best:
+                best, chosen = rank, view.id
+        if chosen is None:  # nobody left that a push reaches: any eligible runner's poll
+            return targets, _Offer(None, math.inf, passed)
+        self._offered_at[chosen] = now
+        return frozenset({chosen}), _Offer(chosen, now + OFFER_WITHIN, passed)
+
     async def _apply(
-        self, key: Project, project: _Project, by_view: dict[int, _Waiting], action: object
+        self,
+        key: Project,
+        project: _Project,
+        by_view: dict[int, _Waiting],
+        action: object,
+        runners: dict[str, RunnerView],
     ) -> None:
         if isinstance(action, Retarget):
             job = self.board.jobs.get(action.job_id)
-            if job is not None:
+            if job is not None and job.claimed_by is None:
+                offered, offer = self._offer(job.id, action.runners, runners)
+                self._offers[job.id] = offer
+                before = job.runners
+                await self.board.target(job, offered)
+                if job.runners != before:
+                    self.board.announce(job)  # the runner now chosen is woken
+            elif job is not None:
                 await self.board.target(job, action.runners)
             return
         waiting = by_view.get(id(action.waiter)) if hasattr(action, "waiter") else None
@@ -369,14 +458,16 @@ class Dispatcher:
             definition = dict(CHAT_DEFINITION)
             if waiting.traceparent is not None:
                 definition["traceparent"] = waiting.traceparent
+            offered, offer = self._offer(None, action.runners, runners)
             job = await self.board.enqueue(
                 key[0],
                 key[1],
                 [protocol.CAPABILITY],
                 definition,
                 origin="frontdoor",
-                runners=action.runners,
+                runners=offered,
             )
+            self._offers[job.id] = offer
             view.job_id, view.opened = job.id, True
         elif isinstance(action, Withdraw):
             await self.board.withdraw(action.job_id, "queued behind another request")

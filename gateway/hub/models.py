@@ -81,8 +81,16 @@ class Catalog:
         # runner id -> the context length of each model it listed whose backend says it (kept in
         # memory only: asked again on every channel a runner opens)
         self._contexts: dict[str, dict[str, int]] = {}
+        # (owner, project, model) -> context_of's answer, as live_lists keeps its own
+        self._context: dict[tuple[str, str, str], tuple[int | None, int, int, float]] = {}
         # runner id -> the extensions of the hello it took up, as its last models answer said
         self._extensions: dict[str, frozenset[str]] = {}
+        self._listed: dict[str, int] = {}  # model -> how many runners' lists name it
+        # per project, ``live_lists``' answer and what it holds until: the next list kept, a
+        # runner new or back (the board's ``generation``), or a counted runner going silent
+        self._live: dict[tuple[str, str], tuple[list[str], int, int, int, float]] = {}
+        self._version = 0  # bumped whenever a runner's list changes
+        self.walks = 0  # times ``live_lists`` walked the runners (tests count them)
         self._loaded: set[tuple[str, str]] = set()  # projects whose stored lists were read
         self._asking: set[str] = set()  # runner ids asked right now
         # runners that did not answer a models request (a runner without chat.models.request:
@@ -104,7 +112,8 @@ class Catalog:
             return
         self._loaded.add((owner, project))
         for stored in await self.store.load_models(owner, project):
-            self._lists.setdefault(stored.runner_id, stored.models)
+            if stored.runner_id not in self._lists:
+                self._set(stored.runner_id, stored.models)
             state = self.board.runners.get(stored.runner_id)
             if state is not None and state.models is None:
                 state.models = frozenset(stored.models)
@@ -115,10 +124,23 @@ class Catalog:
         never becomes a metrics series or a stored row of its own)."""
         if not model:
             return ""
-        for models in self._lists.values():
-            if model in models:
-                return model[:MAX_LABEL]
-        return UNLISTED
+        return model[:MAX_LABEL] if model in self._listed else UNLISTED
+
+    def _set(self, runner_id: str, models: tuple[str, ...]) -> None:
+        """A runner's list kept, and the models listed counted (``label`` looks there)."""
+        old = self._lists.get(runner_id)
+        if old == models:
+            return
+        for model in set(old or ()):
+            left = self._listed[model] - 1
+            if left:
+                self._listed[model] = left
+            else:
+                del self._listed[model]
+        for model in set(models):
+            self._listed[model] = self._listed.get(model, 0) + 1
+        self._lists[runner_id] = models
+        self._version += 1
 
     def of_runner(self, runner_id: str) -> list[str] | None:
         """The models the runner listed last (None: not known)."""
@@ -127,18 +149,35 @@ class Catalog:
 
     def context_of(self, owner: str, project: str, model: str) -> int | None:
         """The largest context length (tokens) the project's live runners that list ``model``
-        said for it; None when one of them did not say it (its may be larger) or none lists it."""
+        said for it; None when one of them did not say it (its may be larger) or none lists it.
+        Kept as ``live_lists`` keeps its answer (no walk over the fleet per turn); nothing to
+        find while no runner said a context."""
+        if not self._contexts:
+            return None
         board = self.board
+        now = trio.current_time()
+        cached = self._context.get((owner, project, model))
+        if (
+            cached is not None
+            and cached[1] == self._version
+            and cached[2] == board.generation
+            and now <= cached[3]
+        ):
+            return cached[0]
         largest: int | None = None
+        until = math.inf
         for runner_id, state in board.runners.items():
             if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
                 continue
+            until = min(until, board.last_seen[runner_id] + self.settings.offline_after)
             if model not in self._lists.get(runner_id, ()):
                 continue
             context = self._contexts.get(runner_id, {}).get(model)
             if context is None:
-                return None
+                largest = None
+                break
             largest = context if largest is None else max(largest, context)
+        self._context[(owner, project, model)] = (largest, self._version, board.generation, until)
         return largest
 
     async def embeds(self, ch: ServerChannel) -> bool:
@@ -150,13 +189,26 @@ class Catalog:
 
     def live_lists(self, owner: str, project: str) -> tuple[list[str], int]:
         """(every model the project's live runners listed, in order; how many live runners have
-        not listed theirs)."""
+        not listed theirs). Computed again only when it may have changed (a list kept, a runner
+        new or back, one of those counted gone silent): not a walk over the fleet per turn."""
         board = self.board
+        now = trio.current_time()
+        cached = self._live.get((owner, project))
+        if (
+            cached is not None
+            and cached[2] == self._version
+            and cached[3] == board.generation
+            and now <= cached[4]
+        ):
+            return list(cached[0]), cached[1]
+        self.walks += 1
         models: dict[str, None] = {}
         unknown = 0
+        until = math.inf  # the first of the counted runners to go silent goes then
         for runner_id, state in board.runners.items():
             if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
                 continue
+            until = min(until, board.last_seen[runner_id] + self.settings.offline_after)
             found = self._lists.get(runner_id)
             if found is None:
                 unknown += 1
@@ -164,7 +216,9 @@ class Catalog:
                 if state.models is None:
                     state.models = frozenset(found)
                 models.update(dict.fromkeys(found))
-        return list(models), unknown
+        listed = list(models)
+        self._live[(owner, project)] = (listed, unknown, self._version, board.generation, until)
+        return list(listed), unknown
 
     def known(self, owner: str, project: str) -> list[str] | None:
         """Every model the project's live runners serve when each of them listed its models;
@@ -296,7 +350,9 @@ class Catalog:
             self._silent.add(ch.runner_id)  # turns are not held for its answer again
             return None
         self._silent.discard(ch.runner_id)
-        self._contexts[ch.runner_id] = answer.contexts
+        if self._contexts.get(ch.runner_id) != answer.contexts:
+            self._contexts[ch.runner_id] = answer.contexts
+            self._version += 1  # what context_of kept may have changed
         self._extensions[ch.runner_id] = answer.extensions
         await self._keep(ch, models)
         return models
@@ -305,7 +361,7 @@ class Catalog:
         """A runner's list as another replica of a team asked it (read from the store)."""
         if self._lists.get(runner_id) != models:
             self._contexts.pop(runner_id, None)  # not in the store: not known for this list
-        self._lists[runner_id] = models
+        self._set(runner_id, models)
         self._silent.discard(runner_id)
         state = self.board.runners.get(runner_id)
         if state is not None and state.models != frozenset(models):
@@ -325,7 +381,7 @@ class Catalog:
             state.models = frozenset(models)
         else:
             changed = True
-        self._lists[ch.runner_id] = tuple(models)
+        self._set(ch.runner_id, tuple(models))
         self._failed.pop(ch.runner_id, None)
         self._wake()
         if changed:

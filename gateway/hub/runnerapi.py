@@ -217,9 +217,10 @@ class RunnerApi:
     async def events(self, req: Request) -> None:
         """``job_available`` events for the runner's project until it disconnects; a keepalive
         comment after each quiet ``keepalive_interval``."""
-        await self._runner(req)
+        runner = await self._runner(req)
         resp = req.resp
-        with self.board.subscribe(req.params["owner"], req.params["project"]) as queued:
+        p = req.params
+        with self.board.subscribe(p["owner"], p["project"], runner.id) as queued:
             await resp.start(200, list(SSE_HEADERS))
             async with trio.open_nursery() as nursery:
 

@@ -32,7 +32,7 @@ from gateway.runner.alp import (
 )
 from gateway.runner.backends import BackendPool
 from gateway.runner.backendurl import missing_v1
-from gateway.runner.backoff import backoff_delay
+from gateway.runner.backoff import backoff_delay, poll_delay
 from gateway.runner.metrics import MetricsServer, open_metrics
 from gateway.runner.poller import Poller
 from gateway.runner.session import ChatJob, Session, SessionKit
@@ -422,6 +422,7 @@ class Runner:
                     log.info("poll works again after %d failure(s)", failures)
                 failures = 0
                 self.last_poll_ok, self.last_poll_error = trio.current_time(), None
+                delay = poll_delay(interval)  # the fleet's timers kept apart
                 await self._consider(jobs)
             except ServerUnavailable as exc:
                 failures += 1

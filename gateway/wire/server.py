@@ -13,7 +13,9 @@ it, or refuse it with an HTTP status). Every bound a network server needs is kep
 deadline and size cap, a body deadline, keep-alive idle time (``Limits``, in the connection);
 here, a cap on open connections: past it a new one gets a 503 written at once and is closed (one
 warning a minute), and past ``MAX_REFUSING`` refusals at once it is just closed; an accept that
-fails for lack of descriptors or memory waits a moment instead of spinning.
+fails for lack of descriptors gives up a spare one kept for this, accepts the waiting connection
+with it and writes it the same 503 (never a silent timeout in the backlog); one that fails for
+lack of memory waits a moment instead of spinning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -91,6 +94,8 @@ class Server:
         self.ssl_context = ssl_context
         self.open_connections = 0
         self._refusing = 0  # refused connections still being told so
+        # a descriptor kept in reserve: out of them, it is given up to accept and refuse one
+        self._spare: int | None = None  # opened while serving
         self._warned_at = -math.inf
 
     async def serve(
@@ -110,6 +115,7 @@ class Server:
         bound = listeners[0].socket.getsockname()
         scheme = "https" if self.ssl_context is not None else "http"
         shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self._spare = _spare()
         try:
             async with trio.open_nursery() as nursery:
                 for listener in listeners:
@@ -118,6 +124,9 @@ class Server:
         finally:
             for listener in listeners:
                 listener.socket.close()
+            if self._spare is not None:
+                os.close(self._spare)
+                self._spare = None
 
     def _warn(self, message: str, *args: Any) -> None:
         now = trio.current_time()
@@ -134,9 +143,12 @@ class Server:
                     raise
                 self.counters.connections_refused += 1
                 self._warn(
-                    "cannot accept connections: %s (open: %d)", exc.strerror, self.open_connections
+                    "cannot accept connections: %s (open: %d): refusing new ones with 503",
+                    exc.strerror,
+                    self.open_connections,
                 )
-                await trio.sleep(0.1)
+                if not await self._refuse_spare(listener):
+                    await trio.sleep(0.1)
                 continue
             sock = take_socket(stream)
             if self.open_connections >= self.limits.max_connections:
@@ -155,6 +167,32 @@ class Server:
                 continue
             self.open_connections += 1
             nursery.start_soon(self._handle, sock)
+
+    async def _refuse_spare(self, listener: trio.SocketListener) -> bool:
+        """Out of descriptors: the spare one given up for a moment, the waiting connection
+        accepted with it, told 503 at once and closed (not left to time out in the backlog),
+        the spare taken back. False when there was no spare to give."""
+        if self._spare is None:
+            self._spare = _spare()
+            return False
+        os.close(self._spare)
+        self._spare = None
+        try:
+            with trio.move_on_after(REFUSE_TIMEOUT):
+                sock = take_socket(await listener.accept())
+                try:
+                    sock.setblocking(False)
+                    sock.send(_BUSY)
+                    sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                finally:
+                    sock.close()
+        except OSError:
+            pass
+        finally:
+            self._spare = _spare()
+        return True
 
     async def _refuse_busy(self, sock: socket.socket) -> None:
         """A connection past the cap: a 503 written at once, a moment for the client to read it."""
@@ -180,6 +218,13 @@ class Server:
             log.exception("unexpected error serving a connection")
         finally:
             self.open_connections -= 1
+
+
+def _spare() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _address(sock: socket.socket) -> tuple[str, int] | None:

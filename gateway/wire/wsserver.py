@@ -62,6 +62,9 @@ class ServerWebSocket:
         self.path = path
         self._leftover = leftover  # frames that came with the handshake
         self.app_blocked = False  # the reader waits for a slow consumer of its messages
+        # told at each ping whose peer was heard within the last interval (its pongs): the
+        # hub's channel makes it its runner's sign of life, in place of a heartbeat's
+        self.on_alive: Callable[[], None] | None = None
         self._flush_lock = trio.Lock()
         self._wake = trio.Event()  # the flusher has control frames to write once there is room
         self._scope = trio.CancelScope()  # the reader's: its deadline set once we close
@@ -246,6 +249,10 @@ class ServerWebSocket:
             if tick is Tick.PING:
                 counters.pings_sent += 1
                 self._send_controls()
+                alive = self.on_alive
+                if alive is not None and conn.keepalive is not None:
+                    if now - conn.heard_at <= conn.keepalive.interval + conn.keepalive.timeout:
+                        alive()
             elif tick is Tick.DEAD:
                 counters.pong_timeouts += 1
                 reason = conn.silence()

@@ -64,8 +64,9 @@ def apply(board: JobBoard, job_id: str, found: TeamJob | None) -> Job | None:
     if job is None:
         if stored.status == "completed" or job_id in board.recent:
             return None
-        job = board.jobs[job_id] = Job.from_record(stored)
+        job = Job.from_record(stored)
         job.runners = found.offered_to
+        board.add(job)
         board.changes.notify()
         if job.claimed_by is None and not job.cancelled:
             board.announce(job)
@@ -76,8 +77,10 @@ def apply(board: JobBoard, job_id: str, found: TeamJob | None) -> Job | None:
         job.run_id = stored.run_id
         job.claimed_at = trio.current_time()
         job.claimed.set()
-    if job.claimed_by is None:
+    if job.claimed_by is None and job.runners != found.offered_to:
         job.runners = found.offered_to
+        if not job.cancelled:  # offered to others now: those of them here are told
+            board.announce(job)
     if stored.cancelled and not job.cancelled:
         job.cancelled, job.cancel_reason = True, stored.cancel_reason
     if job.status != "completed" and stored.status != job.status:
@@ -107,6 +110,8 @@ def seen_remote(board: JobBoard, presence: Presence) -> None:
     seen = now - presence.seen_age
     first = runner_id not in board.last_seen
     if first or seen > board.last_seen[runner_id]:
+        if first or now - board.last_seen[runner_id] > board.settings.offline_after:
+            board.generation += 1  # a runner new or back: the live lists differ
         board.last_seen[runner_id] = seen
     changed = first
     if presence.capabilities is not None and presence.polled_age is not None:

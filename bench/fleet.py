@@ -1,0 +1,396 @@
+"""``python -m bench.fleet``: one hub on SQLite under a fleet (issue 39): many protocol-speaking
+runners in this one process, their sessions open, front-door clients streaming; the hub's costs
+as the fleet grows, as one table.
+
+Each fake runner registers, keeps the push stream (``GET .../runners/events``) open, polls every
+``--poll`` s (its phase spread) and at each ``job_available``, claims what a poll offers, and
+holds one Chat Channel per session it took (the hub's pings answered by trio_websocket's pongs),
+with a progress heartbeat every ``--heartbeat`` s and a model list when asked. A turn is
+answered with a few chunk frames. The hub runs in its own process (``bench/fleethub.py``, from
+``--hub-path``'s checkout: ``before`` and ``after`` side by side), measured from ``/proc``.
+
+Figures per point (runners/sessions): the hub's RSS; idle CPU (% of a core, nothing asked);
+a poll's marginal CPU (µs: ``--polls`` polls of one more runner, the idle rate taken out); a new
+session's TTFT p50 and hub CPU (``--new`` sessions one after another); short turns a second with
+``--clients`` clients on open sessions, and the hub's CPU a turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+import trio_websocket
+
+from bench.common import cpu_seconds, percentile, rss_bytes
+from gateway.wire import protocol
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OWNER, PROJECT = "local", "chat"
+MODEL = "fleet-model"
+SIZES = "10/100,100/1000,100/5000,1000/5000,1000/10000"
+CHUNK = json.dumps(
+    {
+        "id": "chatcmpl-fleet",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}],
+    }
+).encode()
+LAST = json.dumps(
+    {
+        "id": "chatcmpl-fleet",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+    }
+).encode()
+
+
+@dataclass
+class Fleet:
+    """The fake runners' shared state and counts."""
+
+    base: str
+    admin: str
+    http: httpx.AsyncClient
+    poll_every: float
+    heartbeat: float
+    polls: int = 0
+    pushes: int = 0
+    claims: int = 0
+    lost_claims: int = 0
+    sessions: int = 0
+    errors: int = 0
+    taken: set[str] = field(default_factory=set)
+
+
+class FakeRunner:
+    """One runner of the fleet (see the module's docstring)."""
+
+    def __init__(self, fleet: Fleet, n: int) -> None:
+        self.fleet = fleet
+        self.name = f"fleet-{n}"
+        self.token = ""
+        self.auth: dict[str, str] = {}
+        self.wake = trio.Event()
+
+    async def register(self) -> None:
+        f = self.fleet
+        reply = await f.http.post(
+            f"{f.base}/api/owners/{OWNER}/projects/{PROJECT}/runners",
+            json={"name": self.name, "labels": []},
+            headers={"Authorization": f"Bearer {f.admin}"},
+        )
+        reply.raise_for_status()
+        self.token = reply.json()["token"]
+        self.auth = {"Authorization": f"Bearer {self.token}"}
+
+    def url(self, tail: str) -> str:
+        return f"{self.fleet.base}/api/owners/{OWNER}/projects/{PROJECT}/{tail}"
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._events)
+        await trio.sleep(random.uniform(0, self.fleet.poll_every))  # the timers spread
+        while True:
+            await self.poll(nursery)
+            with trio.move_on_after(self.fleet.poll_every):
+                await self.wake.wait()
+            self.wake = trio.Event()
+
+    async def poll(self, nursery: trio.Nursery | None) -> None:
+        f = self.fleet
+        f.polls += 1
+        reply = await f.http.post(
+            self.url("runners/jobs"),
+            json={"capabilities": [protocol.CAPABILITY]},
+            headers=self.auth,
+        )
+        if reply.status_code != 200 or nursery is None:
+            return
+        for job in reply.json().get("jobs") or []:
+            if job["id"] in f.taken:
+                continue
+            claim = await f.http.post(
+                self.url("runners/generate-jitconfig"),
+                json={"jobId": job["id"], "name": self.name},
+                headers=self.auth,
+            )
+            f.claims += 1
+            if claim.status_code != 200:
+                f.lost_claims += 1
+                continue
+            f.taken.add(job["id"])
+            nursery.start_soon(self._session, job["id"], claim.json()["runId"])
+
+    async def _events(self) -> None:
+        f = self.fleet
+        while True:
+            try:
+                async with f.http.stream(
+                    "GET", self.url("runners/events"), headers=self.auth, timeout=None
+                ) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("event: job_available"):
+                            f.pushes += 1
+                            self.wake.set()
+            except httpx.HTTPError:
+                f.errors += 1
+                await trio.sleep(1.0)
+
+    async def _session(self, job_id: str, run_id: str) -> None:
+        f = self.fleet
+        report = self.url(f"runs/{run_id}/jobs/{job_id}")
+        await f.http.patch(report, json={"status": "in_progress"}, headers=self.auth)
+        f.sessions += 1
+        authority = urllib.parse.urlsplit(f.base).netloc
+        query = urllib.parse.urlencode({"jobId": job_id, "token": self.token})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats, report + "/progress")
+            try:
+                async with trio_websocket.open_websocket_url(
+                    f"ws://{authority}/api/lives/chat/channel/ws?{query}",
+                    max_message_size=1 << 24,
+                ) as ws:
+                    await self._serve(ws, job_id)
+            except (trio_websocket.ConnectionClosed, trio_websocket.HandshakeError, OSError):
+                f.errors += 1
+            nursery.cancel_scope.cancel()
+        f.sessions -= 1
+        body = {"status": "completed", "conclusion": "success", "logs": "", "completionReason": ""}
+        await f.http.patch(report, json=body, headers=self.auth)
+
+    async def _heartbeats(self, url: str) -> None:
+        every = self.fleet.heartbeat
+        await trio.sleep(random.uniform(0, every))
+        while True:
+            await self.fleet.http.post(
+                url, json={"stage": "serving", "message": None}, headers=self.auth
+            )
+            await trio.sleep(every)
+
+    async def _serve(self, ws: trio_websocket.WebSocketConnection, job_id: str) -> None:
+        while True:
+            frame = json.loads(await ws.get_message())
+            kind = frame.get("type")
+            if kind == protocol.COMPLETION_REQUEST:
+                frames = protocol.TurnFrames(job_id, frame["requestId"])
+                for payload in (CHUNK, CHUNK, LAST):
+                    await ws.send_message(frames.chunk(payload).decode())
+                await ws.send_message(frames.done.decode())
+            elif kind == protocol.MODELS_REQUEST:
+                await ws.send_message(protocol.models_frame(job_id, frame["requestId"], [MODEL]))
+            elif kind == protocol.END:
+                return
+
+
+async def turn(http: httpx.AsyncClient, base: str, key: str, session: str) -> float:
+    """One short streamed turn on ``session``: seconds to its first content chunk."""
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    headers = {"Authorization": f"Bearer {key}", "X-Chat-Session": session}
+    start = time.perf_counter()
+    first: float | None = None
+    async with http.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, headers=headers
+    ) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"turn: {resp.status_code} {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    assert first is not None, "no chunk"
+    return first
+
+
+def _hub(hub_path: Path, data_dir: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(hub_path))
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "fleethub.py"), data_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=str(hub_path),
+    )
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[str, Any]:
+    data_dir = tempfile.mkdtemp(prefix="fleet-")
+    proc, hello = _hub(Path(args.hub_path), data_dir)
+    pid, base, key = proc.pid, hello["url"], hello["key"]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    out: dict[str, Any] = {"runners": runners, "sessions": sessions}
+    try:
+        async with (
+            httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http,
+            trio.open_nursery() as nursery,
+        ):
+            fleet = Fleet(base, hello["admin"], http, args.poll, args.heartbeat)
+            fleet_runners = [FakeRunner(fleet, n) for n in range(runners)]
+            with trio.fail_after(args.setup_timeout):
+                async with trio.open_nursery() as reg:
+                    for r in fleet_runners:
+                        reg.start_soon(r.register)
+                for r in fleet_runners:
+                    nursery.start_soon(r.run, nursery)
+                # the sessions, opened a few at a time
+                names = [f"s{n}-{uuid.uuid4().hex[:8]}" for n in range(sessions)]
+                limiter = trio.CapacityLimiter(args.open_parallel)
+
+                opened = 0
+
+                async def open_one(name: str) -> None:
+                    nonlocal opened
+                    async with limiter:
+                        await turn(http, base, key, name)
+                    opened += 1
+
+                async def progress() -> None:
+                    while True:
+                        await trio.sleep(10)
+                        print(
+                            f"  {runners}/{sessions}: {opened} sessions open, "
+                            f"{fleet.sessions} held, claims {fleet.claims} "
+                            f"(lost {fleet.lost_claims}), polls {fleet.polls}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+
+                started = time.perf_counter()
+                async with trio.open_nursery() as opening:
+                    opening.start_soon(progress)
+                    async with trio.open_nursery() as each:
+                        for name in names:
+                            each.start_soon(open_one, name)
+                    opening.cancel_scope.cancel()
+                out["setup_s"] = round(time.perf_counter() - started, 1)
+            await trio.sleep(2.0)
+            out["rss_mb"] = round(rss_bytes(pid) / 1e6)
+            # idle
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            await trio.sleep(args.idle)
+            idle_rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
+            out["idle_pct"] = round(100 * idle_rate, 1)
+            # the idle events a second: polls and push keepalives (the hub's events stream is
+            # quiet at most min(keepalive 15 s, ping 20 s / 2) = 10 s) per runner, pings and
+            # heartbeats per session
+            events = runners / args.poll + runners / 10.0 + sessions / 20.0
+            events += sessions / args.heartbeat
+            out["idle_event_us"] = round(1e6 * idle_rate / events)
+            # a poll's marginal cost: one more runner, polling in a loop
+            probe = FakeRunner(fleet, runners)
+            await probe.register()
+            await probe.poll(None)
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            for _ in range(args.polls):
+                await probe.poll(None)
+            cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+            out["poll_us"] = round(1e6 * max(0.0, cpu - idle_rate * took) / args.polls)
+            # new sessions, one after another
+            ttfts = []
+            lost0 = fleet.lost_claims
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            for n in range(args.new):
+                ttfts.append(await turn(http, base, key, f"new{n}-{uuid.uuid4().hex[:8]}"))
+            cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+            out["new_ttft_ms"] = round(1e3 * (percentile(ttfts, 50) or 0.0), 1)
+            out["new_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / args.new, 1)
+            out["new_lost_claims"] = fleet.lost_claims - lost0
+            # short turns on open sessions
+            count = 0
+            stop = time.perf_counter() + args.turns_for
+
+            async def client(name: str) -> None:
+                nonlocal count
+                while time.perf_counter() < stop:
+                    await turn(http, base, key, name)
+                    count += 1
+
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            async with trio.open_nursery() as clients:
+                for name in names[: args.clients]:
+                    clients.start_soon(client, name)
+            cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+            out["turns_s"] = round(count / took)
+            out["turn_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / max(count, 1), 2)
+            out["lost_claims"] = fleet.lost_claims
+            out["errors"] = fleet.errors
+            nursery.cancel_scope.cancel()
+    finally:
+        proc.kill()
+        proc.wait()
+    return out
+
+
+HEAD = (
+    "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll (µs, marginal) "
+    "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn "
+    "| idle: µs an event |"
+)
+
+
+def row(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | | |"
+    return (
+        f"| {r['runners']:,} | {r['sessions']:,} | {r['rss_mb']} MB | {r['idle_pct']} "
+        f"| {r['poll_us']} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
+        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms | {r.get('idle_event_us', '')} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__)
+    p.add_argument("--sizes", default=SIZES, help=f"runners/sessions,... (default {SIZES})")
+    p.add_argument("--hub-path", default=str(ROOT), help="the checkout whose hub runs")
+    p.add_argument("--poll", type=float, default=10.0, help="s between a runner's polls")
+    p.add_argument("--heartbeat", type=float, default=20.0, help="s between heartbeats")
+    p.add_argument("--idle", type=float, default=20.0, help="s of idle measured")
+    p.add_argument("--polls", type=int, default=300, help="polls of the probe runner")
+    p.add_argument("--new", type=int, default=10, help="new sessions opened one by one")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--turns-for", type=float, default=10.0, help="s of short turns")
+    p.add_argument("--open-parallel", type=int, default=16, help="sessions opened at once")
+    p.add_argument("--setup-timeout", type=float, default=900.0, help="s for a point's setup")
+    p.add_argument("--timeout", type=float, default=60.0, help="s an HTTP request may take")
+    p.add_argument("--json", help="append each point's figures to this file")
+    args = p.parse_args(argv)
+    print(HEAD.format(c=args.clients))
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size in args.sizes.split(","):
+        runners, sessions = (int(x) for x in size.split("/"))
+        try:
+            result = trio.run(point, args, runners, sessions)
+        except Exception as exc:  # a point that fails is said in its row; the next one runs
+            result = {"runners": runners, "sessions": sessions, "error": repr(exc)[:120]}
+        print(row(result), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"hub": args.hub_path, **result}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
