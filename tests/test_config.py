@@ -263,6 +263,8 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "body_timeout": ("8", 8, 8.0),
     "max_body": ("2048", 2048, 2048),
     "max_connections": ("5", 5, 5),
+    "max_runner_connections": ("7", 7, 7),
+    "max_client_connections": ("6", 6, 6),
     "oidc_issuer": ("https://id.example/team",) * 3,
     "oidc_client_id": ("alp-hub",) * 3,
     "oidc_client_secret_file": ("/run/s/oidc", "/run/s/oidc", Path("/run/s/oidc")),
@@ -276,8 +278,6 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     ),
     "oidc_redirect_url": ("https://hub.example",) * 3,
     "oidc_session_lifetime": ("8h", "8h", 8 * 3600.0),
-    "max_runner_connections": ("7", 7, 7),
-    "max_client_connections": ("6", 6, 6),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, NoReturn, Protocol
 
 import trio
 
+from gateway.hub import forced
 from gateway.hub.bounds import MAX_LOGS, MAX_MESSAGE, MAX_REASON, too_long
 from gateway.hub.job import Job
 from gateway.hub.settings import HubSettings
@@ -579,56 +580,12 @@ class JobBoard:
         self.changes.notify()
 
     async def check_offline(self) -> list[Job]:
-        """Force-complete (as failure, one report each) the open jobs of runners silent for
-        ``offline_after`` s; returns them."""
-        now = trio.current_time()
-        forced: list[Job] = []
-        for job in list(self.jobs.values()):
-            if job.claimed_by is None or job.status == "completed":
-                continue
-            last = self.last_seen.get(job.claimed_by)
-            if last is None:  # a job reloaded at start: its runner gets offline_after to show up
-                self.last_seen[job.claimed_by] = now
-                self.generation += 1
-                continue
-            if now - last <= self.settings.offline_after:
-                continue
-            if await self._force_end(job, "runner offline"):
-                forced.append(job)
-                log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
-        if forced:
-            self.changes.notify()
-        return forced
+        """Force-complete the open jobs of runners silent for ``offline_after`` s (``forced``)."""
+        return await forced.offline(self)
 
     async def revoked(self, runner_id: str) -> list[Job]:
-        """A runner's registration was revoked: its open jobs force-completed (as failure, one
-        report each: ``runner revoked``), and the runner forgotten (never offered a job again,
-        no longer listed); returns those jobs."""
-        forced = [
-            job
-            for job in list(self.jobs.values())
-            if job.claimed_by == runner_id
-            and job.status != "completed"
-            and await self._force_end(job, "runner revoked")
-        ]
-        self.last_seen.pop(runner_id, None)
-        self.runners.pop(runner_id, None)
-        self.changes.notify()
-        return forced
-
-    async def _force_end(self, job: Job, why: str) -> bool:
-        """End a claimed job as failure with one forced report saying ``why``; False when
-        another replica ended it first."""
-        report = {"status": "completed", "conclusion": "failure", "logs": why, "forced": True}
-        if self.sync is not None and not await self.sync.complete(job, "failure", False):
-            await self.sync.refresh(job.id)  # another replica ended it
-            return False
-        await self._keep_report(job, report)
-        job.status = "completed"
-        job.conclusion = "failure"
-        job.completed.set()
-        await self._ended(job)
-        return True
+        """A runner's registration was revoked: its open jobs force-completed (``forced``)."""
+        return await forced.revoked(self, runner_id)
 
     async def _keep_report(self, job: Job, report: dict[str, Any]) -> None:
         job.reports.append(report)

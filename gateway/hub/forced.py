@@ -1,0 +1,72 @@
+"""Jobs the Server ends itself, each as failure with one forced report saying why: the open jobs
+of a runner silent for ``offline_after`` s, and those of a runner whose registration was revoked
+(the job board's own decisions, beside the runners' reports it takes in ``board``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from gateway.hub.job import Job
+
+if TYPE_CHECKING:
+    from gateway.hub.board import JobBoard
+
+log = logging.getLogger("gateway.hub.board")
+
+
+async def offline(board: JobBoard) -> list[Job]:
+    """Force-complete (as failure, one report each) the open jobs of runners silent for
+    ``offline_after`` s; returns them."""
+    now = trio.current_time()
+    forced: list[Job] = []
+    for job in list(board.jobs.values()):
+        if job.claimed_by is None or job.status == "completed":
+            continue
+        last = board.last_seen.get(job.claimed_by)
+        if last is None:  # a job reloaded at start: its runner gets offline_after to show up
+            board.last_seen[job.claimed_by] = now
+            board.generation += 1
+            continue
+        if now - last <= board.settings.offline_after:
+            continue
+        if await force_end(board, job, "runner offline"):
+            forced.append(job)
+            log.info("runner %s offline: job %s force-completed", job.claimed_by, job.id)
+    if forced:
+        board.changes.notify()
+    return forced
+
+
+async def revoked(board: JobBoard, runner_id: str) -> list[Job]:
+    """A runner's registration was revoked: its open jobs force-completed (as failure, one
+    report each: ``runner revoked``), and the runner forgotten (never offered a job again,
+    no longer listed); returns those jobs."""
+    forced = [
+        job
+        for job in list(board.jobs.values())
+        if job.claimed_by == runner_id
+        and job.status != "completed"
+        and await force_end(board, job, "runner revoked")
+    ]
+    board.last_seen.pop(runner_id, None)
+    board.runners.pop(runner_id, None)
+    board.changes.notify()
+    return forced
+
+
+async def force_end(board: JobBoard, job: Job, why: str) -> bool:
+    """End a claimed job as failure with one forced report saying ``why``; False when
+    another replica ended it first."""
+    report = {"status": "completed", "conclusion": "failure", "logs": why, "forced": True}
+    if board.sync is not None and not await board.sync.complete(job, "failure", False):
+        await board.sync.refresh(job.id)  # another replica ended it
+        return False
+    await board._keep_report(job, report)
+    job.status = "completed"
+    job.conclusion = "failure"
+    job.completed.set()
+    await board._ended(job)
+    return True
