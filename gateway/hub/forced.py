@@ -5,16 +5,30 @@ of a runner silent for ``offline_after`` s, and those of a runner whose registra
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import trio
 
 from gateway.hub.job import Job
-
-if TYPE_CHECKING:
-    from gateway.hub.board import JobBoard
+from gateway.hub.settings import HubSettings
 
 log = logging.getLogger("gateway.hub.board")
+
+
+class JobBoard(Protocol):
+    """What of ``board.JobBoard`` these decisions use (the board calls them with itself)."""
+
+    settings: HubSettings
+    changes: Any  # board.Changes: ``notify``
+    jobs: dict[str, Job]
+    last_seen: dict[str, float]
+    runners: dict[str, Any]
+    generation: int
+    sync: Any  # board.Sync | None: a replica's writes to its team's store
+
+    async def _keep_report(self, job: Job, report: dict[str, Any]) -> None: ...
+
+    async def _ended(self, job: Job) -> None: ...
 
 
 async def offline(board: JobBoard) -> list[Job]:
