@@ -201,3 +201,48 @@ async def test_an_unknown_model_is_404_at_once_beside_a_runner_that_withdrew_its
     assert unknown.json()["error"]["code"] == "model_not_found" and took < 1.0
     assert "sim-model" in unknown.json()["error"]["message"]
     assert served.status_code == 200
+
+
+async def test_a_model_only_a_stopped_runner_lists_waits_for_it_then_names_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 36, point 1: runner b served ``slow-model`` and stopped (its last poll withdrew
+    chat-llm:v1), runner a (``sim-model``) is connected: a turn for ``slow-model`` waits for b,
+    bounded by ``runner_wait_timeout``, then 503 naming the model and b, never "no runner
+    connected" while a is."""
+    async with open_hub(hub_of(runner_wait_timeout=5.0)) as (hub, url):
+        key = await hub.keys.create("k", f"{OWNER}/{PROJECT}")
+        async with trio.open_nursery() as runners:
+            a = FakeRunner(
+                url, ADMIN, owner=OWNER, project=PROJECT, models=("sim-model",), name="a"
+            )
+            await runners.start(a.run)
+            async with trio.open_nursery() as only_b:
+                b = FakeRunner(
+                    url, ADMIN, owner=OWNER, project=PROJECT, models=("slow-model",), name="b"
+                )
+                await only_b.start(b.run)
+                with trio.fail_after(GUARD):
+                    assert (await chat(url, key, "s", model="slow-model")).status_code == 200
+                    (job_id,) = b.claimed
+                    await b.end_session(job_id)  # b stops cleanly: its session ended, reported
+                    await (await hub.board.all_jobs.get(job_id)).completed.wait()
+                only_b.cancel_scope.cancel()
+            base = f"/api/owners/{OWNER}/projects/{PROJECT}"
+            async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+                farewell = await http.post(  # b's last poll: the capability withdrawn
+                    f"{base}/runners/jobs",
+                    json={"capabilities": []},
+                    headers={"Authorization": f"Bearer {b.token}"},
+                )
+                assert farewell.status_code in (200, 204)
+            with trio.fail_after(GUARD):
+                asked_at = trio.current_time()
+                waited = await chat(url, key, "t", model="slow-model")
+                took = trio.current_time() - asked_at
+            runners.cancel_scope.cancel()
+    print(f"slow-model: {waited.status_code} after {took:.1f} s: {waited.json()}")
+    error = waited.json()["error"]
+    assert waited.status_code == 503 and 5.0 <= took < 6.0
+    assert "'slow-model'" in error["message"] and "runner b" in error["message"]
+    assert "no runner" not in error["message"]

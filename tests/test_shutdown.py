@@ -227,3 +227,23 @@ async def test_a_server_gone_for_minutes_is_said_once_a_minute_not_at_every_poll
     assert len(lines) == 3, lines  # at once, then after one and two minutes
     assert "connection refused" in lines[0]
     assert "in a row" in lines[1] and "in a row" in lines[2], lines
+
+
+async def test_a_clean_stop_withdraws_chat_llm_in_a_last_poll(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 36, point 1: a runner that stops cleanly says so to the Server, with a last poll
+    that no longer advertises chat-llm:v1 (the protocol's capability withdrawn): the hub takes
+    no new job to it from then on, instead of counting on it until ``offline_after``."""
+    server, url = hub
+    runner = Runner(runner_config(url, sim.url, tmp_path / "state"))
+    with trio.fail_after(30):  # a hang guard only
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runner.run)
+            await runner.first_poll.wait()
+            assert runner.registration is not None
+            state = server.board.runners[runner.registration.id]
+            assert state.capabilities == frozenset({"chat-llm:v1"})
+            runner.begin_shutdown()
+    assert state.capabilities == frozenset()  # withdrawn by its last poll
+    assert server.board.alive(runner.registration.id)  # a sign of life: not a runner gone dark

@@ -231,6 +231,9 @@ class Refuse:
     position: int = 0
     of: int = 0
     models: tuple[str, ...] = ()  # UNKNOWN_MODEL: the models the live runners list
+    # NO_RUNNER: the runners it waited for, which list its model but withdrew chat-llm:v1 (one
+    # that stopped, a session's runner that restarts): the answer names them, not "no runner"
+    waited_for: tuple[str, ...] = ()
 
 
 Action = Assign | Open | Retarget | Withdraw | Move | Refuse
@@ -511,7 +514,10 @@ def _queue(
             out.actions.append(Retarget(job.id, targets))
             held = True
         all_hold[model] = before_hold and held
-        if not waiter.queued and (not held or not free):
+        # its model is listed only by runners that withdrew chat-llm:v1 (stopped): it waits for
+        # one to come back (``dial_within``), not in the queue for a busy one
+        gone = _withdrawn(alive, model) if targets == frozenset() else ()
+        if not waiter.queued and (not held or not free) and not gone:
             waiter.queued = True  # it waits with every runner that serves it at capacity
             out.newly_queued.append(waiter)
         limit = limits.queue_wait if waiter.queued else limits.dial_within
@@ -533,4 +539,11 @@ def _queue(
                 )
             )
         else:
-            out.actions.append(Refuse(waiter, Refusal.NO_RUNNER))
+            out.actions.append(Refuse(waiter, Refusal.NO_RUNNER, waited_for=gone))
+
+
+def _withdrawn(alive: list[RunnerView], model: str | None) -> tuple[str, ...]:
+    """The live runners that list ``model`` but withdrew chat-llm:v1 and hold no job."""
+    return tuple(
+        r.id for r in alive if r.capable is False and not r.held and model in (r.models or ())
+    )

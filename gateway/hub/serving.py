@@ -30,6 +30,7 @@ from gateway.hub.frontdoor.shapes import (
     queue_full,
     queue_timeout,
     runner_busy,
+    runner_gone,
     too_many_sessions,
 )
 from gateway.hub.sessions import Session, Sessions, TooManySessions
@@ -369,6 +370,20 @@ class Serving:
                 refusal.of,
             )
             return queue_timeout(refusal.busy, s.queue_wait, refusal.position, refusal.of)
+        if refusal.waited_for:  # its model's runners withdrew chat-llm:v1 (stopped): named
+            runners = self.dispatcher.board.runners
+            names = ", ".join(
+                sorted((getattr(runners.get(r), "name", None) or r) for r in refusal.waited_for)
+            )
+            model = refusal.waiter.model
+            log.warning(
+                "model %.200r: waited %g s for runner(s) %s to come back (session %s)",
+                model,
+                s.runner_wait_timeout,
+                names,
+                session.name,
+            )
+            return runner_gone(model or "", names, s.runner_wait_timeout)
         log.warning(
             "no runner with %s connected within %g s (session %s)",
             protocol.CAPABILITY,

@@ -304,17 +304,8 @@ class Turn:
         return True
 
     def revoke(self) -> None:
-        """Its API key was revoked under it: it ends now (``CUT``: charged what its client got),
-        the client told in its API (an error event after what it got, or a whole 401)."""
-        if self.state.final:
-            return
-        message = "this API key was revoked: the turn was ended"
-        if self.translation is not None and self.resp.started:
-            self._cut(State.CUT, message, Code.KEY_REVOKED)
-            return
-        self.status = 401
-        self._whole_error(HTTPError(401, message, Code.KEY_REVOKED, type_="invalid_request_error"))
-        self._end(State.CUT)
+        """Its API key was revoked while in flight: it ends now (``CUT``), its client told."""
+        self._refuse_late(HTTPError(401, "this API key was revoked", Code.KEY_REVOKED), State.CUT)
 
     def lose(self) -> None:
         """It could be neither resumed nor continued: ends ``LOST``, its client told."""

@@ -50,6 +50,7 @@ POLL_FAILED_EVERY = 60.0  # s: a Server that stays unreachable is said again thi
 
 TRACES_SHUTDOWN_S = 5.0  # at exit, how long the last spans may take to leave
 STOP_NOW_S = 1.0  # after a second signal, how long the turns in flight have to say they stopped
+FAREWELL_S = 2.0  # at a clean stop, how long the last poll (chat-llm:v1 withdrawn) may take
 BACKEND_URL_CHECK_S = 5.0  # at start, how long asking a backend whether its URL lacks /v1 may take
 
 
@@ -304,6 +305,8 @@ class Runner:
                         fatal = exc  # raised below, outside the nurseries, unwrapped
                         sessions.cancel_scope.cancel()
                     # shutting down: the sessions drain themselves; events are no longer needed
+                if fatal is None:
+                    await self._farewell()
                 nursery.cancel_scope.cancel()
         finally:
             self._say_lost_reports()
@@ -314,6 +317,17 @@ class Runner:
         if fatal is not None:
             raise fatal
         log.info("runner stopped")
+
+    async def _farewell(self) -> None:
+        """At a clean stop, its sessions drained: one last poll without chat-llm:v1 (the
+        capability withdrawn, docs/protocol.md §2), so that the Server stops counting on this
+        runner now rather than after ``offline_after``. Bounded; a failure is only said."""
+        assert self.alp is not None
+        with trio.move_on_after(FAREWELL_S):
+            try:
+                await self.alp.poll([])
+            except (ServerUnavailable, Refused, TokenRefused) as exc:
+                log.debug("the last poll (capability withdrawn) failed: %s", exc)
 
     async def _say_missing_v1(self) -> None:
         """A backend that lists no model because its URL lacks ``/v1``: said once, at start, in

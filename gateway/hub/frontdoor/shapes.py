@@ -49,6 +49,17 @@ def no_runner(within: float, what: str = "") -> HTTPError:
     return HTTPError(503, message, Code.NO_RUNNER)
 
 
+def runner_gone(model: str, runners: str, waited: float) -> HTTPError:
+    """503 with Retry-After: ``model`` is listed only by ``runners``, which stopped (their last
+    poll withdrew chat-llm:v1), and none came back within ``waited`` s."""
+    _, headers = _retry_after(waited)
+    message = (
+        f"model {model!r} is served only by runner {runners}, which stopped: waited {waited:g} s "
+        "for it to come back"
+    )
+    return HTTPError(503, message, Code.NO_RUNNER, headers=headers)
+
+
 def no_runner_connected(owner: str, project: str, server: str = "", what: str = "") -> HTTPError:
     """503 at once: no runner of the key's project gave a sign of life lately (other projects'
     runners are never named); the hint names this hub (``server``) as the runner's Server."""
