@@ -39,6 +39,7 @@ from gateway.hub.dispatch import (
 )
 from gateway.hub.sessions import Session, Sessions
 from gateway.hub.settings import HubSettings
+from gateway.hub.store import StoreUnavailable
 from gateway.hub.turn import Turn
 from gateway.wire import protocol
 from gateway.wire.http import Connection
@@ -377,6 +378,8 @@ class Dispatcher:
         first): one runner woken per new session, not the fleet. When none is left to choose,
         every eligible runner, as a poll finds it."""
         now = trio.current_time()
+        if self.board.sync is not None:  # a team: its runners' push streams are spread over
+            return targets, _Offer(None, math.inf)  # the replicas; offered as before, to all
         offer = self._offers.get(job_id) if job_id is not None else None
         passed = offer.passed if offer is not None else set()
         if offer is not None and offer.runner is not None:
@@ -431,7 +434,10 @@ class Dispatcher:
                 offered, offer = self._offer(job.id, action.runners, runners)
                 self._offers[job.id] = offer
                 before = job.runners
-                await self.board.target(job, offered)
+                try:
+                    await self.board.target(job, offered)
+                except StoreUnavailable:  # a team's store away (said once by the store): the
+                    pass  # offer stands on this replica, the others learn it at its next write
                 if job.runners != before:
                     self.board.announce(job)  # the runner now chosen is woken
             elif job is not None:
