@@ -75,4 +75,4 @@ async def test_a_credential_used_where_another_belongs_is_told_which() -> None:
     assert "hub keys create" in chat.json()["error"]["message"]
     assert register.status_code == 403
     message = register.json()["error"]["message"]
-    assert "API key" in message and "admin credential (alpa_" in message
+    assert "API key" in message and "enrollment token (alpe_" in message  # issue 34

@@ -171,8 +171,9 @@ async def test_the_hub_writes_every_line_in_the_log_format(tmp_path: Path) -> No
     lines = err.splitlines()
     assert all(TEXT_LINE.match(line) for line in lines), lines
     messages = [line.split(maxsplit=2)[2] for line in lines]
-    assert messages[0].startswith("status page: http://127.0.0.1:")
-    assert messages[1].startswith("hub listening on http://127.0.0.1:")
+    assert messages[0].startswith("file limit ")  # how many connections it can hold (issue 39)
+    assert messages[1].startswith("status page: http://127.0.0.1:")
+    assert messages[2].startswith("hub listening on http://127.0.0.1:")
     assert "hub stopping" in messages
     token = (tmp_path / "hub" / "admin-token").read_text().strip()
     assert out.splitlines()[0].startswith("admin token (") and out.splitlines()[1] == f"  {token}"
@@ -181,4 +182,4 @@ async def test_the_hub_writes_every_line_in_the_log_format(tmp_path: Path) -> No
     code, out, err = await _hub_process(tmp_path / "hub", ALP_GATEWAY_LOG_FORMAT="json")
     assert code == 0 and out == ""  # the credential is shown once only
     messages = [str(e["msg"]) for e in json_lines(err)]
-    assert messages[1].startswith("hub listening on http://") and "hub stopping" in messages
+    assert messages[2].startswith("hub listening on http://") and "hub stopping" in messages
