@@ -629,3 +629,50 @@ async def test_a_key_revoked_through_the_admin_api_ends_its_turns_in_flight_at_o
     assert whole[0].status_code == 401
     assert whole[0].json()["error"]["code"] == "api_key_revoked"
     assert after.status_code == 401
+
+
+async def test_a_key_revoked_by_another_process_ends_its_turns_within_a_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 36, point 4, across processes: a key revoked in the store by another replica or
+    by the CLI (here the store written directly, as they write it) ends this hub's turn in
+    flight within a second, its client told in its API; ``key_check_interval`` is not
+    waited for."""
+    async with open_hub(hub_of(key_check_interval=NEVER)) as (hub, url):
+        key = await hub.keys.create("erin", f"{OWNER}/{PROJECT}")
+        answering = trio.Event()
+
+        async def four_then_silence(send: Any, turn: Any) -> None:
+            frames = protocol.TurnFrames(turn.job_id, turn.request_id)
+            for chunk in stream_chunks({**turn.body, "stream": True}, Script(chunks=4)):
+                await send(frames.chunk(json.dumps(chunk).encode()).decode())
+            answering.set()
+            await trio.sleep_forever()
+
+        async with fake_runner(url, default=Script(play=four_then_silence)):
+            body = {"model": "fake-model", "messages": MESSAGES, "stream": True}
+            headers = {"Authorization": f"Bearer {key}", "X-Chat-Session": "a"}
+            events: list[str] = []
+            revoked_at = float("inf")
+            async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+                with trio.fail_after(GUARD):
+                    async with trio.open_nursery() as nursery:
+
+                        async def revoke_elsewhere() -> None:
+                            nonlocal revoked_at
+                            await answering.wait()
+                            assert await hub.store.revoke_api_key("erin")  # not through Keys
+                            revoked_at = trio.current_time()
+
+                        nursery.start_soon(revoke_elsewhere)
+                        async with http.stream(
+                            "POST", "/v1/chat/completions", json=body, headers=headers
+                        ) as reply:
+                            async for line in reply.aiter_lines():
+                                if line.startswith("data: "):
+                                    events.append(line[6:])
+                    ended = trio.current_time()
+    took = ended - revoked_at
+    print(f"ended {took:.3f} s after another process revoked its key")
+    assert took <= 1.0
+    assert json.loads(events[-1])["error"]["code"] == "api_key_revoked" and len(events) > 3

@@ -164,7 +164,8 @@ def _build_parser() -> _Parser:
     revoke = keys.command(
         keys_sub,
         "revoke",
-        help="revoke an API key; a running hub refuses it within its key_check_interval",
+        help="revoke an API key; a running hub refuses it within its key_check_interval "
+        "and ends its turns in flight within a second",
     )
     revoke.add_argument("name")
     usage = parser.command(

@@ -21,12 +21,12 @@ from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
-from gateway.hub.runners import RunnerAdmin
+from gateway.hub.runners import REVOCATION_CHECK, RunnerAdmin
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
-from gateway.hub.store import open_store, token_hash
+from gateway.hub.store import StoreError, open_store, token_hash
 from gateway.hub.store.journal import Journal
 from gateway.hub.team import Team, replica_id
 
@@ -183,6 +183,7 @@ class Hub:
                 nursery.start_soon(self.catalog.run)
                 nursery.start_soon(self._watch_offline)
                 nursery.start_soon(self.runner_admin.run)
+                nursery.start_soon(self._watch_revoked_keys)
         finally:
             log.info(
                 "hub stopped; counters: %s",
@@ -198,6 +199,21 @@ class Hub:
             if ch is not None:
                 ch.request_close(CLOSE_OFFLINE, "runner offline")
         return forced
+
+    async def _watch_revoked_keys(self) -> None:
+        """A key revoked by another replica or process (the CLI): its turns in flight here end
+        within ``REVOCATION_CHECK`` s, the store asked only while turns are in flight (one
+        revoked here ends them at once, ``_revoked``)."""
+        while True:
+            await trio.sleep(REVOCATION_CHECK)
+            if not self.accounting.in_flight:
+                continue
+            try:
+                active = await self.store.active_key_ids()
+            except StoreError as exc:  # the store says so once; asked again at the next check
+                log.debug("API keys' revocations not read: %s", exc)
+                continue
+            self._key_check(active)  # as the sessions' key check ends them
 
     async def _watch_offline(self) -> None:
         while True:
