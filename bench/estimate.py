@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import trio
 
-from gateway.hub.frontdoor.shapes import estimate_prompt_tokens
+from gateway.apis.shapes import estimate_prompt_tokens
 from gateway.sim import open_sim
 
 KEY = "sk-bench"

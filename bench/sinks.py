@@ -402,7 +402,7 @@ class Dialect:
 
 # Chat completions: every ``data:`` event is a chunk, the runner's bytes verbatim.
 CHAT = Dialect("chat", "/v1/chat/completions", (b"data: ",), _TOK, (b"data: [DONE]",))
-# Anthropic Messages, as gateway/hub/frontdoor/messages/stream.py writes it: each token one
+# Anthropic Messages, as gateway/apis/messages/stream.py writes it: each token one
 # ``content_block_delta`` whose delta is ``{"type":"text_delta","text":"tok0 "}``. Counted as
 # chunks: each token's event, and ``message_start`` (the role chunk's) and ``message_stop``
 # (the finish chunk's, and the end's), so a stream of N tokens counts N + 2, as the same
@@ -416,7 +416,7 @@ MESSAGES = Dialect(
     (b"event: message_stop\n", b"event: error\n"),
     (b"event: error\n",),
 )
-# The Responses API, as gateway/hub/frontdoor/responses/stream.py writes it: each token one
+# The Responses API, as gateway/apis/responses/stream.py writes it: each token one
 # ``response.output_text.delta`` event with ``"delta":"tok0 "``. Counted as chunks: each token's
 # event, ``response.created`` (the role chunk's) and the final event (``response.completed``,
 # or ``.incomplete`` / ``.failed``): N + 2, as for ``MESSAGES``.

@@ -137,6 +137,20 @@ HUB_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
         "gateway/hub/dispatcher.py",
         None,
     ),
+    # the front door by layer (issue 38): the translations in gateway/apis/, the routes beside
+    # the runner API (the rules above still read a tree from before the move)
+    ("request JSON (parse, usage option)", "gateway/apis/shapes.py", ("parse_chat_request",)),
+    ("request JSON (parse, usage option)", "gateway/apis/dialects.py", ("chat_turn", "with_model")),
+    ("key lookup", "gateway/hub/frontdoor.py", ("_key", "check_key")),
+    ("model check", "gateway/hub/frontdoor.py", ("_model_for",)),
+    ("the answer: fold and wait (non-streamed)", "gateway/apis/shapes.py", ("whole_completion",)),
+    ("the answer: fold and wait (non-streamed)", "gateway/apis/dialects.py", ("fold",)),
+    ("the answer: stream sink and flush (streamed)", "gateway/apis/chunks.py", None),
+    (
+        "turn scaffolding (_serve, _turn, _attempt: nursery, scopes)",
+        "gateway/hub/frontdoor.py",
+        None,
+    ),
     ("trio: tasks, scopes, scheduling", "trio/", None),
     ("trio: tasks, scopes, scheduling", "outcome/", None),
 ]

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
+from gateway.apis.dialects import CHAT
 from gateway.hub.accounting import Accounting, LimitExceeded
-from gateway.hub.frontdoor.dialects import CHAT
 from gateway.hub.sessions import Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, KeyLimits, open_store

@@ -14,7 +14,7 @@ from fake_runner import Script
 from test_causes import GUARD, OWNER, PROJECT
 from test_key_limits import served
 
-from gateway.hub.frontdoor.shapes import MESSAGE_TOKENS, REPLY_TOKENS
+from gateway.apis.shapes import MESSAGE_TOKENS, REPLY_TOKENS
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

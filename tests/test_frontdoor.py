@@ -14,8 +14,8 @@ import pytest
 import trio
 from fake_runner import SLOW, TOOL_ARGUMENTS, FakeRunner, Script, stream_chunks
 
+from gateway.apis import shapes
 from gateway.hub import Hub, open_hub
-from gateway.hub.frontdoor import shapes
 from gateway.hub.store import StoredSession
 
 MESSAGES = [{"role": "user", "content": "hello"}]

@@ -505,9 +505,9 @@ def _front_door_turn(
     usage chunk kept from the client with ``strip_usage``)."""
     from types import SimpleNamespace
 
+    from gateway.apis.dialects import CHAT
     from gateway.hub import Hub
     from gateway.hub.channel import ServerChannel
-    from gateway.hub.frontdoor.dialects import CHAT
     from gateway.hub.http import Response
     from gateway.hub.turn import Turn
 

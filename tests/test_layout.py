@@ -1,10 +1,13 @@
 """The package's layout holds: no import cycles between our modules, nothing under ``runner/``,
-``hub/`` or ``wire/`` imports ``ops/`` (the operator's tools sit on top of them), a module that
-calls itself pure (or sans-IO) in its docstring imports no trio (nor anything that does), every
-module says its job in a docstring, and ``docs/layout.md`` is the tree those docstrings make.
+``hub/`` or ``wire/`` imports ``ops/`` (the operator's tools sit on top of them), no import goes
+up (the layers below import nothing of those above; a subpackage imports no module of an
+enclosing package that imports it), a module that calls itself pure (or sans-IO) in its
+docstring imports no trio (nor anything that does), every module says its job in a docstring,
+and ``docs/layout.md`` is the tree those docstrings make.
 
 ``python tests/test_layout.py`` writes ``docs/layout.md`` again after a module is added, moved or
-its docstring changed.
+its docstring changed; ``python tests/test_layout.py --depth`` prints the longest import chain
+among the hub's modules.
 """
 
 from __future__ import annotations
@@ -143,6 +146,83 @@ def test_nothing_below_ops_imports_ops() -> None:
     assert not gone, f"no longer there, take them out of _UPWARD_PENDING: {sorted(gone)}"
 
 
+# a layer and what it never imports (type-checking imports included): ``wire/`` is the bytes on
+# the wire, ``apis/`` the client APIs as chat completions (pure), both under the runner and the hub
+_LAYERS_BELOW: dict[str, tuple[str, ...]] = {
+    "gateway.wire": ("gateway.apis", "gateway.hub", "gateway.runner", "gateway.ops", "gateway.sim"),
+    "gateway.apis": ("trio", "gateway.hub", "gateway.runner", "gateway.ops", "gateway.sim"),
+    "gateway.runner": ("gateway.hub", "gateway.ops", "gateway.sim"),
+    "gateway.hub": ("gateway.runner", "gateway.ops", "gateway.sim"),
+}
+
+
+def test_the_layers_below_import_nothing_of_those_above() -> None:
+    """``gateway/apis`` (the three APIs' translations) imports no trio and nothing of the hub,
+    the runner or ``ops/``; ``gateway/wire`` nothing of them or of ``apis/``; the runner and the
+    hub nothing of each other."""
+    found = {
+        (name, dep)
+        for layer, above in _LAYERS_BELOW.items()
+        for name in MODULES
+        if _under(name, (layer,))
+        for dep in FULL_GRAPH[name]
+        if _under(dep, above)
+    }
+    assert not found, f"imports of a layer above: {sorted(found)}"
+
+
+def _package(name: str) -> str:
+    """The package ``name`` is in (a package's ``__init__``: the package itself)."""
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _reached(name: str) -> set[str]:
+    """Our modules ``name`` imports, directly or not (type-checking imports included)."""
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        for dep in FULL_GRAPH[stack.pop()]:
+            if dep in MODULES and dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return seen
+
+
+def upward_imports() -> set[tuple[str, str]]:
+    """(module, what it imports) where a module of a subpackage imports a module of an enclosing
+    package that imports that subpackage, directly or not: the two packages then lean on each
+    other (``hub/frontdoor/door.py`` importing ``hub/serving.py`` while ``hub/turn.py`` imported
+    ``hub/frontdoor/``, before issue 38)."""
+    found = set()
+    for name in MODULES:
+        inner = _package(name)
+        for dep in FULL_GRAPH[name]:
+            if dep not in MODULES or not inner.startswith(_package(dep) + "."):
+                continue
+            if any(_under(m, (inner,)) for m in _reached(dep)):
+                found.add((name, dep))
+    return found
+
+
+def test_no_subpackage_imports_a_module_that_imports_it() -> None:
+    assert not upward_imports(), f"upward imports: {sorted(upward_imports())}"
+
+
+def longest_chain(package: str, *, direct: bool = False) -> list[str]:
+    """The longest chain of imports among the modules under ``package`` (``direct``: only those
+    directly in it, not in its subpackages; the graph is acyclic: ``test_no_import_cycles``)."""
+    inside = [n for n in MODULES if (_package(n) == package if direct else _under(n, (package,)))]
+    memo: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in memo:
+            below = [chain(d) for d in sorted(GRAPH[name]) if d in memo or d in inside]
+            memo[name] = [name, *max(below, key=len, default=[])]
+        return memo[name]
+
+    return max((chain(n) for n in inside), key=len, default=[])
+
+
 def _reaches(name: str, target: str) -> list[str] | None:
     """A chain of imports from ``name`` to the package ``target``, or None."""
     seen = {name}
@@ -161,7 +241,7 @@ def _reaches(name: str, target: str) -> list[str] | None:
 def test_pure_modules_import_no_trio() -> None:
     pure = [n for n in MODULES if PURE.search(_docstring(n))]
     # the ones the design leans on say so; a new pure module joins by saying so too
-    for expected in ("gateway.wire.sse", "gateway.wire.wsframes", "gateway.hub.frontdoor.dialects"):
+    for expected in ("gateway.wire.sse", "gateway.wire.wsframes", "gateway.apis.dialects"):
         assert expected in pure, f"{expected}'s docstring no longer says it is pure"
     chains = {n: _reaches(n, "trio") for n in pure}
     assert not {n: c for n, c in chains.items() if c}, chains
@@ -201,6 +281,24 @@ def test_layout_doc_is_current() -> None:
     assert LAYOUT.exists() and LAYOUT.read_text() == render(), "run: python tests/test_layout.py"
 
 
+def _depth_report() -> str:
+    lines = []
+    for package, direct in (("gateway.hub", True), ("gateway.hub", False), ("gateway", False)):
+        count = sum(
+            1 for n in MODULES if (_package(n) == package if direct else _under(n, (package,)))
+        )
+        chain = longest_chain(package, direct=direct)
+        lines.append(
+            f"{package} ({'its own modules' if direct else 'with its subpackages'}): {count} "
+            f"modules, the longest import chain {len(chain)} deep: {' -> '.join(chain)}"
+        )
+    lines.append(f"upward imports: {sorted(upward_imports()) or 'none'}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    LAYOUT.write_text(render())
-    print(f"wrote {LAYOUT.relative_to(ROOT)}", file=sys.stderr)
+    if sys.argv[1:] == ["--depth"]:
+        print(_depth_report())
+    else:
+        LAYOUT.write_text(render())
+        print(f"wrote {LAYOUT.relative_to(ROOT)}", file=sys.stderr)

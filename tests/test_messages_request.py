@@ -1,4 +1,4 @@
-"""The Anthropic Messages request translation (gateway/hub/frontdoor/messages/request.py) and
+"""The Anthropic Messages request translation (gateway/apis/messages/request.py) and
 the error shape (messages/errors.py), no sockets: request bodies to chat bodies, what is refused
 and how the ``anthropic`` SDK reads the refusal, count_tokens; a request the SDK itself builds
 (a MockTransport hands us its bytes; no network)."""
@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from fake_anthropic import FakeAnthropic
 
-from gateway.hub.frontdoor.messages.errors import MessagesError, error_body, error_type_for_status
-from gateway.hub.frontdoor.messages.request import count_tokens, to_chat, translate
-from gateway.hub.frontdoor.messages.stream import fold
+from gateway.apis.messages.errors import MessagesError, error_body, error_type_for_status
+from gateway.apis.messages.request import count_tokens, to_chat, translate
+from gateway.apis.messages.stream import fold
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The Anthropic Messages stream translation (gateway/hub/frontdoor/messages/stream.py), no
+"""The Anthropic Messages stream translation (gateway/apis/messages/stream.py), no
 sockets: chat chunks to SSE events and whole messages, read back by the ``anthropic`` SDK's own
 parsers (a MockTransport hands it our bytes; no network)."""
 
@@ -16,7 +16,7 @@ from fake_anthropic import FakeAnthropic
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.hub.frontdoor.messages.stream import MessagesStream, fold, new_message_id
+from gateway.apis.messages.stream import MessagesStream, fold, new_message_id
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The Responses API request translation (gateway/hub/frontdoor/responses/request.py and
+"""The Responses API request translation (gateway/apis/responses/request.py and
 tools.py), no sockets: each request rule and refusal, a request as Codex sends it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.hub.frontdoor.responses.errors import ResponsesError
-from gateway.hub.frontdoor.responses.request import to_chat, translate
+from gateway.apis.responses.errors import ResponsesError
+from gateway.apis.responses.request import to_chat, translate
 
 # -- helpers ---------------------------------------------------------------------------------
 

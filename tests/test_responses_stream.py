@@ -1,4 +1,4 @@
-"""The Responses API stream translation (gateway/hub/frontdoor/responses/stream.py and
+"""The Responses API stream translation (gateway/apis/responses/stream.py and
 items.py), no sockets: chat streams translated and read back by the openai SDK's own machinery
 (hypothesis); the backends' chunk dialects; folded answers."""
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.hub.frontdoor.responses.stream import KEEPALIVE, ResponsesStream, fold
-from gateway.hub.frontdoor.shapes import aggregate_chunks
+from gateway.apis.responses.stream import KEEPALIVE, ResponsesStream, fold
+from gateway.apis.shapes import aggregate_chunks
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import trio
 
-from gateway.hub.frontdoor.dialects import CHAT, MessagesDialect
+from gateway.apis.dialects import CHAT, MessagesDialect
 from gateway.hub.turn import Turn
 from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire import netio, protocol

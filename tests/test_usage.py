@@ -317,7 +317,7 @@ async def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask_whatever_t
     """Only the usage-only chunk is kept from the client (the turn's choices found where its
     chunks open them, else searched), and its tokens are taken, the chunk frames handed over
     with their bytes or without."""
-    from gateway.hub.frontdoor.dialects import CHAT
+    from gateway.apis.dialects import CHAT
     from gateway.hub.turn import Turn
     from gateway.hub.turnstate import State
     from gateway.wire import protocol

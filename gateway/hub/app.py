@@ -16,8 +16,8 @@ from typing import Any
 
 import trio
 
+from gateway.apis.dialects import anthropic_error_body
 from gateway.hub.admin import PAGE_SESSION, AdminApi
-from gateway.hub.frontdoor.dialects import anthropic_error_body
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.hub.frontdoor.chunks import chunk_decoder
+from gateway.apis.chunks import chunk_decoder
 
 
 def answer_so_far(chunks: list[Any]) -> tuple[str, str] | None:

@@ -15,7 +15,7 @@ from gateway.hub.board import Changes, Job, JobBoard
 from gateway.hub.channel import CLOSE_OFFLINE, Channels
 from gateway.hub.counters import HubCounters
 from gateway.hub.dispatcher import Dispatcher
-from gateway.hub.frontdoor.door import FrontDoor
+from gateway.hub.frontdoor import FrontDoor
 from gateway.hub.keys import Keys
 from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog

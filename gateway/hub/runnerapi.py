@@ -12,6 +12,7 @@ import msgspec
 import trio
 
 from gateway import logsafe
+from gateway.apis.shapes import SSE_HEADERS
 from gateway.hub.board import REPORT_MAX_BYTES, BoardError, Job
 from gateway.hub.bounds import (
     MAX_CAPABILITIES,
@@ -20,7 +21,6 @@ from gateway.hub.bounds import (
     too_long,
     too_many,
 )
-from gateway.hub.frontdoor.shapes import SSE_HEADERS
 from gateway.hub.http import (
     HTTPError,
     Request,

@@ -14,13 +14,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 
-from gateway.hub.accounting import Accounting, LimitExceeded
-from gateway.hub.channel import ServerChannel
-from gateway.hub.continuation import answer_so_far, continuation_body
-from gateway.hub.dispatch import Refusal, Refuse
-from gateway.hub.dispatcher import Dispatcher, Unplaced
-from gateway.hub.frontdoor.dialects import TurnSpec
-from gateway.hub.frontdoor.shapes import (
+from gateway.apis.dialects import TurnSpec
+from gateway.apis.shapes import (
     channel_lost,
     embeddings_unsupported,
     model_not_found,
@@ -33,6 +28,11 @@ from gateway.hub.frontdoor.shapes import (
     runner_gone,
     too_many_sessions,
 )
+from gateway.hub.accounting import Accounting, LimitExceeded
+from gateway.hub.channel import ServerChannel
+from gateway.hub.continuation import answer_so_far, continuation_body
+from gateway.hub.dispatch import Refusal, Refuse
+from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.sessions import Session, Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.settled import SettledTurn

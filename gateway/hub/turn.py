@@ -20,10 +20,10 @@ from typing import Any
 import msgspec
 import trio
 
+from gateway.apis.chunks import choices_mark, has_usage, is_usage_only, read_usage
+from gateway.apis.dialects import Dialect, Translation
+from gateway.apis.shapes import SSE_HEADERS, Code, upstream_error
 from gateway.hub.continuation import Stitch
-from gateway.hub.frontdoor.chunks import choices_mark, has_usage, is_usage_only, read_usage
-from gateway.hub.frontdoor.dialects import Dialect, Translation
-from gateway.hub.frontdoor.shapes import SSE_HEADERS, Code, upstream_error
 from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.http import Connection, Response

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from gateway.hub.frontdoor import messages, responses
-from gateway.hub.frontdoor.shapes import (
+from gateway.apis import messages, responses
+from gateway.apis.shapes import (
     DONE_EVENT,
     KEEPALIVE,
     ChatBody,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.hub.frontdoor import dialects, messages
-from gateway.hub.frontdoor.dialects import TurnSpec
-from gateway.hub.frontdoor.shapes import (
+from gateway.apis import dialects, messages
+from gateway.apis.dialects import TurnSpec
+from gateway.apis.shapes import (
     context_exceeded,
     invalid_key,
     model_list,

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.hub.frontdoor.responses.tools import ToolName
+from gateway.apis.responses.tools import ToolName
 
 __all__ = ["CallItem", "TextItem"]
 

@@ -1,5 +1,5 @@
 """The schema of an OpenAI ``chat.completion.chunk`` (or a whole ``chat.completion``) as the
-front door's translations read it: only the fields they use, every one optional. Pure."""
+translations read it: only the fields they use, every one optional. Pure."""
 
 from __future__ import annotations
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import msgspec
 
-from gateway.hub.frontdoor.chunks import (
+from gateway.apis.chunks import (
     Chunk,
     ToolCallDelta,
     Usage,
     chunk_decoder,
 )
-from gateway.hub.frontdoor.messages.errors import error_body
+from gateway.apis.messages.errors import error_body
 
 __all__ = ["MessagesStream", "fold", "new_message_id"]
 

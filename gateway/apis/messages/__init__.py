@@ -7,19 +7,19 @@ translation and their errors.
 Their public names are re-exported here, the front door's one import.
 """
 
-from gateway.hub.frontdoor.messages.errors import (
+from gateway.apis.messages.errors import (
     MessagesError,
     error_body,
     error_type_for_status,
 )
-from gateway.hub.frontdoor.messages.request import (
+from gateway.apis.messages.request import (
     ChatRequest,
     count_tokens,
     estimate_tokens,
     to_chat,
     translate,
 )
-from gateway.hub.frontdoor.messages.stream import MessagesStream, fold, new_message_id
+from gateway.apis.messages.stream import MessagesStream, fold, new_message_id
 
 __all__ = [
     "ChatRequest",

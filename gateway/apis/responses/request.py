@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from gateway.hub.frontdoor.responses.errors import ResponsesError, invalid, unsupported
-from gateway.hub.frontdoor.responses.tools import (
+from gateway.apis.responses.errors import ResponsesError, invalid, unsupported
+from gateway.apis.responses.tools import (
     qualified_name,
     tool_choice,
     tool_name,

@@ -9,14 +9,14 @@ Responses tools as chat function tools and back; ``items``: the output items the
 import.
 """
 
-from gateway.hub.frontdoor.responses.errors import ResponsesError
-from gateway.hub.frontdoor.responses.request import (
+from gateway.apis.responses.errors import ResponsesError
+from gateway.apis.responses.request import (
     ChatRequest,
     decode_request,
     to_chat,
     translate,
 )
-from gateway.hub.frontdoor.responses.stream import (
+from gateway.apis.responses.stream import (
     ENDED,
     KEEPALIVE,
     STARTED,
@@ -24,7 +24,7 @@ from gateway.hub.frontdoor.responses.stream import (
     fold,
     output_text,
 )
-from gateway.hub.frontdoor.responses.tools import DROPPED_TOOL_TYPES, tool_names
+from gateway.apis.responses.tools import DROPPED_TOOL_TYPES, tool_names
 
 __all__ = [
     "DROPPED_TOOL_TYPES",

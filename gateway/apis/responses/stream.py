@@ -23,13 +23,13 @@ from typing import Any
 
 import msgspec
 
-from gateway.hub.frontdoor.chunks import (
+from gateway.apis.chunks import (
     ToolCallDelta,
     Usage,
     chunk_decoder,
 )
-from gateway.hub.frontdoor.responses.items import CallItem, TextItem
-from gateway.hub.frontdoor.responses.tools import tool_names
+from gateway.apis.responses.items import CallItem, TextItem
+from gateway.apis.responses.tools import tool_names
 
 __all__ = ["ENDED", "KEEPALIVE", "STARTED", "ResponsesStream", "fold", "output_text"]
 

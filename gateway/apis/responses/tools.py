@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from gateway.hub.frontdoor.responses.errors import ResponsesError, invalid, unsupported
+from gateway.apis.responses.errors import ResponsesError, invalid, unsupported
 
 __all__ = [
     "DROPPED_TOOL_TYPES",

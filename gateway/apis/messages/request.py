@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.hub.frontdoor.messages.errors import MessagesError
+from gateway.apis.messages.errors import MessagesError
 
 __all__ = [
     "CHARS_PER_TOKEN",

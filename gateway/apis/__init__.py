@@ -1,0 +1,9 @@
+"""The three client APIs (OpenAI chat completions, Anthropic Messages, OpenAI Responses): each
+one's requests and answers as chat completions, the one shape the hub's runners speak; pure:
+msgspec and bytes, no trio, nothing of the hub.
+
+``chunks``: the chat chunk as the translations read it; ``shapes``: chat-completions requests,
+answers and errors; ``dialects``: one API's request → a chat turn and its chunks → that API's
+answer; ``messages/`` and ``responses/``: Anthropic's Messages API and OpenAI's Responses API.
+The hub's routes (``gateway.hub.frontdoor``) and its turns use them.
+"""
