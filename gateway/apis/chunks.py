@@ -25,6 +25,7 @@ class Delta(msgspec.Struct):
     reasoning: Any = None
     refusal: Any = None
     tool_calls: list[ToolCallDelta] | None = None
+    function_call: Any = None  # the tool call of before tool_calls (a continuation refuses one)
 
 
 class Choice(msgspec.Struct):

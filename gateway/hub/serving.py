@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 
+from gateway.apis.continuation import answer_so_far, continuation_body
 from gateway.apis.dialects import TurnSpec
 from gateway.apis.shapes import (
     channel_lost,
@@ -30,7 +31,6 @@ from gateway.apis.shapes import (
 )
 from gateway.hub.accounting import Accounting, LimitExceeded
 from gateway.hub.channel import ServerChannel
-from gateway.hub.continuation import answer_so_far, continuation_body
 from gateway.hub.dispatch import Refusal, Refuse
 from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.sessions import Session, Sessions, TooManySessions
@@ -303,11 +303,13 @@ class Serving:
         the client. A turn that had begun a tool call, or whose client left, ends as it is."""
         if turn.state.final:
             return True
-        found = answer_so_far(turn.parts or turn.gathered)
-        if found is None:
+        found = answer_so_far(turn.parts or turn.gathered, text_only=False)
+        body = None
+        if found is not None and found.text and not found.finished:
+            body = continuation_body(turn.body, found.text, extend=False)
+        if found is None or body is None:
             turn.lose()
             return True
-        first_id, text = found
         old = turn.job_id
         dispatcher = self.dispatcher
         if old is not None:
@@ -318,8 +320,8 @@ class Serving:
                 scope.shield = True
                 await dispatcher.channels.cancel_job(old, "its turn is continued on another runner")
         prompt = turn.dialect.prompt_estimate(turn.body)
-        turn.body = continuation_body(turn.body, text)
-        turn.continue_as(first_id, prompt)
+        turn.body = body
+        turn.continue_as(found.id or "", prompt)
         try:
             placed = await dispatcher.channel_for(session, turn, req.connection)
         except Unplaced:

@@ -21,9 +21,9 @@ import msgspec
 import trio
 
 from gateway.apis.chunks import choices_mark, has_usage, is_usage_only, read_usage
+from gateway.apis.continuation import Stitch
 from gateway.apis.dialects import Dialect, Translation
 from gateway.apis.shapes import SSE_HEADERS, Code, upstream_error
-from gateway.hub.continuation import Stitch
 from gateway.hub.turnstate import State, TurnLost, TurnSuspended
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.http import Connection, Response

@@ -7,15 +7,17 @@ connection lost, or silent past ``idle_timeout``) is left too, and the next one 
 answer (docs/protocol.md §6): with nothing relayed yet the turn is sent again whole; with text
 relayed and no tool call begun, the next backend is asked to continue that text (as a final
 assistant message, in its own way: ``Backend.continuation``) and its chunks are stitched onto
-the first part (``gateway.runner.stitch``), so the Server sees one answer. The text is read out
+the first part (``gateway.apis.continuation``), so the Server sees one answer. The text is read out
 of the payloads relayed, which a turn keeps (by reference) only when another backend serves its
 model; without one, the fault is the turn's error, as before.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+from gateway.apis.continuation import Stitch, answer_so_far, continuation_body
 from gateway.observe import Counters, Redactor
 from gateway.runner.backend import (
     Backend,
@@ -25,8 +27,7 @@ from gateway.runner.backend import (
     BackendUnreachable,
 )
 from gateway.runner.backends import BackendPool, Route
-from gateway.runner.relay import Relay
-from gateway.runner.stitch import Stitch, answer_so_far, continuation_body
+from gateway.runner.relay import Relay, StitchPayloads
 from gateway.runner.turn import Turn
 from gateway.wire import http1, protocol
 from gateway.wire.stream import BadPayload
@@ -131,7 +132,7 @@ class Forwarder:
 
     def _rest(
         self, turn: Turn, route: Route, tried: list[Backend]
-    ) -> tuple[bytes, Stitch | None] | None:
+    ) -> tuple[bytes, StitchPayloads | None] | None:
         """What to send the next backend for the rest of ``turn``'s answer (the body, and the
         stitch for its chunks), or None when it cannot go on: no other backend, its payloads
         not kept, or an answer that is not text only. ``AnswerWhole`` when it had finished."""
@@ -141,7 +142,7 @@ class Forwarder:
             return route.body, None  # nothing relayed: the turn again, whole
         if turn.relayed is None:
             return None
-        so_far = answer_so_far(turn.relayed)
+        so_far = answer_so_far(itertools.chain.from_iterable(turn.relayed))
         if so_far is None:
             return None
         if so_far.finished:
@@ -149,14 +150,14 @@ class Forwarder:
         body = continuation_body(route.body, so_far.text)
         if body is None:
             return None
-        return body, Stitch(so_far.id)
+        return body, Stitch(so_far.id).payloads
 
     async def _relay(
         self,
         turn: Turn,
         response: http1.Response,
         key: str | None,
-        stitch: Stitch | None,
+        stitch: StitchPayloads | None,
     ) -> None:
         """Relay one backend answer: every SSE event becomes a chunk frame written the moment
         its read is split (``Relay``, in the poller's task while it streams), then the done

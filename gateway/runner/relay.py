@@ -34,7 +34,7 @@ from gateway.wire.netio import RECV_SIZE
 from gateway.wire.stream import BadPayload, EventStream, ExchangeFailed, lost, payload_problem
 from gateway.wire.wsclient import ChannelClosed
 
-Stitch = Callable[[list[bytes]], list[bytes]]  # a continuation's payloads as the turn's own
+StitchPayloads = Callable[[list[bytes]], list[bytes]]  # a continuation's payloads as the turn's own
 
 _CHECKPOINT_EVERY = 16  # reads in a row that filled the buffer before a checkpoint of our own
 _DRAIN_AFTER_DONE = 2.0  # s: after [DONE], how long the rest of the response may take (reuse)
@@ -94,7 +94,7 @@ class Relay:
         self.now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
 
     async def answer(
-        self, turn: Turn, response: http1.Response, stitch: Stitch | None = None
+        self, turn: Turn, response: http1.Response, stitch: StitchPayloads | None = None
     ) -> None:
         """Relay a 2xx answer whose head is in to ``turn``'s chunk frames, then its done
         frame. ``BadPayload`` or ``ExchangeFailed`` (the backend's fault) when it cannot; what was
@@ -123,7 +123,9 @@ class Relay:
             return
         await self.last(turn, stream.finish(), stitch)  # a last event without its blank line
 
-    async def chunks(self, turn: Turn, payloads: list[bytes], stitch: Stitch | None) -> None:
+    async def chunks(
+        self, turn: Turn, payloads: list[bytes], stitch: StitchPayloads | None
+    ) -> None:
         """Send chunk frames off the per-read path (a whole answer, a last event), each waiting
         for room: kept, stitched and counted as the pump does."""
         if stitch is not None:
@@ -139,7 +141,7 @@ class Relay:
             turn.last_payload = payload
             await self._send(turn, frame)
 
-    async def last(self, turn: Turn, payloads: list[bytes], stitch: Stitch | None) -> None:
+    async def last(self, turn: Turn, payloads: list[bytes], stitch: StitchPayloads | None) -> None:
         """``chunks`` and then the done frame, all in one write (a whole answer's one chunk and
         its done frame cost one frame write and one ``send``, not two)."""
         if stitch is not None:
@@ -213,7 +215,11 @@ class Pump:
     )
 
     def __init__(
-        self, turn: Turn, response: http1.Response, relay: Relay, stitch: Stitch | None = None
+        self,
+        turn: Turn,
+        response: http1.Response,
+        relay: Relay,
+        stitch: StitchPayloads | None = None,
     ) -> None:
         assert turn.stream is not None
         self.fd = response.fileno()
