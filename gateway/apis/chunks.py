@@ -1,5 +1,6 @@
-"""The schema of an OpenAI ``chat.completion.chunk`` (or a whole ``chat.completion``) as the
-translations read it: only the fields they use, every one optional. Pure."""
+"""The schema of an OpenAI ``chat.completion.chunk`` (or a whole ``chat.completion``), written
+once: only the fields read of it, every one optional, as the translations, the continuation
+(``gateway.apis.continuation``, runner and hub) and the demo read it. Pure."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import msgspec
 import trio
 
 from gateway import logsafe
+from gateway.apis.chunks import chunk_decoder
 from gateway.config import Config
 from gateway.hub import Hub, serve_hub
 from gateway.observe import setup_logging
@@ -24,21 +25,6 @@ from gateway.sim import SimOptions, Simulator, serve_sim
 from gateway.wire.sse import SSESplitter
 
 PROJECT = "demo/chat"
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    delta: _Delta | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
-
-
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
 
 
 def _ms(seconds: float) -> str:
@@ -154,13 +140,14 @@ async def _ask(
                     if payload == b"[DONE]":
                         return 0, times, started
                     try:
-                        chunk = _chunk_decoder.decode(payload)
+                        chunk = chunk_decoder.decode(payload)
                     except msgspec.DecodeError:
                         continue
-                    for choice in chunk.choices:
-                        if choice.delta is not None and choice.delta.content:
+                    for choice in chunk.choices or ():
+                        text = choice.delta.content if choice.delta is not None else None
+                        if text and isinstance(text, str):
                             times.append(time.perf_counter())
-                            print(_shown(choice.delta.content), end="", flush=True)
+                            print(_shown(text), end="", flush=True)
     return 0, times, started
 
 
