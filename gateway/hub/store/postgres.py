@@ -27,10 +27,8 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store import dburl, team_ops
-from gateway.hub.store import postgres_ops as ops
-from gateway.hub.store import postgres_trust as trust
-from gateway.hub.store import postgres_usage as usage_ops
+from gateway.hub.store import dburl, ops, postgres_usage, team_ops, trust_ops, usage_ops
+from gateway.hub.store import postgres_ops as pg_ops
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
@@ -72,6 +70,7 @@ from gateway.hub.store.records import (
     UsageTotal,
 )
 from gateway.hub.store.schema import SchemaTooNew
+from gateway.hub.store.sql import POSTGRES, Op
 from gateway.hub.store.team_base import TeamStore
 
 CONNECT_TIMEOUT = 5.0  # s to open a connection
@@ -82,7 +81,7 @@ T = TypeVar("T")
 
 
 class _Conn(Protocol):
-    async def run(self, op: ops.Op[T]) -> T: ...
+    async def run(self, op: Op[T]) -> T: ...
     def reusable(self) -> bool: ...
     def fresh(self) -> bool: ...
     def close(self) -> None: ...
@@ -127,7 +126,7 @@ class PostgresStore(Store):
 
     # -- blocking: opening, the admin credential -------------------------------------------------
 
-    def _blocking(self, op: ops.Op[T]) -> T:
+    def _blocking(self, op: Op[T]) -> T:
         """``op`` on a connection of its own, blocking (at open, before serving)."""
         try:
             conn = BlockingConnection.connect(self._params, self._url)
@@ -140,10 +139,10 @@ class PostgresStore(Store):
             raise kind(f"the hub store {self.where}: {exc.detail}") from None
 
     def _open(self, create: bool) -> None:
-        def opening() -> ops.Op[int]:
-            if not create and not (yield from ops.has_schema()):
+        def opening() -> Op[int]:
+            if not create and not (yield from pg_ops.has_schema()):
                 raise StoreMissing(f"no hub in {self.where} (no hub store in that database)")
-            return (yield from ops.migrate(self.where))
+            return (yield from pg_ops.migrate(self.where))
 
         try:
             self._blocking(opening())
@@ -157,7 +156,7 @@ class PostgresStore(Store):
         and knows the token only if its own ``admin-token`` file holds it."""
         known = read_admin_token(data_dir) if data_dir is not None else None
         token = known or new_token(ADMIN_TOKEN_PREFIX)
-        stored, claimed = self._blocking(ops.claim_admin(token_hash(token)))
+        stored, claimed = self._blocking(pg_ops.claim_admin(token_hash(token)))
         if stored != token_hash(token):
             return AdminCredential(None, stored)
         made = claimed and known is None
@@ -174,7 +173,7 @@ class PostgresStore(Store):
 
     # -- the pool ---------------------------------------------------------------------------------
 
-    async def _run(self, op: ops.Op[T]) -> T:
+    async def _run(self, op: Op[T]) -> T:
         """``op`` on a connection of the pool (waiting for one when all are lent)."""
         if self._closed:
             op.close()
@@ -203,7 +202,7 @@ class PostgresStore(Store):
             self._available(started)
         return result
 
-    async def _borrow(self, op: ops.Op[Any]) -> _Conn:
+    async def _borrow(self, op: Op[Any]) -> _Conn:
         """An idle connection still open, else a new one (while the database is away: one try
         every ``RETRY_AFTER`` s, the other calls refused at once)."""
         while self._idle:
@@ -256,54 +255,54 @@ class PostgresStore(Store):
             self._drop(self._idle.pop())
 
     async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
-        await self._run(usage_ops.write_usage(rows, mark))
+        await self._run(postgres_usage.write_usage(rows, mark))
 
     async def journal_mark(self, name: str) -> int:
-        return await self._run(usage_ops.journal_mark(name))
+        return await self._run(usage_ops.journal_mark(POSTGRES, name))
 
     # -- jobs -------------------------------------------------------------------------------------
 
     async def save_job(self, job: StoredJob) -> None:
-        await self._run(ops.save_job(job))
+        await self._run(ops.save_job(POSTGRES, job))
 
     async def delete_job(self, job_id: str) -> None:
-        await self._run(ops.delete_job(job_id))
+        await self._run(ops.delete_job(POSTGRES, job_id))
 
     async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
-        await self._run(ops.add_job_report(job_id, body))
+        await self._run(ops.add_job_report(POSTGRES, job_id, body))
 
     async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
-        return await self._run(ops.load_jobs(live_only))
+        return await self._run(ops.load_jobs(POSTGRES, live_only))
 
     async def load_job(self, job_id: str) -> StoredJob | None:
-        return await self._run(ops.load_job(job_id))
+        return await self._run(ops.load_job(POSTGRES, job_id))
 
     async def job_ids(self) -> list[str]:
-        return await self._run(ops.job_ids())
+        return await self._run(ops.job_ids(POSTGRES))
 
     async def count_jobs(self) -> int:
-        return await self._run(ops.count_jobs())
+        return await self._run(ops.count_jobs(POSTGRES))
 
     # -- sessions and model lists -----------------------------------------------------------------
 
     async def save_session(self, session: StoredSession) -> None:
-        await self._run(ops.save_session(session))
+        await self._run(ops.save_session(POSTGRES, session))
 
     async def delete_session(
         self, key_name: str, session_id: str, job_id: str | None = None
     ) -> None:
-        await self._run(ops.delete_session(key_name, session_id, job_id))
+        await self._run(ops.delete_session(POSTGRES, key_name, session_id, job_id))
 
     async def load_sessions(self) -> list[StoredSession]:
-        return await self._run(ops.load_sessions())
+        return await self._run(ops.load_sessions(POSTGRES))
 
     async def save_models(self, models: ModelList) -> None:
-        await self._run(ops.save_models(models))
+        await self._run(ops.save_models(POSTGRES, models))
         if self._replica:  # the team's other replicas read it again
             await self._run(team_ops.models_changed(self._replica, models.runner_id))
 
     async def load_models(self, owner: str, project: str) -> list[ModelList]:
-        return await self._run(ops.load_models(owner, project))
+        return await self._run(ops.load_models(POSTGRES, owner, project))
 
     # -- registrations and API keys ---------------------------------------------------------------
 
@@ -315,124 +314,126 @@ class PostgresStore(Store):
         labels: list[str],
         enrollment: str | None = None,
     ) -> tuple[Registration, str]:
-        return await self._run(ops.add_registration(owner, project, name, labels, enrollment))
+        return await self._run(
+            ops.add_registration(POSTGRES, owner, project, name, labels, enrollment)
+        )
 
     async def registration_by_token(self, token: str) -> Registration | None:
-        return await self._run(ops.registration_by_token(token))
+        return await self._run(ops.registration_by_token(POSTGRES, token))
 
     async def registration(self, runner_id: str) -> Registration | None:
-        return await self._run(ops.registration(runner_id))
+        return await self._run(ops.registration(POSTGRES, runner_id))
 
     async def list_runners(self) -> list[RunnerRecord]:
-        return await self._run(trust.list_runners())
+        return await self._run(trust_ops.list_runners(POSTGRES))
 
     async def revoke_runner(self, runner_id: str) -> bool:
-        return await self._run(trust.revoke_runner(runner_id))
+        return await self._run(trust_ops.revoke_runner(POSTGRES, runner_id))
 
     async def revoked_runners(self) -> set[str]:
-        return await self._run(trust.revoked_runners())
+        return await self._run(trust_ops.revoked_runners(POSTGRES))
 
     async def runners_seen(self, runner_ids: list[str], at: float) -> None:
-        await self._run(trust.runners_seen(runner_ids, at))
+        await self._run(trust_ops.runners_seen(POSTGRES, runner_ids, at))
 
     async def create_enrollment(
         self, project: str, expires_at: float | None, uses: int | None
     ) -> tuple[Enrollment, str]:
-        return await self._run(trust.create_enrollment(project, expires_at, uses))
+        return await self._run(trust_ops.create_enrollment(POSTGRES, project, expires_at, uses))
 
     async def list_enrollments(self) -> list[Enrollment]:
-        return await self._run(trust.list_enrollments())
+        return await self._run(trust_ops.list_enrollments(POSTGRES))
 
     async def enrollment_by_token(self, token: str) -> Enrollment | None:
-        return await self._run(trust.enrollment_by_token(token))
+        return await self._run(trust_ops.enrollment_by_token(POSTGRES, token))
 
     async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
-        return await self._run(trust.use_enrollment(enrollment_id, now))
+        return await self._run(trust_ops.use_enrollment(POSTGRES, enrollment_id, now))
 
     async def revoke_enrollment(self, enrollment_id: str) -> bool:
-        return await self._run(trust.revoke_enrollment(enrollment_id))
+        return await self._run(trust_ops.revoke_enrollment(POSTGRES, enrollment_id))
 
     async def create_api_key(
         self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
     ) -> str:
-        return await self._run(ops.create_api_key(name, project, limits))
+        return await self._run(ops.create_api_key(POSTGRES, name, project, limits))
 
     async def list_api_keys(self) -> list[dict[str, object]]:
-        return await self._run(ops.list_api_keys())
+        return await self._run(ops.list_api_keys(POSTGRES))
 
     async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
-        return await self._run(ops.key_limits(name))
+        return await self._run(ops.key_limits(POSTGRES, name))
 
     async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
-        return await self._run(ops.set_key_limits(name, limits))
+        return await self._run(ops.set_key_limits(POSTGRES, name, limits))
 
     async def revoke_api_key(self, name: str) -> bool:
-        return await self._run(ops.revoke_api_key(name))
+        return await self._run(ops.revoke_api_key(POSTGRES, name))
 
     async def check_api_key(self, key: str) -> ApiKey | None:
-        return await self._run(ops.check_api_key(key))
+        return await self._run(ops.check_api_key(POSTGRES, key))
 
     async def active_key_ids(self) -> set[str]:
-        return await self._run(ops.active_key_ids())
+        return await self._run(ops.active_key_ids(POSTGRES))
 
     async def active_key_id(self, name: str) -> str | None:
-        return await self._run(ops.active_key_id(name))
+        return await self._run(ops.active_key_id(POSTGRES, name))
 
     # -- usage (the queued rows written first) ----------------------------------------------------
 
     async def prune_usage(self, before: float, limit: int) -> int:
         await self.flush_usage()
-        return await self._run(usage_ops.prune_usage(before, limit))
+        return await self._run(usage_ops.prune_usage(POSTGRES, before, limit))
 
     async def usage_turns_from(self) -> float:
         await self.flush_usage()
-        return await self._run(usage_ops.usage_turns_from())
+        return await self._run(usage_ops.usage_turns_from(POSTGRES))
 
     async def usage_rows(
         self, since: float = 0.0, key_name: str | None = None
     ) -> list[dict[str, Any]]:
         await self.flush_usage()
-        return await self._run(usage_ops.usage_rows(since, key_name))
+        return await self._run(usage_ops.usage_rows(POSTGRES, since, key_name))
 
     async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
         await self.flush_usage()
-        return await self._run(usage_ops.hourly_usage(since, key_name))
+        return await self._run(usage_ops.hourly_usage(POSTGRES, since, key_name))
 
     async def usage_totals(
         self, since: float, key_name: str | None = None
     ) -> tuple[list[UsageTotal], bool]:
         await self.flush_usage()
-        return await self._run(usage_ops.usage_totals(since, key_name))
+        return await self._run(usage_ops.usage_totals(POSTGRES, since, key_name))
 
     async def tokens_since(self, key_id: str, hour: int) -> int:
         await self.flush_usage()
-        return await self._run(usage_ops.tokens_since(key_id, hour))
+        return await self._run(usage_ops.tokens_since(POSTGRES, key_id, hour))
 
-    async def people(self, op: ops.Op[T]) -> T:
+    async def people(self, op: Op[T]) -> T:
         await self.flush_usage()
         return await self._run(op)
 
     async def cost_since(self, key_id: str, hour: int) -> float:
         await self.flush_usage()
-        return await self._run(usage_ops.cost_since(key_id, hour))
+        return await self._run(usage_ops.cost_since(POSTGRES, key_id, hour))
 
     async def throughput(self, model: str, since: float) -> tuple[float, float]:
         await self.flush_usage()
-        return await self._run(usage_ops.throughput(model, since))
+        return await self._run(usage_ops.throughput(POSTGRES, model, since))
 
     # -- prices and budgets ----------------------------------------------------------------------
 
     async def set_price(self, price: Price) -> None:
-        await self._run(usage_ops.set_price(price))
+        await self._run(usage_ops.set_price(POSTGRES, price))
 
     async def delete_price(self, model: str) -> bool:
-        return await self._run(usage_ops.delete_price(model))
+        return await self._run(usage_ops.delete_price(POSTGRES, model))
 
     async def list_prices(self) -> list[Price]:
-        return await self._run(usage_ops.list_prices())
+        return await self._run(usage_ops.list_prices(POSTGRES))
 
     async def key_budgets(self) -> dict[str, KeyBudget]:
-        return await self._run(usage_ops.key_budgets())
+        return await self._run(usage_ops.key_budgets(POSTGRES))
 
     async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
-        return await self._run(usage_ops.set_key_budget(name, budget))
+        return await self._run(usage_ops.set_key_budget(POSTGRES, name, budget))
