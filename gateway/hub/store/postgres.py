@@ -26,14 +26,12 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store import dburl, ops, postgres_usage, team_ops, trust_ops, usage_ops
+from gateway.hub.store import dburl, postgres_usage, team_ops
 from gateway.hub.store import postgres_ops as pg_ops
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
     POOL_SIZE,
-    Store,
     StoreError,
     StoreMissing,
     StoreUnavailable,
@@ -55,22 +53,10 @@ from gateway.hub.store.postgres_io import (
     TrioConnection,
     conninfo,
 )
-from gateway.hub.store.records import (
-    DEFAULT_KEY_PROJECT,
-    AdminCredential,
-    ApiKey,
-    Enrollment,
-    HourlyUsage,
-    KeyLimits,
-    ModelList,
-    Registration,
-    RunnerRecord,
-    StoredJob,
-    StoredSession,
-    UsageTotal,
-)
+from gateway.hub.store.records import AdminCredential, ModelList
 from gateway.hub.store.schema import SchemaTooNew
 from gateway.hub.store.sql import POSTGRES, Op
+from gateway.hub.store.sqlstore import SqlStore
 from gateway.hub.store.team_base import TeamStore
 
 CONNECT_TIMEOUT = 5.0  # s to open a connection
@@ -87,10 +73,12 @@ class _Conn(Protocol):
     def close(self) -> None: ...
 
 
-class PostgresStore(Store):
+class PostgresStore(SqlStore):
     """The hub's store in the PostgreSQL database ``url`` names (``postgresql://...``). Opened
     and migrated here, blocking (StoreError, one line, when it cannot be); with
     ``create=False`` a database without a hub store in it is refused rather than made one."""
+
+    dialect = POSTGRES
 
     def __init__(
         self,
@@ -257,183 +245,11 @@ class PostgresStore(Store):
     async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
         await self._run(postgres_usage.write_usage(rows, mark))
 
-    async def journal_mark(self, name: str) -> int:
-        return await self._run(usage_ops.journal_mark(POSTGRES, name))
-
-    # -- jobs -------------------------------------------------------------------------------------
-
-    async def save_job(self, job: StoredJob) -> None:
-        await self._run(ops.save_job(POSTGRES, job))
-
-    async def delete_job(self, job_id: str) -> None:
-        await self._run(ops.delete_job(POSTGRES, job_id))
-
-    async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
-        await self._run(ops.add_job_report(POSTGRES, job_id, body))
-
-    async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
-        return await self._run(ops.load_jobs(POSTGRES, live_only))
-
-    async def load_job(self, job_id: str) -> StoredJob | None:
-        return await self._run(ops.load_job(POSTGRES, job_id))
-
-    async def job_ids(self) -> list[str]:
-        return await self._run(ops.job_ids(POSTGRES))
-
-    async def count_jobs(self) -> int:
-        return await self._run(ops.count_jobs(POSTGRES))
-
-    # -- sessions and model lists -----------------------------------------------------------------
-
-    async def save_session(self, session: StoredSession) -> None:
-        await self._run(ops.save_session(POSTGRES, session))
-
-    async def delete_session(
-        self, key_name: str, session_id: str, job_id: str | None = None
-    ) -> None:
-        await self._run(ops.delete_session(POSTGRES, key_name, session_id, job_id))
-
-    async def load_sessions(self) -> list[StoredSession]:
-        return await self._run(ops.load_sessions(POSTGRES))
-
     async def save_models(self, models: ModelList) -> None:
-        await self._run(ops.save_models(POSTGRES, models))
+        await super().save_models(models)
         if self._replica:  # the team's other replicas read it again
             await self._run(team_ops.models_changed(self._replica, models.runner_id))
-
-    async def load_models(self, owner: str, project: str) -> list[ModelList]:
-        return await self._run(ops.load_models(POSTGRES, owner, project))
-
-    # -- registrations and API keys ---------------------------------------------------------------
-
-    async def add_registration(
-        self,
-        owner: str,
-        project: str,
-        name: str,
-        labels: list[str],
-        enrollment: str | None = None,
-    ) -> tuple[Registration, str]:
-        return await self._run(
-            ops.add_registration(POSTGRES, owner, project, name, labels, enrollment)
-        )
-
-    async def registration_by_token(self, token: str) -> Registration | None:
-        return await self._run(ops.registration_by_token(POSTGRES, token))
-
-    async def registration(self, runner_id: str) -> Registration | None:
-        return await self._run(ops.registration(POSTGRES, runner_id))
-
-    async def list_runners(self) -> list[RunnerRecord]:
-        return await self._run(trust_ops.list_runners(POSTGRES))
-
-    async def revoke_runner(self, runner_id: str) -> bool:
-        return await self._run(trust_ops.revoke_runner(POSTGRES, runner_id))
-
-    async def revoked_runners(self) -> set[str]:
-        return await self._run(trust_ops.revoked_runners(POSTGRES))
-
-    async def runners_seen(self, runner_ids: list[str], at: float) -> None:
-        await self._run(trust_ops.runners_seen(POSTGRES, runner_ids, at))
-
-    async def create_enrollment(
-        self, project: str, expires_at: float | None, uses: int | None
-    ) -> tuple[Enrollment, str]:
-        return await self._run(trust_ops.create_enrollment(POSTGRES, project, expires_at, uses))
-
-    async def list_enrollments(self) -> list[Enrollment]:
-        return await self._run(trust_ops.list_enrollments(POSTGRES))
-
-    async def enrollment_by_token(self, token: str) -> Enrollment | None:
-        return await self._run(trust_ops.enrollment_by_token(POSTGRES, token))
-
-    async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
-        return await self._run(trust_ops.use_enrollment(POSTGRES, enrollment_id, now))
-
-    async def revoke_enrollment(self, enrollment_id: str) -> bool:
-        return await self._run(trust_ops.revoke_enrollment(POSTGRES, enrollment_id))
-
-    async def create_api_key(
-        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
-    ) -> str:
-        return await self._run(ops.create_api_key(POSTGRES, name, project, limits))
-
-    async def list_api_keys(self) -> list[dict[str, object]]:
-        return await self._run(ops.list_api_keys(POSTGRES))
-
-    async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
-        return await self._run(ops.key_limits(POSTGRES, name))
-
-    async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
-        return await self._run(ops.set_key_limits(POSTGRES, name, limits))
-
-    async def revoke_api_key(self, name: str) -> bool:
-        return await self._run(ops.revoke_api_key(POSTGRES, name))
-
-    async def check_api_key(self, key: str) -> ApiKey | None:
-        return await self._run(ops.check_api_key(POSTGRES, key))
-
-    async def active_key_ids(self) -> set[str]:
-        return await self._run(ops.active_key_ids(POSTGRES))
-
-    async def active_key_id(self, name: str) -> str | None:
-        return await self._run(ops.active_key_id(POSTGRES, name))
-
-    # -- usage (the queued rows written first) ----------------------------------------------------
-
-    async def prune_usage(self, before: float, limit: int) -> int:
-        await self.flush_usage()
-        return await self._run(usage_ops.prune_usage(POSTGRES, before, limit))
-
-    async def usage_turns_from(self) -> float:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_turns_from(POSTGRES))
-
-    async def usage_rows(
-        self, since: float = 0.0, key_name: str | None = None
-    ) -> list[dict[str, Any]]:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_rows(POSTGRES, since, key_name))
-
-    async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
-        await self.flush_usage()
-        return await self._run(usage_ops.hourly_usage(POSTGRES, since, key_name))
-
-    async def usage_totals(
-        self, since: float, key_name: str | None = None
-    ) -> tuple[list[UsageTotal], bool]:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_totals(POSTGRES, since, key_name))
-
-    async def tokens_since(self, key_id: str, hour: int) -> int:
-        await self.flush_usage()
-        return await self._run(usage_ops.tokens_since(POSTGRES, key_id, hour))
 
     async def people(self, op: Op[T]) -> T:
         await self.flush_usage()
         return await self._run(op)
-
-    async def cost_since(self, key_id: str, hour: int) -> float:
-        await self.flush_usage()
-        return await self._run(usage_ops.cost_since(POSTGRES, key_id, hour))
-
-    async def throughput(self, model: str, since: float) -> tuple[float, float]:
-        await self.flush_usage()
-        return await self._run(usage_ops.throughput(POSTGRES, model, since))
-
-    # -- prices and budgets ----------------------------------------------------------------------
-
-    async def set_price(self, price: Price) -> None:
-        await self._run(usage_ops.set_price(POSTGRES, price))
-
-    async def delete_price(self, model: str) -> bool:
-        return await self._run(usage_ops.delete_price(POSTGRES, model))
-
-    async def list_prices(self) -> list[Price]:
-        return await self._run(usage_ops.list_prices(POSTGRES))
-
-    async def key_budgets(self) -> dict[str, KeyBudget]:
-        return await self._run(usage_ops.key_budgets(POSTGRES))
-
-    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
-        return await self._run(usage_ops.set_key_budget(POSTGRES, name, budget))

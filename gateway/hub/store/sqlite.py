@@ -20,17 +20,15 @@ import pathlib
 import sqlite3
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import trio
 
-from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store import ops, people_ops, sqlite_ops, trust_ops, usage_ops
+from gateway.hub.store import people_ops, sqlite_ops
 from gateway.hub.store.backup import lock_shared
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
-    Store,
     StoreError,
     StoreUnavailable,
     UsageRow,
@@ -42,22 +40,10 @@ from gateway.hub.store.credentials import (
     new_token,
     token_hash,
 )
-from gateway.hub.store.records import (
-    DEFAULT_KEY_PROJECT,
-    AdminCredential,
-    ApiKey,
-    Enrollment,
-    HourlyUsage,
-    KeyLimits,
-    ModelList,
-    Registration,
-    RunnerRecord,
-    StoredJob,
-    StoredSession,
-    UsageTotal,
-)
+from gateway.hub.store.records import AdminCredential
 from gateway.hub.store.schema import SchemaTooNew
 from gateway.hub.store.sql import SQLITE, Op
+from gateway.hub.store.sqlstore import SqlStore
 
 FILENAME = "hub.sqlite3"
 BUSY_TIMEOUT = 10.0  # s a statement waits for another process's write lock before it fails
@@ -66,9 +52,11 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-class SqliteStore(Store):
+class SqliteStore(SqlStore):
     """The hub's SQLite database: ``data_dir/hub.sqlite3``, or in memory when ``data_dir`` is
     None. Opened and migrated here (StoreError, one line, when it cannot be)."""
+
+    dialect = SQLITE
 
     def __init__(
         self,
@@ -171,184 +159,9 @@ class SqliteStore(Store):
     async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
         await self._call(sqlite_ops.write_usage, rows, mark)
 
-    async def journal_mark(self, name: str) -> int:
-        return await self._run(usage_ops.journal_mark(SQLITE, name))
-
-    # -- jobs --------------------------------------------------------------------------------
-
-    async def save_job(self, job: StoredJob) -> None:
-        await self._run(ops.save_job(SQLITE, job))
-
-    async def delete_job(self, job_id: str) -> None:
-        await self._run(ops.delete_job(SQLITE, job_id))
-
-    async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
-        await self._run(ops.add_job_report(SQLITE, job_id, body))
-
-    async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
-        return await self._run(ops.load_jobs(SQLITE, live_only))
-
-    async def load_job(self, job_id: str) -> StoredJob | None:
-        return await self._run(ops.load_job(SQLITE, job_id))
-
-    async def job_ids(self) -> list[str]:
-        return await self._run(ops.job_ids(SQLITE))
-
-    async def count_jobs(self) -> int:
-        return await self._run(ops.count_jobs(SQLITE))
-
-    # -- sessions and model lists --------------------------------------------------------------
-
-    async def save_session(self, session: StoredSession) -> None:
-        await self._run(ops.save_session(SQLITE, session))
-
-    async def delete_session(
-        self, key_name: str, session_id: str, job_id: str | None = None
-    ) -> None:
-        await self._run(ops.delete_session(SQLITE, key_name, session_id, job_id))
-
-    async def load_sessions(self) -> list[StoredSession]:
-        return await self._run(ops.load_sessions(SQLITE))
-
-    async def save_models(self, models: ModelList) -> None:
-        await self._run(ops.save_models(SQLITE, models))
-
-    async def load_models(self, owner: str, project: str) -> list[ModelList]:
-        return await self._run(ops.load_models(SQLITE, owner, project))
-
-    # -- registrations and API keys -------------------------------------------------------------
-
-    async def add_registration(
-        self,
-        owner: str,
-        project: str,
-        name: str,
-        labels: list[str],
-        enrollment: str | None = None,
-    ) -> tuple[Registration, str]:
-        return await self._run(
-            ops.add_registration(SQLITE, owner, project, name, labels, enrollment)
-        )
-
-    async def registration_by_token(self, token: str) -> Registration | None:
-        return await self._run(ops.registration_by_token(SQLITE, token))
-
-    async def registration(self, runner_id: str) -> Registration | None:
-        return await self._run(ops.registration(SQLITE, runner_id))
-
-    async def list_runners(self) -> list[RunnerRecord]:
-        return await self._run(trust_ops.list_runners(SQLITE))
-
-    async def revoke_runner(self, runner_id: str) -> bool:
-        return await self._run(trust_ops.revoke_runner(SQLITE, runner_id))
-
-    async def revoked_runners(self) -> set[str]:
-        return await self._run(trust_ops.revoked_runners(SQLITE))
-
-    async def runners_seen(self, runner_ids: list[str], at: float) -> None:
-        await self._run(trust_ops.runners_seen(SQLITE, runner_ids, at))
-
-    async def create_enrollment(
-        self, project: str, expires_at: float | None, uses: int | None
-    ) -> tuple[Enrollment, str]:
-        return await self._run(trust_ops.create_enrollment(SQLITE, project, expires_at, uses))
-
-    async def list_enrollments(self) -> list[Enrollment]:
-        return await self._run(trust_ops.list_enrollments(SQLITE))
-
-    async def enrollment_by_token(self, token: str) -> Enrollment | None:
-        return await self._run(trust_ops.enrollment_by_token(SQLITE, token))
-
-    async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
-        return await self._run(trust_ops.use_enrollment(SQLITE, enrollment_id, now))
-
-    async def revoke_enrollment(self, enrollment_id: str) -> bool:
-        return await self._run(trust_ops.revoke_enrollment(SQLITE, enrollment_id))
-
-    async def create_api_key(
-        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
-    ) -> str:
-        return await self._run(ops.create_api_key(SQLITE, name, project, limits))
-
-    async def list_api_keys(self) -> list[dict[str, object]]:
-        return await self._run(ops.list_api_keys(SQLITE))
-
-    async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
-        return await self._run(ops.key_limits(SQLITE, name))
-
-    async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
-        return await self._run(ops.set_key_limits(SQLITE, name, limits))
-
-    async def revoke_api_key(self, name: str) -> bool:
-        return await self._run(ops.revoke_api_key(SQLITE, name))
-
-    async def check_api_key(self, key: str) -> ApiKey | None:
-        return await self._run(ops.check_api_key(SQLITE, key))
-
-    async def active_key_ids(self) -> set[str]:
-        return await self._run(ops.active_key_ids(SQLITE))
-
-    async def active_key_id(self, name: str) -> str | None:
-        return await self._run(ops.active_key_id(SQLITE, name))
-
-    # -- usage (the queued rows written first) ---------------------------------------------------
-
-    async def prune_usage(self, before: float, limit: int) -> int:
-        await self.flush_usage()
-        return await self._run(usage_ops.prune_usage(SQLITE, before, limit))
-
-    async def usage_turns_from(self) -> float:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_turns_from(SQLITE))
-
-    async def usage_rows(
-        self, since: float = 0.0, key_name: str | None = None
-    ) -> list[dict[str, Any]]:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_rows(SQLITE, since, key_name))
-
-    async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
-        await self.flush_usage()
-        return await self._run(usage_ops.hourly_usage(SQLITE, since, key_name))
-
-    async def usage_totals(
-        self, since: float, key_name: str | None = None
-    ) -> tuple[list[UsageTotal], bool]:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_totals(SQLITE, since, key_name))
-
-    async def tokens_since(self, key_id: str, hour: int) -> int:
-        await self.flush_usage()
-        return await self._run(usage_ops.tokens_since(SQLITE, key_id, hour))
-
     async def people(self, op: Op[T]) -> T:
         await self.flush_usage()
         return await self._call(people_ops.run_sqlite, op)
-
-    async def cost_since(self, key_id: str, hour: int) -> float:
-        await self.flush_usage()
-        return await self._run(usage_ops.cost_since(SQLITE, key_id, hour))
-
-    async def throughput(self, model: str, since: float) -> tuple[float, float]:
-        await self.flush_usage()
-        return await self._run(usage_ops.throughput(SQLITE, model, since))
-
-    # -- prices and budgets ----------------------------------------------------------------------
-
-    async def set_price(self, price: Price) -> None:
-        await self._run(usage_ops.set_price(SQLITE, price))
-
-    async def delete_price(self, model: str) -> bool:
-        return await self._run(usage_ops.delete_price(SQLITE, model))
-
-    async def list_prices(self) -> list[Price]:
-        return await self._run(usage_ops.list_prices(SQLITE))
-
-    async def key_budgets(self) -> dict[str, KeyBudget]:
-        return await self._run(usage_ops.key_budgets(SQLITE))
-
-    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
-        return await self._run(usage_ops.set_key_budget(SQLITE, name, budget))
 
 
 def _error(where: str, exc: sqlite3.Error) -> StoreError:

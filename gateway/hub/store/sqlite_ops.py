@@ -19,18 +19,19 @@ Db = sqlite3.Connection
 
 
 def run(db: Db, op: Op[T]) -> T:
-    """``op`` on the connection, to its end; a transaction it left open (it failed, or a
-    statement did) is rolled back."""
+    """``op`` on the connection, to its end; a transaction it leaves open when it fails (or a
+    statement does) is rolled back."""
     try:
         query = next(op)
         while True:
             query = op.send(db.execute(query.sql, query.params).fetchall())
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
-    finally:
+    except BaseException:
         op.close()
         if db.in_transaction:
             db.execute("ROLLBACK")
+        raise
 
 
 @contextlib.contextmanager
