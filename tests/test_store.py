@@ -15,6 +15,7 @@ the database answers. They wait for the writer's rows by its counter (``rows_wri
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
 import time
@@ -29,6 +30,7 @@ import trio.testing
 
 from gateway.hub import Hub, open_hub
 from gateway.hub.cli import main as hub_main
+from gateway.hub.money import KeyBudget, Price
 from gateway.hub.store import (
     DEFAULT_KEY_PROJECT,
     PRUNE_BATCH,
@@ -46,6 +48,7 @@ from gateway.hub.store import (
     open_store,
     token_hash,
 )
+from gateway.hub.store.postgres import PostgresStore
 from gateway.hub.store.schema import MIGRATIONS
 
 Place = Callable[[pytest.FixtureRequest, Path], "Path | str"]  # where a backend's store is
@@ -234,6 +237,73 @@ async def test_api_keys_created_checked_limited_and_revoked(store: Store) -> Non
     assert renewed is not None and renewed.id != found.id
 
 
+async def test_a_revoked_key_s_name_taken_again_keeps_each_backend_s_budget(
+    store: Store,
+) -> None:
+    """A key made again under a revoked key's name: SQLite's starts without the old budgets
+    and priority, PostgreSQL's keeps them (each as before the statements were shared; the
+    one statement that differs, ``ops.CREATE_API_KEY``)."""
+    await store.create_api_key("alice")
+    assert await store.set_key_budget("alice", KeyBudget(1.0, 20.0, "interactive"))
+    assert await store.revoke_api_key("alice")
+    assert await store.key_budgets() == {}
+    await store.create_api_key("bob")
+    with pytest.raises(ValueError, match="already exists"):  # an active key's name is not free
+        await store.create_api_key("bob")
+    await store.create_api_key("alice")
+    kept = isinstance(store, PostgresStore)
+    assert (await store.key_budgets())["alice"] == (
+        KeyBudget(1.0, 20.0, "interactive") if kept else KeyBudget()
+    )
+
+
+# -- who may register and run runners ----------------------------------------------------------
+
+
+async def test_enrollments_made_found_used_to_their_count_and_revoked(store: Store) -> None:
+    now = time.time()
+    first, token = await store.create_enrollment("acme/chat", None, 2)
+    later, other_token = await store.create_enrollment("acme/ops", now + 60, None)
+    assert (first.owner, first.project, first.uses_left, first.used) == ("acme", "chat", 2, 0)
+    assert token.startswith("alpe_") and token not in repr(first)
+    in_order = sorted([first, later], key=lambda e: (e.created_at, e.id))  # ties: by id
+    assert await store.list_enrollments() == in_order
+    assert await store.enrollment_by_token(token) == first
+    assert await store.enrollment_by_token(token + "x") is None
+    assert await store.use_enrollment(first.id, now) and await store.use_enrollment(first.id, now)
+    assert not await store.use_enrollment(first.id, now)  # used up
+    used = await store.enrollment_by_token(token)
+    assert used is not None and (used.uses_left, used.used) == (0, 2)
+    assert not await store.use_enrollment(later.id, now + 61)  # expired
+    assert await store.use_enrollment(later.id, now)
+    assert await store.revoke_enrollment(later.id) and not await store.revoke_enrollment(later.id)
+    assert not await store.use_enrollment(later.id, now)
+    revoked = await store.enrollment_by_token(other_token)
+    assert revoked is not None and revoked.revoked and revoked.used == 1
+
+
+async def test_runners_listed_with_models_and_sessions_seen_and_revoked(store: Store) -> None:
+    box, box_token = await store.add_registration("acme", "chat", "box", ["gpu"])
+    cube, _ = await store.add_registration("acme", "chat", "cube", [])
+    await store.save_models(ModelList(box.id, "acme", "chat", ("m1", "m2"), 10.0))
+    await store.save_job(StoredJob("j-1", "acme", "chat", [], {}, claimed_by=box.id))
+    await store.save_session(StoredSession("alice", "s-1", "acme", "chat", "j-1", "id-a"))
+    await store.runners_seen([box.id, cube.id], 1_700_000_000.5)
+    await store.runners_seen([], 1.0)  # nothing to mark
+    listed = {r.name: r for r in await store.list_runners()}
+    assert listed["box"].models == ("m1", "m2") and listed["box"].sessions == 1
+    assert listed["cube"].models is None and listed["cube"].sessions == 0
+    assert {r.last_seen for r in listed.values()} == {1_700_000_000.5}
+    assert await store.revoked_runners() == set()
+    assert await store.revoke_runner(box.id) and not await store.revoke_runner(box.id)
+    assert await store.revoked_runners() == {box.id}
+    assert await store.registration_by_token(box_token) is None
+    assert {r.name: r.revoked_at is not None for r in await store.list_runners()} == {
+        "box": True,
+        "cube": False,
+    }
+
+
 # -- usage -----------------------------------------------------------------------------------------
 
 
@@ -287,6 +357,44 @@ async def test_usage_rows_hourly_totals_and_tokens(store: Store) -> None:
     assert await store.usage_turns_from() == hour + 15
     totals, exact = await store.usage_totals(hour)  # older than the rows kept: the hours
     assert not exact and [t.turns for t in totals] == [1, 2, 1]
+
+
+async def test_prices_budgets_cost_throughput_and_a_journal_s_mark(store: Store) -> None:
+    hour = 1_700_000_000 // 3600 * 3600
+    await store.set_price(Price("b", 1.0, 2.0))
+    await store.set_price(Price("a", 3.0, 4.0, "gpt", 5.0, 6.0))
+    await store.set_price(Price("B", watts=300.0, kwh_price=0.25))
+    await store.set_price(Price("b", 1.5, 2.5))  # replaced
+    assert await store.list_prices() == [  # by bytes: capitals first
+        Price("B", watts=300.0, kwh_price=0.25),
+        Price("a", 3.0, 4.0, "gpt", 5.0, 6.0),
+        Price("b", 1.5, 2.5),
+    ]
+    assert await store.delete_price("B") and not await store.delete_price("B")
+    assert [p.model for p in await store.list_prices()] == ["a", "b"]
+
+    await store.create_api_key("alice")
+    assert await store.key_budgets() == {"alice": KeyBudget()}
+    assert await store.set_key_budget("alice", KeyBudget(2.0, None, "background"))
+    assert not await store.set_key_budget("nobody", KeyBudget(1.0))
+    assert await store.key_budgets() == {"alice": KeyBudget(2.0, None, "background")}
+
+    priced = dataclasses.replace(_record("alice", "m1"), cost=0.5, ref_cost=1.0)
+    estimated = dataclasses.replace(priced, estimated=True, ttft=0.1)
+    assert await store.journal_mark("journal-a") == 0
+    await store._write_usage([(priced, hour + 1.0), (estimated, hour + 3601.0)], ("journal-a", 7))
+    assert await store.journal_mark("journal-a") == 7
+    await store.add_usage(priced, hour + 2.0)
+    assert await store.cost_since("id-alice", hour) == 1.5
+    assert await store.cost_since("id-alice", hour + 3600) == 0.5
+    assert await store.cost_since("id-nobody", hour) == 0.0
+    # prefill: 2 prompt tokens in 0.25 s; decoding: 3 tokens in 0.75 s (the estimated row not)
+    assert await store.throughput("m1", hour) == (8.0, 4.0)
+    assert await store.throughput("m2", hour) == (0.0, 0.0)
+    totals, exact = await store.usage_totals(hour, "alice")
+    assert exact and [(t.turns, t.estimated, t.cost, t.unpriced) for t in totals] == [
+        (3, 1, 1.5, 0)
+    ]
 
 
 async def test_a_queued_row_is_written_by_the_writer_within_its_interval(

@@ -1,21 +1,20 @@
 """The store's statements about people (issue 34): who signed in, the API keys each owns, their
 page sessions, and usage per person; sans-IO, one text for both databases.
 
-Each operation is a generator that yields its statements (``postgres_ops.Query``, ``$1``-style
-parameters) and is sent each one's rows back, as ``postgres_ops``' are: PostgreSQL runs them on
-its pool, SQLite through ``run_sqlite`` (``$n`` is SQLite's ``?n``). Only the hash of a page
-session's token is kept, never the token."""
+Each operation is a generator that yields its statements (``sql.Query``, ``$1``-style
+parameters) and is sent each one's rows back, as ``ops``' are: PostgreSQL runs them on its
+pool, SQLite through ``run_sqlite`` (``sql.sqlite_text``: ``$n`` is SQLite's ``?n``). Only the
+hash of a page session's token is kept, never the token."""
 
 from __future__ import annotations
 
 import json
-import re
 import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.hub.store.postgres_ops import Op, Query, T
 from gateway.hub.store.records import hour_of, utc_now
+from gateway.hub.store.sql import Op, Query, T, sqlite_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,15 +196,13 @@ def person_usage(since: float, sub: str | None = None) -> Op[list[PersonUsage]]:
 
 # -- SQLite ------------------------------------------------------------------------------------
 
-_PARAM = re.compile(r"\$(\d+)")
-
 
 def run_sqlite(db: sqlite3.Connection, op: Op[T]) -> T:
     """``op`` on a SQLite connection (autocommit: each statement its own transaction)."""
     try:
         query = next(op)
         while True:
-            rows = db.execute(_PARAM.sub(r"?\1", query.sql), query.params).fetchall()
+            rows = db.execute(sqlite_text(query.sql), query.params).fetchall()
             query = op.send(rows)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]

@@ -26,16 +26,12 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store import dburl, team_ops
-from gateway.hub.store import postgres_ops as ops
-from gateway.hub.store import postgres_trust as trust
-from gateway.hub.store import postgres_usage as usage_ops
+from gateway.hub.store import dburl, postgres_usage, team_ops
+from gateway.hub.store import postgres_ops as pg_ops
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
     POOL_SIZE,
-    Store,
     StoreError,
     StoreMissing,
     StoreUnavailable,
@@ -57,21 +53,10 @@ from gateway.hub.store.postgres_io import (
     TrioConnection,
     conninfo,
 )
-from gateway.hub.store.records import (
-    DEFAULT_KEY_PROJECT,
-    AdminCredential,
-    ApiKey,
-    Enrollment,
-    HourlyUsage,
-    KeyLimits,
-    ModelList,
-    Registration,
-    RunnerRecord,
-    StoredJob,
-    StoredSession,
-    UsageTotal,
-)
+from gateway.hub.store.records import AdminCredential, ModelList
 from gateway.hub.store.schema import SchemaTooNew
+from gateway.hub.store.sql import POSTGRES, Op
+from gateway.hub.store.sqlstore import SqlStore
 from gateway.hub.store.team_base import TeamStore
 
 CONNECT_TIMEOUT = 5.0  # s to open a connection
@@ -82,16 +67,18 @@ T = TypeVar("T")
 
 
 class _Conn(Protocol):
-    async def run(self, op: ops.Op[T]) -> T: ...
+    async def run(self, op: Op[T]) -> T: ...
     def reusable(self) -> bool: ...
     def fresh(self) -> bool: ...
     def close(self) -> None: ...
 
 
-class PostgresStore(Store):
+class PostgresStore(SqlStore):
     """The hub's store in the PostgreSQL database ``url`` names (``postgresql://...``). Opened
     and migrated here, blocking (StoreError, one line, when it cannot be); with
     ``create=False`` a database without a hub store in it is refused rather than made one."""
+
+    dialect = POSTGRES
 
     def __init__(
         self,
@@ -127,7 +114,7 @@ class PostgresStore(Store):
 
     # -- blocking: opening, the admin credential -------------------------------------------------
 
-    def _blocking(self, op: ops.Op[T]) -> T:
+    def _blocking(self, op: Op[T]) -> T:
         """``op`` on a connection of its own, blocking (at open, before serving)."""
         try:
             conn = BlockingConnection.connect(self._params, self._url)
@@ -140,10 +127,10 @@ class PostgresStore(Store):
             raise kind(f"the hub store {self.where}: {exc.detail}") from None
 
     def _open(self, create: bool) -> None:
-        def opening() -> ops.Op[int]:
-            if not create and not (yield from ops.has_schema()):
+        def opening() -> Op[int]:
+            if not create and not (yield from pg_ops.has_schema()):
                 raise StoreMissing(f"no hub in {self.where} (no hub store in that database)")
-            return (yield from ops.migrate(self.where))
+            return (yield from pg_ops.migrate(self.where))
 
         try:
             self._blocking(opening())
@@ -157,7 +144,7 @@ class PostgresStore(Store):
         and knows the token only if its own ``admin-token`` file holds it."""
         known = read_admin_token(data_dir) if data_dir is not None else None
         token = known or new_token(ADMIN_TOKEN_PREFIX)
-        stored, claimed = self._blocking(ops.claim_admin(token_hash(token)))
+        stored, claimed = self._blocking(pg_ops.claim_admin(token_hash(token)))
         if stored != token_hash(token):
             return AdminCredential(None, stored)
         made = claimed and known is None
@@ -174,7 +161,7 @@ class PostgresStore(Store):
 
     # -- the pool ---------------------------------------------------------------------------------
 
-    async def _run(self, op: ops.Op[T]) -> T:
+    async def _run(self, op: Op[T]) -> T:
         """``op`` on a connection of the pool (waiting for one when all are lent)."""
         if self._closed:
             op.close()
@@ -203,7 +190,7 @@ class PostgresStore(Store):
             self._available(started)
         return result
 
-    async def _borrow(self, op: ops.Op[Any]) -> _Conn:
+    async def _borrow(self, op: Op[Any]) -> _Conn:
         """An idle connection still open, else a new one (while the database is away: one try
         every ``RETRY_AFTER`` s, the other calls refused at once)."""
         while self._idle:
@@ -256,183 +243,13 @@ class PostgresStore(Store):
             self._drop(self._idle.pop())
 
     async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
-        await self._run(usage_ops.write_usage(rows, mark))
-
-    async def journal_mark(self, name: str) -> int:
-        return await self._run(usage_ops.journal_mark(name))
-
-    # -- jobs -------------------------------------------------------------------------------------
-
-    async def save_job(self, job: StoredJob) -> None:
-        await self._run(ops.save_job(job))
-
-    async def delete_job(self, job_id: str) -> None:
-        await self._run(ops.delete_job(job_id))
-
-    async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
-        await self._run(ops.add_job_report(job_id, body))
-
-    async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
-        return await self._run(ops.load_jobs(live_only))
-
-    async def load_job(self, job_id: str) -> StoredJob | None:
-        return await self._run(ops.load_job(job_id))
-
-    async def job_ids(self) -> list[str]:
-        return await self._run(ops.job_ids())
-
-    async def count_jobs(self) -> int:
-        return await self._run(ops.count_jobs())
-
-    # -- sessions and model lists -----------------------------------------------------------------
-
-    async def save_session(self, session: StoredSession) -> None:
-        await self._run(ops.save_session(session))
-
-    async def delete_session(
-        self, key_name: str, session_id: str, job_id: str | None = None
-    ) -> None:
-        await self._run(ops.delete_session(key_name, session_id, job_id))
-
-    async def load_sessions(self) -> list[StoredSession]:
-        return await self._run(ops.load_sessions())
+        await self._run(postgres_usage.write_usage(rows, mark))
 
     async def save_models(self, models: ModelList) -> None:
-        await self._run(ops.save_models(models))
+        await super().save_models(models)
         if self._replica:  # the team's other replicas read it again
             await self._run(team_ops.models_changed(self._replica, models.runner_id))
 
-    async def load_models(self, owner: str, project: str) -> list[ModelList]:
-        return await self._run(ops.load_models(owner, project))
-
-    # -- registrations and API keys ---------------------------------------------------------------
-
-    async def add_registration(
-        self,
-        owner: str,
-        project: str,
-        name: str,
-        labels: list[str],
-        enrollment: str | None = None,
-    ) -> tuple[Registration, str]:
-        return await self._run(ops.add_registration(owner, project, name, labels, enrollment))
-
-    async def registration_by_token(self, token: str) -> Registration | None:
-        return await self._run(ops.registration_by_token(token))
-
-    async def registration(self, runner_id: str) -> Registration | None:
-        return await self._run(ops.registration(runner_id))
-
-    async def list_runners(self) -> list[RunnerRecord]:
-        return await self._run(trust.list_runners())
-
-    async def revoke_runner(self, runner_id: str) -> bool:
-        return await self._run(trust.revoke_runner(runner_id))
-
-    async def revoked_runners(self) -> set[str]:
-        return await self._run(trust.revoked_runners())
-
-    async def runners_seen(self, runner_ids: list[str], at: float) -> None:
-        await self._run(trust.runners_seen(runner_ids, at))
-
-    async def create_enrollment(
-        self, project: str, expires_at: float | None, uses: int | None
-    ) -> tuple[Enrollment, str]:
-        return await self._run(trust.create_enrollment(project, expires_at, uses))
-
-    async def list_enrollments(self) -> list[Enrollment]:
-        return await self._run(trust.list_enrollments())
-
-    async def enrollment_by_token(self, token: str) -> Enrollment | None:
-        return await self._run(trust.enrollment_by_token(token))
-
-    async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
-        return await self._run(trust.use_enrollment(enrollment_id, now))
-
-    async def revoke_enrollment(self, enrollment_id: str) -> bool:
-        return await self._run(trust.revoke_enrollment(enrollment_id))
-
-    async def create_api_key(
-        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
-    ) -> str:
-        return await self._run(ops.create_api_key(name, project, limits))
-
-    async def list_api_keys(self) -> list[dict[str, object]]:
-        return await self._run(ops.list_api_keys())
-
-    async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
-        return await self._run(ops.key_limits(name))
-
-    async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
-        return await self._run(ops.set_key_limits(name, limits))
-
-    async def revoke_api_key(self, name: str) -> bool:
-        return await self._run(ops.revoke_api_key(name))
-
-    async def check_api_key(self, key: str) -> ApiKey | None:
-        return await self._run(ops.check_api_key(key))
-
-    async def active_key_ids(self) -> set[str]:
-        return await self._run(ops.active_key_ids())
-
-    async def active_key_id(self, name: str) -> str | None:
-        return await self._run(ops.active_key_id(name))
-
-    # -- usage (the queued rows written first) ----------------------------------------------------
-
-    async def prune_usage(self, before: float, limit: int) -> int:
-        await self.flush_usage()
-        return await self._run(usage_ops.prune_usage(before, limit))
-
-    async def usage_turns_from(self) -> float:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_turns_from())
-
-    async def usage_rows(
-        self, since: float = 0.0, key_name: str | None = None
-    ) -> list[dict[str, Any]]:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_rows(since, key_name))
-
-    async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
-        await self.flush_usage()
-        return await self._run(usage_ops.hourly_usage(since, key_name))
-
-    async def usage_totals(
-        self, since: float, key_name: str | None = None
-    ) -> tuple[list[UsageTotal], bool]:
-        await self.flush_usage()
-        return await self._run(usage_ops.usage_totals(since, key_name))
-
-    async def tokens_since(self, key_id: str, hour: int) -> int:
-        await self.flush_usage()
-        return await self._run(usage_ops.tokens_since(key_id, hour))
-
-    async def people(self, op: ops.Op[T]) -> T:
+    async def people(self, op: Op[T]) -> T:
         await self.flush_usage()
         return await self._run(op)
-
-    async def cost_since(self, key_id: str, hour: int) -> float:
-        await self.flush_usage()
-        return await self._run(usage_ops.cost_since(key_id, hour))
-
-    async def throughput(self, model: str, since: float) -> tuple[float, float]:
-        await self.flush_usage()
-        return await self._run(usage_ops.throughput(model, since))
-
-    # -- prices and budgets ----------------------------------------------------------------------
-
-    async def set_price(self, price: Price) -> None:
-        await self._run(usage_ops.set_price(price))
-
-    async def delete_price(self, model: str) -> bool:
-        return await self._run(usage_ops.delete_price(model))
-
-    async def list_prices(self) -> list[Price]:
-        return await self._run(usage_ops.list_prices())
-
-    async def key_budgets(self) -> dict[str, KeyBudget]:
-        return await self._run(usage_ops.key_budgets())
-
-    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
-        return await self._run(usage_ops.set_key_budget(name, budget))

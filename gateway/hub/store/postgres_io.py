@@ -26,7 +26,7 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.hub.store import dburl
-from gateway.hub.store.postgres_ops import Op, Query, Row
+from gateway.hub.store.sql import Op, Query, Row
 
 T = TypeVar("T")
 

@@ -1,34 +1,19 @@
-"""PostgreSQL's statements of the usage ledger, sans-IO (as ``postgres_ops``): each turn's row,
-the hourly totals per key and model, written in one statement a batch, pruned, and read back."""
+"""PostgreSQL's own write of the usage ledger, sans-IO (as ``sql``'s operations): a batch of
+turns' rows and their hourly totals per key and model in one statement, each column an array
+(SQLite's is ``sqlite_ops.write_usage``; reading and pruning are ``usage_ops``, shared)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
-from gateway.hub.store.records import (
-    ERROR_OUTCOMES,
-    HourlyUsage,
-    UsageRecord,
-    UsageTotal,
-    hour_of,
-    hourly_totals,
-    price_values,
-    rates,
-    utc_now,
-)
+from gateway.hub.store.records import UsageRecord, hourly_totals
+from gateway.hub.store.sql import Op, Query
+from gateway.hub.store.usage_ops import USAGE_COLUMNS as _USAGE_COLUMNS
 
-_USAGE_COLUMNS = (
-    "at key_id key_name session runner_id job_id model api stream prompt_tokens"
-    " completion_tokens ttft duration outcome estimated continued cost ref_cost"
-).split()
 _USAGE_TYPES = (
     "float8 text text text text text text text int8 int8 int8 float8 float8 text int8 int8"
     " float8 float8"
 ).split()
-_PRICE_COLUMNS = "model, input, output, reference, ref_input, ref_output, watts, kwh_price"
-_ERRORS = ", ".join(f"'{outcome}'" for outcome in ERROR_OUTCOMES)  # our own constants
 
 
 # -- usage ----------------------------------------------------------------------------------
@@ -102,159 +87,3 @@ def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
     if not rows:
         return tuple([] for _ in range(width))
     return tuple(list(column) for column in zip(*rows, strict=True))
-
-
-def prune_usage(before: float, limit: int) -> Op[int]:
-    yield BEGIN
-    rows = yield Query(
-        "SELECT id, at FROM usage_turns WHERE at < $1 ORDER BY at, id LIMIT $2", (before, limit)
-    )
-    if rows:
-        yield Query("DELETE FROM usage_turns WHERE id = ANY($1::int8[])", ([r[0] for r in rows],))
-    kept_from = before if len(rows) < limit else rows[-1][1]
-    yield Query(
-        "INSERT INTO usage_meta (name, value) VALUES ('turns_from', $1)"
-        " ON CONFLICT (name) DO UPDATE SET value = GREATEST(usage_meta.value, excluded.value)",
-        (kept_from,),
-    )
-    yield COMMIT
-    return len(rows)
-
-
-def journal_mark(name: str) -> Op[int]:
-    return int((yield from _meta(name, 0.0)))
-
-
-def usage_turns_from() -> Op[float]:
-    return (yield from _meta("turns_from", -float("inf")))
-
-
-def _meta(name: str, default: float) -> Op[float]:
-    rows = yield Query("SELECT value FROM usage_meta WHERE name = $1", (name,))
-    return float(rows[0][0]) if rows else default
-
-
-def usage_rows(since: float, key_name: str | None) -> Op[list[dict[str, Any]]]:
-    query = f"SELECT {', '.join(_USAGE_COLUMNS)} FROM usage_turns WHERE at >= $1"
-    args: tuple[Any, ...] = (since,)
-    if key_name is not None:
-        query += " AND key_name = $2"
-        args = (*args, key_name)
-    rows = yield Query(query + " ORDER BY at, id", args)
-    found = [dict(zip(_USAGE_COLUMNS, row, strict=True)) for row in rows]
-    for row in found:
-        for flag in ("stream", "estimated", "continued"):
-            row[flag] = bool(row[flag])
-    return found
-
-
-def hourly_usage(since: float, key_name: str | None) -> Op[list[HourlyUsage]]:
-    query = (
-        "SELECT hour, key_name, model, SUM(turns)::int8, SUM(prompt_tokens)::int8,"
-        " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8,"
-        " SUM(cost), SUM(ref_cost), SUM(unpriced)::int8 FROM usage_hourly WHERE hour >= $1"
-    )
-    args: tuple[Any, ...] = (hour_of(since),)
-    if key_name is not None:
-        query += " AND key_name = $2"
-        args = (*args, key_name)
-    query += (
-        ' GROUP BY hour, key_name, model ORDER BY hour, key_name COLLATE "C", model COLLATE "C"'
-    )
-    rows = yield Query(query, args)
-    return [HourlyUsage(r[0], r[1], r[2] or None, *r[3:]) for r in rows]
-
-
-def usage_totals(since: float, key_name: str | None) -> Op[tuple[list[UsageTotal], bool]]:
-    exact = since >= (yield from usage_turns_from())
-    if exact:
-        query = (
-            "SELECT key_name, model, COUNT(*), SUM(COALESCE(prompt_tokens, 0))::int8,"
-            " SUM(COALESCE(completion_tokens, 0))::int8,"
-            f" COUNT(*) FILTER (WHERE outcome IN ({_ERRORS})), SUM(estimated)::int8,"
-            " COALESCE(SUM(cost), 0), COALESCE(SUM(ref_cost), 0),"
-            " COUNT(*) FILTER (WHERE cost IS NULL) FROM usage_turns WHERE at >= $1"
-        )
-        args: tuple[Any, ...] = (since,)
-    else:
-        query = (
-            "SELECT key_name, model, SUM(turns)::int8, SUM(prompt_tokens)::int8,"
-            " SUM(completion_tokens)::int8, SUM(errors)::int8, SUM(estimated)::int8,"
-            " SUM(cost), SUM(ref_cost), SUM(unpriced)::int8 FROM usage_hourly WHERE hour >= $1"
-        )
-        args = (hour_of(since),)
-    if key_name is not None:
-        query += " AND key_name = $2"
-        args = (*args, key_name)
-    query += ' GROUP BY key_name, model ORDER BY key_name COLLATE "C", model COLLATE "C"'
-    rows = yield Query(query, args)
-    return [UsageTotal(*row) for row in rows], exact
-
-
-def tokens_since(key_id: str, hour: int) -> Op[int]:
-    rows = yield Query(
-        "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0)::int8 FROM usage_hourly"
-        " WHERE key_id = $1 AND hour >= $2",
-        (key_id, hour),
-    )
-    return int(rows[0][0])
-
-
-def cost_since(key_id: str, hour: int) -> Op[float]:
-    rows = yield Query(
-        "SELECT COALESCE(SUM(cost), 0)::float8 FROM usage_hourly WHERE key_id = $1 AND hour >= $2",
-        (key_id, hour),
-    )
-    return float(rows[0][0])
-
-
-def throughput(model: str, since: float) -> Op[tuple[float, float]]:
-    rows = yield Query(
-        "SELECT COALESCE(SUM(prompt_tokens), 0)::float8, COALESCE(SUM(ttft), 0)::float8,"
-        " COALESCE(SUM(completion_tokens), 0)::float8, COALESCE(SUM(duration - ttft), 0)::float8"
-        " FROM usage_turns WHERE model = $1 AND at >= $2 AND estimated = 0"
-        " AND ttft IS NOT NULL AND duration IS NOT NULL AND duration > ttft",
-        (model, since),
-    )
-    return rates(*rows[0])
-
-
-# -- prices and budgets ---------------------------------------------------------------------
-
-
-def set_price(price: Price) -> Op[None]:
-    yield Query(
-        f"INSERT INTO prices ({_PRICE_COLUMNS}, updated_at)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (model) DO UPDATE SET"
-        " input = excluded.input, output = excluded.output, reference = excluded.reference,"
-        " ref_input = excluded.ref_input, ref_output = excluded.ref_output,"
-        " watts = excluded.watts, kwh_price = excluded.kwh_price,"
-        " updated_at = excluded.updated_at",
-        (*price_values(price), utc_now()),
-    )
-
-
-def delete_price(model: str) -> Op[bool]:
-    rows = yield Query("DELETE FROM prices WHERE model = $1 RETURNING model", (model,))
-    return bool(rows)
-
-
-def list_prices() -> Op[list[Price]]:
-    rows = yield Query(f'SELECT {_PRICE_COLUMNS} FROM prices ORDER BY model COLLATE "C"')
-    return [Price(*row) for row in rows]
-
-
-def key_budgets() -> Op[dict[str, KeyBudget]]:
-    rows = yield Query(
-        "SELECT name, budget_daily, budget_monthly, priority FROM api_keys WHERE revoked = 0"
-    )
-    return {r[0]: KeyBudget(*r[1:]) for r in rows}
-
-
-def set_key_budget(name: str, budget: KeyBudget) -> Op[bool]:
-    rows = yield Query(
-        "UPDATE api_keys SET budget_daily = $1, budget_monthly = $2, priority = $3"
-        " WHERE name = $4 AND revoked = 0 RETURNING name",
-        (budget.daily, budget.monthly, budget.priority, name),
-    )
-    return bool(rows)

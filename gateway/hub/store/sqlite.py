@@ -20,19 +20,15 @@ import pathlib
 import sqlite3
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import trio
 
-from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store import people_ops
-from gateway.hub.store import sqlite_ops as ops
-from gateway.hub.store import sqlite_trust as trust
+from gateway.hub.store import people_ops, sqlite_ops
 from gateway.hub.store.backup import lock_shared
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
     BATCH_ROWS,
-    Store,
     StoreError,
     StoreUnavailable,
     UsageRow,
@@ -44,21 +40,10 @@ from gateway.hub.store.credentials import (
     new_token,
     token_hash,
 )
-from gateway.hub.store.postgres_ops import Op
-from gateway.hub.store.records import (
-    DEFAULT_KEY_PROJECT,
-    AdminCredential,
-    ApiKey,
-    Enrollment,
-    HourlyUsage,
-    KeyLimits,
-    ModelList,
-    Registration,
-    RunnerRecord,
-    StoredJob,
-    StoredSession,
-    UsageTotal,
-)
+from gateway.hub.store.records import AdminCredential
+from gateway.hub.store.schema import SchemaTooNew
+from gateway.hub.store.sql import SQLITE, Op
+from gateway.hub.store.sqlstore import SqlStore
 
 FILENAME = "hub.sqlite3"
 BUSY_TIMEOUT = 10.0  # s a statement waits for another process's write lock before it fails
@@ -67,9 +52,11 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-class SqliteStore(Store):
+class SqliteStore(SqlStore):
     """The hub's SQLite database: ``data_dir/hub.sqlite3``, or in memory when ``data_dir`` is
     None. Opened and migrated here (StoreError, one line, when it cannot be)."""
+
+    dialect = SQLITE
 
     def __init__(
         self,
@@ -92,7 +79,7 @@ class SqliteStore(Store):
         except sqlite3.Error as exc:
             self._unlock()
             raise _error(self.where, exc) from None
-        except ops.SchemaTooNew as exc:
+        except SchemaTooNew as exc:
             self._unlock()
             raise StoreError(str(exc)) from None
         except BaseException:
@@ -121,25 +108,29 @@ class SqliteStore(Store):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
         try:
-            ops.migrate(db, self.where)
+            sqlite_ops.migrate(db, self.where)
         except BaseException:
             db.close()
             raise
         return db
 
-    async def _run(
-        self, op: Callable[Concatenate[sqlite3.Connection, P], T], *args: P.args, **kw: P.kwargs
+    async def _run(self, op: Op[T]) -> T:
+        """The operation ``op`` (``ops``, ``trust_ops``, ``usage_ops``) on the connection."""
+        return await self._call(sqlite_ops.run, op)
+
+    async def _call(
+        self, fn: Callable[Concatenate[sqlite3.Connection, P], T], *args: P.args, **kw: P.kwargs
     ) -> T:
-        """``op`` on the connection: here, or in the worker thread with ``in_thread``."""
+        """``fn`` on the connection: here, or in the worker thread with ``in_thread``."""
         db = self._db
         if db is None:
             raise StoreUnavailable(f"the hub store {self.where} is closed")
         try:
             if self._limiter is None:
-                result = op(db, *args, **kw)
+                result = fn(db, *args, **kw)
             else:
                 result = await trio.to_thread.run_sync(
-                    partial(op, db, *args, **kw), limiter=self._limiter
+                    partial(fn, db, *args, **kw), limiter=self._limiter
                 )
         except sqlite3.OperationalError as exc:  # locked, unreadable, full: said once
             raise self._unavailable(str(exc)) from None
@@ -166,184 +157,11 @@ class SqliteStore(Store):
         return AdminCredential(token, token_hash(token), created)
 
     async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
-        await self._run(ops.write_usage, rows, mark)
-
-    async def journal_mark(self, name: str) -> int:
-        return await self._run(ops.journal_mark, name)
-
-    # -- jobs --------------------------------------------------------------------------------
-
-    async def save_job(self, job: StoredJob) -> None:
-        await self._run(ops.save_job, job)
-
-    async def delete_job(self, job_id: str) -> None:
-        await self._run(ops.delete_job, job_id)
-
-    async def add_job_report(self, job_id: str, body: dict[str, Any]) -> None:
-        await self._run(ops.add_job_report, job_id, body)
-
-    async def load_jobs(self, *, live_only: bool = False) -> list[StoredJob]:
-        return await self._run(ops.load_jobs, live_only)
-
-    async def load_job(self, job_id: str) -> StoredJob | None:
-        return await self._run(ops.load_job, job_id)
-
-    async def job_ids(self) -> list[str]:
-        return await self._run(ops.job_ids)
-
-    async def count_jobs(self) -> int:
-        return await self._run(ops.count_jobs)
-
-    # -- sessions and model lists --------------------------------------------------------------
-
-    async def save_session(self, session: StoredSession) -> None:
-        await self._run(ops.save_session, session)
-
-    async def delete_session(
-        self, key_name: str, session_id: str, job_id: str | None = None
-    ) -> None:
-        await self._run(ops.delete_session, key_name, session_id, job_id)
-
-    async def load_sessions(self) -> list[StoredSession]:
-        return await self._run(ops.load_sessions)
-
-    async def save_models(self, models: ModelList) -> None:
-        await self._run(ops.save_models, models)
-
-    async def load_models(self, owner: str, project: str) -> list[ModelList]:
-        return await self._run(ops.load_models, owner, project)
-
-    # -- registrations and API keys -------------------------------------------------------------
-
-    async def add_registration(
-        self,
-        owner: str,
-        project: str,
-        name: str,
-        labels: list[str],
-        enrollment: str | None = None,
-    ) -> tuple[Registration, str]:
-        return await self._run(ops.add_registration, owner, project, name, labels, enrollment)
-
-    async def registration_by_token(self, token: str) -> Registration | None:
-        return await self._run(ops.registration_by_token, token)
-
-    async def registration(self, runner_id: str) -> Registration | None:
-        return await self._run(ops.registration, runner_id)
-
-    async def list_runners(self) -> list[RunnerRecord]:
-        return await self._run(trust.list_runners)
-
-    async def revoke_runner(self, runner_id: str) -> bool:
-        return await self._run(trust.revoke_runner, runner_id)
-
-    async def revoked_runners(self) -> set[str]:
-        return await self._run(trust.revoked_runners)
-
-    async def runners_seen(self, runner_ids: list[str], at: float) -> None:
-        await self._run(trust.runners_seen, runner_ids, at)
-
-    async def create_enrollment(
-        self, project: str, expires_at: float | None, uses: int | None
-    ) -> tuple[Enrollment, str]:
-        return await self._run(trust.create_enrollment, project, expires_at, uses)
-
-    async def list_enrollments(self) -> list[Enrollment]:
-        return await self._run(trust.list_enrollments)
-
-    async def enrollment_by_token(self, token: str) -> Enrollment | None:
-        return await self._run(trust.enrollment_by_token, token)
-
-    async def use_enrollment(self, enrollment_id: str, now: float) -> bool:
-        return await self._run(trust.use_enrollment, enrollment_id, now)
-
-    async def revoke_enrollment(self, enrollment_id: str) -> bool:
-        return await self._run(trust.revoke_enrollment, enrollment_id)
-
-    async def create_api_key(
-        self, name: str, project: str = DEFAULT_KEY_PROJECT, limits: KeyLimits | None = None
-    ) -> str:
-        return await self._run(ops.create_api_key, name, project, limits)
-
-    async def list_api_keys(self) -> list[dict[str, object]]:
-        return await self._run(ops.list_api_keys)
-
-    async def key_limits(self, name: str) -> tuple[str, KeyLimits] | None:
-        return await self._run(ops.key_limits, name)
-
-    async def set_key_limits(self, name: str, limits: KeyLimits) -> bool:
-        return await self._run(ops.set_key_limits, name, limits)
-
-    async def revoke_api_key(self, name: str) -> bool:
-        return await self._run(ops.revoke_api_key, name)
-
-    async def check_api_key(self, key: str) -> ApiKey | None:
-        return await self._run(ops.check_api_key, key)
-
-    async def active_key_ids(self) -> set[str]:
-        return await self._run(ops.active_key_ids)
-
-    async def active_key_id(self, name: str) -> str | None:
-        return await self._run(ops.active_key_id, name)
-
-    # -- usage (the queued rows written first) ---------------------------------------------------
-
-    async def prune_usage(self, before: float, limit: int) -> int:
-        await self.flush_usage()
-        return await self._run(ops.prune_usage, before, limit)
-
-    async def usage_turns_from(self) -> float:
-        await self.flush_usage()
-        return await self._run(ops.usage_turns_from)
-
-    async def usage_rows(
-        self, since: float = 0.0, key_name: str | None = None
-    ) -> list[dict[str, Any]]:
-        await self.flush_usage()
-        return await self._run(ops.usage_rows, since, key_name)
-
-    async def hourly_usage(self, since: float, key_name: str | None = None) -> list[HourlyUsage]:
-        await self.flush_usage()
-        return await self._run(ops.hourly_usage, since, key_name)
-
-    async def usage_totals(
-        self, since: float, key_name: str | None = None
-    ) -> tuple[list[UsageTotal], bool]:
-        await self.flush_usage()
-        return await self._run(ops.usage_totals, since, key_name)
-
-    async def tokens_since(self, key_id: str, hour: int) -> int:
-        await self.flush_usage()
-        return await self._run(ops.tokens_since, key_id, hour)
+        await self._call(sqlite_ops.write_usage, rows, mark)
 
     async def people(self, op: Op[T]) -> T:
         await self.flush_usage()
-        return await self._run(people_ops.run_sqlite, op)
-
-    async def cost_since(self, key_id: str, hour: int) -> float:
-        await self.flush_usage()
-        return await self._run(ops.cost_since, key_id, hour)
-
-    async def throughput(self, model: str, since: float) -> tuple[float, float]:
-        await self.flush_usage()
-        return await self._run(ops.throughput, model, since)
-
-    # -- prices and budgets ----------------------------------------------------------------------
-
-    async def set_price(self, price: Price) -> None:
-        await self._run(ops.set_price, price)
-
-    async def delete_price(self, model: str) -> bool:
-        return await self._run(ops.delete_price, model)
-
-    async def list_prices(self) -> list[Price]:
-        return await self._run(ops.list_prices)
-
-    async def key_budgets(self) -> dict[str, KeyBudget]:
-        return await self._run(ops.key_budgets)
-
-    async def set_key_budget(self, name: str, budget: KeyBudget) -> bool:
-        return await self._run(ops.set_key_budget, name, budget)
+        return await self._call(people_ops.run_sqlite, op)
 
 
 def _error(where: str, exc: sqlite3.Error) -> StoreError:
