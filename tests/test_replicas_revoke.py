@@ -12,7 +12,7 @@ import httpx
 import pytest
 import trio
 from helpers import ADMIN, OWNER, PROJECT, runner_config, running
-from test_replicas_killed import GUARD, Notes, team, until
+from test_replicas_killed import GUARD, Notes, team
 
 from gateway.hub.store import KeyLimits, open_store
 from gateway.sim import Simulator
@@ -24,6 +24,16 @@ async def _ready(url: str) -> bool:
     async with httpx.AsyncClient(timeout=5) as client:
         found = (await client.get(f"{url}/readyz")).json()
     return bool(found.get("capable") == 1)
+
+
+async def _until_ready(url: str, notes: Notes) -> None:
+    """Until the replica at ``url`` counts the runner capable: looked at again at each of the
+    store's notifications, and 0.2 s after one (the replica, another process, reads what the
+    notification names after it is sent: no event of its own to wait on)."""
+    with trio.fail_after(GUARD):
+        while not await _ready(url):
+            with trio.move_on_after(0.2):
+                await notes.changed.wait()
 
 
 @pytest.mark.parametrize("runner_on", ["a", "b"])
@@ -43,7 +53,7 @@ async def test_a_revoke_on_one_replica_ends_the_keys_stream_on_another_within_a_
         server = url_a if runner_on == "a" else url_b
         async with running(runner_config(server, sim.url, tmp_path / "r", name="r")):
             for url in (url_a, url_b):
-                await until(lambda url=url: _ready(url), lambda: notes.changed)
+                await _until_ready(url, notes)
             lines: list[str] = []
             first = trio.Event()
             asked = ended = 0.0
