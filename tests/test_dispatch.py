@@ -74,6 +74,24 @@ def test_runners_alive_none_capable_none_busy_is_refused_at_once() -> None:
     assert out.actions == [Refuse(w, Refusal.NO_CAPABLE_RUNNER, live=1)]
 
 
+def test_a_queued_turn_waits_on_while_its_busy_runner_looks_down_until_queue_wait() -> None:
+    """A runner at capacity whose job just ended has not polled again yet (on a team: its
+    presence is read after the job's end): it looks down (chat-llm:v1 withdrawn, no job). The
+    turns queued for it wait on, within ``queue_wait``, and are refused only after it; a
+    newcomer is refused at once as before."""
+    queue = FairQueue()
+    queued = [waiter("bg", at=0.0), waiter("bg", at=0.1)]
+    step(queue, queued, [runner("r", free=False, held=1)])
+    assert all(w.queued for w in queued)
+    newcomer = waiter("ia", at=1.0)
+    looks_down = [runner("r", free=False, held=0)]
+    out = step(queue, [*queued, newcomer], looks_down, now=1.0)
+    assert out.actions == [Refuse(newcomer, Refusal.NO_CAPABLE_RUNNER, live=1)]
+    assert out.wake == LIMITS.queue_wait
+    out = step(queue, queued, looks_down, now=LIMITS.queue_wait + 0.1)
+    assert out.actions == [Refuse(w, Refusal.NO_CAPABLE_RUNNER, live=1) for w in queued]
+
+
 # -- a new session's job --------------------------------------------------------------------
 
 

@@ -1,32 +1,66 @@
 """A tiny llama-architecture GGUF model with random weights, written with the ``gguf`` package:
-what a test needs to run llama.cpp's server for real (it loads, tokenizes, embeds and generates
-nonsense) without downloading a model. One block, 64-wide, a byte-fallback SentencePiece-style
-vocabulary of 280 tokens, float32 throughout (about 310 KB), the same file for the same seed."""
+what a test needs to run llama.cpp's server for real (it loads, tokenizes, embeds, applies its
+chat template and generates nonsense) without downloading a model. One block, 64-wide, float32
+throughout, the same file for the same seed and words. Its vocabulary: byte fallback, ChatML's
+``<|im_start|>`` and ``<|im_end|>`` as control tokens, every ASCII punctuation mark, and the
+``words`` given whole (each with and without SentencePiece's ``▁`` for a space before it, and
+every prefix of those, so that llama.cpp's SentencePiece merges reach the whole word): a text of
+those words is counted about as a real model's English vocabulary counts it, a word per token
+(with the default words, 10 of them: 358 tokens, about 360 KB). Its chat template is ChatML's
+(``CHATML``, as Qwen's: tools listed in the system turn), which llama-cpp-python's server applies."""
 
 from __future__ import annotations
 
+import string
+from collections.abc import Iterable
 from pathlib import Path
 
 N_EMBD = 64
 N_HEAD = 4
 N_FF = 128
-N_CTX = 256
+N_CTX = 4096
 WORDS = ["hello", "world", "tiny", "model", "the", "a", "embed", "me", "quick", "fox"]
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+CHATML = (  # its text in {{- '…' }} so that trim_blocks (llama-cpp-python's) keeps every newline
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if not (loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
-def write_tiny_llama(path: Path, seed: int = 37) -> Path:
+def _pieces(words: Iterable[str]) -> list[str]:
+    """The words' pieces, with and without ``▁``, with every prefix (two characters on), and
+    each punctuation mark: sorted, once each."""
+    found = {"▁", *string.punctuation}
+    for word in words:
+        for whole in (word, f"▁{word}"):
+            found.update(whole[:n] for n in range(2, len(whole) + 1))
+    found -= set(SPECIAL)
+    return sorted(found)
+
+
+def write_tiny_llama(
+    path: Path, seed: int = 37, words: Iterable[str] = WORDS, chat_template: str = CHATML
+) -> Path:
     """Write the model to ``path`` and return it."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPECIAL
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    types += [gguf.TokenType.BYTE] * 256
-    pieces = ["▁"] + [f"▁{w}" for w in WORDS] + WORDS
+    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.CONTROL] * len(SPECIAL)
+    pieces = _pieces(words)
     tokens += pieces
     types += [gguf.TokenType.NORMAL] * len(pieces)
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    scores = [0.0] * (259 + len(SPECIAL)) + [float(len(p)) for p in pieces]  # the longer first
     n_vocab = len(tokens)
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -50,6 +84,8 @@ def write_tiny_llama(path: Path, seed: int = 37) -> Path:
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)  # a message's first word is as its template puts it
+    writer.add_chat_template(chat_template)
 
     def weights(*shape: int) -> object:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)

@@ -171,7 +171,7 @@ class App:
         models they list; 503 saying why when no runner can serve a chat turn (a readiness probe:
         not a reason to restart the hub)."""
         board = self.hub.board
-        live = [state for rid, state in board.runners.items() if board.alive(rid)]
+        live = [state for rid, state in board.runners.items() if board.up(rid)]
         capable = [s for s in live if s.capabilities is None or CAPABILITY in s.capabilities]
         models: dict[str, None] = {}
         for owner, project in {(s.owner, s.project) for s in live}:

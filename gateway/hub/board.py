@@ -101,6 +101,7 @@ class RunnerState:
     listing: bool = False  # asked for its models on a channel it opened; no answer yet
     name: str | None = None  # its registration's (known once it was seen with it)
     labels: tuple[str, ...] = ()
+    stopped: bool = False  # its last poll said it stops: not ``up`` (placement still waits)
 
 
 @dataclass(frozen=True)
@@ -336,14 +337,15 @@ class JobBoard:
             if self.sync is not None:
                 self.sync.changed = True  # a runner new here: the others told at once
 
-    def polled(self, runner_id: str, owner: str, project: str, capabilities: set[str]) -> None:
-        """Note what a runner's poll advertised (a change wakes whoever waits on the board)."""
-        caps = frozenset(capabilities)
+    def polled(self, runner_id: str, owner: str, project: str, caps: set[str], stop: bool) -> None:
+        """Note what a runner's poll advertised (a change wakes whoever waits on the board);
+        ``stop``: its last poll said it stops (a clean stop)."""
         state = self.runners.get(runner_id)
         if state is None:
             state = self.runners[runner_id] = RunnerState(owner, project)
-        changed = state.capabilities != caps
-        state.capabilities, state.polled_at = caps, trio.current_time()
+        changed = state.capabilities != caps or state.stopped != stop
+        state.capabilities, state.polled_at = frozenset(caps), trio.current_time()
+        state.stopped = stop
         if changed:
             self.changes.notify()
             if self.sync is not None:
@@ -353,6 +355,11 @@ class JobBoard:
         """The runner gave a sign of life within ``offline_after``."""
         last = self.last_seen.get(runner_id)
         return last is not None and trio.current_time() - last <= self.settings.offline_after
+
+    def up(self, runner_id: str) -> bool:
+        """The runner is alive and did not say it stopped (its last poll, at a clean stop)."""
+        state = self.runners.get(runner_id)
+        return self.alive(runner_id) and not (state is not None and state.stopped)
 
     def held(self, runner_id: str) -> int:
         """How many live jobs the runner holds (claimed, not completed nor withdrawn)."""
@@ -389,11 +396,11 @@ class JobBoard:
         )
 
     def offered(
-        self, runner_id: str, owner: str, project: str, capabilities: set[str]
+        self, runner_id: str, owner: str, project: str, capabilities: set[str], stop: bool = False
     ) -> list[Job]:
         """The jobs a poll offers: queued, within the capabilities, or this runner's own unstarted
         claim after ``reoffer_after`` (its claim answer may have been lost)."""
-        self.polled(runner_id, owner, project, capabilities)
+        self.polled(runner_id, owner, project, capabilities, stop)
         now = trio.current_time()
         pending = self._pending.get((owner, project))
         if not pending:

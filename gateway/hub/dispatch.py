@@ -444,6 +444,14 @@ def _queue(
     if not pool.live or (not pool.free and not pool.busy):
         why = Refusal.NO_RUNNER_CONNECTED if not pool.live else Refusal.NO_CAPABLE_RUNNER
         for waiter in seeking:
+            # one that waits in the queue waits on, within queue_wait: a runner at capacity
+            # whose job just ended looks down until its next poll (on a team, until its
+            # presence is read after the job's end)
+            since = waiter.seeking if waiter.seeking is not None else waiter.arrived
+            due = since + limits.queue_wait
+            if waiter.queued and pool.live and now < due:
+                out.wake = min(out.wake, due)
+                continue
             out.actions.append(Refuse(waiter, why, live=pool.live))
         return
     for waiter in seeking:

@@ -171,7 +171,7 @@ class HubMetrics:
         runners = snap.runners
         yield GaugeMetricFamily(
             PREFIX + "runners_up",
-            "Runners that gave a sign of life within offline_after.",
+            "Runners that gave a sign of life within offline_after and did not say they stop.",
             sum(1 for r in runners if r.up),
         )
         yield GaugeMetricFamily(

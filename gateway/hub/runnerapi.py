@@ -158,13 +158,14 @@ class RunnerApi:
     async def poll(self, req: Request) -> None:
         runner = await self._runner(req)  # the credential before the body is read
         body = await req.body(self.hub.settings.max_body)
-        advertised = string_list(json_object(body), "capabilities", required=True)
+        obj = json_object(body)
+        advertised = string_list(obj, "capabilities", required=True)
         _bounded(too_many('"capabilities"', advertised, MAX_CAPABILITIES))
         capabilities = set(advertised)
+        stopping = obj.get("stopping") is True and not capabilities  # its last poll: it stops
         owner, project = req.params["owner"], req.params["project"]
-        jobs = [
-            job.to_json() for job in self.board.offered(runner.id, owner, project, capabilities)
-        ]
+        offered = self.board.offered(runner.id, owner, project, capabilities, stopping)
+        jobs = [job.to_json() for job in offered]
         if not jobs:
             await req.resp.whole(204, b"")
             return

@@ -21,6 +21,9 @@ from gateway.hub.store.team_base import TeamStore
 log = logging.getLogger("gateway.hub.sessions")
 
 REAP_RETRY = 1.0  # s: the reaper looks again this soon after the store failed it
+# s: a key revoked on a team: its sessions' jobs end here after the other replicas ended its
+# turns in flight (they look every REVOCATION_CHECK, 0.5 s, while turns are in flight)
+TEAM_REVOKE_GRACE = 1.0
 
 SessionKey = tuple[str, str]  # (API key id, session id)
 LEGACY_KEY = "name:"  # the key part of a restored session whose key is known by name only
@@ -103,8 +106,11 @@ class Sessions:
         self._changed.set()
 
     def check_keys(self) -> None:
-        """Check the live sessions' API keys now (one was revoked in this process)."""
-        self._next_key_check = -math.inf
+        """Check the live sessions' API keys now (one was revoked in this process); on a team,
+        in ``TEAM_REVOKE_GRACE`` s: the other replicas end the key's turns in flight first, each
+        client told its key was revoked (not that its channel was lost as its job ended here)."""
+        now = trio.current_time()
+        self._next_key_check = -math.inf if self.team is None else now + TEAM_REVOKE_GRACE
         self.poke()
 
     # -- one session's turns ----------------------------------------------------------

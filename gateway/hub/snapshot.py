@@ -35,7 +35,7 @@ class RunnerStatus:
     project: str
     capabilities: tuple[str, ...] | None  # what its last poll advertised (None: none yet)
     models: tuple[str, ...] | None  # what it listed last (None: not known)
-    up: bool  # a sign of life within offline_after
+    up: bool  # a sign of life within offline_after, and its last poll did not say it stops
     connected: bool  # a Chat Channel of it is open
     last_seen_seconds: float | None
     jobs: int  # live jobs it holds
@@ -181,7 +181,7 @@ def take(
                 state.project,
                 None if state.capabilities is None else tuple(sorted(state.capabilities)),
                 None if models is None else tuple(models),
-                board.alive(runner_id),
+                board.up(runner_id),
                 runner_id in connected,
                 None if silent is None else round(silent, 1),
                 held.get(runner_id, 0),

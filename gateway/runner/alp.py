@@ -473,10 +473,15 @@ class AlpClient:
             )
         return f"registration failed: {' and '.join(f'POST {u}' for u in tried)} answered {status}: {hint}"
 
-    async def poll(self, capabilities: list[str]) -> list[Job]:
+    async def poll(self, capabilities: list[str], *, stopping: bool = False) -> list[Job]:
         """``POST {base}/runners/jobs``: the offered jobs (never claims). A job the runner cannot
-        read is left out, said once in a warning (it may be another kind of runner's)."""
-        resp = await self._request("POST", "runners/jobs", json={"capabilities": capabilities})
+        read is left out, said once in a warning (it may be another kind of runner's).
+        ``stopping``: the last poll of a clean stop, said as ``"stopping": true`` (an ALP Server
+        reads the capabilities only; the hub forgets the runner at once, docs/protocol.md §2)."""
+        body: dict[str, Any] = {"capabilities": capabilities}
+        if stopping:
+            body["stopping"] = True
+        resp = await self._request("POST", "runners/jobs", json=body)
         if resp.status_code in (204, 404):
             return []
         if resp.status_code in (401, 403):

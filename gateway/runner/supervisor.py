@@ -325,7 +325,7 @@ class Runner:
         assert self.alp is not None
         with trio.move_on_after(FAREWELL_S):
             try:
-                await self.alp.poll([])
+                await self.alp.poll([], stopping=True)
             except (ServerUnavailable, Refused, TokenRefused) as exc:
                 log.debug("the last poll (capability withdrawn) failed: %s", exc)
 
