@@ -294,8 +294,7 @@ class Serving:
         new = channels.get(job_id)
         if new is not None and new.routes(rid):
             new.close_request(rid)  # resumed, but the runner never went on with it
-        if turn.state is State.ANSWERING:
-            turn.state = State.SUSPENDED
+        turn.not_resumed()
         return False
 
     async def _continue(self, req: Request, turn: Turn, session: Session) -> bool:
