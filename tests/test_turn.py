@@ -76,10 +76,10 @@ class Rig:
             stream=stream,
             bound=bound,
             max_answer=kw.pop("max_answer", 1 << 20),
+            on_end=lambda turn: self.ended.append(turn.state),
             now=0.0,
             **kw,
         )
-        self.turn.on_end = lambda turn: self.ended.append(turn.state)
 
     def send(self) -> None:
         self.turn.sent(RID, "runner-1", JOB)
@@ -279,6 +279,7 @@ async def test_refused_before_a_runner_is_refused_and_in_the_callers_api() -> No
     rig = Rig(dialect=MessagesDialect("claude-x", 10))
     rig.turn.refuse(HTTPError(429, "slow down", "rate_limit_exceeded", type_="rate_limit_error"))
     assert rig.turn.state is State.REFUSED and rig.turn.status == 429
+    assert rig.ended == [State.REFUSED]  # its ``on_end`` told (the accounting's ``refused``)
     rig.events()
     assert json.loads(rig.body) == {
         "type": "error",
@@ -403,6 +404,41 @@ async def test_its_state_is_read_only_from_outside(rig: Rig) -> None:
     with pytest.raises(AttributeError):
         del rig.turn.state  # type: ignore[misc]
     assert rig.turn.state is State.WAITING and rig.ended == []
+
+
+async def test_a_streamed_turn_resumed_then_continued_moves_by_the_table_only() -> None:
+    rig = Rig(cls=_Logged)
+    turn = rig.turn
+    assert isinstance(turn, _Logged)
+    rig.send()
+    rig.chunks(chunk(0), chunk(1))
+    assert turn.lost()  # its channel went mid-answer
+    turn.resumed()  # the redialled channel took it back
+    assert turn.lost()  # and went too
+    before = json.loads(turn.body)["messages"]
+    turn.continue_as("c1", "tok0tok1")  # another runner goes on with it
+    assert json.loads(turn.body)["messages"] == [
+        *before,
+        {"role": "assistant", "content": "tok0tok1"},
+    ]
+    assert turn.continued and turn.prior_completion == 2 and turn.prior_prompt > 0
+    turn.sent("req-2", "runner-2", "job-2")  # it goes on answering: no move
+    rig.chunks(chunk(2))
+    turn.reply(protocol.DoneFrame(JOB, RID))
+    assert turn.moves == [
+        ("waiting", "sent"),
+        ("sent", "answering"),
+        ("answering", "suspended"),
+        ("suspended", "answering"),
+        ("answering", "suspended"),
+        ("suspended", "answering"),
+        ("answering", "done"),
+    ]
+    assert all(State[to.upper()] in NEXT[State[at.upper()]] for at, to in turn.moves)
+    assert rig.ended == [State.DONE] and turn.attempts == 2
+    events = [json.loads(event.removeprefix(b"data: ")) for event in rig.events()[:3]]
+    assert events == [json.loads(chunk(i)) for i in range(3)]  # one answer: the first part's id
+    rig.client.close()
 
 
 async def test_a_non_streamed_turn_whose_channel_goes_is_served_again_from_the_start() -> None:

@@ -16,7 +16,7 @@ import trio
 
 from gateway.hub.accounting import Accounting, LimitExceeded
 from gateway.hub.channel import ServerChannel
-from gateway.hub.continuation import answer_so_far, continuation_body
+from gateway.hub.continuation import answer_so_far
 from gateway.hub.dispatch import Refusal, Refuse
 from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.frontdoor.dialects import TurnSpec
@@ -115,19 +115,18 @@ class Serving:
             max_answer=settings.max_body,
             strip_usage=spec.strip_usage,
             reserved=self.accounting.reservation(spec.max_tokens),
+            # told at its end: a turn refused at its admission is not in flight (``refused``)
+            on_end=self.accounting.ended,
             now=trio.current_time(),
         )
         try:
             await self.accounting.admit(turn)
         except LimitExceeded as exc:
             turn.refuse(limit_error(exc))
-            self.accounting.refused(turn)
             return
         except TooManySessions as exc:  # a team's admission holds the key's session cap
             turn.refuse(too_many_sessions(exc.limit))
-            self.accounting.refused(turn)
             return
-        turn.on_end = self.accounting.ended
         if isinstance(turn, SettledTurn):
             turn.hold()  # its answer's last write waits for its row in the store
         try:
@@ -316,9 +315,7 @@ class Serving:
             with trio.move_on_after(CANCEL_SEND_TIMEOUT) as scope:
                 scope.shield = True
                 await dispatcher.channels.cancel_job(old, "its turn is continued on another runner")
-        prompt = turn.dialect.prompt_estimate(turn.body)
-        turn.body = continuation_body(turn.body, text)
-        turn.continue_as(first_id, prompt)
+        turn.continue_as(first_id, text)
         try:
             placed = await dispatcher.channel_for(session, turn, req.connection)
         except Unplaced:

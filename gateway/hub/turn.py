@@ -9,7 +9,9 @@ response goes through the turn's methods, whichever task calls them (the channel
 frames, the turn's own task for keepalives, backlog and errors), and the turn's state (``State``)
 says what may still be written. Its state changes in one place, ``TurnState._move``, by the
 table of ``turnstate.NEXT`` (``state`` is read-only outside); its outcome is set in one place
-(``_end``).
+(``_end``). What the hub's other parts know of a turn they give it, in its constructor
+(``on_end``) or a method (``admitted_as``, ``recorded_as``, ``continue_as``): none of them
+writes its attributes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import msgspec
 import trio
 
-from gateway.hub.continuation import Stitch
+from gateway.hub.continuation import Stitch, continuation_body
 from gateway.hub.frontdoor.chunks import choices_mark, has_usage, is_usage_only, read_usage
 from gateway.hub.frontdoor.dialects import Dialect, Translation
 from gateway.hub.frontdoor.shapes import SSE_HEADERS, Code, upstream_error
@@ -74,6 +76,7 @@ class Turn(TurnState):
         max_answer: int,
         strip_usage: bool = False,
         reserved: int = 0,
+        on_end: Callable[[Turn], None] | None = None,
         now: float,
     ) -> None:
         self._state = State.WAITING  # where every turn starts; it moves by ``_move`` only
@@ -132,7 +135,7 @@ class Turn(TurnState):
         self._waker: trio.CancelScope | None = None  # the turn's task sleeping (``sleep``)
         self._flushing: trio.CancelScope | None = None  # the turn's task flushing the backlog
         self.request_id: str | None = None  # the request id of the current attempt
-        self.on_end: Callable[[Turn], None] | None = None  # told once, at the end
+        self.on_end = on_end  # told once, at the end (ended or refused)
 
     def __repr__(self) -> str:
         return f"<Turn {self.id} {self.api} {self._state.label}>"
@@ -174,6 +177,22 @@ class Turn(TurnState):
                 self.completion_tokens = completion
             elif self.api == "embeddings" and prompt is not None:
                 self.completion_tokens = 0  # an embedding generates no tokens
+
+    def admitted_as(self, priority: int, reserved: int) -> None:
+        """What its key's accounting admits it with (``Accounting.admit``, before its verdict:
+        a team's store reads ``reserved``): its class in the queue (0 interactive, 1 standard,
+        2 background), the tokens it holds against its key's token limits until its end."""
+        self.priority = priority
+        self.reserved = reserved
+
+    def recorded_as(
+        self, model_label: str, cost: float | None = None, ref_cost: float | None = None
+    ) -> None:
+        """Its model as the ledger names it (never a client's made-up name), and, at its end
+        where that model has a price, what its tokens cost at it and at the reference price."""
+        self.model_label = model_label
+        self.cost = cost
+        self.ref_cost = ref_cost
 
     def _end(self, state: State, now: float | None = None) -> None:
         """The one place a turn's outcome is set: its move to the final ``state`` (the first
@@ -343,11 +362,14 @@ class Turn(TurnState):
             self.resumes += 1
             self.wake()
 
-    def continue_as(self, first_id: str, prompt_estimate: int) -> None:
-        """Another runner continues its answer: what came before is charged as estimated, and
-        the continuation's chunks are made the first part's own (``continuation.Stitch``)."""
-        self.prior_prompt += prompt_estimate
+    def continue_as(self, first_id: str, text: str) -> None:
+        """Another runner continues its answer, whose ``text`` so far (its first chunk's id
+        ``first_id``) its request now carries (``continuation_body``): what came before is
+        charged as estimated, and the continuation's chunks are made the first part's own
+        (``continuation.Stitch``)."""
+        self.prior_prompt += self.dialect.prompt_estimate(self.body)
         self.prior_completion += self.chunks
+        self.body = continuation_body(self.body, text)
         self.continued = True
         self.stitch = Stitch(first_id)
         self.unresumable = False
