@@ -1,6 +1,6 @@
-"""A front-door turn's states, the one table of which state may follow which (each final one with
-the outcome it records), the one move that holds a turn to it, and the exceptions its task raises
-when its channel ends under it. Pure: no trio.
+"""A front-door turn's states and the one table of their moves (each final state with its outcome).
+The one move that holds a turn to the table, and the exceptions its task raises when its channel
+ends under it, are here too. Pure: no trio.
 
 h11's ``_state.py`` is the model: the moves are data (``NEXT``), checked in one place
 (``TurnState._move``); a move the table lacks is a bug in the hub, refused with ``BadMove``
