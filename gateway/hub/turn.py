@@ -7,11 +7,9 @@ client's events (the dialect's ``Translation``) in one write to the client's soc
 non-streamed turn gathers them (bounded) and writes one answer at the end. Every write to the
 response goes through the turn's methods, whichever task calls them (the channel's reader for
 frames, the turn's own task for keepalives, backlog and errors), and the turn's state (``State``)
-says what may still be written. Its state changes in one place, ``TurnState._move``, by the
-table of ``turnstate.NEXT`` (``state`` is read-only outside); its outcome is set in one place
-(``_end``). What the hub's other parts know of a turn they give it, in its constructor
-(``on_end``) or a method (``admitted_as``, ``recorded_as``, ``continue_as``): none of them
-writes its attributes.
+says what may still be written: it moves by ``TurnState._move`` only (the table ``NEXT``), and
+ends in one place (``_end``). The hub's other parts give it what they know of it (``on_end``,
+``admitted_as``, ``recorded_as``, ``continue_as``), and write none of its attributes.
 """
 
 from __future__ import annotations
@@ -42,22 +40,19 @@ class Turn(TurnState):
     """One front-door turn, its record and its response (see the module's docstring)."""
 
     __slots__ = (
-        # the record (its usage row): who asked, what, who served it, when, how it ended, the
-        # tokens and their cost; its state is ``TurnState``'s
+        # the record (its usage row; its state is ``TurnState``'s): who, what, when, the tokens
         *("id", "key_id", "key_name", "session", "api", "model", "model_label", "stream"),
         *("started", "first_token", "ended", "runner_id", "job_id", "status", "error"),
         *("prompt_tokens", "completion_tokens", "estimated", "reserved", "cost", "ref_cost"),
         *("priority", "chunks", "attempts", "on_end"),
-        # the request: what goes down the channel, in which API it came
-        *("body", "dialect", "strip_usage", "request_id"),
+        *("body", "dialect", "strip_usage", "request_id"),  # the request, in the client's API
         # the response writer: the client's events, its bound, a non-streamed answer gathered
         *("resp", "bound", "max_answer", "translation", "_encode", "pending", "last"),
         *("gathered", "gathered_bytes", "_choices", "_choices_at"),
         # resume and continuation: the frames a redial names, the part a continuation carries
         *("frames", "parts", "unresumable", "resumed_from", "resumes", "stitch", "continued"),
         *("prior_prompt", "prior_completion"),
-        # its own task: asleep (``sleep``), flushing the backlog (``flush_backlog``)
-        *("_waker", "_flushing"),
+        *("_waker", "_flushing"),  # its own task asleep (``sleep``), flushing (``flush_backlog``)
     )
 
     def __init__(
@@ -179,25 +174,21 @@ class Turn(TurnState):
                 self.completion_tokens = 0  # an embedding generates no tokens
 
     def admitted_as(self, priority: int, reserved: int) -> None:
-        """What its key's accounting admits it with (``Accounting.admit``, before its verdict:
-        a team's store reads ``reserved``): its class in the queue (0 interactive, 1 standard,
-        2 background), the tokens it holds against its key's token limits until its end."""
+        """What its key's accounting admits it with (before the verdict: a team's store reads it):
+        its class in the queue, the tokens it holds against its key's token limits till its end."""
         self.priority = priority
         self.reserved = reserved
 
-    def recorded_as(
-        self, model_label: str, cost: float | None = None, ref_cost: float | None = None
-    ) -> None:
+    def recorded_as(self, label: str, cost: float | None = None, ref: float | None = None) -> None:
         """Its model as the ledger names it (never a client's made-up name), and, at its end
         where that model has a price, what its tokens cost at it and at the reference price."""
-        self.model_label = model_label
+        self.model_label = label
         self.cost = cost
-        self.ref_cost = ref_cost
+        self.ref_cost = ref
 
     def _end(self, state: State, now: float | None = None) -> None:
-        """The one place a turn's outcome is set: its move to the final ``state`` (the first
-        wins: a turn ended stays as it ended), its tokens made whole, its task woken, ``on_end``
-        told."""
+        """The one place a turn ends: its move to the final ``state`` (the first one wins), its
+        tokens made whole, its task woken, ``on_end`` told."""
         if self._state.final:
             return
         self._move(state)
@@ -363,10 +354,8 @@ class Turn(TurnState):
             self.wake()
 
     def continue_as(self, first_id: str, text: str) -> None:
-        """Another runner continues its answer, whose ``text`` so far (its first chunk's id
-        ``first_id``) its request now carries (``continuation_body``): what came before is
-        charged as estimated, and the continuation's chunks are made the first part's own
-        (``continuation.Stitch``)."""
+        """Another runner continues its answer: its request carries the ``text`` so far, what
+        came before is charged as estimated, the new chunks made the first part's (``Stitch``)."""
         self.prior_prompt += self.dialect.prompt_estimate(self.body)
         self.prior_completion += self.chunks
         self.body = continuation_body(self.body, text)
@@ -378,8 +367,7 @@ class Turn(TurnState):
             self._move(State.ANSWERING)
 
     def not_resumed(self) -> None:
-        """The redialled channel took it back but its runner never went on with it: it waits
-        to be continued on another runner (``SUSPENDED`` again)."""
+        """Its runner never went on with it on the redialled channel: it waits to be continued."""
         if self._state is State.ANSWERING:
             self._move(State.SUSPENDED)
 
