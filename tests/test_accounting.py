@@ -81,6 +81,7 @@ async def test_max_streams_counts_turns_in_flight_until_they_end() -> None:
     with pytest.raises(LimitExceeded) as caught:
         await book.admit(turn(key))
     assert caught.value.limit == "max_streams"
+    first.sent("r", "runner", "job")  # a turn is done once a runner had it
     first._end(State.DONE)
     book.ended(first)
     await book.admit(turn(key))  # a slot is free again

@@ -1,6 +1,8 @@
 """The hub's ``Turn`` driven in memory over a socket pair, as h11's tests drive a Connection:
 every path to every outcome (done, failed, lost, client gone, overrun, refused, cut), each set in
-one place and once, and what the client's socket gets on each path, in each API."""
+one place and once, and what the client's socket gets on each path, in each API; and the table
+of its moves (``turnstate.NEXT``): every move in it accepted, every other refused, a real turn's
+paths made of its moves only, its state read-only."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import trio
 
 from gateway.apis.dialects import CHAT, MessagesDialect
 from gateway.hub.turn import Turn
-from gateway.hub.turnstate import State, TurnLost, TurnSuspended
+from gateway.hub.turnstate import NEXT, BadMove, State, TurnLost, TurnState, TurnSuspended
 from gateway.wire import netio, protocol
 from gateway.wire.errors import HTTPError
 from gateway.wire.http import Response
@@ -48,14 +50,21 @@ class _Conn:
 class Rig:
     """A turn whose client is the far end of a socket pair; ``ended``: what ``on_end`` got."""
 
-    def __init__(self, stream: bool = True, dialect: Any = CHAT, bound: int = 1 << 20, **kw: Any):
+    def __init__(
+        self,
+        stream: bool = True,
+        dialect: Any = CHAT,
+        bound: int = 1 << 20,
+        cls: type[Turn] = Turn,
+        **kw: Any,
+    ):
         ours, self.client = socket.socketpair()
         self.client.setblocking(False)
         self.transport = netio.Transport(ours)
         request = SimpleNamespace(body_pending=False, keep_alive=True)  # its body was read
         self.resp = Response(request, self.transport, False, b"POST")
         self.ended: list[State] = []
-        self.turn = Turn(
+        self.turn = cls(
             "turn-1",
             "key-id",
             "key",
@@ -67,10 +76,10 @@ class Rig:
             stream=stream,
             bound=bound,
             max_answer=kw.pop("max_answer", 1 << 20),
+            on_end=lambda turn: self.ended.append(turn.state),
             now=0.0,
             **kw,
         )
-        self.turn.on_end = lambda turn: self.ended.append(turn.state)
 
     def send(self) -> None:
         self.turn.sent(RID, "runner-1", JOB)
@@ -270,6 +279,7 @@ async def test_refused_before_a_runner_is_refused_and_in_the_callers_api() -> No
     rig = Rig(dialect=MessagesDialect("claude-x", 10))
     rig.turn.refuse(HTTPError(429, "slow down", "rate_limit_exceeded", type_="rate_limit_error"))
     assert rig.turn.state is State.REFUSED and rig.turn.status == 429
+    assert rig.ended == [State.REFUSED]  # its ``on_end`` told (the accounting's ``refused``)
     rig.events()
     assert json.loads(rig.body) == {
         "type": "error",
@@ -308,3 +318,148 @@ async def test_the_usage_chunk_is_taken_at_the_end_and_not_estimated(rig: Rig) -
     rig.turn.reply(protocol.DoneFrame(JOB, RID))
     assert (rig.turn.prompt_tokens, rig.turn.completion_tokens) == (7, 2)
     assert not rig.turn.estimated and rig.turn.tokens == 9
+
+
+# -- the table of its moves ------------------------------------------------------------------
+
+
+class _At(TurnState):
+    """The table alone: a bare ``TurnState`` put at ``state``."""
+
+    __slots__ = ()
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+
+class _Logged(Turn):
+    """A ``Turn`` that notes each of its moves (from, to), by label."""
+
+    __slots__ = ("moves",)
+
+    def _move(self, to: State) -> None:
+        if not hasattr(self, "moves"):
+            self.moves: list[tuple[str, str]] = []
+        self.moves.append((self.state.label, to.label))
+        super()._move(to)
+
+
+@pytest.mark.parametrize("current", list(State), ids=lambda state: state.label)
+def test_the_table_accepts_every_move_it_has_and_refuses_every_other(current: State) -> None:
+    accepted = []
+    for to in State:
+        machine = _At(current)
+        if to in NEXT[current]:
+            machine._move(to)
+            assert machine.state is to
+            accepted.append(to)
+        else:
+            with pytest.raises(BadMove, match=f"no move from {current.label} to {to.label} "):
+                machine._move(to)
+            assert machine.state is current  # refused: nothing written
+    assert set(accepted) == NEXT[current] and len(accepted) == len(current.moves)
+
+
+def test_the_table_has_a_way_out_of_every_state_but_the_final_ones_each_with_its_outcome() -> None:
+    assert {s.label: s.outcome for s in State if s.final} == {
+        "done": "ok",
+        "failed": "error",
+        "lost": "lost",
+        "client_gone": "client_gone",
+        "overrun": "client_gone",
+        "refused": "refused",
+        "cut": "cut",
+    }
+    for state in State:
+        if state.final:
+            assert NEXT[state] == frozenset() and state.moves == ()
+        else:  # the hub stops, the client leaves or reads too slowly: from anywhere
+            assert {State.CUT, State.CLIENT_GONE, State.OVERRUN} <= NEXT[state]
+            assert state not in NEXT[state]  # staying put is no move
+    # refused only before any runner had it; lost only once it answered
+    assert [s.label for s in State if State.REFUSED in NEXT[s]] == ["waiting"]
+    assert [s.label for s in State if State.LOST in NEXT[s]] == ["answering", "suspended"]
+    assert sum(len(moves) for moves in NEXT.values()) == 28
+
+
+async def test_a_move_the_table_lacks_is_refused_with_a_clear_error(rig: Rig) -> None:
+    with pytest.raises(BadMove) as caught:
+        rig.turn._move(State.DONE)  # done before any runner had it
+    assert str(caught.value) == (
+        "<Turn turn-1 chat waiting>: no move from waiting to done (from waiting: sent, failed,"
+        " client_gone, overrun, refused, cut)"
+    )
+    assert rig.turn.state is State.WAITING and rig.ended == []
+    rig.send()
+    rig.turn.reply(protocol.DoneFrame(JOB, RID))
+    with pytest.raises(BadMove, match="from done: none, it has ended"):
+        rig.turn._move(State.ANSWERING)
+    rig.turn.cut()  # a later end is no move: the first one is its outcome
+    assert rig.turn.state is State.DONE and rig.ended == [State.DONE]
+
+
+async def test_its_state_is_read_only_from_outside(rig: Rig) -> None:
+    with pytest.raises(AttributeError):
+        rig.turn.state = State.DONE  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        del rig.turn.state  # type: ignore[misc]
+    assert rig.turn.state is State.WAITING and rig.ended == []
+
+
+async def test_a_streamed_turn_resumed_then_continued_moves_by_the_table_only() -> None:
+    rig = Rig(cls=_Logged)
+    turn = rig.turn
+    assert isinstance(turn, _Logged)
+    rig.send()
+    rig.chunks(chunk(0), chunk(1))
+    assert turn.lost()  # its channel went mid-answer
+    turn.resumed()  # the redialled channel took it back
+    assert turn.lost()  # and went too
+    before = json.loads(turn.body)["messages"]
+    turn.continue_as("c1", "tok0tok1")  # another runner goes on with it
+    assert json.loads(turn.body)["messages"] == [
+        *before,
+        {"role": "assistant", "content": "tok0tok1"},
+    ]
+    assert turn.continued and turn.prior_completion == 2 and turn.prior_prompt > 0
+    turn.sent("req-2", "runner-2", "job-2")  # it goes on answering: no move
+    rig.chunks(chunk(2))
+    turn.reply(protocol.DoneFrame(JOB, RID))
+    assert turn.moves == [
+        ("waiting", "sent"),
+        ("sent", "answering"),
+        ("answering", "suspended"),
+        ("suspended", "answering"),
+        ("answering", "suspended"),
+        ("suspended", "answering"),
+        ("answering", "done"),
+    ]
+    assert all(State[to.upper()] in NEXT[State[at.upper()]] for at, to in turn.moves)
+    assert rig.ended == [State.DONE] and turn.attempts == 2
+    events = [json.loads(event.removeprefix(b"data: ")) for event in rig.events()[:3]]
+    assert events == [json.loads(chunk(i)) for i in range(3)]  # one answer: the first part's id
+    rig.client.close()
+
+
+async def test_a_non_streamed_turn_whose_channel_goes_is_served_again_from_the_start() -> None:
+    rig = Rig(stream=False, cls=_Logged)
+    turn = rig.turn
+    assert isinstance(turn, _Logged)
+    rig.send()
+    rig.chunks(chunk(0))
+    assert not turn.lost()  # nothing reached its client: served again
+    assert turn.gathered == [] and turn.chunks == 0
+    rig.send()
+    rig.chunks(chunk(1))
+    turn.reply(protocol.DoneFrame(JOB, RID))
+    assert turn.moves == [
+        ("waiting", "sent"),
+        ("sent", "answering"),
+        ("answering", "waiting"),
+        ("waiting", "sent"),
+        ("sent", "answering"),
+        ("answering", "done"),
+    ]
+    rig.events()
+    assert json.loads(rig.body)["choices"][0]["message"]["content"] == "tok1"
+    rig.client.close()

@@ -283,7 +283,6 @@ class Accounting:
         and the count are the store's, in one transaction (``team``)."""
         limits = await self.limits(turn.key_id, turn.key_name)
         budget = await self.budget(turn.key_name)
-        turn.priority = budget.rank
         state = self._state(turn.key_id)
         if limits.tokens_per_day is not None and self.team is None:
             await self._read_day(state, turn.key_id)
@@ -300,16 +299,15 @@ class Accounting:
         prompt = 0
         if (limits.tpm or limits.tokens_per_day) or (funded and price is not None):
             prompt = turn.dialect.prompt_estimate(turn.body)
-        if not (limits.tpm or limits.tokens_per_day):
-            turn.reserved = 0  # nothing to hold tokens against
-        else:  # its prompt is charged too: a long one with a small max_tokens holds it
-            turn.reserved += prompt
+        # with no token limit nothing is held; with one its prompt is too (a long one with a
+        # small max_tokens holds it)
+        turn.admitted_as(budget.rank, answer + prompt if limits.tpm or limits.tokens_per_day else 0)
         held = 0.0  # its worst case at its model's price, held against the key's budgets
         if funded and price is not None:
             held = price.cost(prompt, answer)
         team = self.team
         if team is not None:  # its row were it cut, in the store from now on
-            turn.model_label = self.label(turn.model)
+            turn.recorded_as(self.label(turn.model))
             funds = (held, budget.daily, budget.monthly) if funded else None
             await team.admit(turn, limits, _encode_record(_record(turn, CUT)).decode(), funds)
         else:
@@ -325,7 +323,7 @@ class Accounting:
         self.in_flight[id(turn)] = turn
         journal = self.store.journal if self.store is not None and team is None else None
         if journal is not None:  # a hub killed under it still records it, as cut
-            turn.model_label = self.label(turn.model)  # never a client's made-up name
+            turn.recorded_as(self.label(turn.model))
             journal.started(turn.id, _record(turn, CUT), self.clock())
 
     def _check_budget(self, state: _KeyState, budget: KeyBudget) -> None:
@@ -384,7 +382,7 @@ class Accounting:
     def refused(self, turn: Turn) -> None:
         """A turn refused before it was admitted (a limit): only the observers are told (no
         store write per refused request)."""
-        turn.model_label = self.label(turn.model)
+        turn.recorded_as(self.label(turn.model))
         for observe in self.observers:
             observe(turn)
 
@@ -398,12 +396,15 @@ class Accounting:
         state.in_flight -= 1
         state.reserved -= turn.reserved
         state.reserved_cost -= self._held.pop(id(turn), 0.0)
-        turn.model_label = self.label(turn.model)
-        price = self.price(turn.model_label)
-        if price is not None:  # at the price in force now, as the turn ends
+        label = self.label(turn.model)
+        price = self.price(label)
+        if price is None:
+            turn.recorded_as(label)
+        else:  # at the price in force now, as the turn ends
             prompt, completion = turn.prompt_tokens or 0, turn.completion_tokens or 0
-            turn.cost = price.cost(prompt, completion)
-            turn.ref_cost = price.ref_cost(prompt, completion)
+            turn.recorded_as(
+                label, price.cost(prompt, completion), price.ref_cost(prompt, completion)
+            )
         try:
             tokens = turn.tokens
             if tokens:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 
-from gateway.apis.continuation import answer_so_far, continuation_body
+from gateway.apis.continuation import answer_so_far
 from gateway.apis.dialects import TurnSpec
 from gateway.apis.shapes import (
     channel_lost,
@@ -115,19 +115,18 @@ class Serving:
             max_answer=settings.max_body,
             strip_usage=spec.strip_usage,
             reserved=self.accounting.reservation(spec.max_tokens),
+            # told at its end: a turn refused at its admission is not in flight (``refused``)
+            on_end=self.accounting.ended,
             now=trio.current_time(),
         )
         try:
             await self.accounting.admit(turn)
         except LimitExceeded as exc:
             turn.refuse(limit_error(exc))
-            self.accounting.refused(turn)
             return
         except TooManySessions as exc:  # a team's admission holds the key's session cap
             turn.refuse(too_many_sessions(exc.limit))
-            self.accounting.refused(turn)
             return
-        turn.on_end = self.accounting.ended
         if isinstance(turn, SettledTurn):
             turn.hold()  # its answer's last write waits for its row in the store
         try:
@@ -294,8 +293,7 @@ class Serving:
         new = channels.get(job_id)
         if new is not None and new.routes(rid):
             new.close_request(rid)  # resumed, but the runner never went on with it
-        if turn.state is State.ANSWERING:
-            turn.state = State.SUSPENDED
+        turn.not_resumed()
         return False
 
     async def _continue(self, req: Request, turn: Turn, session: Session) -> bool:
@@ -306,7 +304,7 @@ class Serving:
         found = answer_so_far(turn.parts or turn.gathered, text_only=False)
         body = None
         if found is not None and found.text and not found.finished:
-            body = continuation_body(turn.body, found.text, extend=False)
+            body = turn.continuation(found.text)
         if found is None or body is None:
             turn.lose()
             return True
@@ -319,9 +317,7 @@ class Serving:
             with trio.move_on_after(CANCEL_SEND_TIMEOUT) as scope:
                 scope.shield = True
                 await dispatcher.channels.cancel_job(old, "its turn is continued on another runner")
-        prompt = turn.dialect.prompt_estimate(turn.body)
-        turn.body = body
-        turn.continue_as(found.id or "", prompt)
+        turn.continue_as(found.id or "", body)
         try:
             placed = await dispatcher.channel_for(session, turn, req.connection)
         except Unplaced:

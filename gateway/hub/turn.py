@@ -7,7 +7,9 @@ client's events (the dialect's ``Translation``) in one write to the client's soc
 non-streamed turn gathers them (bounded) and writes one answer at the end. Every write to the
 response goes through the turn's methods, whichever task calls them (the channel's reader for
 frames, the turn's own task for keepalives, backlog and errors), and the turn's state (``State``)
-says what may still be written. Its outcome is set in one place (``_end``).
+says what may still be written: it moves by ``TurnState._move`` only (the table ``NEXT``), and
+ends in one place (``_end``). The hub's other parts give it what they know of it (``on_end``,
+``admitted_as``, ``recorded_as``, ``continue_as``), and write none of its attributes.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import msgspec
 import trio
 
 from gateway.apis.chunks import choices_mark, has_usage, is_usage_only, read_usage
-from gateway.apis.continuation import Stitch
+from gateway.apis.continuation import Stitch, continuation_body
 from gateway.apis.dialects import Dialect, Translation
 from gateway.apis.shapes import SSE_HEADERS, Code, upstream_error
-from gateway.hub.turnstate import State, TurnLost, TurnSuspended
+from gateway.hub.turnstate import State, TurnLost, TurnState, TurnSuspended
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.http import Connection, Response
 from gateway.wire.protocol import RESUME_UNAVAILABLE, DoneFrame, ErrorFrame, ModelsFrame
@@ -34,21 +36,23 @@ log = logging.getLogger("gateway.hub.turn")
 _NOWHERE = 1 << 62  # past the end of any frame: ``startswith`` there is False
 
 
-class Turn:
+class Turn(TurnState):
     """One front-door turn, its record and its response (see the module's docstring)."""
 
     __slots__ = (
-        # the record: who asked, what, who served it, when, how it ended, the tokens
+        # the record (its usage row; its state is ``TurnState``'s): who, what, when, the tokens
         *("id", "key_id", "key_name", "session", "api", "model", "model_label", "stream"),
-        *("started", "first_token", "ended", "runner_id", "job_id", "state", "status"),
-        *("prompt_tokens", "completion_tokens", "estimated", "reserved"),
-        *("cost", "ref_cost", "priority", "chunks", "attempts"),
-        # the request and its answer
-        *("body", "dialect", "resp", "bound", "max_answer", "strip_usage", "translation"),
-        *("_encode", "pending", "gathered", "gathered_bytes", "last", "frames", "parts"),
-        *("unresumable", "resumed_from", "resumes", "stitch", "continued"),
-        *("prior_prompt", "prior_completion", "error", "_choices", "_choices_at"),
-        *("_waker", "_flushing", "request_id", "on_end"),
+        *("started", "first_token", "ended", "runner_id", "job_id", "status", "error"),
+        *("prompt_tokens", "completion_tokens", "estimated", "reserved", "cost", "ref_cost"),
+        *("priority", "chunks", "attempts", "on_end"),
+        *("body", "asked", "dialect", "strip_usage", "request_id"),  # the request, in the client's API
+        # the response writer: the client's events, its bound, a non-streamed answer gathered
+        *("resp", "bound", "max_answer", "translation", "_encode", "pending", "last"),
+        *("gathered", "gathered_bytes", "_choices", "_choices_at"),
+        # resume and continuation: the frames a redial names, the part a continuation carries
+        *("frames", "parts", "unresumable", "resumed_from", "resumes", "stitch", "continued"),
+        *("prior_prompt", "prior_completion"),
+        *("_waker", "_flushing"),  # its own task asleep (``sleep``), flushing (``flush_backlog``)
     )
 
     def __init__(
@@ -67,8 +71,10 @@ class Turn:
         max_answer: int,
         strip_usage: bool = False,
         reserved: int = 0,
+        on_end: Callable[[Turn], None] | None = None,
         now: float,
     ) -> None:
+        self._state = State.WAITING  # where every turn starts; it moves by ``_move`` only
         self.id = turn_id
         self.key_id = key_id
         self.key_name = key_name
@@ -82,7 +88,6 @@ class Turn:
         self.ended: float | None = None
         self.runner_id: str | None = None
         self.job_id: str | None = None
-        self.state = State.WAITING
         self.status: int | None = None  # the HTTP status of an error answer
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
@@ -94,6 +99,7 @@ class Turn:
         self.chunks = 0  # chunks of the answer so far (a streamed turn's pace, live)
         self.attempts = 0  # channels the request was sent on
         self.body = body  # the chat-completions body sent down the channel
+        self.asked = body  # the client's own (a continuation's body is built from it)
         self.dialect = dialect
         self.resp = resp
         self.bound = bound  # bytes the client may fall behind by
@@ -125,17 +131,18 @@ class Turn:
         self._waker: trio.CancelScope | None = None  # the turn's task sleeping (``sleep``)
         self._flushing: trio.CancelScope | None = None  # the turn's task flushing the backlog
         self.request_id: str | None = None  # the request id of the current attempt
-        self.on_end: Callable[[Turn], None] | None = None  # told once, at the end
+        self.on_end = on_end  # told once, at the end (ended or refused)
 
     def __repr__(self) -> str:
-        return f"<Turn {self.id} {self.api} {self.state.label}>"
+        return f"<Turn {self.id} {self.api} {self._state.label}>"
 
     # -- the record -------------------------------------------------------------------
 
     @property
     def outcome(self) -> str | None:
         """``ok``, ``error``, ``lost``, ``client_gone`` or ``refused`` once ended, else None."""
-        return self.state.outcome if self.state.final else None
+        state = self._state
+        return state.outcome if state.final else None
 
     @property
     def ttft(self) -> float | None:
@@ -167,11 +174,25 @@ class Turn:
             elif self.api == "embeddings" and prompt is not None:
                 self.completion_tokens = 0  # an embedding generates no tokens
 
+    def admitted_as(self, priority: int, reserved: int) -> None:
+        """What its key's accounting admits it with (before the verdict: a team's store reads it):
+        its class in the queue, the tokens it holds against its key's token limits till its end."""
+        self.priority = priority
+        self.reserved = reserved
+
+    def recorded_as(self, label: str, cost: float | None = None, ref: float | None = None) -> None:
+        """Its model as the ledger names it (never a client's made-up name), and, at its end
+        where that model has a price, what its tokens cost at it and at the reference price."""
+        self.model_label = label
+        self.cost = cost
+        self.ref_cost = ref
+
     def _end(self, state: State, now: float | None = None) -> None:
-        """The one place a turn's outcome is set (the first final state wins)."""
-        if self.state.final:
+        """The one place a turn ends: its move to the final ``state`` (the first one wins), its
+        tokens made whole, its task woken, ``on_end`` told."""
+        if self._state.final:
             return
-        self.state = state
+        self._move(state)
         self.ended = trio.current_time() if now is None else now
         if self.completion_tokens is None and self.chunks:
             self.estimated = True  # the backend said nothing: charged a token a chunk delivered
@@ -185,7 +206,9 @@ class Turn:
             self.prompt_tokens += self.prior_prompt  # both parts' prompts were read
         if self._flushing is not None and (state is State.CLIENT_GONE or state is State.OVERRUN):
             self._flushing.cancel()  # a flush to a client that does not read would never end
-        self.wake()
+        waker = self._waker  # its task looks at it now (``wake``, inline: once a turn)
+        if waker is not None:
+            waker.cancel()
         if self.on_end is not None:
             self.on_end(self)
 
@@ -195,13 +218,16 @@ class Turn:
         self.runner_id, self.job_id = runner_id, job_id
         self.attempts += 1
         self.frames = 0
-        if not self.state.final:  # a continuation goes on answering: its client has a part
-            self.state = State.ANSWERING if self.answered or self.gathered else State.SENT
+        state = self._state
+        if not state.final:  # a continuation goes on answering: its client has a part
+            to = State.ANSWERING if self.first_token is not None or self.gathered else State.SENT
+            if to is not state:
+                self._move(to)
 
     def unsent(self) -> None:
         """Its channel went before the client got anything: it waits for another."""
-        if self.state is State.SENT:
-            self.state = State.WAITING
+        if self._state is State.SENT:
+            self._move(State.WAITING)
 
     def cut(self) -> None:
         """The hub stops under the turn: what the client has is all it gets."""
@@ -210,7 +236,7 @@ class Turn:
     # -- frames in (the channel's reader: ``gateway.hub.channel.Sink``) ------------------
 
     def chunk(self, chunk: msgspec.Raw, frame: bytes = b"") -> None:
-        state = self.state
+        state = self._state
         if state is not State.SENT and state is not State.ANSWERING:
             return
         self.frames += 1
@@ -225,7 +251,8 @@ class Turn:
         self.chunks += 1
         encode = self._encode
         if encode is None:  # a non-streamed turn: gathered, bounded
-            self.state = State.ANSWERING
+            if state is State.SENT:  # its first chunk
+                self._move(State.ANSWERING)
             size = self.gathered_bytes + len(chunk)
             if size > self.max_answer:
                 self._too_large()
@@ -265,7 +292,7 @@ class Turn:
             self._write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def reply(self, frame: DoneFrame | ErrorFrame | ModelsFrame) -> None:
-        state = self.state
+        state = self._state
         if state.final or state is State.WAITING:
             return
         if frame.__class__ is DoneFrame:
@@ -275,7 +302,8 @@ class Turn:
         if isinstance(frame, ErrorFrame):
             if frame.error == RESUME_UNAVAILABLE and (self.answered or self.gathered):
                 self.unresumable = True  # its frames are gone: continued elsewhere, if it can be
-                self.state = State.SUSPENDED
+                if self._state is not State.SUSPENDED:
+                    self._move(State.SUSPENDED)
                 self.wake()
                 return
             self._failed(frame.error or "the runner reported an error")
@@ -284,14 +312,14 @@ class Turn:
     def lost(self) -> bool:
         """The channel ended under the request: True when the turn waits for the job's
         redialled channel to resume it (it had answered part: ``SUSPENDED``)."""
-        state = self.state
+        state = self._state
         if state.final or state is State.WAITING or state is State.SUSPENDED:
             return state is State.SUSPENDED
         self.flush()
-        if self.state.final:
+        if self._state.final:
             return False
         if not self.answered:  # nothing reached the client: it can be served again
-            self.state = State.WAITING
+            self._move(State.WAITING)
             self.chunks = 0
             self.gathered = []
             self.gathered_bytes = 0
@@ -299,7 +327,7 @@ class Turn:
             self.last = None
             self.wake()
             return False
-        self.state = State.SUSPENDED  # resumed on the redial, else continued, else lost
+        self._move(State.SUSPENDED)  # resumed on the redial, else continued, else lost
         self.wake()
         return True
 
@@ -316,27 +344,37 @@ class Turn:
     def resume_count(self) -> int | None:
         """What a resume names for it: the chunk frames received on its request (None: it
         waits no more, its client gone)."""
-        return None if self.state.final else self.frames
+        return None if self._state.final else self.frames
 
     def resumed(self) -> None:
         """Its request goes on, on the job's redialled channel (the rest of its frames next)."""
-        if self.state is State.SUSPENDED and not self.unresumable:
-            self.state = State.ANSWERING
+        if self._state is State.SUSPENDED and not self.unresumable:
+            self._move(State.ANSWERING)
             self.resumed_from = self.frames
             self.resumes += 1
             self.wake()
 
-    def continue_as(self, first_id: str, prompt_estimate: int) -> None:
-        """Another runner continues its answer: what came before is charged as estimated, and
-        the continuation's chunks are made the first part's own (``continuation.Stitch``)."""
-        self.prior_prompt += prompt_estimate
+    def continuation(self, text: str) -> bytes | None:
+        """The body continuing the answer so far (every part's ``text``): from the client's own."""
+        return continuation_body(self.asked, text, extend=False)
+
+    def continue_as(self, first_id: str, body: bytes) -> None:
+        """Another runner continues its answer with ``body`` (``continuation``): what came
+        before is charged as estimated, the new chunks made the first part's (``Stitch``)."""
+        self.prior_prompt += self.dialect.prompt_estimate(self.body)
         self.prior_completion += self.chunks
+        self.body = body
         self.continued = True
         self.stitch = Stitch(first_id)
         self.unresumable = False
         self.frames = 0
-        if self.state is State.SUSPENDED:
-            self.state = State.ANSWERING
+        if self._state is State.SUSPENDED:
+            self._move(State.ANSWERING)
+
+    def not_resumed(self) -> None:
+        """Its runner never went on with it on the redialled channel: it waits to be continued."""
+        if self._state is State.ANSWERING:
+            self._move(State.SUSPENDED)
 
     # -- writing the response ----------------------------------------------------------
 
@@ -348,15 +386,15 @@ class Turn:
 
     def _write(self, data: bytes, end: bool = False) -> None:
         resp = self.resp
-        try:
-            done = resp.write_nowait(data, self._head(), end)  # the head with the first chunk
+        try:  # the head with the first chunk
+            done = resp.write_nowait(data, b"" if resp.started else self._head(), end)
         except ClientGone:
             self._end(State.CLIENT_GONE)
             return
         if self.first_token is None:
             self.first_token = trio.current_time()
-            if self.state is State.SENT:
-                self.state = State.ANSWERING
+            if self._state is State.SENT:
+                self._move(State.ANSWERING)
         if not done:
             # behind by more than ``bound`` before this write: one chunk larger than the bound,
             # to a client that reads, is no overrun (its write is bounded by ``max_body``)
@@ -376,7 +414,7 @@ class Turn:
         data = b"".join(self.pending)
         self.pending = []
         self._write(data, end=True)  # the last chunks and the end, in one write
-        if not self.state.final:
+        if not self._state.final:
             self._end(State.DONE)
 
     def _answer_whole(self) -> None:
@@ -403,7 +441,7 @@ class Turn:
             return
         headers = [(b"content-type", b"application/json"), (b"x-request-id", self.id.encode())]
         self._whole(200, body, headers)
-        if not self.state.final:
+        if not self._state.final:
             self._end(State.DONE)
 
     def _failed(self, message: str) -> None:
@@ -452,7 +490,7 @@ class Turn:
         resp = self.resp
         if resp.started:
             return
-        length = (b"content-length", str(len(body)).encode())
+        length = (b"content-length", b"%d" % len(body))
         try:
             head = resp.head(status, [*headers, length])
             done = resp.write_nowait(body, head, True)
@@ -488,7 +526,7 @@ class Turn:
         first, or while the turn waits to be resumed or continued): the stream's head if it
         has not gone yet, then a keepalive in the client's API."""
         translation = self.translation
-        if translation is None or self.state.final:
+        if translation is None or self._state.final:
             return
         try:
             self.resp.write_nowait(translation.keepalive(), self._head())
@@ -541,7 +579,7 @@ class Turn:
             if self.resp.backlog and not self.resp.gone:
                 await self.flush_backlog()
                 continue
-            state = self.state
+            state = self._state
             if state.final:
                 return
             if state is State.WAITING:
@@ -555,7 +593,7 @@ class Turn:
             if keepalive > 0 and self.translation is not None:
                 wake_at = min(wake_at, trio.current_time() + keepalive)
             await self.sleep(conn, wake_at)
-            if self.state is not State.SENT or trio.current_time() < wake_at:
+            if self._state is not State.SENT or trio.current_time() < wake_at:
                 continue
             if trio.current_time() >= first_by:
                 raise TurnLost()
