@@ -47,7 +47,7 @@ DAY = 86400
 
 
 class TeamAdmission(Protocol):
-    """Admissions on a team of replicas (``gateway.hub.team.limits``): checked and counted in
+    """Admissions on a team of replicas (``gateway.hub.replicas.limits``): checked and counted in
     the team's store, released at the turn's end."""
 
     async def admit(

@@ -20,11 +20,11 @@ from gateway.hub.admin import PAGE_SESSION, AdminApi
 from gateway.hub.frontdoor.dialects import anthropic_error_body
 from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
+from gateway.hub.replicas.relay import PATHS
+from gateway.hub.replicas.remote import ROUTE
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
 from gateway.hub.store import StoreUnavailable
-from gateway.hub.team.relay import PATHS
-from gateway.hub.team.remote import ROUTE
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest

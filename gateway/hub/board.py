@@ -16,9 +16,9 @@ import trio
 from gateway.hub import forced
 from gateway.hub.bounds import MAX_LOGS, MAX_MESSAGE, MAX_REASON, too_long
 from gateway.hub.job import Job
+from gateway.hub.replicas.store.base import TeamJob
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Registration, Store
-from gateway.hub.store.team_base import TeamJob
 
 log = logging.getLogger("gateway.hub")
 
@@ -68,7 +68,7 @@ class Changes:
 
 
 class Sync(Protocol):
-    """The board's writes when it is one replica's of a team (``gateway.hub.team``): each
+    """The board's writes when it is one replica's of a team (``gateway.hub.replicas``): each
     decision another replica could race for made by one conditional statement, and the runners
     this replica heard from noted for the others."""
 

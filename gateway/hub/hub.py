@@ -21,6 +21,8 @@ from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
+from gateway.hub.replicas.replica import Team, replica_id
+from gateway.hub.replicas.store.base import shared
 from gateway.hub.runners import REVOCATION_CHECK, RunnerAdmin
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
@@ -28,7 +30,6 @@ from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
 from gateway.hub.store import StoreError, open_store, token_hash
 from gateway.hub.store.journal import Journal
-from gateway.hub.team import Team, replica_id
 
 log = logging.getLogger("gateway.hub")
 
@@ -97,9 +98,9 @@ class Hub:
         sessions.on_key_check.append(self._key_check)
         keys.on_limits.append(accounting.forget_limits)
         sessions.on_key_check.append(keys.keep_active)
-        # on a store other hubs share: this hub is one replica of a team (gateway.hub.team)
+        # on a store other hubs share: this hub is one replica of a team (gateway.hub.replicas)
         self.team: Team | None = None
-        team_store = store.team(replica_id(settings.replica_id, self.data_dir))
+        team_store = shared(store, replica_id(settings.replica_id, self.data_dir))
         if team_store is not None:
             self.team = Team(
                 team_store,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from gateway.hub.replicas.store.base import TeamStore
 from gateway.hub.store import ApiKey, Store, StoredSession, StoreError
-from gateway.hub.store.team_base import TeamStore
 
 log = logging.getLogger("gateway.hub.sessions")
 

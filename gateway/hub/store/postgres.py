@@ -27,7 +27,9 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from gateway.hub.money import KeyBudget, Price
-from gateway.hub.store import dburl, team_ops
+from gateway.hub.replicas.store import ops as replica_ops
+from gateway.hub.replicas.store.base import TeamStore
+from gateway.hub.store import dburl
 from gateway.hub.store import postgres_ops as ops
 from gateway.hub.store import postgres_trust as trust
 from gateway.hub.store import postgres_usage as usage_ops
@@ -72,7 +74,6 @@ from gateway.hub.store.records import (
     UsageTotal,
 )
 from gateway.hub.store.schema import SchemaTooNew
-from gateway.hub.store.team_base import TeamStore
 
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 CALL_TIMEOUT = 15.0  # s a call may wait for its answers
@@ -167,7 +168,7 @@ class PostgresStore(Store):
 
     def team(self, replica: str) -> TeamStore:
         """The team's statements on this store's pool, as replica ``replica``."""
-        from gateway.hub.store.postgres_team import PostgresTeam
+        from gateway.hub.replicas.store.postgres import PostgresTeam  # the replicas' own
 
         self._replica = replica
         return PostgresTeam(self, replica)
@@ -300,7 +301,7 @@ class PostgresStore(Store):
     async def save_models(self, models: ModelList) -> None:
         await self._run(ops.save_models(models))
         if self._replica:  # the team's other replicas read it again
-            await self._run(team_ops.models_changed(self._replica, models.runner_id))
+            await self._run(replica_ops.models_changed(self._replica, models.runner_id))
 
     async def load_models(self, owner: str, project: str) -> list[ModelList]:
         return await self._run(ops.load_models(owner, project))

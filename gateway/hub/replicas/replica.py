@@ -36,12 +36,11 @@ from gateway.hub.board import JobBoard
 from gateway.hub.channel import CLOSE_REPLACED, Channels, ServerChannel, Sink
 from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.models import Catalog
-from gateway.hub.sessions import Sessions
-from gateway.hub.settings import HubSettings
-from gateway.hub.snapshot import ReplicaStatus
-from gateway.hub.store import Store, StoreError
-from gateway.hub.store.credentials import ensure_private_dir
-from gateway.hub.store.team_base import (
+from gateway.hub.replicas.boardsync import BoardSync, apply, presence_of, seen_remote
+from gateway.hub.replicas.limits import TeamLimits
+from gateway.hub.replicas.relay import Relay
+from gateway.hub.replicas.remote import Peer, RemoteChannel
+from gateway.hub.replicas.store.base import (
     CHANNEL,
     JOB,
     MODELS,
@@ -53,14 +52,15 @@ from gateway.hub.store.team_base import (
     ReplicaRow,
     TeamStore,
 )
-from gateway.hub.team.boardsync import BoardSync, apply, presence_of, seen_remote
-from gateway.hub.team.limits import TeamLimits
-from gateway.hub.team.relay import Relay
-from gateway.hub.team.remote import Peer, RemoteChannel
+from gateway.hub.sessions import Sessions
+from gateway.hub.settings import HubSettings
+from gateway.hub.snapshot import ReplicaStatus
+from gateway.hub.store import Store, StoreError
+from gateway.hub.store.credentials import ensure_private_dir
 from gateway.privatefs import write_private
 from gateway.wire.protocol import HelloFrame, encode_frame
 
-log = logging.getLogger("gateway.hub.team")
+log = logging.getLogger("gateway.hub.replicas")
 
 HEARTBEAT = 1.0  # s between heartbeats (each also reads the other replicas')
 EXPIRY = 5.0  # s without a heartbeat: the replica is dead

@@ -9,7 +9,7 @@ import trio
 
 from gateway.hub.board import JobBoard, RunnerState
 from gateway.hub.job import Job
-from gateway.hub.store.team_base import Presence, TeamJob, TeamStore
+from gateway.hub.replicas.store.base import Presence, TeamJob, TeamStore
 
 
 class BoardSync:
