@@ -137,6 +137,18 @@ class Coordination(Protocol):
         """This hub as a replica (``snapshot.ReplicaStatus``; None: alone)."""
         ...
 
+    def picture(self) -> tuple[bool, list[dict[str, Any]]]:
+        """Whether this hub is a replica, and every replica as last read."""
+        ...
+
+    async def sessions_listing(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The live sessions the admin API lists (``here``: this hub's own, as JSON)."""
+        ...
+
+    async def held_by_runner(self, runners: list[str]) -> dict[str, tuple[int, int]]:
+        """Runner id -> (sessions, turns in flight) counted on every hub (none: this hub's)."""
+        ...
+
 
 class Alone:
     """A hub alone on its store: the board's and the sessions' writes are the store's plain
@@ -242,3 +254,12 @@ class Alone:
 
     def identity(self) -> Any:
         return None
+
+    def picture(self) -> tuple[bool, list[dict[str, Any]]]:
+        return False, []
+
+    async def sessions_listing(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return here
+
+    async def held_by_runner(self, runners: list[str]) -> dict[str, tuple[int, int]]:
+        return {}  # the snapshot's own counts are every count

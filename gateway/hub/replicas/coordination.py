@@ -21,6 +21,7 @@ from gateway.hub.replicas.replica import Team, replica_id
 from gateway.hub.replicas.settled import SettledTurn
 from gateway.hub.replicas.store.base import TeamStore, shared
 from gateway.hub.settings import HubSettings
+from gateway.hub.snapshot import camel
 from gateway.hub.store import KeyLimits, Store, StoredSession, StoreError, UsageRecord
 from gateway.hub.turn import Turn
 
@@ -236,3 +237,23 @@ class Replicated:
 
     def identity(self) -> Any:
         return self.team.identity()
+
+    def picture(self) -> tuple[bool, list[dict[str, Any]]]:
+        return True, self.team.picture()
+
+    async def sessions_listing(self, here: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{camel(k): v for k, v in found.items()} for found in await self._listing()]
+
+    async def held_by_runner(self, runners: list[str]) -> dict[str, tuple[int, int]]:
+        held = dict.fromkeys(runners, (0, 0))
+        for session in await self._listing():
+            rid = session["runner_id"]
+            if rid is not None:
+                sessions, turns = held.get(rid, (0, 0))
+                held[rid] = (sessions + 1, turns + session["turns"])
+        return held
+
+    async def _listing(self) -> list[dict[str, Any]]:
+        """Every replica's live sessions, as the store lists them."""
+        found: list[dict[str, Any]] = await self.store.sessions_listing()
+        return found
