@@ -105,6 +105,9 @@ class Recording:
     async def settle(self, turn: Turn) -> None:
         return None
 
+    def join(self, **parts: Any) -> Any:
+        return None
+
     async def run(self, task_status: Any = None) -> None:
         return None
 

@@ -116,6 +116,12 @@ class Coordination(Protocol):
         """The turn's last write may go (a replica's waits for its row in the store)."""
 
     # -- the hub's life and its picture ------------------------------------------------------------
+    def join(
+        self, *, hub_store: Store, board: Any, channels: Any, sessions: Any, catalog: Any
+    ) -> Any:
+        """The parts made with this coordination, given to it (a replica's own machinery keeps
+        them in step with the store: it is returned; None alone)."""
+
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The coordination's own work while the hub serves (``started`` when it may serve)."""
 
@@ -235,6 +241,11 @@ class Alone:
         accounting.write_row(turn, wall)
 
     async def settle(self, turn: Turn) -> None:
+        return None
+
+    def join(
+        self, *, hub_store: Store, board: Any, channels: Any, sessions: Any, catalog: Any
+    ) -> Any:
         return None
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

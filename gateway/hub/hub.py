@@ -107,11 +107,9 @@ class Hub:
         keys.on_limits.append(accounting.forget_limits)
         sessions.on_key_check.append(keys.keep_active)
         # a replica's own machinery (its peers, their channels, the store's notifications)
-        self.team: Team | None = None
-        if replicas is not None:
-            self.team = replicas.join(
-                hub_store=store, board=board, channels=channels, sessions=sessions, catalog=catalog
-            )
+        self.team: Team | None = self.coordination.join(
+            hub_store=store, board=board, channels=channels, sessions=sessions, catalog=catalog
+        )
 
     def _revoked(self, key_id: str) -> None:
         """A key revoked here (or, on a team, by another replica): its turns in flight end."""

@@ -139,9 +139,9 @@ class Sessions:
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
             self.poke()  # ``run`` checks its key from now on
         # a replica's: the store's word as the turn was admitted, unless it has turns of it now
-        learned = self.coordination.learned_job(skey, session.job_id)
-        if not session.turns and session.job_id != learned:
-            session.job_id = learned
+        found = self.coordination.learned_job(skey, session.job_id)
+        if not session.turns and session.job_id != found:
+            session.job_id = found
         session.turns += 1
         if evicted is not None:  # then out of the store
             await self.store.delete_session(evicted.key_name, evicted.key[1], evicted.job_id)

@@ -14,7 +14,6 @@ import trio
 
 from gateway.hub.coordination import Funds, Guard, Route, SessionKey
 from gateway.hub.job import Job
-from gateway.hub.models import Catalog
 from gateway.hub.replicas.relay import PATHS
 from gateway.hub.replicas.remote import ROUTE
 from gateway.hub.replicas.replica import Team, replica_id
@@ -52,7 +51,7 @@ class Replicated:
         self._next_idle_check = -math.inf  # trio clock: the store's idle sessions looked for next
 
     def join(
-        self, *, hub_store: Store, board: Any, channels: Any, sessions: Any, catalog: Catalog
+        self, *, hub_store: Store, board: Any, channels: Any, sessions: Any, catalog: Any
     ) -> Team:
         """The replica's machinery over the hub's parts (each made with this coordination)."""
         self.team = Team(

@@ -26,8 +26,8 @@ Evicted = Callable[[str, str, str | None], Awaitable[None]]  # key name, session
 
 
 class TeamLimits:
-    """``Accounting.team``: admissions and releases in the team's store. ``learned`` is told
-    each admitted turn's session and the job the store has for it; ``evicted`` each session
+    """Admissions and releases in the team's store (``coordination.Replicated`` calls them).
+    ``learned`` is told each admitted turn's session and the job the store has for it; ``evicted`` each session
     the session cap ended to make room (its job is to be ended)."""
 
     def __init__(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# the replicas' tables on PostgreSQL (their migrations below): the SQL is the replicas' own
 from gateway.hub.replicas.store.schema import BUDGET_STATEMENTS
 from gateway.hub.replicas.store.schema import RECORDED as TEAM_RECORDED
 from gateway.hub.replicas.store.schema import STATEMENTS as TEAM_STATEMENTS
