@@ -24,8 +24,8 @@ from pathlib import Path
 import msgspec
 import trio
 
+from gateway.hub.replicas.store.base import Release
 from gateway.hub.store import KeyLimits, UsageRecord, open_store
-from gateway.hub.store.team_base import Release
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import pgserver  # noqa: E402  (the tests' throwaway PostgreSQL)

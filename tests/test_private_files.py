@@ -77,7 +77,7 @@ async def test_the_replica_id_file_is_0600_under_umask_000(tmp_path: Path) -> No
     data = tmp_path / "a" / "data"
     made = (
         "import pathlib, sys\n"
-        "from gateway.hub.team.team import replica_id\n"
+        "from gateway.hub.replicas.replica import replica_id\n"
         "print(replica_id(None, pathlib.Path(sys.argv[1])))\n"
     )
     result = await _under_umask_000(sys.executable, "-c", made, str(data))

@@ -32,10 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import __version__
 from gateway.hub import Hub, doctor, open_hub
 from gateway.hub.channel import ServerChannel
+from gateway.hub.replicas.remote import RemoteChannel
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import KeyLimits, open_store
 from gateway.hub.store.schema import LATEST
-from gateway.hub.team.remote import RemoteChannel
 from gateway.sim import Simulator
 
 BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"

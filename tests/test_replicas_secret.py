@@ -18,10 +18,10 @@ from helpers import ADMIN, OWNER, PROJECT, TEAM_SECRET, runner_config, running
 from test_replicas import _chat, replicas, until
 
 from gateway.hub import doctor
+from gateway.hub.replicas.remote import ROUTE
+from gateway.hub.replicas.signing import sign
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import token_hash
-from gateway.hub.team.remote import ROUTE
-from gateway.hub.team.signing import sign
 from gateway.sim import Simulator
 from gateway.wire import protocol
 
@@ -127,7 +127,7 @@ async def test_hub_doctor_says_when_replicas_talk_plain_http_across_hosts(pg_url
 
 
 def test_the_team_secret_from_a_file_one_line_each_and_its_errors(tmp_path: Path) -> None:
-    from gateway.hub.team import team_secrets
+    from gateway.hub.replicas.replica import team_secrets
 
     path = tmp_path / "team-secret"
     path.write_text(f"{NEW}\n{TEAM_SECRET}\n")

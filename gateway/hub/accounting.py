@@ -27,42 +27,22 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import trio
 
+from gateway.hub.coordination import Alone, Coordination
 from gateway.hub.money import KeyBudget, Price, derive, month_start, next_month, utc
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import HourlyUsage, KeyLimits, Store, StoreError, UsageRecord
+from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
 from gateway.hub.store.journal import CUT
 from gateway.hub.turn import Turn
 
 log = logging.getLogger("gateway.hub.accounting")
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
-SETTLE_WITHIN = 5.0  # s: a team's turn's row written before its last byte, or behind it past this
 _encode_record = msgspec.json.Encoder().encode
 DAY = 86400
-
-
-class TeamAdmission(Protocol):
-    """Admissions on a team of replicas (``gateway.hub.team.limits``): checked and counted in
-    the team's store, released at the turn's end."""
-
-    async def admit(
-        self,
-        turn: Turn,
-        limits: KeyLimits,
-        record: str | None = None,
-        funds: tuple[float, float | None, float | None] | None = None,
-    ) -> None: ...
-
-    def release(self, turn: Turn) -> None: ...
-
-    async def settle(self, turn: Turn, record: UsageRecord, at: float) -> None: ...
-
-    def ending(self, turn: Turn) -> None: ...
 
 
 class LimitExceeded(Exception):
@@ -164,8 +144,11 @@ class Accounting:
         *,
         clock: Callable[[], float] = time.time,
         label: Callable[[str | None], str] = lambda model: model or "",
+        coordination: Coordination | None = None,
     ) -> None:
         self.store = store
+        # where the keys' limits are checked and counted (a replica's: in the shared store)
+        self.coordination: Coordination = coordination or Alone(store)
         self.settings = settings or HubSettings()
         self.clock = clock
         self.label = label  # the model as the ledger and the metrics name it
@@ -173,18 +156,10 @@ class Accounting:
         self.observers: list[Callable[[Turn], None]] = []
         self._keys: dict[str, _KeyState] = {}  # key id -> its counters
         self._limits: dict[str, tuple[KeyLimits, float]] = {}  # key id -> (limits, until)
-        self.team: TeamAdmission | None = None  # a replica of a team: admissions in its store
-        self._settling: dict[int, tuple[UsageRecord, float]] = {}  # ended, row not written yet
         self._budgets: tuple[dict[str, KeyBudget], float] = ({}, -math.inf)  # by key name
         self._prices: tuple[dict[str, Price], float] = ({}, -math.inf)  # by model label
         self._prices_lock = trio.Lock()
         self._held: dict[int, float] = {}  # id(turn) -> the cost a turn in flight holds
-
-    @property
-    def settles(self) -> bool:
-        """Each turn's row is written by ``settle`` as it ends, before its client has its last
-        byte (a team's replica: another process may have to answer for it)."""
-        return self.team is not None
 
     # -- money ---------------------------------------------------------------------------
 
@@ -279,22 +254,16 @@ class Accounting:
         """LimitExceeded when the turn would pass one of its key's limits; else count it (a
         request of the minute, a turn in flight and its reservation until ``ended``). What the
         store has is read first; the check and the count then run with no await between, so
-        they are exact under any number of concurrent turns. On a team of replicas the check
-        and the count are the store's, in one transaction (``team``)."""
+        they are exact under any number of concurrent turns. On replicas the check and the
+        count are the store's, in one transaction (the ``coordination``'s)."""
         limits = await self.limits(turn.key_id, turn.key_name)
         budget = await self.budget(turn.key_name)
         state = self._state(turn.key_id)
-        if limits.tokens_per_day is not None and self.team is None:
-            await self._read_day(state, turn.key_id)
         prices = await self.prices()  # read here, so the turn's end finds them kept
         funded = budget.daily is not None or budget.monthly is not None
         price: Price | None = None
         if funded:  # the client's name too: its runner may not have been asked yet
             price = prices.get(self.label(turn.model)) or prices.get(turn.model or "")
-            if self.team is None:
-                await self._read_spent(state, turn.key_id, budget)
-        now = trio.current_time()
-        state.expire(now)
         answer = turn.reserved
         prompt = 0
         if (limits.tpm or limits.tokens_per_day) or (funded and price is not None):
@@ -305,15 +274,10 @@ class Accounting:
         held = 0.0  # its worst case at its model's price, held against the key's budgets
         if funded and price is not None:
             held = price.cost(prompt, answer)
-        team = self.team
-        if team is not None:  # its row were it cut, in the store from now on
-            turn.recorded_as(self.label(turn.model))
-            funds = (held, budget.daily, budget.monthly) if funded else None
-            await team.admit(turn, limits, _encode_record(_record(turn, CUT)).decode(), funds)
-        else:
-            if funded:
-                self._check_budget(state, budget)
-            self._check(state, limits, now)
+        funds = (held, budget.daily, budget.monthly) if funded else None
+        await self.coordination.admit(self, turn, limits, budget, funds)
+        now = trio.current_time()  # the check's: no await since (``admit_here``)
+        state.expire(now)
         state.requests.append(now)
         state.in_flight += 1
         state.reserved += turn.reserved
@@ -321,10 +285,36 @@ class Accounting:
         if held:
             self._held[id(turn)] = held
         self.in_flight[id(turn)] = turn
-        journal = self.store.journal if self.store is not None and team is None else None
-        if journal is not None:  # a hub killed under it still records it, as cut
-            turn.recorded_as(self.label(turn.model))
+
+    async def admit_here(
+        self, turn: Turn, limits: KeyLimits, budget: KeyBudget, funded: bool
+    ) -> None:
+        """``admit``'s check when this hub counts its keys' turns itself: what the store has
+        read first, then checked, with no await until ``admit`` counts it; journalled (a hub
+        killed under it still records it, as cut)."""
+        state = self._state(turn.key_id)
+        if limits.tokens_per_day is not None:
+            await self._read_day(state, turn.key_id)
+        if funded:
+            await self._read_spent(state, turn.key_id, budget)
+        now = trio.current_time()
+        state.expire(now)
+        if funded:
+            self._check_budget(state, budget)
+        self._check(state, limits, now)
+        journal = self.store.journal if self.store is not None else None
+        if journal is not None:
+            turn.recorded_as(self.label(turn.model))  # never a client's made-up name
             journal.started(turn.id, _record(turn, CUT), self.clock())
+
+    def cut_row(self, turn: Turn) -> str:
+        """The turn's usage row were it cut now (JSON), its model as the ledger names it."""
+        turn.recorded_as(self.label(turn.model))
+        return _encode_record(_record(turn, CUT)).decode()
+
+    def usage_row(self, turn: Turn) -> UsageRecord:
+        """The ended turn's usage row."""
+        return _record(turn, turn.outcome or "")
 
     def _check_budget(self, state: _KeyState, budget: KeyBudget) -> None:
         """LimitExceeded when the key's spend and what its turns in flight hold reach one of
@@ -411,11 +401,7 @@ class Accounting:
                 state.tokens.append((trio.current_time(), tokens))
                 state.window_tokens += tokens
             wall = self.clock()
-            if self.team is not None:  # released and written by ``settle``, before its end
-                self.team.ending(turn)
-                self._settling[id(turn)] = (_record(turn, turn.outcome or ""), wall)
-            elif self.store is not None:
-                self._write(turn, wall)
+            self.coordination.turn_ended(self, turn, wall)  # a replica's: settled before its end
             day = int(wall) // DAY * DAY
             if state.day != day and self.store is None:  # nowhere to read the day from
                 state.day, state.day_tokens = day, 0
@@ -430,33 +416,14 @@ class Accounting:
             for observe in self.observers:
                 observe(turn)
 
-    async def settle(self, turn: Turn) -> None:
-        """An ended turn of a team's replica: released and its row written in the store, one
-        statement, waited for (its client's last byte waits for it). A store that fails or
-        takes over ``SETTLE_WITHIN`` s: released and written behind the turn, as a single
-        hub does it (journalled, queued)."""
-        found = self._settling.pop(id(turn), None)
-        team = self.team
-        if found is None or team is None:
-            return
-        record, wall = found
-        with trio.CancelScope(shield=True):  # the hub stopping: written all the same, bounded
-            with trio.move_on_after(SETTLE_WITHIN):
-                try:
-                    await team.settle(turn, record, wall)
-                    return
-                except StoreError as exc:
-                    log.info("turn %s: its row is written behind it: %s", turn.id, exc)
-        team.release(turn)
-        if self.store is not None:
-            self._write_record(turn.id, record, wall)
-
-    def _write(self, turn: Turn, wall: float) -> None:
+    def write_row(self, turn: Turn, wall: float) -> None:
         """The turn's row, journalled and queued for the store's writer (written in a batch,
-        off the turn's path; old rows pruned there)."""
-        self._write_record(turn.id, _record(turn, turn.outcome or ""), wall)
+        off the turn's path; old rows pruned there); nowhere without a store."""
+        if self.store is not None:
+            self.write_record(turn.id, _record(turn, turn.outcome or ""), wall)
 
-    def _write_record(self, turn_id: str, record: UsageRecord, wall: float) -> None:
+    def write_record(self, turn_id: str, record: UsageRecord, wall: float) -> None:
+        """A row journalled and queued for the store's writer."""
         assert self.store is not None
         journal = self.store.journal
         if journal is not None:

@@ -17,7 +17,7 @@ from gateway.hub.metrics import CONTENT_TYPE
 from gateway.hub.money import KeyBudget, Price, budget_of, money
 from gateway.hub.people import ADMIN, person
 from gateway.hub.runners import RunnerNotFound
-from gateway.hub.snapshot import as_json, camel
+from gateway.hub.snapshot import as_json
 from gateway.hub.store import DEFAULT_KEY_PROJECT, HourlyUsage
 
 MAX_KEY_BODY = 4096  # bytes: a key's name, project and limits
@@ -55,22 +55,15 @@ class AdminApi:
     async def sessions(self, req: Request) -> None:
         """The front door's live sessions: key name, session id, job, runner, turns, idle (on
         a team, every replica's: the store's)."""
-        team = self.hub.team
-        if team is not None:
-            sessions = [
-                {camel(k): v for k, v in found.items()}
-                for found in await team.store.sessions_listing()
-            ]
-        else:
-            sessions = [as_json(s) for s in self.hub.snapshot().sessions]
+        here = [as_json(s) for s in self.hub.snapshot().sessions]
+        sessions = await self.hub.coordination.sessions_listing(here)
         await req.resp.json(200, {"sessions": sessions}, NO_STORE)
 
     async def replicas(self, req: Request) -> None:
         """The hubs sharing this one's store (this one alone without a team): id, URL,
         version, up, heartbeat age, channels held."""
-        team = self.hub.team
-        found = team.picture() if team is not None else []
-        await req.resp.json(200, {"replicas": found, "team": team is not None}, NO_STORE)
+        team, found = self.hub.coordination.picture()
+        await req.resp.json(200, {"replicas": found, "team": team}, NO_STORE)
 
     async def counters(self, req: Request) -> None:
         """Pings sent, pong timeouts, channels declared dead, failovers (since the hub started)."""
@@ -90,19 +83,12 @@ class AdminApi:
         unknown = {(r.owner, r.project) for r in snapshot.runners if r.up and r.models is None}
         for owner, project in sorted(unknown):
             await self.hub.catalog.discover(owner, project)
-        team = self.hub.team
-        held: dict[str, tuple[int, int]] | None = None  # runner id -> (sessions, turns)
-        if team is not None:
-            held = {}
-            for session in await team.store.sessions_listing():
-                rid = session["runner_id"]
-                if rid is not None:
-                    sessions, turns = held.get(rid, (0, 0))
-                    held[rid] = (sessions + 1, turns + session["turns"])
+        # runner id -> (sessions, turns): a replica's, counted on every replica (else the snapshot's)
+        held = await self.hub.coordination.held_by_runner([r.id for r in snapshot.runners])
         for runner in snapshot.runners:
             found = as_json(runner)
-            if held is not None:
-                found["sessions"], found["turnsInFlight"] = held.get(runner.id, (0, 0))
+            if runner.id in held:
+                found["sessions"], found["turnsInFlight"] = held[runner.id]
             found["labels"] = list(runner.labels)
             found["capabilities"] = (
                 None if runner.capabilities is None else list(runner.capabilities)

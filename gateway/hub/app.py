@@ -23,8 +23,6 @@ from gateway.hub.hub import Hub
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
 from gateway.hub.store import StoreUnavailable
-from gateway.hub.team.relay import PATHS
-from gateway.hub.team.remote import ROUTE
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.server import Handler as ServerHandler
 from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
@@ -152,14 +150,10 @@ class App:
             ("/api/hub/", admin.check),
             ("/metrics", admin.check),
         ]
-        if hub.team is not None:  # the routes other replicas reach this one's channels by
-            relay = hub.team.relay
-            self._guards.append((ROUTE, relay.check))
-            self.routes += [
-                _route("POST", PATHS["request"], relay.request),
-                _route("POST", PATHS["attach"], relay.attach),
-                _route("POST", PATHS["frames"], relay.frames),
-            ]
+        # the routes other replicas reach this one's channels by (a hub alone has none)
+        guards, routes = hub.coordination.routes()
+        self._guards += guards
+        self.routes += [_route(method, path, handler) for method, path, handler in routes]
 
     async def livez(self, req: Request) -> None:
         """``GET /livez`` (no key): 200 while the process serves, runners or not: for a liveness
@@ -411,8 +405,7 @@ async def serve_hub(
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.run)  # the stored sessions are back before any request
         base_url: str = await nursery.start(server.serve, host, port)
-        if hub.team is not None:
-            hub.team.advertise(base_url)
+        hub.coordination.advertise(base_url)
         task_status.started(base_url)
 
 

@@ -9,16 +9,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, Protocol
+from typing import Any, Literal, NoReturn
 
 import trio
 
 from gateway.hub import forced
 from gateway.hub.bounds import MAX_LOGS, MAX_MESSAGE, MAX_REASON, too_long
+from gateway.hub.coordination import Alone, Coordination
 from gateway.hub.job import Job
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Registration, Store
-from gateway.hub.store.team_base import TeamJob
 
 log = logging.getLogger("gateway.hub")
 
@@ -65,27 +65,6 @@ class Changes:
         """The event the next ``notify`` sets (take it before looking, wait on it after: a
         change in between is not missed)."""
         return self._event
-
-
-class Sync(Protocol):
-    """The board's writes when it is one replica's of a team (``gateway.hub.team``): each
-    decision another replica could race for made by one conditional statement, and the runners
-    this replica heard from noted for the others."""
-
-    touched: set[str]  # runners seen since the presence was last written
-    changed: bool  # a runner's advertised capabilities changed meanwhile
-
-    async def save(self, job: Job) -> None: ...
-
-    async def claim(self, job: Job, runner_id: str, name: str, run_id: str) -> TeamJob | None: ...
-
-    async def complete(self, job: Job, conclusion: str, final: bool) -> bool: ...
-
-    async def withdraw(self, job_id: str, reason: str) -> str | None: ...
-
-    async def refresh(self, job_id: str) -> Job | None:
-        """The job read again from the team's store into the board: the live job, or None."""
-        ...
 
 
 @dataclass
@@ -151,8 +130,16 @@ class JobBoard:
     the last ``RECENT_ENDED`` ended ones stay in memory too, for a late report.
     """
 
-    def __init__(self, store: Store, settings: HubSettings, changes: Changes) -> None:
+    def __init__(
+        self,
+        store: Store,
+        settings: HubSettings,
+        changes: Changes,
+        coordination: Coordination | None = None,
+    ) -> None:
         self.store = store
+        # where its writes go and who decides a claim, an end, a withdrawal (``coordination``)
+        self.coordination: Coordination = coordination or Alone(store)
         self.settings = settings
         self.changes = changes
         self.jobs: dict[str, Job] = {}  # the live ones: ``load`` reads them back at start
@@ -170,7 +157,6 @@ class JobBoard:
         self.scanned = 0  # jobs the polls looked at (a poll's work: tests count it)
         self.pushes = 0  # job_available events sent (tests count who a new job wakes)
         self.on_forget: list[Callable[[str], None]] = []  # told of each job leaving memory
-        self.sync: Sync | None = None  # one replica's board of a team: its writes go there
 
     @property
     def all_jobs(self) -> JobsView:
@@ -199,10 +185,9 @@ class JobBoard:
         return Job.from_record(stored) if stored is not None else None
 
     async def _ended(self, job: Job) -> None:
-        """A job completed: saved (on a team, its end was written already), then out of memory
+        """A job completed: saved (unless its end was written already), then out of memory
         (the store keeps it)."""
-        if self.sync is None:
-            await self.save(job)
+        await self.coordination.decided(job)
         self.forget_ended(job)
 
     def forget_ended(self, job: Job) -> None:
@@ -294,13 +279,10 @@ class JobBoard:
 
     async def save(self, job: Job) -> None:
         """Write the job's state to the store (after every change)."""
-        if self.sync is not None:
-            await self.sync.save(job)
-        else:
-            await self.store.save_job(job.record())
+        await self.coordination.save_job(job)
 
     async def target(self, job: Job, runners: frozenset[str] | None) -> None:
-        """Offer the unclaimed job to ``runners`` only (None: any capable one); a team's other
+        """Offer the unclaimed job to ``runners`` only (None: any capable one); the other
         replicas are told (a change only), and the runners when it widens (``job_available``:
         a runner it now goes to polls at once)."""
         if job.runners == runners:
@@ -309,8 +291,8 @@ class JobBoard:
         job.runners = runners
         if widened and job.claimed_by is None and not job.over:
             self.announce(job)
-        if self.sync is not None and job.claimed_by is None and not job.over:
-            await self.sync.save(job)
+        if job.claimed_by is None and not job.over:
+            await self.coordination.offered(job)
 
     # -- what runners do --------------------------------------------------------
 
@@ -323,8 +305,6 @@ class JobBoard:
         if last is None or now - last > self.settings.offline_after:
             self.generation += 1  # a runner new, or back from silence: live lists differ
         self.last_seen[runner_id] = now
-        if self.sync is not None:
-            self.sync.touched.add(runner_id)
         if registration is not None:
             state = self.runners.get(runner_id)
             if state is None:
@@ -332,10 +312,9 @@ class JobBoard:
                     registration.owner, registration.project
                 )
             state.name, state.labels = registration.name, registration.labels
+        self.coordination.runner_seen(runner_id, first)  # a runner new here: told at once
         if first:
             self.changes.notify()
-            if self.sync is not None:
-                self.sync.changed = True  # a runner new here: the others told at once
 
     def polled(self, runner_id: str, owner: str, project: str, caps: set[str], stop: bool) -> None:
         """Note what a runner's poll advertised (a change wakes whoever waits on the board);
@@ -348,8 +327,7 @@ class JobBoard:
         state.stopped = stop
         if changed:
             self.changes.notify()
-            if self.sync is not None:
-                self.sync.changed = True
+            self.coordination.runner_seen(runner_id, True)
 
     def alive(self, runner_id: str) -> bool:
         """The runner gave a sign of life within ``offline_after``."""
@@ -433,7 +411,7 @@ class JobBoard:
 
     async def claim(self, runner_id: str, owner: str, project: str, job_id: str, name: str) -> str:
         """Claim a job for ``runner_id``: its run id. The same runner again before starting it
-        gets the same run id (it lost the answer); anyone else a conflict. On a team the claim
+        gets the same run id (it lost the answer); anyone else a conflict. On replicas the claim
         is one conditional statement: it lands once, whatever replica each claim reaches."""
         job = await self.lookup(job_id)
         if job is None or (job.owner, job.project) != (owner, project):
@@ -447,21 +425,19 @@ class JobBoard:
         if job.claimed_by is not None or job.status != "queued" or job.cancelled:
             raise BoardError("conflict", "this job is already claimed")
         run_id = str(uuid.uuid4())
-        if self.sync is not None:
-            if await self.sync.claim(job, runner_id, name, run_id) is None:
-                # another claim (or a withdrawal) came first
-                found = await self.sync.refresh(job_id)
-                if found is not None and self.unstarted_claim(found, runner_id):
-                    assert found.run_id is not None
-                    return found.run_id
-                raise BoardError("conflict", "this job is already claimed")
+        if not await self.coordination.claim_job(job, runner_id, name, run_id):
+            # another claim (or a withdrawal) came first
+            found = await self.coordination.reread_job(job_id, None)
+            if found is not None and self.unstarted_claim(found, runner_id):
+                assert found.run_id is not None
+                return found.run_id
+            raise BoardError("conflict", "this job is already claimed")
         job.claimed_by = runner_id
         job.runner_name = name
         job.run_id = run_id
         job.claimed_at = trio.current_time()
         job.claimed.set()
-        if self.sync is None:
-            await self.save(job)
+        await self.coordination.decided(job)
         self.changes.notify()
         return job.run_id
 
@@ -470,10 +446,9 @@ class JobBoard:
     ) -> Job:
         """The job a runner reports on, if it is that runner's claim under that run."""
         job = await self.lookup(job_id)
-        if self.sync is not None and (
-            job is None or job.claimed_by != runner_id or job.run_id != run_id
-        ):
-            job = await self.sync.refresh(job_id)  # claimed through another replica a moment ago
+        if job is None or job.claimed_by != runner_id or job.run_id != run_id:
+            # claimed through another replica a moment ago?
+            job = await self.coordination.reread_job(job_id, job)
         if job is None or (job.owner, job.project) != (owner, project):
             raise BoardError("not_found", "no such job")
         if job.claimed_by != runner_id:
@@ -506,8 +481,8 @@ class JobBoard:
                 if not isinstance(report[key], str):
                     raise BoardError("invalid", f'"{key}" must be a string')
                 _bounded(too_long(f'"{key}"', report[key], limit))
-        if self.sync is not None and not await self.sync.complete(job, conclusion, True):
-            await self.sync.refresh(job.id)  # another replica ended it first
+        if not await self.coordination.complete_job(job, conclusion, True):
+            await self.coordination.reread_job(job.id, job)  # another replica ended it first
             self._late()
         await self._keep_report(job, report)
         job.status = "completed"
@@ -540,11 +515,10 @@ class JobBoard:
         raise BoardError("conflict", "this job is already completed")
 
     async def channel_job(self, runner_id: str, job_id: str) -> Job | None:
-        """``may_open_channel``, on a team after reading the job again when this replica's
-        copy says no (claimed through another replica a moment ago)."""
+        """``may_open_channel``, after reading the job again when this hub's copy says no (on
+        replicas: claimed through another replica a moment ago)."""
         job = self.may_open_channel(runner_id, job_id)
-        if job is None and self.sync is not None:
-            await self.sync.refresh(job_id)
+        if job is None and await self.coordination.reread_job(job_id, None) is not None:
             job = self.may_open_channel(runner_id, job_id)
         return job
 
@@ -566,24 +540,15 @@ class JobBoard:
         job = self.jobs.get(job_id)
         if job is None or job.status == "completed":
             return
-        if self.sync is not None:
-            outcome = await self.sync.withdraw(job_id, reason)
-            if outcome is None:  # ended meanwhile, through another replica
-                await self.sync.refresh(job_id)
-                return
-            job.cancel_reason = job.cancel_reason or reason
-            job.cancelled = True
-            if outcome == "deleted":
-                self.jobs.pop(job_id, None)
-            self.changes.notify()
+        outcome = await self.coordination.withdraw_job(job, reason)
+        if outcome is None:  # ended meanwhile, through another replica
+            await self.coordination.reread_job(job_id, job)
             return
-        job.cancel_reason = reason
+        job.cancel_reason = job.cancel_reason or reason
         job.cancelled = True
-        if job.claimed_by is None:
-            del self.jobs[job_id]
-            await self.store.delete_job(job_id)
-        else:
-            await self.save(job)
+        if outcome == "deleted":
+            self.jobs.pop(job_id, None)
+        await self.coordination.decided(job)
         self.changes.notify()
 
     async def check_offline(self) -> list[Job]:

@@ -325,18 +325,20 @@ class Channels:
         self.suspended: dict[str, dict[str, Sink]] = {}
         # told of each channel accepted (the catalog asks it for its models)
         self.on_open: list[Callable[[ServerChannel], None]] = []
-        # a replica of a team: told of each channel of this replica gone, and of each request
-        # suspended; ``remote`` finds a job's channel held by another replica
+        # told of each channel of this hub gone, and of each request suspended (a replica
+        # writes them down for the others); a job's channel another hub holds is found by the
+        # board's coordination (``remote_channel``)
         self.on_gone: list[Callable[[ServerChannel], None]] = []
         self.on_suspend: list[Callable[[str, str, Sink], None]] = []
-        self.remote: Callable[[str], ServerChannel | None] | None = None
+        self.coordination = board.coordination
 
     def get(self, job_id: str) -> ServerChannel | None:
-        """The job's current open channel (on a team, perhaps one another replica holds),
+        """The job's current open channel (on replicas, perhaps one another replica holds),
         or None."""
         ch = self._open.get(job_id)
-        if ch is None and self.remote is not None:
-            return self.remote(job_id)
+        if ch is None:
+            found: ServerChannel | None = self.coordination.remote_channel(job_id)
+            return found
         return ch
 
     def local(self, job_id: str) -> ServerChannel | None:

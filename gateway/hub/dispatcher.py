@@ -137,8 +137,8 @@ class Dispatcher:
         self._offers: dict[str, _Offer] = {}  # unclaimed new jobs by id: who they are offered to
         self._offered_at: dict[str, float] = {}  # runner id -> when it was last chosen
         self._passed_at: dict[str, float] = {}  # runner id -> when it last let an offer pass
-        # a replica of a team: whether a job's channel went with the replica that held it
-        self.awaiting: Callable[[str], bool] = lambda job_id: False
+        # whether a job's channel went with a replica that is down, how jobs are offered
+        self.coordination = board.coordination
         # a runner's models asked again on its channel (the catalog's; None: never)
         self.relist: Callable[[ServerChannel], Awaitable[object]] | None = None
         self._relisted: dict[str, float] = {}  # runner id -> when its list was last asked so
@@ -319,7 +319,7 @@ class Dispatcher:
                 job.claimed_by,
                 over,
                 channel,
-                awaiting=not channel and self.awaiting(job_id),
+                awaiting=not channel and self.coordination.awaiting(job_id),
                 redial_by=self._redial_by(job_id),
             )
         return out
@@ -378,8 +378,8 @@ class Dispatcher:
         first): one runner woken per new session, not the fleet. When none is left to choose,
         every eligible runner, as a poll finds it."""
         now = trio.current_time()
-        if self.board.sync is not None:  # a team: its runners' push streams are spread over
-            return targets, _Offer(None, math.inf)  # the replicas; offered as before, to all
+        if not self.coordination.narrows_offers():  # replicas: the runners' push streams are
+            return targets, _Offer(None, math.inf)  # spread over them; offered to all
         offer = self._offers.get(job_id) if job_id is not None else None
         passed = offer.passed if offer is not None else set()
         if offer is not None and offer.runner is not None:

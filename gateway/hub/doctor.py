@@ -17,12 +17,12 @@ import httpx
 import trio
 
 from gateway import __version__
+from gateway.hub.replicas.replica import EXPIRY, team_secrets
+from gateway.hub.replicas.store.base import ReplicaRow, shared
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import StoreError, StoreMissing, open_store
 from gateway.hub.store.dburl import is_url, redact
 from gateway.hub.store.schema import LATEST
-from gateway.hub.store.team_base import ReplicaRow
-from gateway.hub.team.team import EXPIRY, team_secrets
 
 OK, FAIL, WARN = "✓", "✗", "!"
 PROBE_TIMEOUT = 3.0  # s for a replica's /healthz to answer
@@ -57,7 +57,7 @@ async def check(settings: HubSettings, report: Report) -> None:
         kind = "PostgreSQL" if settings.store else "SQLite"
         report.add(OK, "store", f"{kind} at {where} reachable")
         report.add(OK, "migrations", f"schema at version {LATEST}, this alp-gateway's")
-        team = store.team("doctor")
+        team = shared(store, "doctor")
         if team is None:
             report.add(OK, "replicas", "none: a SQLite hub serves alone (--store for a team)")
             return

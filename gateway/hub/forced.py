@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import trio
 
+from gateway.hub.coordination import Coordination
 from gateway.hub.job import Job
 from gateway.hub.settings import HubSettings
 
@@ -24,7 +25,7 @@ class JobBoard(Protocol):
     last_seen: dict[str, float]
     runners: dict[str, Any]
     generation: int
-    sync: Any  # board.Sync | None: a replica's writes to its team's store
+    coordination: Coordination  # where its decisions are made
 
     async def _keep_report(self, job: Job, report: dict[str, Any]) -> None: ...
 
@@ -75,8 +76,8 @@ async def force_end(board: JobBoard, job: Job, why: str) -> bool:
     """End a claimed job as failure with one forced report saying ``why``; False when
     another replica ended it first."""
     report = {"status": "completed", "conclusion": "failure", "logs": why, "forced": True}
-    if board.sync is not None and not await board.sync.complete(job, "failure", False):
-        await board.sync.refresh(job.id)  # another replica ended it
+    if not await board.coordination.complete_job(job, "failure", False):
+        await board.coordination.reread_job(job.id, job)  # another replica ended it
         return False
     await board._keep_report(job, report)
     job.status = "completed"

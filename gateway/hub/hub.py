@@ -13,6 +13,7 @@ import trio
 from gateway.hub.accounting import Accounting
 from gateway.hub.board import Changes, Job, JobBoard
 from gateway.hub.channel import CLOSE_OFFLINE, Channels
+from gateway.hub.coordination import Alone, Coordination
 from gateway.hub.counters import HubCounters
 from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.frontdoor import FrontDoor
@@ -21,6 +22,8 @@ from gateway.hub.metrics import HubMetrics
 from gateway.hub.models import Catalog
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
+from gateway.hub.replicas.coordination import replicated
+from gateway.hub.replicas.replica import Team
 from gateway.hub.runners import REVOCATION_CHECK, RunnerAdmin
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
@@ -28,7 +31,6 @@ from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import HubSnapshot, take
 from gateway.hub.store import StoreError, open_store, token_hash
 from gateway.hub.store.journal import Journal
-from gateway.hub.team import Team, replica_id
 
 log = logging.getLogger("gateway.hub")
 
@@ -69,7 +71,11 @@ class Hub:
         self.people = People(
             store, settings, Oidc(settings) if settings.oidc_issuer is not None else None
         )
-        self.board = board = JobBoard(store, settings, changes)
+        # on a store other hubs share, this hub is one of their replicas (gateway.hub.replicas):
+        # its parts call them through its coordination (gateway.hub.coordination)
+        replicas = replicated(store, settings, self.data_dir)
+        self.coordination: Coordination = replicas or Alone(store)
+        self.board = board = JobBoard(store, settings, changes, self.coordination)
         self.channels = channels = Channels(board, changes, counters)
         self.sessions = sessions = Sessions(
             store,
@@ -78,12 +84,15 @@ class Hub:
             key_check_interval=lambda: settings.key_check_interval,
             job_over=self._job_over,
             end_job=channels.cancel_job,
+            coordination=self.coordination,
         )
         self.runner_admin = RunnerAdmin(store, board, channels)
         self.dispatcher = dispatcher = Dispatcher(settings, board, channels, sessions, counters)
         self.catalog = catalog = Catalog(store, settings, board, channels)
         dispatcher.relist = lambda ch: catalog.ask(ch, settings.models_timeout)
-        self.accounting = accounting = Accounting(store, settings, label=catalog.label)
+        self.accounting = accounting = Accounting(
+            store, settings, label=catalog.label, coordination=self.coordination
+        )
         self.frontdoor = FrontDoor(
             settings,
             keys,
@@ -97,21 +106,10 @@ class Hub:
         sessions.on_key_check.append(self._key_check)
         keys.on_limits.append(accounting.forget_limits)
         sessions.on_key_check.append(keys.keep_active)
-        # on a store other hubs share: this hub is one replica of a team (gateway.hub.team)
-        self.team: Team | None = None
-        team_store = store.team(replica_id(settings.replica_id, self.data_dir))
-        if team_store is not None:
-            self.team = Team(
-                team_store,
-                settings,
-                hub_store=store,
-                board=board,
-                channels=channels,
-                sessions=sessions,
-                dispatcher=dispatcher,
-                catalog=catalog,
-                accounting=accounting,
-            )
+        # a replica's own machinery (its peers, their channels, the store's notifications)
+        self.team: Team | None = self.coordination.join(
+            hub_store=store, board=board, channels=channels, sessions=sessions, catalog=catalog
+        )
 
     def _revoked(self, key_id: str) -> None:
         """A key revoked here (or, on a team, by another replica): its turns in flight end."""
@@ -136,8 +134,8 @@ class Hub:
             catalog=self.catalog,
             accounting=self.accounting,
             counters=self.counters,
-            connected=None if self.team is None else self.team.connected_runners(),
-            replica=None if self.team is None else self.team.identity(),
+            connected=self.coordination.connected_runners(),
+            replica=self.coordination.identity(),
         )
 
     async def restore(self) -> None:
@@ -154,8 +152,10 @@ class Hub:
                     "recorded from its journal",
                     recovered,
                 )
-        if self.team is not None:  # the team reads the store as it starts (Team.run)
-            return
+        await self.coordination.restore(self._restore)  # a replica reads the store as it starts
+
+    async def _restore(self) -> None:
+        """``restore`` of a hub alone."""
         await self.board.load()
         kept = await self.sessions.restore()
         for job in list(self.board.jobs.values()):
@@ -174,8 +174,7 @@ class Hub:
         await self.restore()
         try:
             async with trio.open_nursery() as nursery:
-                if self.team is not None:
-                    await nursery.start(self.team.run)
+                await nursery.start(self.coordination.run)
                 task_status.started()
                 nursery.start_soon(self.store.run)
                 nursery.start_soon(self.sessions.run)

@@ -269,15 +269,12 @@ class RunnerApi:
         ws = await req.accept()
         job.channel_opened = True
         ch = self.hub.channels.accept(job.id, runner.id, ws)
-        if self.hub.team is not None:  # the other replicas told, their resumes named
-            held = ch.held = trio.Event()  # turns already waiting for it send after the hello
-            try:
-                await self.hub.team.accepted(ch)
-                ch.held = None
-                await ch.send(ch.hello)  # the first frame: the held ones go after it
-            finally:
-                ch.held = None
-                held.set()
-        else:
-            await ch.send(ch.hello)  # the first frame: written before anything else is
+        held = ch.held = trio.Event()  # turns already waiting for it send after the hello
+        try:
+            await self.hub.coordination.channel_accepted(ch)  # a replica tells the others
+            ch.held = None
+            await ch.send(ch.hello)  # the first frame: the held ones go after it
+        finally:
+            ch.held = None
+            held.set()
         await ch.serve()

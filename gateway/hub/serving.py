@@ -35,7 +35,6 @@ from gateway.hub.dispatch import Refusal, Refuse
 from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.sessions import Session, Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
-from gateway.hub.settled import SettledTurn
 from gateway.hub.store import ApiKey
 from gateway.hub.turn import Turn
 from gateway.hub.turnstate import State, TurnLost, TurnSuspended
@@ -101,7 +100,7 @@ class Serving:
     ) -> None:
         """Serve one turn of the key's session ``session_id`` ("" for the default one)."""
         settings = self.settings
-        turn = (SettledTurn if self.accounting.settles else Turn)(
+        turn = self.accounting.coordination.turn_type(
             new_id(),
             key.id,
             key.name,
@@ -127,8 +126,6 @@ class Serving:
         except TooManySessions as exc:  # a team's admission holds the key's session cap
             turn.refuse(too_many_sessions(exc.limit))
             return
-        if isinstance(turn, SettledTurn):
-            turn.hold()  # its answer's last write waits for its row in the store
         try:
             try:
                 session, evicted = await self.sessions.enter(key, turn.session)
@@ -146,9 +143,8 @@ class Serving:
                 turn.cut()
             if turn.state is State.OVERRUN:
                 self.dispatcher.counters.turns_overrun += 1
-            if isinstance(turn, SettledTurn):  # a team's: its row in the store, then its end
-                await self.accounting.settle(turn)
-                turn.release_held()
+            # a replica's: its row in the store, then its last write
+            await self.accounting.coordination.settle(turn)
 
     async def _attempts(
         self, req: Request, turn: Turn, session: Session, traceparent: str | None

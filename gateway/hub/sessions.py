@@ -15,15 +15,14 @@ from dataclasses import dataclass, field
 
 import trio
 
+from gateway.hub.coordination import Alone, Coordination
 from gateway.hub.store import ApiKey, Store, StoredSession, StoreError
-from gateway.hub.store.team_base import TeamStore
 
 log = logging.getLogger("gateway.hub.sessions")
 
 REAP_RETRY = 1.0  # s: the reaper looks again this soon after the store failed it
 # s: a key revoked on a team: its sessions' jobs end here after the other replicas ended its
 # turns in flight (they look every REVOCATION_CHECK, 0.5 s, while turns are in flight)
-TEAM_REVOKE_GRACE = 1.0
 
 SessionKey = tuple[str, str]  # (API key id, session id)
 LEGACY_KEY = "name:"  # the key part of a restored session whose key is known by name only
@@ -76,26 +75,23 @@ class Sessions:
         key_check_interval: Callable[[], float],
         job_over: Callable[[str], bool],
         end_job: EndJob,
+        coordination: Coordination | None = None,
     ) -> None:
         self.store = store
+        self.coordination: Coordination = coordination or Alone(store)
         self.live: dict[SessionKey, Session] = {}
-        self._idle_timeout = idle_timeout
+        self.idle_timeout = idle_timeout
         self._max_per_key = max_per_key
-        self._key_check_interval = key_check_interval
-        self._job_over = job_over
+        self.key_check_interval = key_check_interval
+        self.job_over = job_over
         self._end_job = end_job
         self._changed = trio.Event()
         self._restored = False
         self._uses = 0  # sessions left so far (their ``used`` order)
-        self._next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
+        self.next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
         self._next_due = -math.inf  # trio clock: when ``run`` looks next (-inf: it is looking)
         # told the active key ids at each check (the front door drops what it kept of others)
         self.on_key_check: list[Callable[[set[str]], None]] = []
-        # a replica of a team: the sessions are the store's, ``live`` what this replica knows
-        # of them (the key's session cap is the admission's, in the store)
-        self.team: TeamStore | None = None
-        self.learned: dict[SessionKey, str | None] = {}  # a session's job, as admitted
-        self._next_idle_check = -math.inf  # trio clock: a team's idle sessions looked for next
 
     def listing(self) -> dict[tuple[str, str], str | None]:
         """The live sessions: (API key name, session id) -> job id."""
@@ -106,11 +102,10 @@ class Sessions:
         self._changed.set()
 
     def check_keys(self) -> None:
-        """Check the live sessions' API keys now (one was revoked in this process); on a team,
-        in ``TEAM_REVOKE_GRACE`` s: the other replicas end the key's turns in flight first, each
-        client told its key was revoked (not that its channel was lost as its job ended here)."""
-        now = trio.current_time()
-        self._next_key_check = -math.inf if self.team is None else now + TEAM_REVOKE_GRACE
+        """Check the live sessions' API keys now (one was revoked in this process), or after the
+        coordination's ``revoke_grace`` (replicas: the others end the key's turns in flight first,
+        each client told its key was revoked, not that its channel was lost as its job ended)."""
+        self.next_key_check = trio.current_time() + self.coordination.revoke_grace()
         self.poke()
 
     # -- one session's turns ----------------------------------------------------------
@@ -124,7 +119,7 @@ class Sessions:
         session = self.live.get(skey)
         evicted: Session | None = None
         if session is None:
-            limit = self._max_per_key() if self.team is None else 0
+            limit = self.coordination.session_cap(self._max_per_key())
             if limit > 0:
                 held = [s for k, s in self.live.items() if k[0] == skey[0]]
                 if len(held) >= limit:
@@ -147,10 +142,10 @@ class Sessions:
                     )
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
             self.poke()  # ``run`` checks its key from now on
-        if skey in self.learned:  # the store's word, unless this replica has turns of it now
-            learned = self.learned.pop(skey)
-            if not session.turns and session.job_id != learned:
-                session.job_id = learned
+        # a replica's: the store's word as the turn was admitted, unless it has turns of it now
+        found = self.coordination.learned_job(skey, session.job_id)
+        if not session.turns and session.job_id != found:
+            session.job_id = found
         session.turns += 1
         if evicted is not None:  # then out of the store
             await self.store.delete_session(evicted.key_name, evicted.key[1], evicted.job_id)
@@ -167,43 +162,22 @@ class Sessions:
             del self.live[session.key]
         # ``run`` is woken only when this session falls idle before it would look anyway (a
         # wake per turn was a task step and a walk over every session, per turn)
-        idle = self._idle_timeout()
+        idle = self.idle_timeout()
         if idle and idle > 0 and now + idle < self._next_due:
             self.poke()
 
     async def bind(self, session: Session, job_id: str | None) -> str | None:
         """Point the session at ``job_id`` (None: at no job), in memory and in the store; the
-        job it points at then. On a team that is ``job_id`` unless another replica set the
+        job it points at then. On replicas that is ``job_id`` unless another replica set the
         session's job first (compare-and-set on what this replica knew): then that one."""
         before = session.job_id
         if before == job_id:
             return job_id
-        if self.team is not None:
-            key_id = "" if not session.key_checked else session.key[0]
-            wanted = StoredSession(
-                session.key_name,
-                session.key[1],
-                session.owner,
-                session.project,
-                job_id or "",
-                key_id,
-            )
-            job_id = await self.team.bind_session(wanted, before)
-            session.job_id = job_id
-            if job_id is not None:
-                session.had_job = None
-            return job_id
-        session.job_id = job_id
-        if job_id is None:
-            await self.store.delete_session(session.key_name, session.key[1], before)
-        else:
-            session.had_job = None
-            key_id = "" if not session.key_checked else session.key[0]
-            stored = StoredSession(
-                session.key_name, session.key[1], session.owner, session.project, job_id, key_id
-            )
-            await self.store.save_session(stored)
-        return job_id
+        key_id = "" if not session.key_checked else session.key[0]
+        wanted = StoredSession(
+            session.key_name, session.key[1], session.owner, session.project, job_id or "", key_id
+        )
+        return await self.coordination.bind_session(session, wanted, before)
 
     def drop(self, key_name: str | None = None, session_id: str | None = None) -> None:
         """Forget what this replica knew of a session (all of them: None) without a turn in
@@ -225,7 +199,7 @@ class Sessions:
     async def restore(self) -> set[str]:
         """Reload the stored sessions whose job can still serve and whose key is active (once,
         before serving); the jobs they point at."""
-        if self._restored or self.team is not None:  # a team's sessions are read as used
+        if self._restored:
             return set()
         self._restored = True
         now = trio.current_time()
@@ -237,7 +211,7 @@ class Sessions:
                 key_id = LEGACY_KEY + stored.key_name
             key = (key_id, stored.session_id)
             revoked = not key_id.startswith(LEGACY_KEY) and key_id not in active
-            if key in self.live or revoked or self._job_over(stored.job_id):
+            if key in self.live or revoked or self.job_over(stored.job_id):
                 if key not in self.live:
                     await self.store.delete_session(
                         stored.key_name, stored.session_id, stored.job_id
@@ -258,7 +232,8 @@ class Sessions:
 
     # -- background work ----------------------------------------------------------------
 
-    async def _end(self, job_id: str, reason: str) -> None:
+    async def end(self, job_id: str, reason: str) -> None:
+        """``chat.end`` with ``reason`` on the job's channel, then the job withdrawn."""
         try:
             with trio.CancelScope(shield=True):
                 await self._end_job(job_id, reason)
@@ -268,7 +243,7 @@ class Sessions:
     async def end_evicted(self, session: Session) -> None:
         """End the job of a session ended to make room (``enter``)."""
         if session.job_id is not None:
-            await self._end(session.job_id, "session ended: its API key opened too many")
+            await self.end(session.job_id, "session ended: its API key opened too many")
 
     async def _end_revoked(self) -> None:
         """End every live session whose API key is no longer active (revoked here, or by another
@@ -283,29 +258,31 @@ class Sessions:
             log.info(
                 "session %s: its API key was revoked: ending job %s", session.name, session.job_id
             )
-            if session.job_id is not None and not self._job_over(session.job_id):
-                await self._end(session.job_id, "api key revoked")
+            if session.job_id is not None and not self.job_over(session.job_id):
+                await self.end(session.job_id, "api key revoked")
 
     async def _reap(self) -> float:
         """Forget finished sessions, end idle ones and those of revoked keys; returns when the
-        next one falls due."""
-        if self.team is not None:
-            return await self._reap_team(self.team)
-        idle = self._idle_timeout()
+        next one falls due (the coordination's: a replica's are the store's)."""
+        return await self.coordination.reap_sessions(self)
+
+    async def reap_here(self) -> float:
+        """``_reap`` of a hub alone: the table in memory, each change written to the store."""
+        idle = self.idle_timeout()
         now = trio.current_time()
         next_due = math.inf
-        if self.live and now >= self._next_key_check:
-            self._next_key_check = now + self._key_check_interval()
+        if self.live and now >= self.next_key_check:
+            self.next_key_check = now + self.key_check_interval()
             await self._end_revoked()
         if self.live:
-            next_due = self._next_key_check
+            next_due = self.next_key_check
         for key, session in list(self.live.items()):
             if self.live.get(key) is not session or session.turns:
                 continue  # replaced while we awaited, or busy
             if session.job_id is None and session.had_job is None:
                 await self.forget(session)
                 continue
-            if session.job_id is not None and self._job_over(session.job_id):
+            if session.job_id is not None and self.job_over(session.job_id):
                 session.had_job = session.job_id  # its next turn is a failover
                 await self.bind(session, None)
             due = session.last_used + idle if idle and idle > 0 else math.inf
@@ -316,7 +293,7 @@ class Sessions:
             if session.job_id is None:
                 continue
             log.info("session %s idle for %g s: ending job %s", session.name, idle, session.job_id)
-            await self._end(session.job_id, "idle")
+            await self.end(session.job_id, "idle")
         return next_due
 
     async def run(self) -> None:
@@ -335,53 +312,3 @@ class Sessions:
             self._next_due = next_due
             with trio.move_on_at(next_due):
                 await self._changed.wait()
-
-    async def _reap_team(self, team: TeamStore) -> float:
-        """``_reap`` on a team: idle sessions and revoked keys' ones taken out of the store by
-        one statement each (whichever replica runs it first ends their jobs); what this replica
-        knows of sessions kept as long as they are used here."""
-        idle = self._idle_timeout()
-        now = trio.current_time()
-        for key, session in list(self.live.items()):
-            if self.live.get(key) is not session or session.turns:
-                continue
-            if session.job_id is None and session.had_job is None:
-                del self.live[key]
-                continue
-            if session.job_id is not None and self._job_over(session.job_id):
-                session.had_job = session.job_id  # its next turn is a failover
-                await self.bind(session, None)
-            if idle > 0 and now - session.last_used > idle:
-                del self.live[key]  # the store's reaper ends it (this replica's, or another's)
-        if now >= self._next_key_check:
-            self._next_key_check = now + self._key_check_interval()
-            active = await self.store.active_key_ids()
-            for observe in self.on_key_check:
-                observe(active)
-            for key, session in list(self.live.items()):
-                if session.key_checked and key[0] not in active and not session.turns:
-                    del self.live[key]
-            for stored in await team.revoked_sessions(active):
-                self.drop(stored.key_name, stored.session_id)
-                log.info(
-                    "session %s/%s: its API key was revoked: ending job %s",
-                    stored.key_name,
-                    stored.session_id,
-                    stored.job_id,
-                )
-                if not self._job_over(stored.job_id):
-                    await self._end(stored.job_id, "api key revoked")
-        if idle > 0 and now >= self._next_idle_check:
-            self._next_idle_check = now + min(idle / 4, 30.0)
-            for stored in await team.idle_sessions(idle):
-                self.drop(stored.key_name, stored.session_id)
-                log.info(
-                    "session %s/%s idle for %g s: ending job %s",
-                    stored.key_name,
-                    stored.session_id,
-                    idle,
-                    stored.job_id,
-                )
-                if not self._job_over(stored.job_id):
-                    await self._end(stored.job_id, "idle")
-        return min(self._next_key_check, self._next_idle_check if idle > 0 else math.inf)

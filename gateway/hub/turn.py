@@ -45,7 +45,13 @@ class Turn(TurnState):
         *("started", "first_token", "ended", "runner_id", "job_id", "status", "error"),
         *("prompt_tokens", "completion_tokens", "estimated", "reserved", "cost", "ref_cost"),
         *("priority", "chunks", "attempts", "on_end"),
-        *("body", "asked", "dialect", "strip_usage", "request_id"),  # the request, in the client's API
+        *(
+            "body",
+            "asked",
+            "dialect",
+            "strip_usage",
+            "request_id",
+        ),  # the request, in the client's API
         # the response writer: the client's events, its bound, a non-streamed answer gathered
         *("resp", "bound", "max_answer", "translation", "_encode", "pending", "last"),
         *("gathered", "gathered_bytes", "_choices", "_choices_at"),

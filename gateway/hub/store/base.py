@@ -43,7 +43,6 @@ from gateway.hub.store.records import (
     UsageRecord,
     UsageTotal,
 )
-from gateway.hub.store.team_base import TeamStore
 
 if TYPE_CHECKING:
     from gateway.hub.store.postgres_ops import Op
@@ -255,11 +254,6 @@ class Store(abc.ABC):
             )
             self._pending = []
         await self._close()
-
-    def team(self, replica: str) -> TeamStore | None:
-        """The statements of a team of hubs sharing this store, as replica ``replica``; None
-        for a store no other hub shares (SQLite's: its hub is alone)."""
-        return None
 
     # -- what a backend implements -----------------------------------------------------------
 

@@ -26,7 +26,9 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from gateway.hub.store import dburl, postgres_usage, team_ops
+from gateway.hub.replicas.store import ops as replica_ops
+from gateway.hub.replicas.store.base import TeamStore
+from gateway.hub.store import dburl, postgres_usage
 from gateway.hub.store import postgres_ops as pg_ops
 from gateway.hub.store.base import (
     BATCH_INTERVAL,
@@ -57,7 +59,6 @@ from gateway.hub.store.records import AdminCredential, ModelList
 from gateway.hub.store.schema import SchemaTooNew
 from gateway.hub.store.sql import POSTGRES, Op
 from gateway.hub.store.sqlstore import SqlStore
-from gateway.hub.store.team_base import TeamStore
 
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 CALL_TIMEOUT = 15.0  # s a call may wait for its answers
@@ -154,7 +155,7 @@ class PostgresStore(SqlStore):
 
     def team(self, replica: str) -> TeamStore:
         """The team's statements on this store's pool, as replica ``replica``."""
-        from gateway.hub.store.postgres_team import PostgresTeam
+        from gateway.hub.replicas.store.postgres import PostgresTeam  # the replicas' own
 
         self._replica = replica
         return PostgresTeam(self, replica)
@@ -248,7 +249,7 @@ class PostgresStore(SqlStore):
     async def save_models(self, models: ModelList) -> None:
         await super().save_models(models)
         if self._replica:  # the team's other replicas read it again
-            await self._run(team_ops.models_changed(self._replica, models.runner_id))
+            await self._run(replica_ops.models_changed(self._replica, models.runner_id))
 
     async def people(self, op: Op[T]) -> T:
         await self.flush_usage()

@@ -17,9 +17,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gateway.hub.store.team_schema import BUDGET_STATEMENTS
-from gateway.hub.store.team_schema import RECORDED as TEAM_RECORDED
-from gateway.hub.store.team_schema import STATEMENTS as TEAM_STATEMENTS
+# the replicas' tables on PostgreSQL (their migrations below): the SQL is the replicas' own
+from gateway.hub.replicas.store.schema import BUDGET_STATEMENTS
+from gateway.hub.replicas.store.schema import RECORDED as TEAM_RECORDED
+from gateway.hub.replicas.store.schema import STATEMENTS as TEAM_STATEMENTS
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""One replica's job board kept in step with the team's store: its writes (``BoardSync``, the
-board's ``sync``: claims, ends and withdrawals as conditional statements), the rows other
-replicas changed read back into it (``apply``), and the runners they heard from
+"""One replica's job board kept in step with the team's store: its writes (``BoardSync``, what
+the board's coordination calls: claims, ends and withdrawals as conditional statements), the
+rows other replicas changed read back into it (``apply``), and the runners they heard from
 (``seen_remote``)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import trio
 
 from gateway.hub.board import JobBoard, RunnerState
 from gateway.hub.job import Job
-from gateway.hub.store.team_base import Presence, TeamJob, TeamStore
+from gateway.hub.replicas.store.base import Presence, TeamJob, TeamStore
 
 
 class BoardSync:
-    """The board's writes on a team (``gateway.hub.board.Sync``)."""
+    """The board's writes on a team (``coordination.Replicated`` makes them through it)."""
 
     def __init__(self, board: JobBoard, store: TeamStore) -> None:
         self.board = board

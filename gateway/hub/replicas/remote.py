@@ -20,13 +20,13 @@ from collections.abc import Callable
 import trio
 
 from gateway.hub.channel import Channels, ServerChannel, Sink
-from gateway.hub.team.framing import Records, frame_head
-from gateway.hub.team.signing import sign
+from gateway.hub.replicas.framing import Records, frame_head
+from gateway.hub.replicas.signing import sign
 from gateway.wire import http1, protocol
 
-log = logging.getLogger("gateway.hub.team")
+log = logging.getLogger("gateway.hub.replicas")
 
-ROUTE = "/internal/replica/channels/"  # the holder's routes (``gateway.hub.team.relay``)
+ROUTE = "/internal/replica/channels/"  # the holder's routes (``gateway.hub.replicas.relay``)
 CONNECT_TIMEOUT = 2.0  # s to reach another replica; past it, it counts as down
 HEAD_TIMEOUT = 10.0  # s for its answer's head (it answers at once: the frame is sent after)
 _REQUEST = protocol.COMPLETION_REQUEST.encode()

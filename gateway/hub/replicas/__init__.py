@@ -2,7 +2,3 @@
 claimed once whatever replica a runner reaches, every replica's memory kept in step by the
 store's notifications, a turn served by the replica its client reached through the replica
 that holds its session's channel, and the API keys' limits counted in the store."""
-
-from gateway.hub.team.team import Team, advertised, replica_id, team_secrets
-
-__all__ = ["Team", "advertised", "replica_id", "team_secrets"]

@@ -31,17 +31,14 @@ import trio
 
 from gateway import __version__
 from gateway.config import parse_team_secrets
-from gateway.hub.accounting import Accounting
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import CLOSE_REPLACED, Channels, ServerChannel, Sink
-from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.models import Catalog
-from gateway.hub.sessions import Sessions
-from gateway.hub.settings import HubSettings
-from gateway.hub.snapshot import ReplicaStatus
-from gateway.hub.store import Store, StoreError
-from gateway.hub.store.credentials import ensure_private_dir
-from gateway.hub.store.team_base import (
+from gateway.hub.replicas.boardsync import BoardSync, apply, presence_of, seen_remote
+from gateway.hub.replicas.limits import TeamLimits
+from gateway.hub.replicas.relay import Relay
+from gateway.hub.replicas.remote import Peer, RemoteChannel
+from gateway.hub.replicas.store.base import (
     CHANNEL,
     JOB,
     MODELS,
@@ -53,14 +50,15 @@ from gateway.hub.store.team_base import (
     ReplicaRow,
     TeamStore,
 )
-from gateway.hub.team.boardsync import BoardSync, apply, presence_of, seen_remote
-from gateway.hub.team.limits import TeamLimits
-from gateway.hub.team.relay import Relay
-from gateway.hub.team.remote import Peer, RemoteChannel
+from gateway.hub.sessions import Sessions
+from gateway.hub.settings import HubSettings
+from gateway.hub.snapshot import ReplicaStatus
+from gateway.hub.store import Store, StoreError
+from gateway.hub.store.credentials import ensure_private_dir
 from gateway.privatefs import write_private
 from gateway.wire.protocol import HelloFrame, encode_frame
 
-log = logging.getLogger("gateway.hub.team")
+log = logging.getLogger("gateway.hub.replicas")
 
 HEARTBEAT = 1.0  # s between heartbeats (each also reads the other replicas')
 EXPIRY = 5.0  # s without a heartbeat: the replica is dead
@@ -140,9 +138,8 @@ class Team:
         board: JobBoard,
         channels: Channels,
         sessions: Sessions,
-        dispatcher: Dispatcher,
         catalog: Catalog,
-        accounting: Accounting,
+        learned: dict[tuple[str, str], str | None],
     ) -> None:
         self.store = store
         self.replica = store.replica
@@ -168,19 +165,15 @@ class Team:
         self._retiring: set[str] = set()
         self.relay = Relay(self.secrets, channels, settings, self._spawn)
         self.sync = BoardSync(board, store)
-        self.limits = TeamLimits(store, settings, sessions.learned, self._evicted, EXPIRY)
+        self.limits = TeamLimits(store, settings, learned, self._evicted, EXPIRY)
         self._dirty: dict[str, dict[Any, None]] = {}  # notification kind -> subjects pending
         self._noted = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._running = False  # the nursery takes new tasks
-        # wired into the hub's parts
-        board.sync = self.sync
-        channels.remote = self.remote_channel
+        # told of this replica's channels gone and requests suspended (the rest of the hub's
+        # parts call it through ``coordination.Replicated``)
         channels.on_gone.append(self._gone)
         channels.on_suspend.append(self._suspended)
-        dispatcher.awaiting = self.awaiting
-        accounting.team = self.limits
-        sessions.team = store
 
     @property
     def nursery(self) -> trio.Nursery:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
 
@@ -299,3 +299,16 @@ class TeamStore(abc.ABC):
     @abc.abstractmethod
     async def sessions_listing(self) -> list[dict[str, Any]]:
         """Every session of the team with its job, runner and last use (s ago)."""
+
+
+@runtime_checkable
+class Shared(Protocol):
+    """A hub store other hubs may share (PostgreSQL's): it gives the replicas' statements."""
+
+    def team(self, replica: str) -> TeamStore: ...
+
+
+def shared(store: object, replica: str) -> TeamStore | None:
+    """The replicas' statements on ``store`` as replica ``replica``; None for a store no other
+    hub shares (SQLite's: its hub is alone)."""
+    return store.team(replica) if isinstance(store, Shared) else None

@@ -1,11 +1,12 @@
-"""The usage rows of a team's turns on PostgreSQL, sans-IO (as ``team_ops``): each turn's row kept
+"""The usage rows of a team's turns on PostgreSQL, sans-IO (as ``ops``): each turn's row kept
 as its record from its admission, written once, by its replica as the turn ends (``settle``)
-or by a survivor for a dead replica (``settle_rows``, in ``team_ops.retire``)."""
+or by a survivor for a dead replica (``settle_rows``, in ``ops.retire``)."""
 
 from __future__ import annotations
 
 import msgspec
 
+from gateway.hub.replicas.store.schema import MONTH, NOW
 from gateway.hub.store.postgres_ops import Op, Query
 from gateway.hub.store.postgres_usage import (
     USAGE_PARAMS,
@@ -14,7 +15,6 @@ from gateway.hub.store.postgres_usage import (
     write_usage,
 )
 from gateway.hub.store.records import UsageRecord
-from gateway.hub.store.team_schema import MONTH, NOW
 
 # a turn settled by its replica as it ends, in one statement: its release (as ``release``) and
 # its usage row and hourly totals (as ``postgres_usage.write_usage``), only when the turn's
@@ -72,7 +72,7 @@ def settle(
 def settle_rows(replica: str) -> Op[int]:
     """The turns ``replica`` left unsettled (it is dead, or stopping, or this is its new life):
     each one's row as its record has it (cut, with what was known at its admission), ended at
-    the database's time, in the caller's transaction (``team_ops.retire``); how many."""
+    the database's time, in the caller's transaction (``ops.retire``); how many."""
     rows = yield Query(  # RETURNING gives the new row: the record is read before it goes
         "WITH old AS (SELECT id, record FROM team_turns WHERE replica = $1"
         " AND record IS NOT NULL FOR UPDATE)"

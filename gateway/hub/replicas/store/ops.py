@@ -11,15 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
-from gateway.hub.store.records import (
-    StoredJob,
-    StoredSession,
-    job_of,
-    job_values,
-    utc_now,
-)
-from gateway.hub.store.team_base import (
+from gateway.hub.replicas.store.base import (
     CHANNEL,
     JOB,
     MODELS,
@@ -35,8 +27,16 @@ from gateway.hub.store.team_base import (
     Suspended,
     TeamJob,
 )
-from gateway.hub.store.team_schema import ADMIT_CALLS, MONTH, NOW
-from gateway.hub.store.team_usage import settle_rows
+from gateway.hub.replicas.store.schema import ADMIT_CALLS, MONTH, NOW
+from gateway.hub.replicas.store.usage import settle_rows
+from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
+from gateway.hub.store.records import (
+    StoredJob,
+    StoredSession,
+    job_of,
+    job_values,
+    utc_now,
+)
 
 NOTIFY_CHANNEL = "alp_hub"
 _JOB_COLUMNS = (

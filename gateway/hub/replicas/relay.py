@@ -23,15 +23,15 @@ import trio
 
 from gateway.hub.channel import Channels, Reply, ServerChannel
 from gateway.hub.http import HTTPError, Request, wait_disconnect
+from gateway.hub.replicas.framing import HEAD, record
+from gateway.hub.replicas.remote import ROUTE
+from gateway.hub.replicas.signing import BODY_DIGEST, SIGNATURE, Verifier, body_digest
 from gateway.hub.settings import HubSettings
-from gateway.hub.team.framing import HEAD, record
-from gateway.hub.team.remote import ROUTE
-from gateway.hub.team.signing import BODY_DIGEST, SIGNATURE, Verifier, body_digest
 from gateway.wire import protocol
 from gateway.wire.errors import ClientGone
 from gateway.wire.http import Response, header
 
-log = logging.getLogger("gateway.hub.team")
+log = logging.getLogger("gateway.hub.replicas")
 
 CONTENT_TYPE = b"application/x-alp-frames"
 CANCEL_WITHIN = 2.0  # s: bound on telling the runner a forwarded turn is cancelled

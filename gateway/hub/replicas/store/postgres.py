@@ -1,4 +1,4 @@
-"""The team's store on PostgreSQL (``TeamStore``): ``team_ops``' statements run on the store's
+"""The team's store on PostgreSQL (``TeamStore``): ``ops``' statements run on the store's
 pool, and the one listening connection of each replica (``LISTEN``, outside the pool) that
 hands every notification to the team as it comes, reconnecting on its own."""
 
@@ -11,12 +11,8 @@ from typing import Any, Protocol, TypeVar
 import trio
 from psycopg import pq
 
-from gateway.hub.store import team_ops as ops
-from gateway.hub.store import team_usage
-from gateway.hub.store.postgres_io import PgFailure, TrioConnection
-from gateway.hub.store.postgres_ops import Op, Query
-from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
-from gateway.hub.store.team_base import (
+from gateway.hub.replicas.store import ops, usage
+from gateway.hub.replicas.store.base import (
     Admission,
     ChannelRow,
     Note,
@@ -27,6 +23,9 @@ from gateway.hub.store.team_base import (
     TeamJob,
     TeamStore,
 )
+from gateway.hub.store.postgres_io import PgFailure, TrioConnection
+from gateway.hub.store.postgres_ops import Op, Query
+from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
 
 
 class _Pool(Protocol):
@@ -205,7 +204,7 @@ class PostgresTeam(TeamStore):
 
     async def settle(self, ended: Release, record: UsageRecord, at: float) -> bool:
         return await self._run(
-            team_usage.settle(
+            usage.settle(
                 ended.turn_id, ended.tokens, ended.key_name, ended.session, record, at, ended.cost
             )
         )

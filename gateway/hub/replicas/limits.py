@@ -13,21 +13,21 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from gateway.hub.accounting import exceeded, over_budget, retry_after
+from gateway.hub.replicas.store.base import Release, TeamStore
 from gateway.hub.sessions import SessionKey, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import KeyLimits, StoreError, StoreUnavailable, UsageRecord
-from gateway.hub.store.team_base import Release, TeamStore
 from gateway.hub.turn import Turn
 
-log = logging.getLogger("gateway.hub.team")
+log = logging.getLogger("gateway.hub.replicas")
 
 RETRY = 1.0  # s between tries to write releases the store refused
 Evicted = Callable[[str, str, str | None], Awaitable[None]]  # key name, session id, job id
 
 
 class TeamLimits:
-    """``Accounting.team``: admissions and releases in the team's store. ``learned`` is told
-    each admitted turn's session and the job the store has for it; ``evicted`` each session
+    """Admissions and releases in the team's store (``coordination.Replicated`` calls them).
+    ``learned`` is told each admitted turn's session and the job the store has for it; ``evicted`` each session
     the session cap ended to make room (its job is to be ended)."""
 
     def __init__(
