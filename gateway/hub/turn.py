@@ -45,13 +45,8 @@ class Turn(TurnState):
         *("started", "first_token", "ended", "runner_id", "job_id", "status", "error"),
         *("prompt_tokens", "completion_tokens", "estimated", "reserved", "cost", "ref_cost"),
         *("priority", "chunks", "attempts", "on_end"),
-        *(
-            "body",
-            "asked",
-            "dialect",
-            "strip_usage",
-            "request_id",
-        ),  # the request, in the client's API
+        # the request, in the client's API
+        *("body", "asked", "dialect", "strip_usage", "request_id"),
         # the response writer: the client's events, its bound, a non-streamed answer gathered
         *("resp", "bound", "max_answer", "translation", "_encode", "pending", "last"),
         *("gathered", "gathered_bytes", "_choices", "_choices_at"),
@@ -181,8 +176,7 @@ class Turn(TurnState):
                 self.completion_tokens = 0  # an embedding generates no tokens
 
     def admitted_as(self, priority: int, reserved: int) -> None:
-        """What its key's accounting admits it with (before the verdict: a team's store reads it):
-        its class in the queue, the tokens it holds against its key's token limits till its end."""
+        """Its class in the queue and the tokens it holds against its key's limits till its end."""
         self.priority = priority
         self.reserved = reserved
 
