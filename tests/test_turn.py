@@ -416,7 +416,9 @@ async def test_a_streamed_turn_resumed_then_continued_moves_by_the_table_only() 
     turn.resumed()  # the redialled channel took it back
     assert turn.lost()  # and went too
     before = json.loads(turn.body)["messages"]
-    turn.continue_as("c1", "tok0tok1")  # another runner goes on with it
+    body = turn.continuation("tok0tok1")  # another runner goes on with it
+    assert body is not None
+    turn.continue_as("c1", body)
     assert json.loads(turn.body)["messages"] == [
         *before,
         {"role": "assistant", "content": "tok0tok1"},
@@ -463,3 +465,19 @@ async def test_a_non_streamed_turn_whose_channel_goes_is_served_again_from_the_s
     rig.events()
     assert json.loads(rig.body)["choices"][0]["message"]["content"] == "tok1"
     rig.client.close()
+
+
+def test_a_second_continuation_is_built_from_the_client_s_request_not_the_first_continuation() -> (
+    None
+):
+    """Cut twice: the second runner is asked with the client's messages and the whole answer so
+    far once, never the first part twice (an assistant message per continuation)."""
+    rig = Rig()
+    turn = rig.turn
+    asked = json.loads(turn.body)["messages"]
+    first = turn.continuation("A")
+    assert first is not None
+    turn.continue_as("c1", first)
+    second = turn.continuation("AB")
+    assert second is not None
+    assert json.loads(second)["messages"] == [*asked, {"role": "assistant", "content": "AB"}]
