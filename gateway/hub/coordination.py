@@ -68,6 +68,9 @@ class Coordination(Protocol):
     def runner_seen(self, runner_id: str, changed: bool) -> None:
         """A runner gave a sign of life (``changed``: new here, or its capabilities changed)."""
 
+    async def models_saved(self, runner_id: str) -> None:
+        """A runner's model list was written to the store (replicas: the others read it again)."""
+
     # -- the sessions --------------------------------------------------------------------
     def session_cap(self, limit: int) -> int:
         """The key's session cap the sessions table applies (0: the admission applies it)."""
@@ -201,6 +204,9 @@ class Alone:
         return known
 
     def runner_seen(self, runner_id: str, changed: bool) -> None:
+        return None
+
+    async def models_saved(self, runner_id: str) -> None:
         return None
 
     def session_cap(self, limit: int) -> int:

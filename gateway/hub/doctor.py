@@ -18,7 +18,8 @@ import trio
 
 from gateway import __version__
 from gateway.hub.replicas.replica import EXPIRY, team_secrets
-from gateway.hub.replicas.store.base import ReplicaRow, shared
+from gateway.hub.replicas.store.base import ReplicaRow
+from gateway.hub.replicas.store.shared import shared
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import StoreError, StoreMissing, open_store
 from gateway.hub.store.dburl import is_url, redact

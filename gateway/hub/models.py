@@ -389,6 +389,7 @@ class Catalog:
         await self.store.save_models(
             ModelList(ch.runner_id, owner, project, tuple(models), time.time())
         )
+        await self.board.coordination.models_saved(ch.runner_id)
 
     def _wake(self) -> None:
         """Wake whoever waits for a runner's list (``answered``, renewed)."""

@@ -18,7 +18,8 @@ from gateway.hub.replicas.relay import PATHS
 from gateway.hub.replicas.remote import ROUTE
 from gateway.hub.replicas.replica import Team, replica_id
 from gateway.hub.replicas.settled import SettledTurn
-from gateway.hub.replicas.store.base import TeamStore, shared
+from gateway.hub.replicas.store.base import TeamStore
+from gateway.hub.replicas.store.shared import shared
 from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import camel
 from gateway.hub.store import KeyLimits, Store, StoredSession, StoreError, UsageRecord
@@ -99,6 +100,9 @@ class Replicated:
         self.sync.touched.add(runner_id)
         if changed:
             self.sync.changed = True  # the others told at once
+
+    async def models_saved(self, runner_id: str) -> None:
+        await self.store.models_changed(runner_id)  # the others read it again
 
     # -- the sessions: the store's, ``live`` what this replica knows of them ------------------------
 

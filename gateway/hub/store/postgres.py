@@ -26,8 +26,6 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from gateway.hub.replicas.store import ops as replica_ops
-from gateway.hub.replicas.store.base import TeamStore
 from gateway.hub.store import dburl, postgres_usage
 from gateway.hub.store import postgres_ops as pg_ops
 from gateway.hub.store.base import (
@@ -55,7 +53,7 @@ from gateway.hub.store.postgres_io import (
     TrioConnection,
     conninfo,
 )
-from gateway.hub.store.records import AdminCredential, ModelList
+from gateway.hub.store.records import AdminCredential
 from gateway.hub.store.schema import SchemaTooNew
 from gateway.hub.store.sql import POSTGRES, Op
 from gateway.hub.store.sqlstore import SqlStore
@@ -110,7 +108,7 @@ class PostgresStore(SqlStore):
         self._connect: Any = ThreadConnection.connect if in_thread else TrioConnection.connect
         self._retry_at = -math.inf  # trio clock: while unavailable, no connect before this
         self._detail = ""  # why it is unavailable
-        self._replica = ""  # this hub's id on a team (``team``): its changes notify the others
+        self.shareable = True  # several hubs may share it (their replicas' statements run here)
         self._open(create)
 
     # -- blocking: opening, the admin credential -------------------------------------------------
@@ -152,13 +150,6 @@ class PostgresStore(SqlStore):
         if made and data_dir is not None:
             write_admin_token(data_dir, token)
         return AdminCredential(token, stored, made)
-
-    def team(self, replica: str) -> TeamStore:
-        """The team's statements on this store's pool, as replica ``replica``."""
-        from gateway.hub.replicas.store.postgres import PostgresTeam  # the replicas' own
-
-        self._replica = replica
-        return PostgresTeam(self, replica)
 
     # -- the pool ---------------------------------------------------------------------------------
 
@@ -245,11 +236,6 @@ class PostgresStore(SqlStore):
 
     async def _write_usage(self, rows: list[UsageRow], mark: tuple[str, int] | None) -> None:
         await self._run(postgres_usage.write_usage(rows, mark))
-
-    async def save_models(self, models: ModelList) -> None:
-        await super().save_models(models)
-        if self._replica:  # the team's other replicas read it again
-            await self._run(replica_ops.models_changed(self._replica, models.runner_id))
 
     async def people(self, op: Op[T]) -> T:
         await self.flush_usage()

@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass
 
 # the replicas' tables on PostgreSQL (their migrations below): the SQL is the replicas' own
-from gateway.hub.replicas.store.schema import BUDGET_STATEMENTS
-from gateway.hub.replicas.store.schema import RECORDED as TEAM_RECORDED
-from gateway.hub.replicas.store.schema import STATEMENTS as TEAM_STATEMENTS
+from gateway.hub.store.replica_schema import BUDGET_STATEMENTS
+from gateway.hub.store.replica_schema import RECORDED as TEAM_RECORDED
+from gateway.hub.store.replica_schema import STATEMENTS as TEAM_STATEMENTS
 
 
 @dataclass(frozen=True)

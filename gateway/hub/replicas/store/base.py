@@ -3,7 +3,7 @@ their heartbeats, jobs claimed and ended by conditional statements, where each j
 is, the runners' presence, the sessions' jobs set by compare-and-set, each turn's admission and
 release, and the notifications that keep every replica's memory in step.
 
-Its records are values only; ``PostgresStore.team()`` gives the store's implementation (a
+Its records are values only; ``shared.shared()`` gives the store's implementation (a
 SQLite store has none: its hub is alone). Times are the database's clock: a record says how long
 ago something happened (``..._age``, seconds), never a timestamp of another machine."""
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
 
@@ -299,16 +299,3 @@ class TeamStore(abc.ABC):
     @abc.abstractmethod
     async def sessions_listing(self) -> list[dict[str, Any]]:
         """Every session of the team with its job, runner and last use (s ago)."""
-
-
-@runtime_checkable
-class Shared(Protocol):
-    """A hub store other hubs may share (PostgreSQL's): it gives the replicas' statements."""
-
-    def team(self, replica: str) -> TeamStore: ...
-
-
-def shared(store: object, replica: str) -> TeamStore | None:
-    """The replicas' statements on ``store`` as replica ``replica``; None for a store no other
-    hub shares (SQLite's: its hub is alone)."""
-    return store.team(replica) if isinstance(store, Shared) else None

@@ -27,7 +27,6 @@ from gateway.hub.replicas.store.base import (
     Suspended,
     TeamJob,
 )
-from gateway.hub.replicas.store.schema import ADMIT_CALLS, MONTH, NOW
 from gateway.hub.replicas.store.usage import settle_rows
 from gateway.hub.store.postgres_ops import BEGIN, COMMIT, Op, Query
 from gateway.hub.store.records import (
@@ -37,6 +36,7 @@ from gateway.hub.store.records import (
     job_values,
     utc_now,
 )
+from gateway.hub.store.replica_schema import ADMIT_CALLS, MONTH, NOW
 
 NOTIFY_CHANNEL = "alp_hub"
 _JOB_COLUMNS = (

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.hub.replicas.store.schema import MONTH, NOW
 from gateway.hub.store.postgres_ops import Op, Query
 from gateway.hub.store.postgres_usage import (
     USAGE_PARAMS,
@@ -15,6 +14,7 @@ from gateway.hub.store.postgres_usage import (
     write_usage,
 )
 from gateway.hub.store.records import UsageRecord
+from gateway.hub.store.replica_schema import MONTH, NOW
 
 # a turn settled by its replica as it ends, in one statement: its release (as ``release``) and
 # its usage row and hourly totals (as ``postgres_usage.write_usage``), only when the turn's

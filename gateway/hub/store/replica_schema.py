@@ -1,5 +1,5 @@
-"""The tables of a team of hubs on one PostgreSQL store (migration 5, PostgreSQL only): the
-replicas and their heartbeats, where each job's channel is, the runners' presence, the turns in
+"""The replicas' tables on one PostgreSQL store (migrations 5, 8 and 9, PostgreSQL only), kept
+with the store's other migrations: the replicas and their heartbeats, where each job's channel is, the runners' presence, the turns in
 flight and of the last minute per API key (its limits), and the admission function.
 
 Pure data: ``schema.MIGRATIONS`` runs these statements on PostgreSQL (SQLite's single hub has no
