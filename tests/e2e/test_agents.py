@@ -33,7 +33,7 @@ from gateway.sim import SimOptions, open_sim
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.332"
 CODEX = "@openai/codex@0.171.0"
 INSTALL = f"npm install --prefix .ci/node {CLAUDE_CODE} {CODEX}"
-PROJECT_BIN = Path(__file__).resolve().parents[1] / ".ci" / "node" / "node_modules" / ".bin"
+PROJECT_BIN = Path(__file__).resolve().parents[2] / ".ci" / "node" / "node_modules" / ".bin"
 ANSWER = "tok0 tok1 tok2 tok3 tok4"  # the simulator's answer (SimOptions(chunks=5))
 WITHIN = 120.0  # seconds for one agent run (each takes about 1 s here; a cold start is slower)
 

@@ -35,7 +35,7 @@ from gateway import __version__
 from gateway.hub import Hub, open_hub
 from gateway.sim import Simulator
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BINARY = Path(os.environ.get("ALP_GATEWAY_BINARY") or ROOT / "dist" / "alp-gateway")
 
 pytestmark = pytest.mark.skipif(

@@ -1,6 +1,6 @@
 """Usage over time on the status page (issue 35, point 4), and its prices (point 1): tokens and cost per hour for the last
 day and per day for the last month, per key or per model, drawn as inline SVG by the page's own
-script (no script or font from elsewhere), checked in headless Chromium (tests/test_page.py's
+script (no script or font from elsewhere), checked in headless Chromium (tests/e2e/test_page.py's
 browser), with a screenshot saved where ``ALP_CHART_SCREENSHOT`` says (none when unset)."""
 
 from __future__ import annotations

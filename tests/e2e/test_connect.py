@@ -26,12 +26,12 @@ from gateway.sim import SimOptions, open_sim
 
 __all__ = ["claude", "codex"]  # the fixtures, used by name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 
 # the tests' own settings of the agents: nothing on the network but the turns (as in
-# tests/test_agents.py), on top of what connect wrote
+# tests/e2e/test_agents.py), on top of what connect wrote
 AGENT_ENV = {
     "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
     "LANG": "C.UTF-8",

@@ -2,7 +2,7 @@
 carried by a real runner to its backend as the ``embeddings`` extension of the hub's hello
 (docs/protocol.md §6), bodies verbatim both ways, counted in usage with the backend's prompt
 tokens; against the simulator, and against llama.cpp's own server (llama-cpp-python's) serving a
-tiny random-weight GGUF model this test writes (``tests/tinygguf.py``). A Server without the
+tiny random-weight GGUF model this test writes (``tests/support/tinygguf.py``). A Server without the
 extension sees nothing new: no hello, no ``extensions`` in the models answer."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """People sign in with OpenID Connect (issue 34, point 3), against a real provider on loopback
-(node-oidc-provider, tests/oidc/provider.mjs): the authorization-code flow with PKCE, the page
+(node-oidc-provider, tests/support/oidc/provider.mjs): the authorization-code flow with PKCE, the page
 session's cookie and CSRF token, an admin and a member (their own keys, a chat with one, their
 own usage), sign-out, and a tampered state or nonce refused. The browser's walk of the same is
-tests/test_oidc_page.py."""
+tests/e2e/test_oidc_page.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """People sign in to the status page in a real browser (issue 34, point 3): headless Chromium
-(Playwright, as tests/test_page.py drives it) against a hub with sign-in, node-oidc-provider
-on loopback (tests/oidcprovider.py) and a simulator runner. A member signs in, makes a key,
+(Playwright, as tests/e2e/test_page.py drives it) against a hub with sign-in, node-oidc-provider
+on loopback (tests/support/oidcprovider.py) and a simulator runner. A member signs in, makes a key,
 chats with it, sees it and their usage on the page, is refused an admin route, signs out; an
 admin sees the member's key and usage; a tampered state or nonce is refused.
 

@@ -3,7 +3,7 @@ sends by itself (Claude Code's ``X-Claude-Code-Session-Id``, Codex's ``session-i
 ``x-opencode-session``; docs/hub.md "Sessions") makes a session of its own on every chat route,
 ``X-Chat-Session`` first when both come; and a session that switches between two models its
 runner serves keeps its one Chat Job. A real hub, a real runner and the simulator on loopback;
-the agents themselves are in tests/test_agents.py (two concurrent Codex sessions)."""
+the agents themselves are in tests/e2e/test_agents.py (two concurrent Codex sessions)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Answers that name their cause (issue 18, points 3-5), on trio's autojump clock: a real hub on
-loopback, fake runners (tests/fake_runner.py) and runners driven by hand over the runner API.
+loopback, fake runners (tests/support/fake_runner.py) and runners driven by hand over the runner API.
 
 "At once" is asserted on the virtual clock: a wait the hub should not make (runner_wait_timeout,
 reconnect_timeout) is set so long that making it would show as that much virtual time."""

@@ -1,7 +1,7 @@
 """Prompt estimates that count the chat template (issue 35, point 5): a turn whose backend said
 no usage is charged its prompt estimated as its characters / 4 plus each message's template
 tokens and the answer's opening, marked estimated. A real hub on loopback, the fake runner
-(tests/fake_runner.py) answering without usage, trio's autojump clock."""
+(tests/support/fake_runner.py) answering without usage, trio's autojump clock."""
 
 from __future__ import annotations
 

@@ -383,7 +383,7 @@ async def test_client_disconnect_cancels_the_turn(env: Env) -> None:
 
 
 async def test_no_runner_is_503(env: Env) -> None:
-    # no runner of the key's project at all: answered at once (tests/test_causes.py has the rest)
+    # no runner of the key's project at all: answered at once (tests/hub/test_causes.py has the rest)
     env.hub.settings.runner_wait_timeout = 30
     lonely = await env.hub.keys.create("lonely", "nobody/here")
     async with env.client(key=lonely) as client:

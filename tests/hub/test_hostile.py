@@ -1,6 +1,6 @@
 """The hub against a hostile key holder and a hostile runner (issue 30, rows 2, 4, 5, 6, 8, 9, 10),
 over loopback sockets to an in-process hub: the key holder is a plain HTTP client, the runner the
-fake runner of tests/fake_runner.py answering with frames the test scripts (``Script.play``).
+fake runner of tests/support/fake_runner.py answering with frames the test scripts (``Script.play``).
 
 - a client that reads part of an answer and leaves, or a runner that fails midway, is charged
   what the client got (a token a chunk, its prompt estimated, the row marked ``estimated``, and

@@ -1,11 +1,11 @@
 """A guard on the hub's per-turn path that counts work instead of timing it (issue 29 point 4):
 the Python calls one short front-door turn costs the hub, so that a change adding per-turn work
-fails here rather than in a benchmark (``tests/test_turncalls.py`` holds the server core's and
+fails here rather than in a benchmark (``tests/runner/test_turncalls.py`` holds the server core's and
 the runner's).
 
 The hub runs in-process on the test's trio thread, as it serves: its listener on loopback, a
 store in memory. Everything else runs in threads, which ``sys.setprofile`` does not see: the
-runner (``tests/fake_runner.py``, its own trio loop in a thread, registered, polling, its channel
+runner (``tests/support/fake_runner.py``, its own trio loop in a thread, registered, polling, its channel
 dialled, no poll once it holds the session's job, else its polls would fall into the turns
 counted) and the client (a blocking socket, one kept-alive connection, as an SDK holds it),
 which sends a chat-completions request and reads its whole response, then tells the trio

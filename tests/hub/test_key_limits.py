@@ -2,7 +2,7 @@
 in flight at once; refused with 429 and Retry-After in the caller's API shape, exact under
 concurrency, changed by another process within key_check_interval.
 
-A real hub on loopback, the fake runner of tests/fake_runner.py, trio's autojump clock (time
+A real hub on loopback, the fake runner of tests/support/fake_runner.py, trio's autojump clock (time
 moves by ``jump``: never a sleep); the book's wall clock (the UTC day) is set by hand."""
 
 from __future__ import annotations

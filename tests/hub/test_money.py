@@ -4,7 +4,7 @@ budgets in money per API key, the turn's worst case reserved at admission and se
 end, refused with 429 ``budget_exceeded`` in the caller's API shape with when it resets; exact
 across two replicas on PostgreSQL.
 
-A real hub on loopback, the fake runner (tests/fake_runner.py) on trio's autojump clock, the
+A real hub on loopback, the fake runner (tests/support/fake_runner.py) on trio's autojump clock, the
 accounting's wall clock (the UTC day and month) set by hand; the replicas with the simulator."""
 
 from __future__ import annotations

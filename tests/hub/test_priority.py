@@ -2,7 +2,7 @@
 key's turns wait in its class (interactive, standard, background), the higher class served
 first and round robin within one; a turn that waited ``priority_promote_after`` counts one class
 higher, so a background job is never starved. The order itself (pure), then a real hub on
-loopback with a runner driven by hand whose slots the test frees one at a time (tests/test_queue.py's),
+loopback with a runner driven by hand whose slots the test frees one at a time (tests/hub/test_queue.py's),
 on trio's autojump clock; then two replicas on PostgreSQL reading each key's class from the store."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from rawclient import CLOSE, CONT, PING, PONG, TEXT, RawConn, request, upgrade_h
 
 from gateway.wire import protocol
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OWNER, PROJECT = "acme", "chat"
 BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
 CHANNEL = "/api/lives/chat/channel/ws"

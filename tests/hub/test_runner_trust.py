@@ -1,5 +1,5 @@
 """Runners enrolled and revoked (issue 34, points 1 and 2), on trio's autojump clock: a real hub
-on loopback, fake runners (tests/fake_runner.py) and the runner API driven by hand.
+on loopback, fake runners (tests/support/fake_runner.py) and the runner API driven by hand.
 
 An enrollment token registers runners in its project and does nothing else; a revoked runner is
 refused at once (401), its channels close within a second (virtual time: a revocation made by

@@ -3,7 +3,7 @@
 Asserts every turn ends exactly once (done, error, or lost with a dropped channel), no chunk is lost,
 duplicated or reordered, every job gets exactly one final report, memory stays flat and the runner's
 task count returns to its baseline. The CI form is short; the long form (10,000 turns over 50
-sessions) is ``ALP_SOAK=long pytest tests/test_soak.py -s``.
+sessions) is ``ALP_SOAK=long pytest tests/hub/test_soak.py -s``.
 """
 
 from __future__ import annotations

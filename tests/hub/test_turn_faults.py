@@ -2,7 +2,7 @@
 
 Real parts over loopback: the hub, the simulator (whose prefill continuation makes "the answer
 so far + its continuation" the undisturbed answer), runners in process behind a proxy that cuts
-or freezes their connections (``tests/pathproxy.py``), and ``alp-gateway run`` processes where
+or freezes their connections (``tests/support/pathproxy.py``), and ``alp-gateway run`` processes where
 one is SIGKILLed. Each client reads the SSE stream by hand, so every event counts. Nothing
 waits on a sleep: the faults fire on the client's n-th event, the rest waits on the stream.
 """

@@ -454,7 +454,7 @@ async def test_a_replica_killed_for_good_loses_no_usage_row(
     assert sum(n for (_s, o), n in counted.items() if o == "ok") == whole
 
 
-HAPROXY_CFG = Path(__file__).resolve().parent.parent / "packaging" / "team" / "haproxy.cfg"
+HAPROXY_CFG = Path(__file__).resolve().parents[2] / "packaging" / "team" / "haproxy.cfg"
 
 
 def _haproxy_cfg(port: int, replicas: list[HubProcess]) -> str:

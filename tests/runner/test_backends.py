@@ -31,7 +31,7 @@ from gateway.runner.backends import BackendPool
 from gateway.sim import SimOptions, Simulator, open_sim, serve_sim
 from gateway.wire.protocol import CAPABILITY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "alp-gateway.example.toml"
 
 

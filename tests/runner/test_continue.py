@@ -3,7 +3,7 @@ by the runner itself when a backend dies mid-answer and another serves the model
 
 Real parts over loopback: the hub for the runner's REST calls, simulators as backends (their
 deterministic continuation mode: a request ending with the start of its answer gets exactly the
-rest), our own Server end for the channel (``tests/channelserver.py``). A backend that dies is a
+rest), our own Server end for the channel (``tests/support/channelserver.py``). A backend that dies is a
 simulator that resets the connection after N events (``fault: disconnect``).
 """
 

@@ -2,7 +2,7 @@
 
 Real parts over loopback, all in this process on trio's autojump clock (time is virtual: the
 bound is asserted exactly, and nothing depends on how loaded the machine is): the hub, the
-simulator, and ``tests/pathproxy.py`` in front of the hub for everything the runner sends (its
+simulator, and ``tests/support/pathproxy.py`` in front of the hub for everything the runner sends (its
 REST requests, its push-events stream, its channels). The proxy freezes every connection the
 runner holds at that moment: its channel, its events stream, the kept-alive connections of its
 HTTP pool. A client then asks for a new session's turn at the hub's front door. The runner must

@@ -1,7 +1,7 @@
 """Reliability against a faulty Server: HTTP faults on every runner route, a hub restart mid-session.
 
 The HTTP faults come from a fault-injecting proxy in front of the in-process hub
-(``tests/faultproxy.py``: an HTTP status, ``RESET``, ``LOST``, ``Hold``; a Server that stops
+(``tests/support/faultproxy.py``: an HTTP status, ``RESET``, ``LOST``, ``Hold``; a Server that stops
 reading a channel); the restart test runs the hub as a subprocess (``alp-gateway hub``), SIGKILLs it during
 a turn and restarts it on the same port and data directory.
 """

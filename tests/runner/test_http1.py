@@ -32,7 +32,7 @@ async def _read_all(response: http1.Response) -> bytes:
     return await response.read_body()
 
 
-# -- proxies named by the environment (the rules: tests/test_proxy.py) ------------------------
+# -- proxies named by the environment (the rules: tests/unit/test_proxy.py) ------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """A dead path, runner side: found by the channel keepalive, its turns cancelled, redialled, slots freed.
 
-Real parts over loopback: the hub, the simulator, and ``tests/pathproxy.py`` between the runner and
+Real parts over loopback: the hub, the simulator, and ``tests/support/pathproxy.py`` between the runner and
 the hub, whose paths die silently (frozen, or forgotten by a NAT when idle). Intervals are short
 (pings every 0.2-0.3 s); what is asserted is orders, counts and outcomes, never a duration. The
 durations seen are printed (``pytest -s``) for the record: detection, redial, first token after it.

@@ -1,7 +1,7 @@
 """A channel that drops mid-answer resumes, byte for byte (issue 27 point 1, docs/protocol.md §6).
 
 Real parts over loopback: the hub for the runner's REST calls, the simulator as its backend, and
-a Server end of our own for the channel (``tests/channelserver.py``, wsproto) that sends the
+a Server end of our own for the channel (``tests/support/channelserver.py``, wsproto) that sends the
 hello, drops the connection mid-answer (a reset: frames the runner sent after it are lost) and
 names on the redial how many chunk frames of each turn it received. What the client would see
 (the chunk frames of the first connection up to the count, then the second's) is compared with
@@ -106,7 +106,7 @@ async def test_a_dropped_channel_resumes_byte_for_byte(tmp_path: Path) -> None:
 async def test_a_broken_path_resumes_what_it_swallowed(
     fault: str, autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    """The path between runner and Server breaks mid-answer (``tests/pathproxy.py``). Frozen:
+    """The path between runner and Server breaks mid-answer (``tests/support/pathproxy.py``). Frozen:
     what the runner writes into it is lost, unknown to either end, until its ping goes
     unanswered. Cut: both ends are reset at once. The redial (through the proxy, on a new path)
     names what arrived; the runner sends the rest."""

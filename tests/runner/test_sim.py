@@ -19,7 +19,7 @@ import trio
 from gateway.sim import SimOptions, Simulator, StreamRecord, open_sim, token_text
 from gateway.sim.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 DISCONNECT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError)
 

@@ -313,7 +313,7 @@ async def test_a_bare_host_port_of_a_tls_hub_registers_over_https(
     assert found.server == url and found.id == runner.registration.id
 
 
-DEPLOY = Path(__file__).resolve().parents[1] / "packaging" / "DEPLOY.md"
+DEPLOY = Path(__file__).resolve().parents[2] / "packaging" / "DEPLOY.md"
 
 
 def deploy_tls_recipe() -> str:

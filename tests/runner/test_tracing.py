@@ -295,7 +295,9 @@ async def test_tracing_off_imports_no_opentelemetry_and_exports_nothing(
         extra = dict(env)
         if env:  # an endpoint is set, and switched off again
             extra["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
-        script = _TRACING_OFF.format(tests=str(Path(__file__).parent), state=str(tmp_path))
+        script = _TRACING_OFF.format(
+            tests=str(Path(__file__).parents[1] / "support"), state=str(tmp_path)
+        )
         environ = {
             k: v for k, v in clean_env(**extra).items() if k in extra or not k.startswith("OTEL_")
         }

@@ -1,4 +1,4 @@
-"""A real OpenID provider for the sign-in tests: node-oidc-provider (tests/oidc/provider.mjs) on
+"""A real OpenID provider for the sign-in tests: node-oidc-provider (tests/support/oidc/provider.mjs) on
 loopback, and a person signing in through it without a browser (its own login form posted).
 
 The package comes from npm (.ci/run installs it into .ci/node/; ``ALP_OIDC_NODE_MODULES`` names
@@ -24,8 +24,8 @@ import httpx
 import pytest
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "oidc" / "provider.mjs"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "support" / "oidc" / "provider.mjs"
 CLIENT_ID = "alp-hub"
 CLIENT_SECRET = "oidc-client-secret-for-tests-7f3a"
 ADMIN_GROUP = "hub-admins"
