@@ -1,6 +1,6 @@
 """The server core's HTTP/1.1 connection on its own (``gateway.wire.httpconn``), over a real socket
 pair, the client's bytes the test's own: what a client may do that the hub's own tests do not
-(``test_abuse.py``, ``test_wire_abuse.py`` have the hostile ones): ``Expect: 100-continue``,
+(``tests/hub/test_hostile_wire.py`` has the hostile ones): ``Expect: 100-continue``,
 requests pipelined with bodies (chunked among them), HTTP/1.0, ``Connection: close``, the
 ``Host`` header, a chunked body over the limit, and a response header that would inject a line.
 """
