@@ -1,5 +1,5 @@
 """The fault bench's processes: simulators, the hub and runners as a user starts them, each runner
-dialling the hub through a path proxy of its own (the tests' ``tests/pathproxy.py``, run in the
+dialling the hub through a path proxy of its own (the tests' ``tests/support/pathproxy.py``, run in the
 bench's process).
 
 Every process is ``python -m gateway ...`` (``sim``, ``hub``, ``run``), of this checkout or of
@@ -24,7 +24,7 @@ import httpx
 import trio
 
 from bench.common import Child
-from tests.pathproxy import PathProxy, path_proxy  # the tests' proxy, the one copy
+from tests.support.pathproxy import PathProxy, path_proxy  # the tests' proxy, the one copy
 
 PROJECT = "local/chat"  # where `hub keys create` puts a key by default
 

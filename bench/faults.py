@@ -5,7 +5,7 @@ Real processes on loopback (``bench/faultrig.py``): ``python -m gateway sim`` (`
 content chunks ``--interval`` 0.02 s apart: a 1.2 s answer; a request ending with the start of its
 answer as an assistant message gets exactly the rest), ``python -m gateway hub`` (its own data
 directory) and ``python -m gateway run`` runners, each dialling the hub through a path proxy of
-its own (``tests/pathproxy.py``). Hub and runners ping every ``--ping`` s (0.5; ping timeout the
+its own (``tests/support/pathproxy.py``). Hub and runners ping every ``--ping`` s (0.5; ping timeout the
 same; the hub's keepalives every half of it). The client (``bench/faultclient.py``) sends a
 streamed turn on a fresh session and reads the SSE by hand; the fault fires as it reads its n-th
 content delta, n drawn in [3, chunks - 10] (``--seed``). Faults (``--faults``):

@@ -2,7 +2,7 @@
 point 4): chunks per second through the front door, each replica's CPU per 1000 chunks, and
 the database server's CPU per turn.
 
-Each round starts a fresh database on a throwaway PostgreSQL (``tests/pgserver.py``), the
+Each round starts a fresh database on a throwaway PostgreSQL (``tests/support/pgserver.py``), the
 replicas as ``alp-gateway hub`` processes, HAProxy in front of them (round robin, the same
 config with one backend or two), two runner processes and the simulator as a process; then
 ``--sessions`` clients turn one after another for ``--seconds`` (each turn ``--chunks`` chunks
@@ -36,7 +36,7 @@ from bench.common import cpu_seconds
 from gateway.hub.store import KeyLimits, open_store
 from gateway.hub.store.credentials import write_admin_token
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import pgserver  # noqa: E402  (the tests' throwaway PostgreSQL)
 
 ADMIN = "alpa_bench_replicas_admin_credential"

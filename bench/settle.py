@@ -7,7 +7,7 @@ and the row were written behind the turn (batched), so nothing waited. Measured 
 statement's wall time from trio through the store's pool (the added latency of a turn's end),
 next to the admission the turn already paid (``alp_admit_recorded``, which now also keeps the
 turn's record) and to the batched release (what it replaces), on a throwaway PostgreSQL
-(``tests/pgserver.py``) on this machine.
+(``tests/support/pgserver.py``) on this machine.
 
     python -m bench.settle                  # 5 rounds of 500 turns
     python -m bench.settle --rounds 3 --turns 200
@@ -27,7 +27,7 @@ import trio
 from gateway.hub.replicas.store.base import Release
 from gateway.hub.store import KeyLimits, UsageRecord, open_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import pgserver  # noqa: E402  (the tests' throwaway PostgreSQL)
 
 NO_LIMITS = (None, None, None, None)

@@ -10,7 +10,7 @@ counters, when the server runs on this machine). The calls: ``check_api_key`` (1
 ``save_session``, ``add_usage`` (one row written now), a usage batch of 32 rows (``flush_usage``,
 what the writer does), each one call after another; then 16 tasks calling ``check_api_key`` and
 ``save_session`` at once through a pool of 4 connections (a loaded hub). The server is a
-throwaway one (``tests/pgserver.py``, on loopback) unless ``--postgres URL`` names one."""
+throwaway one (``tests/support/pgserver.py``, on loopback) unless ``--postgres URL`` names one."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def run(rounds: int, calls: int, url: str | None) -> None:
     PostgreSQL; say so and return when there is none."""
     server = None
     if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
         import pgserver
 
         path = pgserver.bin_dir()

@@ -7,7 +7,7 @@
 #   sudo apt-get install -y debootstrap qemu-user-static binfmt-support
 #   sudo packaging/build-arm64.sh                 # writes dist-arm64/alp-gateway
 #   QEMU_LD_PREFIX=dist-arm64/sysroot ALP_GATEWAY_BINARY=dist-arm64/alp-gateway \
-#       pytest tests/test_binary.py              # runs it here under qemu (its glibc in sysroot)
+#       pytest tests/e2e/test_binary.py              # runs it here under qemu (its glibc in sysroot)
 #
 # Root is needed (debootstrap, chroot, mounts). Environment:
 #   ARM64_ROOT   the arm64 root to use; kept and reused when it was made here before (the first

@@ -39,7 +39,7 @@ def _checks_directly(node: ast.AST) -> bool:
 
 def _functions() -> dict[str, list[tuple[Path, ast.FunctionDef | ast.AsyncFunctionDef]]]:
     found: dict[str, list[tuple[Path, ast.FunctionDef | ast.AsyncFunctionDef]]] = {}
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 found.setdefault(node.name, []).append((path, node))
@@ -61,7 +61,7 @@ def test_every_test_function_asserts_something() -> None:
             break
         asserting |= more
     silent = [
-        f"{path.name}::{name}"
+        f"{path.relative_to(TESTS)}::{name}"
         for name, defs in functions.items()
         if name.startswith("test_")
         for path, _ in defs
@@ -97,8 +97,8 @@ def _skips_without_reason(tree: ast.AST) -> list[int]:
 
 def test_every_skip_says_why_and_pytest_prints_it() -> None:
     missing = [
-        f"{path.name}:{line}"
-        for path in sorted(TESTS.glob("*.py"))
+        f"{path.relative_to(TESTS)}:{line}"
+        for path in sorted(TESTS.rglob("*.py"))
         for line in _skips_without_reason(ast.parse(path.read_text(), str(path)))
     ]
     assert not missing, f"skips without a reason: {missing}"

@@ -1,7 +1,7 @@
 """Each coding agent's configuration for the hub, rendered from its URL, key and model: pure.
 
 ``alp-gateway connect AGENT`` (``gateway.ops.connect``) prints or writes what ``recipe`` returns;
-the README's recipes are ``readme_recipes()`` (tests/test_connect.py holds them equal). Each
+the README's recipes are ``readme_recipes()`` (tests/e2e/test_connect.py holds them equal). Each
 agent's own format, as its documentation gives it:
 
 - Claude Code: environment variables (also accepted in ``~/.claude/settings.json``'s ``env``),

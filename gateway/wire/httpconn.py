@@ -4,7 +4,7 @@ httptools (llhttp, in C) parses each request head and body (``gateway.wire.httpp
 server core writes every response head itself (``gateway.wire.http.Response``), the 100 and the 101. Why not h11, which
 did both before: its state machine, header validation and event objects cost ~47 µs of Python
 per short request in process (head, small body, answer) against ~2 µs here, and 918 Python
-calls per request through the whole core (``tests/test_turncalls.py``; bench/README.md,
+calls per request through the whole core (``tests/runner/test_turncalls.py``; bench/README.md,
 issue 29). A request goes to the handler as a ``Request`` (``gateway.wire.http``) with the head
 already checked: size, deadline, ``Host``, ``Content-Length`` with ``Transfer-Encoding``
 refused (llhttp refuses it, and every other framing it cannot read unambiguously: duplicate

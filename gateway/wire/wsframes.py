@@ -12,7 +12,7 @@ the fragment bound (empty continuation frames cost memory too: a bound in count 
 
 Frames are built here too: ``server_frame`` and ``text_frame`` unmasked, as a server sends them;
 ``ClientFramer`` masked, each with a fresh key (§5.3), as a client sends them. wsproto reads and
-writes the same bytes (tests/test_wsframes.py holds them to it).
+writes the same bytes (tests/unit/test_wsframes.py holds them to it).
 """
 
 from __future__ import annotations

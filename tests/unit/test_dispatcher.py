@@ -1,0 +1,198 @@
+"""The dispatcher's applying half (``gateway.hub.dispatcher.Dispatcher``) in memory: the plans of
+``gateway.hub.dispatch`` applied to a real board, channels and sessions over a store in memory,
+on trio's autojump clock, with no socket (a channel accepted without a WebSocket, a client's
+connection that only says when it leaves). ``tests/unit/test_dispatch.py`` holds the plans
+themselves; here: a job opened for a waiting turn and given to it once its channel is up (the
+session bound to it), a turn refused in its words when no runner can serve it, a job taken back
+when its turn's client leaves before it was claimed, a second turn of the session on the open
+channel at once."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from gateway.apis.dialects import CHAT
+from gateway.hub.board import Changes, JobBoard
+from gateway.hub.channel import Channels
+from gateway.hub.counters import HubCounters
+from gateway.hub.dispatch import Refusal
+from gateway.hub.dispatcher import Dispatcher, Unplaced
+from gateway.hub.sessions import Session, Sessions
+from gateway.hub.settings import HubSettings
+from gateway.hub.store import ApiKey, KeyLimits, open_store
+from gateway.hub.turn import Turn
+from gateway.wire.protocol import CAPABILITY
+
+
+class _Resp:
+    """A response nobody reads (no turn here is streamed to a client)."""
+
+    started = finished = gone = False
+    backlog = 0
+
+
+class Conn:
+    """A client's connection as a waiting turn sees it: it only says when the client leaves."""
+
+    def __init__(self) -> None:
+        self.left = trio.Event()
+
+    async def wait_disconnect(self) -> None:
+        await self.left.wait()
+
+
+class Parts:
+    """A hub's dispatching parts over a store in memory."""
+
+    def __init__(self, **settings: float) -> None:
+        self.changes = Changes()
+        self.settings = HubSettings(**settings)
+        self.store = open_store(None)
+        self.board = JobBoard(self.store, self.settings, self.changes)
+        self.channels = Channels(self.board, self.changes, HubCounters())
+        s = self.settings
+
+        async def end_job(job_id: str, reason: str) -> None:
+            await self.channels.end_job(job_id, reason)
+
+        self.sessions = Sessions(
+            self.store,
+            idle_timeout=lambda: s.session_idle_timeout,
+            max_per_key=lambda: s.max_sessions_per_key,
+            key_check_interval=lambda: s.key_check_interval,
+            job_over=lambda job_id: False,
+            end_job=end_job,
+        )
+        self.counters = HubCounters()
+        self.dispatcher = Dispatcher(s, self.board, self.channels, self.sessions, self.counters)
+
+    async def session(self, session_id: str = "s1") -> Session:
+        await self.store.create_api_key("k", "o/p", KeyLimits())
+        found = await self.store.key_limits("k")
+        assert found is not None
+        session, _ = await self.sessions.enter(ApiKey("k", "o", "p", found[0]), session_id)
+        return session
+
+    def runner(self, runner_id: str) -> None:
+        self.board.seen(runner_id)
+        self.board.polled(runner_id, "o", "p", {CAPABILITY})
+
+
+def turn(session: Session) -> Turn:
+    return Turn(
+        "t",
+        session.key[0],
+        session.key_name,
+        session.key[1],
+        b'{"messages":[{"role":"user","content":"hi"}]}',
+        CHAT,
+        _Resp(),  # type: ignore[arg-type]
+        model=None,
+        stream=False,
+        bound=1,
+        max_answer=1,
+        now=trio.current_time(),
+    )
+
+
+async def test_a_job_is_opened_for_a_waiting_turn_and_given_to_it_on_its_channel(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hub = Parts()
+    hub.runner("r1")
+    session = await hub.session()
+    got: list[object] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.dispatcher.run)
+
+        async def wait_for_channel() -> None:
+            got.append(await hub.dispatcher.channel_for(session, turn(session), Conn()))
+
+        nursery.start_soon(wait_for_channel)
+        await trio.testing.wait_all_tasks_blocked()
+        (job,) = hub.board.jobs.values()  # opened for the turn, offered to any capable runner
+        assert job.origin == "frontdoor" and job.needs == [CAPABILITY] and job.claimed_by is None
+        assert got == [] and session.job_id is None
+        await hub.board.claim("r1", "o", "p", job.id, "box")
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # claimed, its channel not up yet: the turn still waits
+        ch = hub.channels.accept(job.id, "r1", None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [(ch, True)]  # the channel, and "opened for this turn"
+        assert session.job_id == job.id  # the session is bound to its job
+        # the session's next turn takes the open channel at once: no step, no new job
+        assert hub.dispatcher.open_channel(session, None) is ch
+        nursery.cancel_scope.cancel()
+    assert len(hub.board.jobs) == 1
+
+
+async def test_a_turn_no_runner_can_serve_is_refused_saying_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hub = Parts()
+    session = await hub.session()
+    refused: list[Refusal] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.dispatcher.run)
+        try:
+            await hub.dispatcher.channel_for(session, turn(session), Conn())
+        except Unplaced as exc:
+            refused.append(exc.refusal.why)
+        nursery.cancel_scope.cancel()
+    assert refused == [Refusal.NO_RUNNER_CONNECTED]
+    assert hub.board.jobs == {}  # no job opened for nobody
+
+
+async def test_a_runner_that_never_claims_leaves_the_turn_refused_within_the_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hub = Parts(runner_wait_timeout=5.0)
+    hub.runner("r1")
+    session = await hub.session()
+    start = trio.current_time()
+    refused: list[Refusal] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.dispatcher.run)
+
+        async def keep_runner_alive() -> None:
+            while True:  # polls without taking the job
+                hub.board.polled("r1", "o", "p", {CAPABILITY})
+                hub.board.seen("r1")
+                await trio.sleep(1)
+
+        nursery.start_soon(keep_runner_alive)
+        try:
+            await hub.dispatcher.channel_for(session, turn(session), Conn())
+        except Unplaced as exc:
+            refused.append(exc.refusal.why)
+        nursery.cancel_scope.cancel()
+    assert refused == [Refusal.NO_RUNNER]
+    assert trio.current_time() - start <= 5.0 + 1.0
+    assert hub.board.jobs == {}  # the job opened for it, never claimed, taken back
+
+
+async def test_a_job_is_taken_back_when_its_turns_client_leaves_before_a_claim(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hub = Parts()
+    hub.runner("r1")
+    session = await hub.session()
+    conn = Conn()
+    got: list[object] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.dispatcher.run)
+
+        async def wait_for_channel() -> None:
+            got.append(await hub.dispatcher.channel_for(session, turn(session), conn))
+
+        nursery.start_soon(wait_for_channel)
+        await trio.testing.wait_all_tasks_blocked()
+        (job,) = hub.board.jobs.values()
+        conn.left.set()  # the client hangs up while its turn waits
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [None]
+        assert job.id not in hub.board.jobs and job.cancelled  # withdrawn: no runner takes it
+        assert hub.board.offered("r1", "o", "p", {CAPABILITY}) == []
+        assert hub.dispatcher.depth() == {}
+        nursery.cancel_scope.cancel()
