@@ -1,6 +1,6 @@
 """What a team's turn pays for its usage row written before its last byte (issue 36 point 2).
 
-A replica of a team settles each turn as it ends (``TeamLimits.settle``: the turn released and
+A replica of a team settles each turn as it ends (``ReplicaLimits.settle``: the turn released and
 its row and hourly totals written, one statement) and only then writes the answer's last bytes:
 the client's end of the turn waits for that one round trip to PostgreSQL. Before, the release
 and the row were written behind the turn (batched), so nothing waited. Measured here: that

@@ -167,7 +167,7 @@ def anthropic_error_body(err: HTTPError) -> bytes:
     return messages.error_body(type_, err.message)
 
 
-class MessagesStream:
+class MessagesEvents:
     """Anthropic Messages events (``messages.MessagesStream``), ``ping`` while waiting."""
 
     __slots__ = ("_stream",)
@@ -199,7 +199,7 @@ class MessagesDialect:
         self.estimate = estimate  # the request's input tokens, estimated
 
     def stream(self) -> Translation:
-        return MessagesStream(self.shown, self.estimate)
+        return MessagesEvents(self.shown, self.estimate)
 
     def fold(self, chunks: list[bytes]) -> bytes:
         return messages.fold(chunks, self.shown, messages.new_message_id(), self.estimate)
@@ -285,7 +285,7 @@ def _input_tokens(value: Any) -> int:
     return 0
 
 
-def messages_request(body: bytes) -> messages.ChatRequest:
+def messages_request(body: bytes) -> messages.MessagesAsChat:
     """The Messages request translated; HTTPError (Anthropic's type) when it is refused."""
     try:
         return messages.translate(body)
@@ -293,7 +293,7 @@ def messages_request(body: bytes) -> messages.ChatRequest:
         raise HTTPError(exc.status, exc.message, None, type_=exc.type) from None
 
 
-def messages_spec(request: messages.ChatRequest, model: str | None) -> TurnSpec:
+def messages_spec(request: messages.MessagesAsChat, model: str | None) -> TurnSpec:
     """A Messages turn asking the runner for ``model`` (None: as the client asked); the client
     sees the model it named (or the runner's when it named none)."""
     body = request.body if model is None else request.body_for(model)
@@ -307,7 +307,7 @@ def messages_spec(request: messages.ChatRequest, model: str | None) -> TurnSpec:
 # -- the Responses API -----------------------------------------------------------------
 
 
-class ResponsesStream:
+class ResponsesEvents:
     """Responses API events (``responses.ResponsesStream``), an SSE comment while waiting."""
 
     __slots__ = ("_stream",)
@@ -339,7 +339,7 @@ class ResponsesDialect:
         self.request = request  # the Responses request as decoded
 
     def stream(self) -> Translation:
-        return ResponsesStream(self.shown, self.request)
+        return ResponsesEvents(self.shown, self.request)
 
     def fold(self, chunks: list[bytes]) -> bytes:
         return responses.fold(chunks, self.shown, _response_id(), int(time.time()), self.request)
@@ -351,7 +351,7 @@ class ResponsesDialect:
         return estimate_prompt_tokens(body)
 
 
-def responses_request(body: bytes) -> responses.ChatRequest:
+def responses_request(body: bytes) -> responses.ResponsesAsChat:
     """The Responses request translated; HTTPError (OpenAI's shape) when it is refused."""
     try:
         return responses.translate(body)
@@ -359,7 +359,7 @@ def responses_request(body: bytes) -> responses.ChatRequest:
         raise HTTPError(exc.status, exc.message, exc.code) from None
 
 
-def responses_spec(request: responses.ChatRequest, model: str | None) -> TurnSpec:
+def responses_spec(request: responses.ResponsesAsChat, model: str | None) -> TurnSpec:
     """A Responses turn asking the runner for ``model`` (None: as the client asked)."""
     chat = request.chat if model is None else with_model(request.chat, model)
     dialect = ResponsesDialect(request.model or model or "", request.request)

@@ -24,8 +24,8 @@ from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
 from gateway.hub.store import StoreUnavailable
 from gateway.wire.protocol import CAPABILITY
+from gateway.wire.server import ConnectionLimits, Keepalive, Server, WebSocketRequest
 from gateway.wire.server import Handler as ServerHandler
-from gateway.wire.server import Keepalive, Limits, Server, WebSocketRequest
 
 log = logging.getLogger("gateway.hub")
 
@@ -394,7 +394,7 @@ async def serve_hub(
         app if app is not None else App(hub),
         keepalive=Keepalive(settings.ping_interval, settings.pong_timeout),
         counters=hub.counters,
-        limits=Limits(
+        limits=ConnectionLimits(
             head_timeout=settings.head_timeout,
             body_timeout=settings.body_timeout,
             max_connections=holds,

@@ -153,7 +153,7 @@ class JobView:
 
 
 @dataclass(frozen=True)
-class Limits:
+class DispatchLimits:
     """The dispatcher's settings (``HubSettings``' values)."""
 
     queue_length: int  # turns that may wait for a busy runner (one more: queue_full)
@@ -250,7 +250,7 @@ class Plan:
 
 
 @dataclass
-class _Pool:
+class _RunnerPool:
     """The project's runners by what they can do about a new job now."""
 
     free: list[RunnerView]  # alive, advertise chat-llm:v1 (or have not polled yet)
@@ -258,7 +258,7 @@ class _Pool:
     live: int
 
     @classmethod
-    def of(cls, runners: Iterable[RunnerView]) -> _Pool:
+    def of(cls, runners: Iterable[RunnerView]) -> _RunnerPool:
         free, busy, live = [], [], 0
         for runner in runners:
             if not runner.alive:
@@ -305,7 +305,7 @@ def plan(
     waiters: list[Waiter],
     runners: Mapping[str, RunnerView],
     jobs: Mapping[str, JobView],
-    limits: Limits,
+    limits: DispatchLimits,
     now: float,
 ) -> Plan:
     """One step for one project: what happens to each of its waiting turns (``waiters``, in
@@ -314,7 +314,7 @@ def plan(
     applies (``Plan.actions``) and then takes the served and refused turns out."""
     out = Plan()
     queue.now, queue.promote_after = now, limits.promote_after
-    pool = _Pool.of(runners.values())
+    pool = _RunnerPool.of(runners.values())
     leaders: dict[Hashable, Waiter] = {}  # each session's turn that seeks its new job
     seeking: list[Waiter] = []
     for waiter in waiters:
@@ -352,7 +352,7 @@ def _dialling(
     job: JobView,
     queue: FairQueue,
     runners: Mapping[str, RunnerView],
-    limits: Limits,
+    limits: DispatchLimits,
     now: float,
     out: Plan,
 ) -> bool:
@@ -385,8 +385,8 @@ def _session_job(
     waiter: Waiter,
     job: JobView | None,
     runners: Mapping[str, RunnerView],
-    pool: _Pool,
-    limits: Limits,
+    pool: _RunnerPool,
+    limits: DispatchLimits,
     now: float,
     out: Plan,
 ) -> bool:
@@ -435,8 +435,8 @@ def _queue(
     seeking: list[Waiter],
     runners: Mapping[str, RunnerView],
     jobs: Mapping[str, JobView],
-    pool: _Pool,
-    limits: Limits,
+    pool: _RunnerPool,
+    limits: DispatchLimits,
     now: float,
     out: Plan,
 ) -> None:

@@ -24,9 +24,9 @@ from gateway.hub.counters import HubCounters
 from gateway.hub.dispatch import (
     RECENT_WAITS,
     Assign,
+    DispatchLimits,
     FairQueue,
     JobView,
-    Limits,
     Move,
     Open,
     Refusal,
@@ -270,9 +270,9 @@ class Dispatcher:
 
     # -- the dispatcher's task -------------------------------------------------------------
 
-    def _limits(self) -> Limits:
+    def _limits(self) -> DispatchLimits:
         s = self.settings
-        return Limits(
+        return DispatchLimits(
             queue_length=s.queue_length,
             queue_wait=s.queue_wait,
             dial_within=s.runner_wait_timeout,

@@ -16,7 +16,7 @@ from gateway.hub.settings import HubSettings
 log = logging.getLogger("gateway.hub.board")
 
 
-class JobBoard(Protocol):
+class ForcedBoard(Protocol):
     """What of ``board.JobBoard`` these decisions use (the board calls them with itself)."""
 
     settings: HubSettings
@@ -32,7 +32,7 @@ class JobBoard(Protocol):
     async def _ended(self, job: Job) -> None: ...
 
 
-async def offline(board: JobBoard) -> list[Job]:
+async def offline(board: ForcedBoard) -> list[Job]:
     """Force-complete (as failure, one report each) the open jobs of runners silent for
     ``offline_after`` s; returns them."""
     now = trio.current_time()
@@ -55,7 +55,7 @@ async def offline(board: JobBoard) -> list[Job]:
     return forced
 
 
-async def revoked(board: JobBoard, runner_id: str) -> list[Job]:
+async def revoked(board: ForcedBoard, runner_id: str) -> list[Job]:
     """A runner's registration was revoked: its open jobs force-completed (as failure, one
     report each: ``runner revoked``), and the runner forgotten (never offered a job again,
     no longer listed); returns those jobs."""
@@ -72,7 +72,7 @@ async def revoked(board: JobBoard, runner_id: str) -> list[Job]:
     return forced
 
 
-async def force_end(board: JobBoard, job: Job, why: str) -> bool:
+async def force_end(board: ForcedBoard, job: Job, why: str) -> bool:
     """End a claimed job as failure with one forced report saying ``why``; False when
     another replica ended it first."""
     report = {"status": "completed", "conclusion": "failure", "logs": why, "forced": True}

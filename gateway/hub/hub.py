@@ -23,7 +23,7 @@ from gateway.hub.models import Catalog
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
 from gateway.hub.replicas.coordination import replicated
-from gateway.hub.replicas.replica import Team
+from gateway.hub.replicas.replica import Replication
 from gateway.hub.runners import REVOCATION_CHECK, RunnerAdmin
 from gateway.hub.serving import Serving
 from gateway.hub.sessions import Sessions
@@ -107,7 +107,7 @@ class Hub:
         keys.on_limits.append(accounting.forget_limits)
         sessions.on_key_check.append(keys.keep_active)
         # a replica's own machinery (its peers, their channels, the store's notifications)
-        self.team: Team | None = self.coordination.join(
+        self.team: Replication | None = self.coordination.join(
             hub_store=store, board=board, channels=channels, sessions=sessions, catalog=catalog
         )
 

@@ -35,7 +35,7 @@ from gateway.runner.backends import BackendPool
 from gateway.runner.backendurl import missing_v1, where_configured
 from gateway.runner.discovery import discover_local
 from gateway.runner.snapshot import BackendStatus
-from gateway.runner.state import Registration, StateError, StateStore, WhichServer
+from gateway.runner.state import SavedRegistration, StateError, StateStore, WhichServer
 
 OK, FAIL, WARN, SKIP = "✓", "✗", "!", "–"
 _BODY_LIMIT = 200
@@ -121,7 +121,7 @@ class Doctor:
             parts.append(f"allowlist {', '.join(config.allowed_models)}")
         self.add(OK, "configuration", ", ".join(parts))
 
-    def check_state(self) -> Registration | None:
+    def check_state(self) -> SavedRegistration | None:
         config = self.config
         store = StateStore(config.state_dir)
         path = store.path
@@ -198,7 +198,7 @@ class Doctor:
 
     # -- the Server ------------------------------------------------------------------------
 
-    async def check_server(self, registration: Registration | None) -> None:
+    async def check_server(self, registration: SavedRegistration | None) -> None:
         config = self.config
         # the registration's own Server (StateStore.find chose it for config.server)
         server = config.server if registration is None else registration.server

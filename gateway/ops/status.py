@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gateway import logsafe
 from gateway.config import ConfigError, load_config, parse_listen
-from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
+from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerSnapshot
 
 DEFAULT_URL = "http://127.0.0.1:9464"
 P = "alp_gateway_"
@@ -67,8 +67,8 @@ class Samples:
     def rows(self, name: str) -> list[tuple[dict[str, str], float]]:
         return self.by_name.get(P + name, [])
 
-    def snapshot(self) -> RunnerStatus:
-        """The runner's ``RunnerStatus`` as /metrics shows it (what ``summary`` reads).
+    def snapshot(self) -> RunnerSnapshot:
+        """The runner's ``RunnerSnapshot`` as /metrics shows it (what ``summary`` reads).
 
         Only what /metrics carries: ``poll_interval`` and ``last_poll_error`` are not in it."""
         counters: dict[str, int] = {}
@@ -103,7 +103,7 @@ class Samples:
             for labels, up in self.rows("backend_up")
         )
         age = self.get("last_poll_ok_age_seconds", -1.0)
-        return RunnerStatus(
+        return RunnerSnapshot(
             max_sessions=int(self.get("max_sessions")),
             poll_interval=0.0,
             ping_interval=self.get("ping_interval_seconds"),

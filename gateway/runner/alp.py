@@ -26,7 +26,7 @@ import httpx
 import msgspec
 import trio
 
-from gateway.runner.state import Registration
+from gateway.runner.state import SavedRegistration
 from gateway.wire.protocol import CAPABILITY
 from gateway.wire.sse import SSESplitter
 
@@ -112,7 +112,7 @@ class AgentDefinition(msgspec.Struct):
     channelUrl: str | None = None
 
 
-class Job(msgspec.Struct):
+class OfferedJob(msgspec.Struct):
     """One job a poll offers (§2): a Chat Job or someone else's."""
 
     id: NonEmpty
@@ -145,7 +145,7 @@ _NO_DEFINITION = AgentDefinition()
 
 
 class JobsReply(msgspec.Struct):
-    """``POST {base}/runners/jobs`` answered 200 (§2). Each job is decoded on its own (``Job``):
+    """``POST {base}/runners/jobs`` answered 200 (§2). Each job is decoded on its own (``OfferedJob``):
     one the runner cannot read is skipped, not the whole offer."""
 
     jobs: list[msgspec.Raw] | None = None
@@ -289,7 +289,7 @@ class Deadlines:
         )
 
 
-class _Pool:
+class _ClientPool:
     """One HTTP client (its kept-alive connections) and the requests in flight on it."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
@@ -326,7 +326,7 @@ class AlpClient:
         self.deadlines = deadlines
         self._ssl_context = ssl_context
         self._connect_timeout = connect_timeout
-        self._pool = _Pool(self._client())
+        self._pool = _ClientPool(self._client())
         self.pools_dropped = 0  # times every kept-alive connection was dropped (a dead path)
 
     def _https(self) -> str:
@@ -346,14 +346,14 @@ class AlpClient:
     async def drop_connections(self) -> None:
         """The path to the Server may be dead: every kept-alive connection goes (a new pool for
         the next request; the old one is closed once its requests in flight are done)."""
-        old, self._pool = self._pool, _Pool(self._client())
+        old, self._pool = self._pool, _ClientPool(self._client())
         old.retired = True
         self.pools_dropped += 1
         if not old.busy:
             with trio.CancelScope(shield=True):
                 await old.client.aclose()
 
-    async def _done(self, pool: _Pool) -> None:
+    async def _done(self, pool: _ClientPool) -> None:
         """A request on ``pool`` is done: a retired pool is closed after its last one."""
         pool.busy -= 1
         if pool.retired and not pool.busy:
@@ -405,7 +405,7 @@ class AlpClient:
             raise ServerUnavailable(f"{method} {url}: Server answered {resp.status_code}")
         return resp
 
-    async def register(self, user_token: str, name: str, labels: list[str]) -> Registration:
+    async def register(self, user_token: str, name: str, labels: list[str]) -> SavedRegistration:
         """``POST {base}/runners``, falling back to ``{base}/runners/register`` on 404/405."""
         body = {"name": name, "labels": labels}
         deadline = self.deadlines.register
@@ -428,7 +428,7 @@ class AlpClient:
                 resp.status_code,
             )
         reply = _decode(resp.content, RegistrationReply, f"POST {tried[-1]}")
-        return Registration(
+        return SavedRegistration(
             id=reply.id,
             name=reply.name or name,
             token=reply.token,
@@ -473,7 +473,7 @@ class AlpClient:
             )
         return f"registration failed: {' and '.join(f'POST {u}' for u in tried)} answered {status}: {hint}"
 
-    async def poll(self, capabilities: list[str], *, stopping: bool = False) -> list[Job]:
+    async def poll(self, capabilities: list[str], *, stopping: bool = False) -> list[OfferedJob]:
         """``POST {base}/runners/jobs``: the offered jobs (never claims). A job the runner cannot
         read is left out, said once in a warning (it may be another kind of runner's).
         ``stopping``: the last poll of a clean stop, said as ``"stopping": true`` (an ALP Server
@@ -494,7 +494,7 @@ class AlpClient:
         jobs = []
         for n, raw in enumerate(_decode(resp.content, JobsReply, what).jobs or ()):
             try:
-                jobs.append(msgspec.json.decode(raw, type=Job))
+                jobs.append(msgspec.json.decode(raw, type=OfferedJob))
             except msgspec.ValidationError as exc:
                 self._skipped(f"{what}: a job skipped: {_at(exc, f'$.jobs[{n}]')}")
         return jobs

@@ -286,7 +286,7 @@ class Backend:
 
     # -- HTTP ----------------------------------------------------------------------------
 
-    def stream(self, body: bytes, traceparent: str | None = None) -> Exchange:
+    def stream(self, body: bytes, traceparent: str | None = None) -> BackendExchange:
         """POST one chat-completions body (as it is) and yield the response once its head is in:
         ``async with backend.stream(body) as response``.
 
@@ -301,7 +301,7 @@ class Backend:
         if traceparent is not None:
             headers = [*self._turn_headers, (b"traceparent", traceparent.encode())]
             head = self.http.prepare(b"POST", self._turn_target, headers)
-        return Exchange(self, head, body)
+        return BackendExchange(self, head, body)
 
     async def fetch(
         self,
@@ -320,7 +320,7 @@ class Backend:
         kept for the next request."""
         headers = [(b"accept", b"application/json"), *self._common_headers(bool(body))]
         target = self.http.target(path, under_base=under_base)
-        response: http1.Response | None = None
+        response: http1.ClientResponse | None = None
         try:
             response = await self.http.request(method.encode(), target, headers, body)
             data = await response.read_body(ANSWER_LIMIT)
@@ -504,7 +504,7 @@ class Backend:
         self._touch()
 
 
-class Exchange:
+class BackendExchange:
     """``Backend.stream``'s block: a plain class rather than a generator-based context manager,
     as it runs on every turn. Entered, the request is sent under the idle deadline and the
     response's head read; exited, the connection is kept or closed, and a deadline that
@@ -517,12 +517,12 @@ class Exchange:
         self.head = head
         self.body = body
         self.idle = trio.CancelScope(deadline=trio.current_time() + backend.idle_timeout)
-        self.response: http1.Response | None = None
+        self.response: http1.ClientResponse | None = None
 
     def _idle_error(self) -> BackendIdle:
         return BackendIdle(f"backend {self.backend.url} sent nothing for too long (idle timeout)")
 
-    async def __aenter__(self) -> http1.Response:
+    async def __aenter__(self) -> http1.ClientResponse:
         backend = self.backend
         idle = self.idle
         idle.__enter__()

@@ -26,7 +26,7 @@ log = logging.getLogger("gateway.backends")
 
 
 @dataclass(frozen=True)
-class Route:
+class TurnRoute:
     """Where one turn goes: the caller's model name, the local one, the body to send, the candidates."""
 
     requested: str | None
@@ -193,7 +193,7 @@ class BackendPool:
             return []
         return [b for b in self.backends if model in b.models]
 
-    async def route(self, frame_model: str | None, body: bytes) -> Route:
+    async def route(self, frame_model: str | None, body: bytes) -> TurnRoute:
         """Resolve one turn's model and the backends that can serve it; ``BackendError`` if none.
 
         The model is the frame's, else the body's, else the default; an alias is replaced
@@ -230,7 +230,7 @@ class BackendPool:
                 raise BackendError(self._unknown_text(requested))
         if local is not None and local != in_body:
             body = protocol.with_model(body, local)
-        return Route(requested, local, body, tuple(candidates))
+        return TurnRoute(requested, local, body, tuple(candidates))
 
     def _unknown_text(self, requested: str | None) -> str:
         available = self.servable()
@@ -241,7 +241,7 @@ class BackendPool:
             return f"the turn names no model and this runner has no default (--model); {listing}"
         return f"model {requested!r} is not available on this runner; {listing}"
 
-    def _choose(self, route: Route, exclude: Sequence[Backend]) -> Backend:
+    def _choose(self, route: TurnRoute, exclude: Sequence[Backend]) -> Backend:
         candidates = route.candidates
         if len(candidates) == 1 and not exclude:  # one backend serves the model: the usual case
             only = candidates[0]
@@ -263,7 +263,7 @@ class BackendPool:
         raise BackendBusy("; ".join(b.busy_text() for b in up))
 
     def turn(
-        self, route: Route, job_id: str, request_id: str, exclude: Sequence[Backend] = ()
+        self, route: TurnRoute, job_id: str, request_id: str, exclude: Sequence[Backend] = ()
     ) -> _Slot:
         """Hold a slot on the chosen backend for the length of the block (waiting in its queue):
         ``async with pool.turn(...) as backend``."""
@@ -332,7 +332,7 @@ class _Slot:
     def __init__(
         self,
         pool: BackendPool,
-        route: Route,
+        route: TurnRoute,
         job_id: str,
         request_id: str,
         exclude: Sequence[Backend],

@@ -26,7 +26,7 @@ from gateway.runner.backend import (
     BackendLost,
     BackendUnreachable,
 )
-from gateway.runner.backends import BackendPool, Route
+from gateway.runner.backends import BackendPool, TurnRoute
 from gateway.runner.relay import Relay, StitchPayloads
 from gateway.runner.turn import Turn
 from gateway.wire import http1, protocol
@@ -131,7 +131,7 @@ class Forwarder:
                 raise TurnFailed(f"backend {url} stream broke: {exc}") from None
 
     def _rest(
-        self, turn: Turn, route: Route, tried: list[Backend]
+        self, turn: Turn, route: TurnRoute, tried: list[Backend]
     ) -> tuple[bytes, StitchPayloads | None] | None:
         """What to send the next backend for the rest of ``turn``'s answer (the body, and the
         stitch for its chunks), or None when it cannot go on: no other backend, its payloads
@@ -155,7 +155,7 @@ class Forwarder:
     async def _relay(
         self,
         turn: Turn,
-        response: http1.Response,
+        response: http1.ClientResponse,
         key: str | None,
         stitch: StitchPayloads | None,
     ) -> None:

@@ -3,7 +3,7 @@
 Off unless ``--metrics-listen`` is given; a bare port binds loopback only. The protocol needs no
 listening socket (docs/protocol.md §5): this one is for the machine's own probes and Prometheus.
 
-Everything served is read from one ``RunnerStatus`` snapshot (``gateway.runner.snapshot``), taken per
+Everything served is read from one ``RunnerSnapshot`` snapshot (``gateway.runner.snapshot``), taken per
 request through the callable the runner hands over; this module knows nothing of the runner.
 ``/metrics`` is rendered by ``prometheus_client`` (a private ``CollectorRegistry`` with one custom
 collector over the snapshot: none of its global registry, default collectors or threads). It is
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from gateway.runner.snapshot import RunnerStatus
+from gateway.runner.snapshot import RunnerSnapshot
 from gateway.wire.http import Request
-from gateway.wire.server import Limits, Server
+from gateway.wire.server import ConnectionLimits, Server
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -80,7 +80,7 @@ _HISTOGRAM_HELP = {
 _NOT_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def families(status: RunnerStatus) -> Iterator[Any]:
+def families(status: RunnerSnapshot) -> Iterator[Any]:
     """The snapshot as ``prometheus_client`` metric families (what the custom collector yields)."""
     from prometheus_client.core import (
         CounterMetricFamily,
@@ -175,7 +175,7 @@ def families(status: RunnerStatus) -> Iterator[Any]:
         yield counter
 
 
-def registry(status: Callable[[], RunnerStatus]) -> CollectorRegistry:
+def registry(status: Callable[[], RunnerSnapshot]) -> CollectorRegistry:
     """A private registry whose one collector renders a fresh snapshot on every scrape."""
     from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -188,7 +188,7 @@ def registry(status: Callable[[], RunnerStatus]) -> CollectorRegistry:
     return reg
 
 
-def render(status: RunnerStatus) -> str:
+def render(status: RunnerSnapshot) -> str:
     """Everything in the snapshot, in the Prometheus text exposition format (version 0.0.4)."""
     from prometheus_client.exposition import generate_latest
 
@@ -202,14 +202,14 @@ class MetricsServer:
     """Serves one runner's health and metrics on already-bound listeners."""
 
     def __init__(
-        self, status: Callable[[], RunnerStatus], listeners: list[trio.SocketListener]
+        self, status: Callable[[], RunnerSnapshot], listeners: list[trio.SocketListener]
     ) -> None:
         self.status = status
         self.registry = registry(status)
         self.listeners = listeners
         self.server = Server(
             self,
-            limits=Limits(
+            limits=ConnectionLimits(
                 head_timeout=REQUEST_TIMEOUT,
                 body_timeout=REQUEST_TIMEOUT,
                 max_head=MAX_REQUEST_HEAD,
@@ -267,7 +267,7 @@ class MetricsServer:
         await resp.flush()
 
 
-async def open_metrics(host: str, port: int, status: Callable[[], RunnerStatus]) -> MetricsServer:
+async def open_metrics(host: str, port: int, status: Callable[[], RunnerSnapshot]) -> MetricsServer:
     """Bind ``host:port`` now (OSError when that fails: a busy port fails the start)."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     return MetricsServer(status, listeners)

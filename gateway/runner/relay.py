@@ -94,7 +94,7 @@ class Relay:
         self.now = trio.lowlevel.current_clock().current_time  # trio.current_time, bound
 
     async def answer(
-        self, turn: Turn, response: http1.Response, stitch: StitchPayloads | None = None
+        self, turn: Turn, response: http1.ClientResponse, stitch: StitchPayloads | None = None
     ) -> None:
         """Relay a 2xx answer whose head is in to ``turn``'s chunk frames, then its done
         frame. ``BadPayload`` or ``ExchangeFailed`` (the backend's fault) when it cannot; what was
@@ -217,7 +217,7 @@ class Pump:
     def __init__(
         self,
         turn: Turn,
-        response: http1.Response,
+        response: http1.ClientResponse,
         relay: Relay,
         stitch: StitchPayloads | None = None,
     ) -> None:

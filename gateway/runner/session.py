@@ -21,7 +21,7 @@ import trio
 
 from gateway.config import Config
 from gateway.observe import Redactor
-from gateway.runner.alp import AlpClient, Job, Refused, ServerUnavailable, describe_error
+from gateway.runner.alp import AlpClient, OfferedJob, Refused, ServerUnavailable, describe_error
 from gateway.runner.backoff import backoff_delay
 from gateway.runner.channel import Channel, ChannelEnd, ChannelKit
 from gateway.runner.turn import Ending, TurnEnd
@@ -57,7 +57,7 @@ class ChatJob:
     trace: SessionTrace | None = field(default=None, repr=False)  # its span, tracing on
 
     @classmethod
-    def of(cls, job: Job, run_id: str) -> ChatJob:
+    def of(cls, job: OfferedJob, run_id: str) -> ChatJob:
         definition = job.definition
         return cls(
             job.id,
@@ -133,7 +133,7 @@ class SessionKit(ChannelKit):
     tracing: Tracing | None = None
 
 
-class Session:
+class ClaimedJob:
     """One Chat Job from its claim to its one final report."""
 
     def __init__(self, job: ChatJob, kit: SessionKit) -> None:

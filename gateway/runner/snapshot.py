@@ -1,6 +1,6 @@
 """A typed, read-only picture of a running runner: what /metrics, /healthz, `status` and doctor read.
 
-``Runner.status()`` builds a ``RunnerStatus``; ``BackendStatus.of`` reads one backend. Nothing else
+``Runner.status()`` builds a ``RunnerSnapshot``; ``BackendStatus.of`` reads one backend. Nothing else
 looks at the runner's or a backend's attributes, so either can change inside without breaking the
 readers. To show something new, add a field here (with a default) and fill it in
 ``Runner.status()``; a new counter needs nothing: every ``Counters`` entry is in ``counters``.
@@ -98,7 +98,7 @@ class BackendStatus:
 
 
 @dataclass(frozen=True)
-class RunnerStatus:
+class RunnerSnapshot:
     """The runner at one moment. ``last_poll_age`` is seconds since the last good poll (None: none yet)."""
 
     max_sessions: int

@@ -37,7 +37,7 @@ class WhichServer(StateError):
 
 
 @dataclass(frozen=True)
-class Registration:
+class SavedRegistration:
     """One runner registration as the Server answered it (docs/protocol.md §1)."""
 
     id: str
@@ -242,23 +242,25 @@ class StateStore:
                     found.append(key)
         return found
 
-    def registrations(self, project: str) -> list[Registration]:
+    def registrations(self, project: str) -> list[SavedRegistration]:
         """Every saved registration of ``project`` (``OWNER/PROJECT``), whatever its Server."""
         found = []
         for raw in self._load_all():
             try:
-                reg = Registration(**raw)
+                reg = SavedRegistration(**raw)
             except TypeError:
                 raise StateError(f"{self.path}: an entry is damaged; register again") from None
             if reg.key == project:
                 found.append(reg)
         return found
 
-    def load(self, server: str, project: str) -> Registration | None:
+    def load(self, server: str, project: str) -> SavedRegistration | None:
         """The saved registration for ``project`` (``OWNER/PROJECT``) at ``server``, if any."""
         return next((r for r in self.registrations(project) if r.is_for(server, project)), None)
 
-    def find(self, server: str, project: str, *, server_given: bool = True) -> Registration | None:
+    def find(
+        self, server: str, project: str, *, server_given: bool = True
+    ) -> SavedRegistration | None:
         """The registration a runner for ``project`` uses: the one saved for ``server``; when
         no Server was given (``server`` is the default), else the project's only one, at the
         Server it names (registered once with ``--server``, run without it). ``StateError``
@@ -288,7 +290,7 @@ class StateStore:
         )
         return f"no registration for {project} on {server}{held}"
 
-    def save(self, reg: Registration) -> None:
+    def save(self, reg: SavedRegistration) -> None:
         """Persist ``reg`` atomically, owner-only, in place of the one for the same Server and
         project (the others are kept)."""
         path = self.path

@@ -1,5 +1,5 @@
 """The supervisor: registration, the poll loop, push events, claims, the start of metrics and
-tracing, signals and shutdown; each claimed Chat Job is a ``Session`` (``gateway.runner.session``)
+tracing, signals and shutdown; each claimed Chat Job is a ``ClaimedJob`` (``gateway.runner.session``)
 in a slot of its own."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from gateway.runner.alp import (
     CertificateRefused,
     Deadlines,
     EventsUnavailable,
-    Job,
     MalformedReply,
+    OfferedJob,
     Refused,
     RegistrationRefused,
     ServerSilent,
@@ -35,9 +35,9 @@ from gateway.runner.backendurl import missing_v1
 from gateway.runner.backoff import backoff_delay, poll_delay
 from gateway.runner.metrics import MetricsServer, open_metrics
 from gateway.runner.poller import Poller
-from gateway.runner.session import ChatJob, Session, SessionKit
-from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus
-from gateway.runner.state import Registration, StateError, StateStore
+from gateway.runner.session import ChatJob, ClaimedJob, SessionKit
+from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerSnapshot
+from gateway.runner.state import SavedRegistration, StateError, StateStore
 from gateway.signals import watch_signals
 from gateway.wire.protocol import CAPABILITY, FALLBACK_TIER
 
@@ -74,10 +74,12 @@ class Runner:
             config, ssl_context=self.ssl_context, on_change=lambda: self._wake.set()
         )
         self.poller: Poller | None = None  # opened by run: the streaming turns' backend reads
-        self.registration: Registration | None = None
+        self.registration: SavedRegistration | None = None
         self.alp: AlpClient | None = None
-        self.sessions: dict[str, Session] = {}  # the open sessions: one slot each
-        self._reporting: dict[str, Session] = {}  # ended sessions whose final report is on its way
+        self.sessions: dict[str, ClaimedJob] = {}  # the open sessions: one slot each
+        self._reporting: dict[
+            str, ClaimedJob
+        ] = {}  # ended sessions whose final report is on its way
         self._lost_at_stop: dict[str, str] = {}  # job id -> why the Server has no final report
         self._stopping_now = False  # a second signal came
         self._polling: trio.CancelScope | None = None  # the poll request in flight: a stop ends it
@@ -95,10 +97,10 @@ class Runner:
         self.tracing: Tracing | None = None
         self._sessions_nursery: trio.Nursery | None = None  # open while run() polls
 
-    def status(self) -> RunnerStatus:
+    def status(self) -> RunnerSnapshot:
         """The read-only snapshot every reader (metrics, /healthz, doctor) takes of the runner."""
         age = None if self.last_poll_ok is None else trio.current_time() - self.last_poll_ok
-        return RunnerStatus(
+        return RunnerSnapshot(
             max_sessions=self.config.max_sessions,
             poll_interval=self.config.poll_interval,
             ping_interval=self.config.ping_interval,
@@ -113,7 +115,7 @@ class Runner:
 
     # -- registration --------------------------------------------------------------------
 
-    async def _ensure_registration(self) -> Registration:
+    async def _ensure_registration(self) -> SavedRegistration:
         """The saved registration for this Server and project (``StateStore.find``), else a new
         one made with the user credential. A runner token goes only to the Server that issued
         it: another ``--server`` registers anew there, and the first one's is kept."""
@@ -136,7 +138,7 @@ class Runner:
 
     async def register(
         self, *, wait_for_server: bool = True, server: str | None = None
-    ) -> Registration:
+    ) -> SavedRegistration:
         """Register with the user credential at ``server`` (the configured one by default) and
         save it.
 
@@ -207,7 +209,7 @@ class Runner:
         log.info("registered as runner %s (%s) for %s on %s", reg.name, reg.id, reg.key, reg.server)
         return reg
 
-    async def _register_at(self, plain: SpeaksTls) -> tuple[AlpClient, Registration] | None:
+    async def _register_at(self, plain: SpeaksTls) -> tuple[AlpClient, SavedRegistration] | None:
         """Registration at ``plain.https``, the Server's https:// twin, when its http:// failed
         as a TLS port fails (its 400, or a close without a word): the client and registration;
         None when https:// does not work either (the http:// failure stands); a certificate
@@ -492,7 +494,7 @@ class Runner:
         assert self.alp is not None
         self.alp.token = self.registration.token
 
-    async def _consider(self, jobs: list[Job]) -> None:
+    async def _consider(self, jobs: list[OfferedJob]) -> None:
         assert self.alp is not None and self.registration is not None
         for job in jobs:
             if self.shutdown.is_set() or len(self.sessions) >= self.config.max_sessions:
@@ -510,14 +512,14 @@ class Runner:
                 log.debug("job %s was taken by another runner", job.id)
                 continue
             assert self._kit is not None  # made by run() before the first poll
-            session = Session(ChatJob.of(job, run_id), self._kit)
+            session = ClaimedJob(ChatJob.of(job, run_id), self._kit)
             if self._stopping_now:
                 session.stop_now()
             self.sessions[job.id] = session
             assert self._sessions_nursery is not None  # _consider runs inside run()'s nursery
             self._sessions_nursery.start_soon(self._run_session, session)
 
-    async def _run_session(self, session: Session) -> None:
+    async def _run_session(self, session: ClaimedJob) -> None:
         """One session in its slot; the slot is freed when its channel is done, before the
         final report (a report to a Server that is gone may take its bounded retries)."""
         job_id = session.job.id

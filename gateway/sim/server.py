@@ -23,7 +23,7 @@ import trio
 
 from gateway.wire.errors import ClientGone, HTTPError, error_envelope
 from gateway.wire.http import Request
-from gateway.wire.server import Limits, Server
+from gateway.wire.server import ConnectionLimits, Server
 
 __all__ = [
     "DIALECTS",
@@ -59,7 +59,7 @@ _VOCABULARY = (
 
 _MAX_BODY = 64 * 1024 * 1024  # bytes: a larger request body is refused (413)
 # no deadline (a test may hold a connection idle as long as it likes), no connection cap
-_LIMITS = Limits(head_timeout=math.inf, body_timeout=math.inf, max_connections=1 << 30)
+_LIMITS = ConnectionLimits(head_timeout=math.inf, body_timeout=math.inf, max_connections=1 << 30)
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 _perf_counter = time.perf_counter

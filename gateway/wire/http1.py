@@ -42,7 +42,7 @@ class ConnectFailed(ExchangeFailed):
 # -- one response ------------------------------------------------------------------------
 
 
-class Response:
+class ClientResponse:
     """One connection and the response being read on it: the socket here, the parsing in
     ``parser`` (``gateway.wire.stream.ResponseParser``, which does no I/O).
 
@@ -216,14 +216,14 @@ class Client:
         target: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
-    ) -> Response:
+    ) -> ClientResponse:
         """Send one request (the body as it is) and read the head of its response.
 
         ``ConnectFailed`` when no connection could be made (nothing was sent); ``ExchangeFailed``
         otherwise. A kept-alive connection that turns out closed is replaced once."""
         return await self.send(self.prepare(method, target, headers), body)
 
-    async def send(self, head: bytes, body: bytes) -> Response:
+    async def send(self, head: bytes, body: bytes) -> ClientResponse:
         """``request`` with its head from ``prepare``."""
         message = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         while True:
@@ -231,7 +231,7 @@ class Client:
             reused = transport is not None
             if transport is None:
                 transport = await self._connect()
-            response = Response(transport)
+            response = ClientResponse(transport)
             try:
                 try:
                     if not transport.write(message):
@@ -249,7 +249,7 @@ class Client:
                 raise
             return response
 
-    def release(self, response: Response) -> None:
+    def release(self, response: ClientResponse) -> None:
         """Keep the connection for the next request when it can be, else close it."""
         if not response.reusable:
             response.close()
@@ -299,7 +299,7 @@ class Client:
         if proxy.authorization:
             head += b"proxy-authorization: " + proxy.authorization + b"\r\n"
         await transport.send_all(head + b"\r\n")
-        response = Response(transport)
+        response = ClientResponse(transport)
         await response.read_head()
         if response.status != 200:
             raise ConnectFailed(

@@ -53,7 +53,7 @@ MAX_CHUNK_LINE = 16 * 1024  # bytes: a chunked body's size line (with its extens
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class ConnectionLimits:
     """The bounds of every connection (the hub's settings of the same names)."""
 
     # s: a request head (and a TLS handshake) must arrive within this of the connection's start
@@ -77,13 +77,13 @@ class Handler(HTTPHandler, Protocol):
     async def websocket(self, req: WebSocketRequest) -> None: ...
 
 
-class Serving(Protocol):
+class ConnectionHost(Protocol):
     """What a connection is served with (the listener, ``gateway.wire.server.Server``)."""
 
     @property
     def handler(self) -> HTTPHandler: ...
     @property
-    def limits(self) -> Limits: ...
+    def limits(self) -> ConnectionLimits: ...
     @property
     def keepalive(self) -> Keepalive: ...
     @property
@@ -150,7 +150,7 @@ class HTTPConnection:
     """
 
     def __init__(
-        self, serving: Serving, transport: Transport, client: tuple[str, int] | None
+        self, serving: ConnectionHost, transport: Transport, client: tuple[str, int] | None
     ) -> None:
         self.serving = serving
         self.limits = serving.limits
@@ -481,7 +481,7 @@ class WebSocketRequest:
 
 
 async def serve_connection(
-    serving: Serving,
+    serving: ConnectionHost,
     sock: socket.socket,
     client: tuple[str, int] | None,
     ssl_context: ssl.SSLContext | None,

@@ -10,7 +10,7 @@ its WebSocket (``gateway.wire.wsserver`` over ``gateway.wire.wsconn``, which doe
 A handler gets ``http(Request)`` (``gateway.wire.http``: the head, ``body(limit)`` read on demand
 so credentials are checked first, the ``Response``) and ``websocket(WebSocketRequest)`` (accept
 it, or refuse it with an HTTP status). Every bound a network server needs is kept: a head
-deadline and size cap, a body deadline, keep-alive idle time (``Limits``, in the connection);
+deadline and size cap, a body deadline, keep-alive idle time (``ConnectionLimits``, in the connection);
 here, a cap on open connections: past it a new one gets a 503 written at once and is closed (one
 warning a minute), and past ``MAX_REFUSING`` refusals at once it is just closed; an accept that
 fails for lack of descriptors gives up a spare one kept for this, accepts the waiting connection
@@ -32,9 +32,9 @@ from typing import Any, Protocol
 import trio
 
 from gateway.wire.httpconn import (
+    ConnectionLimits,
     Handler,
     HTTPHandler,
-    Limits,
     WebSocketRequest,
     error_response,
     serve_connection,
@@ -58,7 +58,7 @@ _BUSY = error_response(
 )
 
 
-class Counters(WebSocketCounters, Protocol):
+class ServerCounts(WebSocketCounters, Protocol):
     """What the server counts (the hub's ``HubCounters`` has these among its own)."""
 
     connections_refused: int
@@ -83,14 +83,14 @@ class Server:
         handler: HTTPHandler,
         *,
         keepalive: Keepalive | None = None,
-        counters: Counters | None = None,
-        limits: Limits | None = None,
+        counters: ServerCounts | None = None,
+        limits: ConnectionLimits | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.handler = handler
         self.keepalive = keepalive or Keepalive()
-        self.counters: Counters = counters if counters is not None else ServerCounters()
-        self.limits = limits or Limits()
+        self.counters: ServerCounts = counters if counters is not None else ServerCounters()
+        self.limits = limits or ConnectionLimits()
         self.ssl_context = ssl_context
         self.open_connections = 0
         self._refusing = 0  # refused connections still being told so
@@ -238,11 +238,11 @@ def _address(sock: socket.socket) -> tuple[str, int] | None:
 __all__ = [
     "CLOSE_ABNORMAL",
     "CLOSE_NO_PONG",
-    "Counters",
+    "ServerCounts",
     "HTTPHandler",
     "Handler",
     "Keepalive",
-    "Limits",
+    "ConnectionLimits",
     "Server",
     "ServerCounters",
     "ServerWebSocket",

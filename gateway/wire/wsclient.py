@@ -31,9 +31,9 @@ from gateway.wire import netio
 from gateway.wire.netio import NET_ERRORS, Transport
 from gateway.wire.wsconn import (
     Keepalive,
-    State,
     Tick,
     WebSocketConnection,
+    WsState,
     answer_problem,
     new_key,
     request_headers,
@@ -312,7 +312,7 @@ class WebSocket:
             inbox.append(payload.decode() if op == OP_TEXT else payload)  # UTF-8 checked
         if conn.pending:
             self.writer.controls()
-        if conn.state is not State.OPEN:
+        if conn.state is not WsState.OPEN:
             self._ended(ChannelClosed(conn.close_code, conn.close_reason))
 
     # -- keeping alive -------------------------------------------------------------------
@@ -377,7 +377,7 @@ class WebSocket:
         transport = self.transport
         conn = self.conn
         try:
-            while conn.state is State.CLOSING:
+            while conn.state is WsState.CLOSING:
                 data = await transport.receive()
                 if not data:
                     return

@@ -54,7 +54,7 @@ PINGS_WHILE_PONG_WAITS = 16  # pings answered while our pong from an earlier rea
 PING_PAYLOAD = b"alp"
 
 
-class State(enum.Enum):
+class WsState(enum.Enum):
     """Where a connection is in its life (RFC 6455 §7)."""
 
     OPEN = "open"  # messages go both ways
@@ -194,7 +194,7 @@ class WebSocketConnection:
         entropy: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self.client = client
-        self.state = State.OPEN
+        self.state = WsState.OPEN
         # the close code and reason of whoever closed first (the peer's, or ours when we
         # started the close or failed the connection); None while open
         self.close_code: int | None = None
@@ -222,7 +222,7 @@ class WebSocketConnection:
         completes, in order; the control frames among them are dealt with here (a ping's pong
         owed, the peer's close answered). Nothing is read once ``CLOSED``."""
         self.heard_at = now
-        if self.state is State.CLOSED:
+        if self.state is WsState.CLOSED:
             return []
         reader = self.reader
         seen = reader.controls
@@ -233,7 +233,7 @@ class WebSocketConnection:
         carried = self._pong is not None  # a pong from an earlier read still waits: not read
         for op, payload in frames:
             if op == OP_PING:
-                if self.state is State.OPEN:  # closing: our close frame answers it
+                if self.state is WsState.OPEN:  # closing: our close frame answers it
                     if carried:
                         self._pings_unanswered += 1
                         if self._pings_unanswered >= PINGS_WHILE_PONG_WAITS:
@@ -263,19 +263,19 @@ class WebSocketConnection:
         if self.close_code is None:
             self.close_code = close_code_of(payload)
             self.close_reason = close_reason_of(payload)
-        if self.state is State.OPEN:  # answered with its code (§5.5.1)
+        if self.state is WsState.OPEN:  # answered with its code (§5.5.1)
             self._close = self._control(OP_CLOSE, payload[:2])
             self.pending = True
-        self.state = State.CLOSED
+        self.state = WsState.CLOSED
 
     # -- closing ---------------------------------------------------------------------------
 
     def close(self, code: int, reason: str = "") -> None:
         """Start the closing handshake: our close frame is owed, the peer's answer awaited.
         Nothing once closing or closed."""
-        if self.state is not State.OPEN:
+        if self.state is not WsState.OPEN:
             return
-        self.state = State.CLOSING
+        self.state = WsState.CLOSING
         self.close_code, self.close_reason = code, reason
         self._close = self._control(OP_CLOSE, close_payload(code, reason))
         self.pending = True
@@ -283,12 +283,12 @@ class WebSocketConnection:
     def fail(self, code: int, reason: str) -> None:
         """Fail the connection (RFC 6455 §7.1.7): our close frame with ``code`` is owed unless
         one went already, nothing more is read; ``failure`` says why."""
-        if self.state is State.CLOSED:
+        if self.state is WsState.CLOSED:
             return
-        if self.state is State.OPEN:
+        if self.state is WsState.OPEN:
             self._close = self._control(OP_CLOSE, close_payload(code, reason))
             self.pending = True
-        self.state = State.CLOSED
+        self.state = WsState.CLOSED
         self.close_code, self.close_reason = code, reason
         self.failure = (code, reason)
 
@@ -316,7 +316,7 @@ class WebSocketConnection:
 
     def next_tick(self) -> float:
         """When ``tick`` has something to do next (inf: never, no keepalive or not open)."""
-        if self.state is not State.OPEN or self.keepalive is None:
+        if self.state is not WsState.OPEN or self.keepalive is None:
             return math.inf
         awaiting = self._awaiting
         if awaiting is None or self.heard_at >= awaiting:  # answered: the next ping is next
@@ -328,7 +328,7 @@ class WebSocketConnection:
         (nothing heard ``timeout`` s after a ping: the caller fails or drops the connection),
         or nothing."""
         keepalive = self.keepalive
-        if keepalive is None or self.state is not State.OPEN:
+        if keepalive is None or self.state is not WsState.OPEN:
             return None
         awaiting = self._awaiting
         if awaiting is not None and self.heard_at >= awaiting:

@@ -22,17 +22,17 @@ from gateway.wire.netio import NET_ERRORS, RECV_SIZE, Transport
 from gateway.wire.wsconn import (
     CLOSE_ABNORMAL,
     CLOSE_NO_PONG,
-    State,
     Tick,
     WebSocketConnection,
+    WsState,
 )
 from gateway.wire.wsframes import OP_TEXT, server_frame, text_frame
 
 log = logging.getLogger("gateway.wire.server")
 
 CLOSE_TIMEOUT = 2.0  # s: how long a closing WebSocket waits for the peer's close frame
-_OPEN = State.OPEN
-_CLOSED = State.CLOSED
+_OPEN = WsState.OPEN
+_CLOSED = WsState.CLOSED
 
 
 class WebSocketCounters(Protocol):

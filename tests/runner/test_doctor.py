@@ -17,7 +17,7 @@ from gateway.config import BackendSpec, load_config
 from gateway.hub import Hub
 from gateway.ops import doctor
 from gateway.ops.doctor import FAIL, OK, WARN, Check, diagnose, render, run_doctor
-from gateway.runner.state import Registration, StateStore
+from gateway.runner.state import SavedRegistration, StateStore
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, open_sim
 
@@ -70,7 +70,7 @@ async def test_broken_setup_names_each_fault_and_its_fix(tmp_path: Path) -> None
     async with open_sim(require_key="sk-right-key-1234", models=["qwen2.5:7b"]) as sim:
         state = tmp_path / "state"
         StateStore(state).save(
-            Registration("r-1", "box", "tok-secret-5678", "http://x", OWNER, PROJECT)
+            SavedRegistration("r-1", "box", "tok-secret-5678", "http://x", OWNER, PROJECT)
         )
         (state / "registration.json").chmod(0o644)
         toml = tmp_path / "gw.toml"
@@ -108,7 +108,9 @@ async def test_refused_token_and_unserved_default_model(
     hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
-    StateStore(state).save(Registration("r-1", "box", "not-a-token-9999", hub[1], OWNER, PROJECT))
+    StateStore(state).save(
+        SavedRegistration("r-1", "box", "not-a-token-9999", hub[1], OWNER, PROJECT)
+    )
     config = runner_config(
         hub[1],
         sim.url,
@@ -324,7 +326,7 @@ def test_a_registration_on_another_server_is_not_this_ones(tmp_path: Path) -> No
     """Issue 31 point 5: doctor picks the registration as ``run`` does, per Server and project."""
     state = tmp_path / "state"
     StateStore(state).save(
-        Registration("r-1", "box", "tok-elsewhere", "http://first:8787", OWNER, PROJECT)
+        SavedRegistration("r-1", "box", "tok-elsewhere", "http://first:8787", OWNER, PROJECT)
     )
     check = doctor.Doctor(runner_config("http://second:8787", None, state, user_token=None))
     assert check.check_state() is None
@@ -354,7 +356,7 @@ async def test_doctor_with_no_flags_takes_server_and_project_from_the_saved_regi
     assert "runner token accepted" in text and "no project" not in text
     assert hub[1] in text  # the registration's Server, not agentics.dk
     # two projects saved: which one is not guessed
-    StateStore(state).save(Registration("r-2", "box", "tok-2-secret", hub[1], OWNER, "other"))
+    StateStore(state).save(SavedRegistration("r-2", "box", "tok-2-secret", hub[1], OWNER, "other"))
     out = io.StringIO()
     code = await trio.to_thread.run_sync(lambda: run_doctor({}, env, None, out=out))
     assert (

@@ -28,7 +28,7 @@ BODY = json.dumps(
 ).encode()
 
 
-async def _read_all(response: http1.Response) -> bytes:
+async def _read_all(response: http1.ClientResponse) -> bytes:
     return await response.read_body()
 
 

@@ -15,7 +15,7 @@ from helpers import runner_config as _runner_config
 
 from gateway.config import Config
 from gateway.hub import Hub, open_hub
-from gateway.runner.alp import Job
+from gateway.runner.alp import OfferedJob
 from gateway.runner.session import ChatJob
 from gateway.sim import Simulator
 
@@ -142,7 +142,7 @@ async def test_absent_or_invalid_limits_mean_none_and_invalid_is_logged_once(
 
 def chat_job(job: dict[str, Any], run_id: str) -> ChatJob:
     """The ``ChatJob`` a claimed job offered as ``job`` (a poll's JSON, as decoded) becomes."""
-    return ChatJob.of(msgspec.convert(job, Job), run_id)
+    return ChatJob.of(msgspec.convert(job, OfferedJob), run_id)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from gateway.hub import Hub
 from gateway.observe import Counters, Histogram
 from gateway.ops.status import Reading, Samples, default_url, summary
 from gateway.runner.metrics import CONTENT_TYPE, render
-from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerStatus, safe_url
+from gateway.runner.snapshot import BackendStatus, HistogramStatus, RunnerSnapshot, safe_url
 from gateway.runner.supervisor import Runner, RunnerExit
 from gateway.sim import Simulator, open_sim
 
@@ -73,9 +73,9 @@ def test_status_default_url() -> None:
 
 def snapshot(
     *, age: float | None = 1.0, backends: list[BackendStatus] | None = None, **more: Any
-) -> RunnerStatus:
+) -> RunnerSnapshot:
     """A RunnerStatus as a runner would take it: the readers' only input, no runner needed."""
-    return RunnerStatus(
+    return RunnerSnapshot(
         max_sessions=8,
         poll_interval=10.0,
         last_poll_age=age,

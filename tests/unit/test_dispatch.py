@@ -13,9 +13,9 @@ import pytest
 
 from gateway.hub.dispatch import (
     Assign,
+    DispatchLimits,
     FairQueue,
     JobView,
-    Limits,
     Move,
     Open,
     Plan,
@@ -29,7 +29,7 @@ from gateway.hub.dispatch import (
     plan,
 )
 
-LIMITS = Limits(queue_length=3, queue_wait=10.0, dial_within=30.0, redial_within=5.0)
+LIMITS = DispatchLimits(queue_length=3, queue_wait=10.0, dial_within=30.0, redial_within=5.0)
 _sessions = itertools.count()
 
 
@@ -54,7 +54,7 @@ def step(
     runners: list[RunnerView],
     jobs: dict[str, JobView] | None = None,
     now: float = 0.0,
-    limits: Limits = LIMITS,
+    limits: DispatchLimits = LIMITS,
 ) -> Plan:
     return plan(queue, waiters, {r.id: r for r in runners}, jobs or {}, limits, now)
 

@@ -221,11 +221,11 @@ class Rig:
         self.turns: dict[str, Turn] = {}  # the turns in flight: a test may stop one
         self.keep: ResumeBuffer | None = None  # where turns keep their frames (a resume)
 
-    def backend(self, name: str) -> tuple[http1.Response, BackendSocket, socket.socket]:
+    def backend(self, name: str) -> tuple[http1.ClientResponse, BackendSocket, socket.socket]:
         near, far = socket.socketpair()
         sock = BackendSocket(fileno=near.detach())
         sock.log, sock.name = self.log, name
-        return http1.Response(netio.Transport(sock)), sock, far
+        return http1.ClientResponse(netio.Transport(sock)), sock, far
 
     async def relay(
         self, request_id: str, blocks: list[bytes], per: int = EVENTS_PER_READ
@@ -242,7 +242,7 @@ class Rig:
         far.close()
         return error, sock.reads
 
-    async def relay_response(self, request_id: str, response: http1.Response) -> str | None:
+    async def relay_response(self, request_id: str, response: http1.ClientResponse) -> str | None:
         """One turn's answer relayed by the channel's relay, under the turn's scope as its
         task runs it; the turn's error (as it would be framed), or None."""
         frames = protocol.TurnFrames(JOB, request_id)
@@ -419,7 +419,7 @@ async def test_no_chunk_waits_for_another_turns_read(poller: bool) -> None:
         step_done = trio.Event()
         token = trio.lowlevel.current_trio_token()
 
-        async def turn(i: int, response: http1.Response) -> None:
+        async def turn(i: int, response: http1.ClientResponse) -> None:
             assert await rig.relay_response(f"t{i}", response) is None
 
         def watch() -> None:  # the Server's side: tell the trio thread when a step is written

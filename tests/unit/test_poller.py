@@ -110,7 +110,7 @@ async def _in_the_poller(rig: Rig, fars: list[socket.socket]) -> None:
     assert poller.following == len(fars)
 
 
-def _answered(rig: Rig) -> http1.Response:
+def _answered(rig: Rig) -> http1.ClientResponse:
     """A backend that has its whole answer written already: one chunk, [DONE], the end."""
     response, _, far = rig.backend("after")
     far.send(HEAD + _event(0) + chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
@@ -145,7 +145,7 @@ async def test_a_stop_after_the_done_frame_is_too_late() -> None:
     """A turn whose done frame went out is whole: a stop that comes after it does not cancel
     its relay (the Server would get a second terminal frame, ``cancelled``, after done)."""
     near, far = socket.socketpair()
-    response = http1.Response(netio.Transport(near))
+    response = http1.ClientResponse(netio.Transport(near))
     far.send(HEAD + _event(0) + chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     out = _StopAtDone()
     turn = out.turn = Turn("late", protocol.TurnFrames("job", "late"), trio.current_time())

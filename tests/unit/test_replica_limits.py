@@ -1,4 +1,4 @@
-"""An API key's limits across replicas (``gateway.hub.replicas.limits.TeamLimits``) in memory, with a
+"""An API key's limits across replicas (``gateway.hub.replicas.limits.ReplicaLimits``) in memory, with a
 fake store that answers what the test scripts, on trio's autojump clock. The store's verdict
 becomes the refusal the caller's API shows; an admitted turn's session learns its job and an
 evicted session is ended; a key's next admission on this replica waits for the key's releases
@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from gateway.hub.accounting import LimitExceeded
-from gateway.hub.replicas.limits import RETRY, TeamLimits
+from gateway.hub.replicas.limits import RETRY, ReplicaLimits
 from gateway.hub.replicas.store.base import Admission, Release
 from gateway.hub.sessions import TooManySessions
 from gateway.hub.settings import HubSettings
@@ -78,14 +78,14 @@ class FakeStore:
         return True
 
 
-def limits(store: FakeStore) -> tuple[TeamLimits, dict[object, str | None], list[tuple]]:
+def limits(store: FakeStore) -> tuple[ReplicaLimits, dict[object, str | None], list[tuple]]:
     learned: dict[object, str | None] = {}
     evicted: list[tuple] = []
 
     async def on_evicted(key: str, session: str, job: str | None) -> None:
         evicted.append((key, session, job))
 
-    team = TeamLimits(store, HubSettings(), learned, on_evicted, 3600.0)  # type: ignore[arg-type]
+    team = ReplicaLimits(store, HubSettings(), learned, on_evicted, 3600.0)  # type: ignore[arg-type]
     return team, learned, evicted
 
 

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.runner.state import Registration, StateError, StateStore, WhichServer, same_server
+from gateway.runner.state import SavedRegistration, StateError, StateStore, WhichServer, same_server
 
 
-def reg(project: str = "p", server: str = "http://h", token: str = "alpr_secret") -> Registration:
-    return Registration("id1", "box", token, server, "o", project)
+def reg(
+    project: str = "p", server: str = "http://h", token: str = "alpr_secret"
+) -> SavedRegistration:
+    return SavedRegistration("id1", "box", token, server, "o", project)
 
 
 def test_save_is_owner_only_and_round_trips(tmp_path: Path) -> None:

@@ -24,9 +24,9 @@ from gateway.wire import wsconn
 from gateway.wire.wsconn import (
     PINGS_WHILE_PONG_WAITS,
     Keepalive,
-    State,
     Tick,
     WebSocketConnection,
+    WsState,
 )
 from gateway.wire.wsframes import (
     OP_BINARY,
@@ -139,7 +139,7 @@ def test_messages_come_out_in_order_and_control_frames_stay_inside() -> None:
     assert conn.receive(data, 1.0) == [(OP_TEXT, b"one"), (OP_BINARY, b"\x00\x01\x02"), (1, b"two")]
     assert conn.pending and frames_of(conn.data_to_send(), True) == [(OP_PONG, b"p")]
     assert not conn.pending and conn.data_to_send() == b""
-    assert conn.state is State.OPEN and conn.heard_at == 1.0
+    assert conn.state is WsState.OPEN and conn.heard_at == 1.0
 
 
 @pytest.mark.parametrize("first", ["client", "server"])
@@ -147,16 +147,16 @@ def test_the_close_handshake_whichever_end_starts_it(first: str) -> None:
     ends = {"client": client(), "server": server()}
     starter, answerer = ends[first], ends["server" if first == "client" else "client"]
     starter.close(1001, "going away")
-    assert starter.state is State.CLOSING and starter.close_code == 1001
+    assert starter.state is WsState.CLOSING and starter.close_code == 1001
     assert answerer.receive(starter.data_to_send(), 0.0) == []
-    assert answerer.state is State.CLOSED and answerer.failure is None
+    assert answerer.state is WsState.CLOSED and answerer.failure is None
     assert (answerer.close_code, answerer.close_reason) == (1001, "going away")
     reply = answerer.data_to_send()
     assert [(op, close_code_of(p)) for op, p in frames_of(reply, first == "client")] == [
         (OP_CLOSE, 1001)
     ]
     starter.receive(reply, 0.0)
-    assert starter.state is State.CLOSED and starter.close_code == 1001  # the first closer's
+    assert starter.state is WsState.CLOSED and starter.close_code == 1001  # the first closer's
     assert not starter.pending and not answerer.pending
 
 
@@ -167,7 +167,7 @@ def test_both_ends_closing_at_once_send_one_close_frame_each() -> None:
     to_b, to_a = a.data_to_send(), b.data_to_send()
     b.receive(to_b, 0.0)
     a.receive(to_a, 0.0)
-    assert a.state is b.state is State.CLOSED
+    assert a.state is b.state is WsState.CLOSED
     assert not a.pending and not b.pending  # no answer to a close that answered ours
     assert (a.close_code, b.close_code) == (1000, 4000)  # each its own: it closed first
 
@@ -214,7 +214,7 @@ def test_while_closing_pings_get_no_pong_and_messages_still_come() -> None:
 def test_a_violation_fails_the_connection_with_its_code(data: bytes, code: int) -> None:
     conn = server()
     assert conn.receive(from_client(OP_TEXT, b"ok") + data, 0.0) == [(OP_TEXT, b"ok")]
-    assert conn.state is State.CLOSED and conn.failure is not None and conn.close_code == code
+    assert conn.state is WsState.CLOSED and conn.failure is not None and conn.close_code == code
     assert [(op, close_code_of(p)) for op, p in frames_of(conn.data_to_send(), True)] == [
         (OP_CLOSE, code)
     ]
@@ -229,11 +229,11 @@ def test_a_message_in_more_fragments_than_the_bound_fails_with_1009() -> None:
     conn = server(max_fragments=8)
     whole = from_client(OP_TEXT, b"", fin=False) + from_client(OP_CONTINUATION, b"", fin=False) * 6
     assert conn.receive(whole + from_client(OP_CONTINUATION, b"x"), 0.0) == [(OP_TEXT, b"x")]
-    assert conn.state is State.OPEN  # 8 frames: within the bound
+    assert conn.state is WsState.OPEN  # 8 frames: within the bound
     conn.receive(whole + from_client(OP_CONTINUATION, b"", fin=False), 0.0)  # 8, more to come
-    assert conn.state is State.OPEN
+    assert conn.state is WsState.OPEN
     conn.receive(from_client(OP_CONTINUATION, b"", fin=False), 0.0)  # the 9th
-    assert conn.state is State.CLOSED and conn.close_code == 1009
+    assert conn.state is WsState.CLOSED and conn.close_code == 1009
     assert conn.failure == (1009, "a message in over 8 frames")
 
 
@@ -249,7 +249,7 @@ def test_a_message_over_the_byte_bound_fails_with_1009() -> None:
 def test_pings_in_one_read_get_one_pong_with_the_latest_payload() -> None:
     conn = server()
     conn.receive(b"".join(from_client(OP_PING, b"%d" % i) for i in range(100)), 0.0)
-    assert conn.state is State.OPEN
+    assert conn.state is WsState.OPEN
     assert frames_of(conn.data_to_send(), True) == [(OP_PONG, b"99")]
 
 
@@ -260,9 +260,9 @@ def test_a_peer_that_pings_while_our_pong_waits_is_failed_with_1008() -> None:
     conn.receive(from_client(OP_PING, b"first"), 0.0)  # the socket is full: not taken
     for n in range(1, PINGS_WHILE_PONG_WAITS):
         conn.receive(from_client(OP_PING, b"%d" % n), 0.0)
-        assert conn.state is State.OPEN
+        assert conn.state is WsState.OPEN
     conn.receive(from_client(OP_PING, b"last"), 0.0)
-    assert conn.state is State.CLOSED and conn.close_code == 1008
+    assert conn.state is WsState.CLOSED and conn.close_code == 1008
     out = frames_of(conn.data_to_send(), True)
     assert [op for op, _ in out] == [OP_PONG, OP_CLOSE]  # one pong, the latest, then the close
     assert out[0][1] == b"%d" % (PINGS_WHILE_PONG_WAITS - 1)
@@ -273,7 +273,7 @@ def test_pings_answered_as_they_come_never_fail() -> None:
     for n in range(10 * PINGS_WHILE_PONG_WAITS):
         conn.receive(from_client(OP_PING, b"%d" % n), 0.0)
         assert frames_of(conn.data_to_send(), True) == [(OP_PONG, b"%d" % n)]
-    assert conn.state is State.OPEN
+    assert conn.state is WsState.OPEN
 
 
 @settings(max_examples=300, deadline=None)
@@ -316,7 +316,7 @@ def test_pong_rule_against_a_model(steps: list[list[bytes] | str]) -> None:
                     break
             latest = payload
         conn.receive(b"".join(from_client(OP_PING, p) for p in step), 0.0)
-        assert (conn.state is State.CLOSED) == failed
+        assert (conn.state is WsState.CLOSED) == failed
         if failed:
             assert conn.close_code == 1008
         assert conn.pending == (latest is not None or failed)
@@ -339,7 +339,7 @@ def test_pings_every_interval_while_the_peer_answers() -> None:
         assert conn.tick(now) is Tick.PING
         assert frames_of(conn.data_to_send(), True) == [(OP_PING, wsconn.PING_PAYLOAD)]
         conn.receive(from_client(OP_PONG, wsconn.PING_PAYLOAD), now + 1)  # answered
-    assert conn.state is State.OPEN
+    assert conn.state is WsState.OPEN
 
 
 def test_a_silent_peer_is_dead_timeout_after_a_ping() -> None:

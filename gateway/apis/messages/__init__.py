@@ -13,7 +13,7 @@ from gateway.apis.messages.errors import (
     error_type_for_status,
 )
 from gateway.apis.messages.request import (
-    ChatRequest,
+    MessagesAsChat,
     count_tokens,
     estimate_tokens,
     to_chat,
@@ -22,7 +22,7 @@ from gateway.apis.messages.request import (
 from gateway.apis.messages.stream import MessagesStream, fold, new_message_id
 
 __all__ = [
-    "ChatRequest",
+    "MessagesAsChat",
     "MessagesError",
     "MessagesStream",
     "count_tokens",

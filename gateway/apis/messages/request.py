@@ -33,7 +33,7 @@ from gateway.apis.messages.errors import MessagesError
 __all__ = [
     "CHARS_PER_TOKEN",
     "IMAGE_TOKENS",
-    "ChatRequest",
+    "MessagesAsChat",
     "count_tokens",
     "estimate_tokens",
     "to_chat",
@@ -54,7 +54,7 @@ def _invalid(message: str) -> MessagesError:
 # -- the request -----------------------------------------------------------------------------
 
 
-class ChatRequest(msgspec.Struct):
+class MessagesAsChat(msgspec.Struct):
     """A Messages request translated: what ``to_chat`` returns, plus the token estimate."""
 
     body: bytes  # the chat-completions body
@@ -81,7 +81,7 @@ def to_chat(body: bytes) -> tuple[bytes, bool, str | None]:
     return request.body, request.stream, request.model
 
 
-def translate(body: bytes) -> ChatRequest:
+def translate(body: bytes) -> MessagesAsChat:
     """``to_chat`` plus the request's ``estimate_tokens`` (one parse for both)."""
     obj = _decode_request(body)
     try:
@@ -428,7 +428,7 @@ def _merge_adjacent(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _translate(obj: dict[str, Any]) -> ChatRequest:
+def _translate(obj: dict[str, Any]) -> MessagesAsChat:
     _check_common(obj)
     if "max_tokens" not in obj:
         raise _invalid("max_tokens: Field required")
@@ -475,7 +475,7 @@ def _translate(obj: dict[str, Any]) -> ChatRequest:
     chat["stream"] = bool(stream)
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    return ChatRequest(_encode(chat), bool(stream), model, estimate_tokens(obj), chat)
+    return MessagesAsChat(_encode(chat), bool(stream), model, estimate_tokens(obj), chat)
 
 
 # -- the token estimate -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import.
 
 from gateway.apis.responses.errors import ResponsesError
 from gateway.apis.responses.request import (
-    ChatRequest,
+    ResponsesAsChat,
     decode_request,
     to_chat,
     translate,
@@ -31,7 +31,7 @@ __all__ = [
     "ENDED",
     "KEEPALIVE",
     "STARTED",
-    "ChatRequest",
+    "ResponsesAsChat",
     "ResponsesError",
     "ResponsesStream",
     "decode_request",

@@ -2,7 +2,7 @@
 then translated.
 
 ``translate`` turns a Responses request body into the chat-completions body the runners relay
-and what the hub needs of it (``ChatRequest``; ``to_chat``: the body, stream? and model only).
+and what the hub needs of it (``ResponsesAsChat``; ``to_chat``: the body, stream? and model only).
 A request that is invalid or asks what the hub cannot do raises ``ResponsesError`` (400).
 Dicts and bytes in, bytes out: no I/O, no clock.
 
@@ -39,7 +39,7 @@ from gateway.apis.responses.tools import (
     translate_tools,
 )
 
-__all__ = ["ChatRequest", "decode_request", "to_chat", "translate"]
+__all__ = ["ResponsesAsChat", "decode_request", "to_chat", "translate"]
 
 # -- input items ------------------------------------------------------------------------
 
@@ -263,7 +263,7 @@ def _input_items(items: list[Any], messages: _Messages) -> None:
 # -- the request ------------------------------------------------------------------------------
 
 
-class ChatRequest(NamedTuple):
+class ResponsesAsChat(NamedTuple):
     """A translated Responses request."""
 
     chat: bytes  # the chat-completions body
@@ -320,7 +320,7 @@ def decode_request(body: bytes) -> dict[str, Any]:
     return request
 
 
-def translate(body: bytes) -> ChatRequest:
+def translate(body: bytes) -> ResponsesAsChat:
     """The Responses request body → its chat-completions body and what the hub needs of it."""
     request = decode_request(body)
     try:
@@ -329,7 +329,7 @@ def translate(body: bytes) -> ChatRequest:
         raise _invalid_json("it is nested too deeply.") from None
 
 
-def _translate(request: dict[str, Any]) -> ChatRequest:
+def _translate(request: dict[str, Any]) -> ResponsesAsChat:
     if request.get("previous_response_id") is not None:
         raise unsupported(
             "previous_response_id",
@@ -396,7 +396,7 @@ def _translate(request: dict[str, Any]) -> ChatRequest:
     chat["stream"] = bool(stream)
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    return ChatRequest(msgspec.json.encode(chat), bool(stream), model, request)
+    return ResponsesAsChat(msgspec.json.encode(chat), bool(stream), model, request)
 
 
 def to_chat(body: bytes) -> tuple[bytes, bool, str | None]:

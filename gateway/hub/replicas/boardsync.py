@@ -9,13 +9,13 @@ import trio
 
 from gateway.hub.board import JobBoard, RunnerState
 from gateway.hub.job import Job
-from gateway.hub.replicas.store.base import Presence, TeamJob, TeamStore
+from gateway.hub.replicas.store.base import Presence, ReplicaStore, TeamJob
 
 
 class BoardSync:
     """The board's writes on a team (``coordination.Replicated`` makes them through it)."""
 
-    def __init__(self, board: JobBoard, store: TeamStore) -> None:
+    def __init__(self, board: JobBoard, store: ReplicaStore) -> None:
         self.board = board
         self.store = store
         self.touched: set[str] = set()

@@ -1,7 +1,7 @@
 """A replica's coordination (``gateway.hub.coordination.Coordination``): the board's decisions
 and writes made in the shared store (``boardsync``), the sessions' jobs compare-and-set and
 reaped there, the keys' limits admitted and each turn settled there (``limits``), a job's
-channel found on the replica that holds it (``replica.Team``, made by ``join``)."""
+channel found on the replica that holds it (``replica.Replication``, made by ``join``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from gateway.hub.coordination import Funds, Guard, Route, SessionKey
 from gateway.hub.job import Job
 from gateway.hub.replicas.relay import PATHS
 from gateway.hub.replicas.remote import ROUTE
-from gateway.hub.replicas.replica import Team, replica_id
+from gateway.hub.replicas.replica import Replication, replica_id
 from gateway.hub.replicas.settled import SettledTurn
-from gateway.hub.replicas.store.base import TeamStore
+from gateway.hub.replicas.store.base import ReplicaStore
 from gateway.hub.replicas.store.shared import shared
 from gateway.hub.settings import HubSettings
 from gateway.hub.snapshot import camel
@@ -45,11 +45,11 @@ REVOKE_GRACE = 1.0
 
 class Replicated:
     """The hub's parts on a replica (see the module's docstring); ``join`` gives it the parts
-    the replica's own machinery (``Team``) keeps in step with the store."""
+    the replica's own machinery (``Replication``) keeps in step with the store."""
 
     turn_type = SettledTurn
 
-    def __init__(self, store: TeamStore, settings: HubSettings) -> None:
+    def __init__(self, store: ReplicaStore, settings: HubSettings) -> None:
         self.store = store
         self.settings = settings
         self.learned: dict[SessionKey, str | None] = {}  # a session's job, as admitted
@@ -58,9 +58,9 @@ class Replicated:
 
     def join(
         self, *, hub_store: Store, board: Any, channels: Any, sessions: Any, catalog: Any
-    ) -> Team:
+    ) -> Replication:
         """The replica's machinery over the hub's parts (each made with this coordination)."""
-        self.team = Team(
+        self.team = Replication(
             self.store,
             self.settings,
             hub_store=hub_store,
@@ -230,7 +230,7 @@ class Replicated:
         await self.team.run(task_status=task_status)
 
     async def restore(self, local: Any) -> None:
-        return None  # the replica reads the store as it starts (``Team.run``)
+        return None  # the replica reads the store as it starts (``Replication.run``)
 
     def advertise(self, base_url: str) -> None:
         self.team.advertise(base_url)

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from gateway.hub.accounting import exceeded, over_budget, retry_after
-from gateway.hub.replicas.store.base import Release, TeamStore
+from gateway.hub.replicas.store.base import Release, ReplicaStore
 from gateway.hub.sessions import SessionKey, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import KeyLimits, StoreError, StoreUnavailable, UsageRecord
@@ -25,14 +25,14 @@ RETRY = 1.0  # s between tries to write releases the store refused
 Evicted = Callable[[str, str, str | None], Awaitable[None]]  # key name, session id, job id
 
 
-class TeamLimits:
+class ReplicaLimits:
     """Admissions and releases in the team's store (``coordination.Replicated`` calls them).
     ``learned`` is told each admitted turn's session and the job the store has for it; ``evicted`` each session
     the session cap ended to make room (its job is to be ended)."""
 
     def __init__(
         self,
-        store: TeamStore,
+        store: ReplicaStore,
         settings: HubSettings,
         learned: dict[SessionKey, str | None],
         evicted: Evicted,

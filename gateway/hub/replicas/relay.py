@@ -132,7 +132,7 @@ def _length(frame: bytes) -> bytes:
     return len(frame).to_bytes(HEAD, "big")
 
 
-class Relay:
+class HolderRelay:
     """The internal routes of one replica (``check`` before any of them)."""
 
     def __init__(

@@ -78,7 +78,7 @@ class Peer:
     def target(self, path: str) -> bytes:
         return self.client.target(path, under_base=False)
 
-    async def post(self, path: str, body: bytes) -> http1.Response:
+    async def post(self, path: str, body: bytes) -> http1.ClientResponse:
         """One request to it (its answer's head read); ConnectFailed, ExchangeFailed."""
         signed = sign(self.secret, "POST", path, body, time.time())
         head = self.client.prepare(
@@ -175,7 +175,9 @@ class RemoteChannel(ServerChannel):
         self._nursery.start_soon(self._pump, rid, response, scope)
         return True
 
-    async def _pump(self, rid: str, response: http1.Response, scope: trio.CancelScope) -> None:
+    async def _pump(
+        self, rid: str, response: http1.ClientResponse, scope: trio.CancelScope
+    ) -> None:
         """The request's answer, frame by frame, routed by request id; its end: the runner's
         end frame, else the channel (or the holder) was lost."""
         records = Records()
@@ -235,7 +237,7 @@ class RemoteChannel(ServerChannel):
         self.closed.set()
 
 
-async def _close(response: http1.Response, peer: Peer) -> None:
+async def _close(response: http1.ClientResponse, peer: Peer) -> None:
     try:
         with trio.move_on_after(1.0):
             await response.discard_rest()

@@ -35,8 +35,8 @@ from gateway.hub.board import JobBoard
 from gateway.hub.channel import CLOSE_REPLACED, Channels, ServerChannel, Sink
 from gateway.hub.models import Catalog
 from gateway.hub.replicas.boardsync import BoardSync, apply, presence_of, seen_remote
-from gateway.hub.replicas.limits import TeamLimits
-from gateway.hub.replicas.relay import Relay
+from gateway.hub.replicas.limits import ReplicaLimits
+from gateway.hub.replicas.relay import HolderRelay
 from gateway.hub.replicas.remote import Peer, RemoteChannel
 from gateway.hub.replicas.store.base import (
     CHANNEL,
@@ -48,7 +48,7 @@ from gateway.hub.replicas.store.base import (
     ChannelRow,
     Note,
     ReplicaRow,
-    TeamStore,
+    ReplicaStore,
 )
 from gateway.hub.sessions import Sessions
 from gateway.hub.settings import HubSettings
@@ -126,12 +126,12 @@ def advertised(base_url: str) -> str:
     return base_url.rstrip("/")
 
 
-class Team:
+class Replication:
     """The team machinery of one replica (see the module's docstring); ``run`` does its work."""
 
     def __init__(
         self,
-        store: TeamStore,
+        store: ReplicaStore,
         settings: HubSettings,
         *,
         hub_store: Store,
@@ -163,9 +163,9 @@ class Team:
         self._opening: set[str] = set()  # jobs whose channel this replica is writing down
         self._looking: set[str] = set()  # jobs whose channel is being read again
         self._retiring: set[str] = set()
-        self.relay = Relay(self.secrets, channels, settings, self._spawn)
+        self.relay = HolderRelay(self.secrets, channels, settings, self._spawn)
         self.sync = BoardSync(board, store)
-        self.limits = TeamLimits(store, settings, learned, self._evicted, EXPIRY)
+        self.limits = ReplicaLimits(store, settings, learned, self._evicted, EXPIRY)
         self._dirty: dict[str, dict[Any, None]] = {}  # notification kind -> subjects pending
         self._noted = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -177,7 +177,7 @@ class Team:
 
     @property
     def nursery(self) -> trio.Nursery:
-        assert self._nursery is not None, "the team runs (Team.run) before it serves"
+        assert self._nursery is not None, "the team runs (Replication.run) before it serves"
         return self._nursery
 
     def _spawn(self, fn: Any, *args: Any) -> None:

@@ -2,7 +2,7 @@
 
 A replica can be lost for good (SIGKILLed, its pod moved): a row still in its memory or its
 local journal would be lost with it. So a team's turn is settled (released and its row written,
-one statement: ``TeamLimits.settle``) as it ends, and only then does its client get the answer's
+one statement: ``ReplicaLimits.settle``) as it ends, and only then does its client get the answer's
 last write (the end of a stream with its ``[DONE]``, a whole answer, an error after part of
 one): a client that got a turn whole finds it in the ledger whatever becomes of the replica
 after. The writes before the last go out at once, as any turn's; the hold costs the client one

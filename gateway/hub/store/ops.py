@@ -1,6 +1,6 @@
 """The store's operations on jobs, front-door sessions, model lists, runner registrations and
 API keys, sans-IO and written once for both databases (``sql``: each statement a pair, the
-operation given its ``Dialect``).
+operation given its ``SqlDialect``).
 
 Written for several hubs on one PostgreSQL database: a check-then-write is one statement
 (``INSERT ... ON CONFLICT``, ``UPDATE ... RETURNING``: never a read, then a write another
@@ -35,7 +35,7 @@ from gateway.hub.store.records import (
     registration_of,
     utc_now,
 )
-from gateway.hub.store.sql import BEGIN, COMMIT, POSTGRES, Dialect, Op, Query, each, one
+from gateway.hub.store.sql import BEGIN, COMMIT, POSTGRES, Op, Query, SqlDialect, each, one
 
 REPORT_TRIES = 8  # a job's report numbered again when another took its number meanwhile
 
@@ -98,12 +98,12 @@ JOB_IDS = _in_creation_order("SELECT id FROM jobs ORDER BY created_at, %s")
 COUNT_JOBS = one("SELECT COUNT(*) FROM jobs")
 
 
-def save_job(d: Dialect, job: StoredJob) -> Op[None]:
+def save_job(d: SqlDialect, job: StoredJob) -> Op[None]:
     now = utc_now()
     yield Query(SAVE_JOB[d], (*job_values(job), now, now))
 
 
-def delete_job(d: Dialect, job_id: str) -> Op[None]:
+def delete_job(d: SqlDialect, job_id: str) -> Op[None]:
     if d is POSTGRES:
         yield Query(DELETE_JOB_AT_ONCE, (job_id,))
         return
@@ -113,7 +113,7 @@ def delete_job(d: Dialect, job_id: str) -> Op[None]:
     yield COMMIT
 
 
-def add_job_report(d: Dialect, job_id: str, body: dict[str, Any]) -> Op[None]:
+def add_job_report(d: SqlDialect, job_id: str, body: dict[str, Any]) -> Op[None]:
     """The report numbered after the job's last, in one statement; numbered again when
     another hub took that number meanwhile (SQLite, one writer: never)."""
     text = json.dumps(body)
@@ -124,7 +124,7 @@ def add_job_report(d: Dialect, job_id: str, body: dict[str, Any]) -> Op[None]:
     raise ValueError(f"job {job_id}'s report could not be numbered (too many at once)")
 
 
-def load_jobs(d: Dialect, live_only: bool = False) -> Op[list[StoredJob]]:
+def load_jobs(d: SqlDialect, live_only: bool = False) -> Op[list[StoredJob]]:
     reports: dict[str, list[dict[str, Any]]] = {}
     for job_id, body in (yield Query((LIVE_REPORTS if live_only else ALL_REPORTS)[d])):
         reports.setdefault(job_id, []).append(json.loads(body))
@@ -132,7 +132,7 @@ def load_jobs(d: Dialect, live_only: bool = False) -> Op[list[StoredJob]]:
     return [job_of(r, reports.get(r[0], [])) for r in rows]
 
 
-def load_job(d: Dialect, job_id: str) -> Op[StoredJob | None]:
+def load_job(d: SqlDialect, job_id: str) -> Op[StoredJob | None]:
     rows = yield Query(JOB[d], (job_id,))
     if not rows:
         return None
@@ -140,12 +140,12 @@ def load_job(d: Dialect, job_id: str) -> Op[StoredJob | None]:
     return job_of(rows[0], [json.loads(body) for (body,) in bodies])
 
 
-def job_ids(d: Dialect) -> Op[list[str]]:
+def job_ids(d: SqlDialect) -> Op[list[str]]:
     rows = yield Query(JOB_IDS[d])
     return [r[0] for r in rows]
 
 
-def count_jobs(d: Dialect) -> Op[int]:
+def count_jobs(d: SqlDialect) -> Op[int]:
     rows = yield Query(COUNT_JOBS[d])
     return int(rows[0][0])
 
@@ -168,7 +168,7 @@ SESSIONS = one(
 )
 
 
-def save_session(d: Dialect, session: StoredSession) -> Op[None]:
+def save_session(d: SqlDialect, session: StoredSession) -> Op[None]:
     yield Query(
         SAVE_SESSION[d],
         (
@@ -183,7 +183,7 @@ def save_session(d: Dialect, session: StoredSession) -> Op[None]:
 
 
 def delete_session(
-    d: Dialect, key_name: str, session_id: str, job_id: str | None = None
+    d: SqlDialect, key_name: str, session_id: str, job_id: str | None = None
 ) -> Op[None]:
     if job_id is None:
         yield Query(DELETE_SESSION[d], (key_name, session_id))
@@ -191,7 +191,7 @@ def delete_session(
         yield Query(DELETE_SESSION_ON_JOB[d], (key_name, session_id, job_id))
 
 
-def load_sessions(d: Dialect) -> Op[list[StoredSession]]:
+def load_sessions(d: SqlDialect) -> Op[list[StoredSession]]:
     rows = yield Query(SESSIONS[d])
     return [StoredSession(*row) for row in rows]
 
@@ -210,7 +210,7 @@ MODELS = one(
 )
 
 
-def save_models(d: Dialect, models: ModelList) -> Op[None]:
+def save_models(d: SqlDialect, models: ModelList) -> Op[None]:
     yield Query(
         SAVE_MODELS[d],
         (
@@ -223,7 +223,7 @@ def save_models(d: Dialect, models: ModelList) -> Op[None]:
     )
 
 
-def load_models(d: Dialect, owner: str, project: str) -> Op[list[ModelList]]:
+def load_models(d: SqlDialect, owner: str, project: str) -> Op[list[ModelList]]:
     rows = yield Query(MODELS[d], (owner, project))
     return [ModelList(r[0], r[1], r[2], tuple(json.loads(r[3])), r[4]) for r in rows]
 
@@ -241,7 +241,7 @@ REGISTRATION = one(f"SELECT {_RUNNER_COLUMNS} FROM runners WHERE id = $1")
 
 
 def add_registration(
-    d: Dialect,
+    d: SqlDialect,
     owner: str,
     project: str,
     name: str,
@@ -274,7 +274,7 @@ def add_registration(
     return runner, token
 
 
-def registration_by_token(d: Dialect, token: str) -> Op[Registration | None]:
+def registration_by_token(d: SqlDialect, token: str) -> Op[Registration | None]:
     """Found by its token's digest, one indexed statement: every poll, heartbeat and report
     of every runner asks (a walk over every runner's row in Python cost O(runners) per
     request). The digest of a 256-bit token tells a timing observer nothing to steer by."""
@@ -282,7 +282,7 @@ def registration_by_token(d: Dialect, token: str) -> Op[Registration | None]:
     return registration_of(rows[0]) if rows else None
 
 
-def registration(d: Dialect, runner_id: str) -> Op[Registration | None]:
+def registration(d: SqlDialect, runner_id: str) -> Op[Registration | None]:
     rows = yield Query(REGISTRATION[d], (runner_id,))
     return registration_of(rows[0]) if rows else None
 
@@ -324,7 +324,7 @@ ACTIVE_KEY_HASHES = one("SELECT key_hash FROM api_keys WHERE revoked = 0")
 ACTIVE_KEY_HASH = one("SELECT key_hash FROM api_keys WHERE name = $1 AND revoked = 0")
 
 
-def create_api_key(d: Dialect, name: str, project: str, limits: KeyLimits | None) -> Op[str]:
+def create_api_key(d: SqlDialect, name: str, project: str, limits: KeyLimits | None) -> Op[str]:
     if not name or not name.strip():
         raise ValueError("an API key needs a name")
     owner, proj = split_project(project)
@@ -338,7 +338,7 @@ def create_api_key(d: Dialect, name: str, project: str, limits: KeyLimits | None
     return key
 
 
-def list_api_keys(d: Dialect) -> Op[list[dict[str, object]]]:
+def list_api_keys(d: SqlDialect) -> Op[list[dict[str, object]]]:
     rows = yield Query(API_KEYS[d])
     return [
         {
@@ -353,22 +353,22 @@ def list_api_keys(d: Dialect) -> Op[list[dict[str, object]]]:
     ]
 
 
-def key_limits(d: Dialect, name: str) -> Op[tuple[str, KeyLimits] | None]:
+def key_limits(d: SqlDialect, name: str) -> Op[tuple[str, KeyLimits] | None]:
     rows = yield Query(KEY_LIMITS[d], (name,))
     return None if not rows else (key_id_of(rows[0][0]), KeyLimits(*rows[0][1:5]))
 
 
-def set_key_limits(d: Dialect, name: str, limits: KeyLimits) -> Op[bool]:
+def set_key_limits(d: SqlDialect, name: str, limits: KeyLimits) -> Op[bool]:
     rows = yield Query(SET_KEY_LIMITS[d], (*limits.values(), name))
     return bool(rows)
 
 
-def revoke_api_key(d: Dialect, name: str) -> Op[bool]:
+def revoke_api_key(d: SqlDialect, name: str) -> Op[bool]:
     rows = yield Query(REVOKE_API_KEY[d], (name,))
     return bool(rows)
 
 
-def check_api_key(d: Dialect, key: str) -> Op[ApiKey | None]:
+def check_api_key(d: SqlDialect, key: str) -> Op[ApiKey | None]:
     digest = token_hash(key)
     rows = yield Query(ACTIVE_KEYS[d])
     found: ApiKey | None = None
@@ -378,11 +378,11 @@ def check_api_key(d: Dialect, key: str) -> Op[ApiKey | None]:
     return found
 
 
-def active_key_ids(d: Dialect) -> Op[set[str]]:
+def active_key_ids(d: SqlDialect) -> Op[set[str]]:
     rows = yield Query(ACTIVE_KEY_HASHES[d])
     return {key_id_of(stored) for (stored,) in rows}
 
 
-def active_key_id(d: Dialect, name: str) -> Op[str | None]:
+def active_key_id(d: SqlDialect, name: str) -> Op[str | None]:
     rows = yield Query(ACTIVE_KEY_HASH[d], (name,))
     return key_id_of(rows[0][0]) if rows else None

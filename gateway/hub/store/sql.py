@@ -6,7 +6,7 @@ where text is ordered, so that PostgreSQL orders by bytes as SQLite does) and ``
 pair ``(SQLite's, PostgreSQL's)``: ``$n`` becomes SQLite's ``?n`` (numbered, so a parameter may
 stand twice) and the collation goes (SQLite orders text by bytes already). A statement the two
 say differently (an array parameter, a data-modifying ``WITH``) is written twice, side by side,
-with ``each``. An operation indexes the pair with its ``Dialect``: no text is built per call.
+with ``each``. An operation indexes the pair with its ``SqlDialect``: no text is built per call.
 
 Each operation (``ops``, ``trust_ops``, ``usage_ops``) is a generator that yields its
 statements and is sent each one's rows back; ``sqlite_ops.run`` runs it on a SQLite connection,
@@ -38,15 +38,15 @@ class Query:
 Op = Generator[Query, list[Row], T]  # yields statements, is sent their rows, returns its answer
 
 
-class Dialect(enum.IntEnum):
+class SqlDialect(enum.IntEnum):
     """Which database an operation speaks to: the index of its statements' pairs."""
 
     SQLITE = 0
     POSTGRES = 1
 
 
-SQLITE = Dialect.SQLITE
-POSTGRES = Dialect.POSTGRES
+SQLITE = SqlDialect.SQLITE
+POSTGRES = SqlDialect.POSTGRES
 
 _PARAM = re.compile(r"\$(\d+)")
 _COLLATE = ' COLLATE "C"'

@@ -24,14 +24,14 @@ from gateway.hub.store.records import (
     StoredSession,
     UsageTotal,
 )
-from gateway.hub.store.sql import Dialect, Op, T
+from gateway.hub.store.sql import Op, SqlDialect, T
 
 
 class SqlStore(Store):
     """A store whose methods run the shared operations: a backend says its ``dialect`` and
     how it runs an operation (``_run``)."""
 
-    dialect: Dialect
+    dialect: SqlDialect
 
     @abc.abstractmethod
     async def _run(self, op: Op[T]) -> T:

@@ -16,7 +16,7 @@ from gateway.hub.store.credentials import (
     token_hash,
 )
 from gateway.hub.store.records import Enrollment, RunnerRecord, enrollment_of, utc_now
-from gateway.hub.store.sql import LIST, Dialect, Op, Query, each, one
+from gateway.hub.store.sql import LIST, Op, Query, SqlDialect, each, one
 
 _ENROLLMENT_COLUMNS = "id, owner, project, created_at, expires_at, uses_left, used, revoked"
 
@@ -56,7 +56,7 @@ RUNNERS_SEEN = each(  # the ids as one parameter (``LIST``)
 
 
 def create_enrollment(
-    d: Dialect, project: str, expires_at: float | None, uses: int | None
+    d: SqlDialect, project: str, expires_at: float | None, uses: int | None
 ) -> Op[tuple[Enrollment, str]]:
     owner, proj = split_project(project)
     token = new_token(ENROLLMENT_TOKEN_PREFIX)
@@ -68,12 +68,12 @@ def create_enrollment(
     return found, token
 
 
-def list_enrollments(d: Dialect) -> Op[list[Enrollment]]:
+def list_enrollments(d: SqlDialect) -> Op[list[Enrollment]]:
     rows = yield Query(ENROLLMENTS[d])
     return [enrollment_of(r) for r in rows]
 
 
-def enrollment_by_token(d: Dialect, token: str) -> Op[Enrollment | None]:
+def enrollment_by_token(d: SqlDialect, token: str) -> Op[Enrollment | None]:
     digest = token_hash(token)
     found: str | None = None
     for found_id, stored in (yield Query(ENROLLMENT_HASHES[d])):
@@ -85,17 +85,17 @@ def enrollment_by_token(d: Dialect, token: str) -> Op[Enrollment | None]:
     return enrollment_of(rows[0]) if rows else None
 
 
-def use_enrollment(d: Dialect, enrollment_id: str, now: float) -> Op[bool]:
+def use_enrollment(d: SqlDialect, enrollment_id: str, now: float) -> Op[bool]:
     rows = yield Query(USE_ENROLLMENT[d], (enrollment_id, now))
     return bool(rows)
 
 
-def revoke_enrollment(d: Dialect, enrollment_id: str) -> Op[bool]:
+def revoke_enrollment(d: SqlDialect, enrollment_id: str) -> Op[bool]:
     rows = yield Query(REVOKE_ENROLLMENT[d], (enrollment_id,))
     return bool(rows)
 
 
-def list_runners(d: Dialect) -> Op[list[RunnerRecord]]:
+def list_runners(d: SqlDialect) -> Op[list[RunnerRecord]]:
     rows = yield Query(RUNNERS[d])
     return [
         RunnerRecord(
@@ -113,15 +113,15 @@ def list_runners(d: Dialect) -> Op[list[RunnerRecord]]:
     ]
 
 
-def revoke_runner(d: Dialect, runner_id: str) -> Op[bool]:
+def revoke_runner(d: SqlDialect, runner_id: str) -> Op[bool]:
     rows = yield Query(REVOKE_RUNNER[d], (utc_now(), runner_id))
     return bool(rows)
 
 
-def revoked_runners(d: Dialect) -> Op[set[str]]:
+def revoked_runners(d: SqlDialect) -> Op[set[str]]:
     rows = yield Query(REVOKED_RUNNERS[d])
     return {r[0] for r in rows}
 
 
-def runners_seen(d: Dialect, runner_ids: list[str], at: float) -> Op[None]:
+def runners_seen(d: SqlDialect, runner_ids: list[str], at: float) -> Op[None]:
     yield Query(RUNNERS_SEEN[d], (at, LIST[d](list(runner_ids))))

@@ -20,7 +20,7 @@ from gateway.hub.store.records import (
     rates,
     utc_now,
 )
-from gateway.hub.store.sql import BEGIN, COMMIT, LIST, Dialect, Op, Query, each, one
+from gateway.hub.store.sql import BEGIN, COMMIT, LIST, Op, Query, SqlDialect, each, one
 
 USAGE_COLUMNS = (
     "at key_id key_name session runner_id job_id model api stream prompt_tokens"
@@ -50,7 +50,7 @@ KEEP_TURNS_FROM = one(  # the later of the two
 META = one("SELECT value FROM usage_meta WHERE name = $1")
 
 
-def prune_usage(d: Dialect, before: float, limit: int) -> Op[int]:
+def prune_usage(d: SqlDialect, before: float, limit: int) -> Op[int]:
     """At most ``limit`` per-turn rows older than ``before`` deleted, oldest first; the time
     from which every turn's row is still kept, remembered (``usage_turns_from``)."""
     yield Query(BEGIN[d])
@@ -63,15 +63,15 @@ def prune_usage(d: Dialect, before: float, limit: int) -> Op[int]:
     return len(rows)
 
 
-def journal_mark(d: Dialect, name: str) -> Op[int]:
+def journal_mark(d: SqlDialect, name: str) -> Op[int]:
     return int((yield from _meta(d, name, 0.0)))
 
 
-def usage_turns_from(d: Dialect) -> Op[float]:
+def usage_turns_from(d: SqlDialect) -> Op[float]:
     return (yield from _meta(d, "turns_from", -float("inf")))
 
 
-def _meta(d: Dialect, name: str, default: float) -> Op[float]:
+def _meta(d: SqlDialect, name: str, default: float) -> Op[float]:
     rows = yield Query(META[d], (name,))
     return float(rows[0][0]) if rows else default
 
@@ -127,7 +127,7 @@ THROUGHPUT = one(
 )
 
 
-def usage_rows(d: Dialect, since: float, key_name: str | None) -> Op[list[dict[str, Any]]]:
+def usage_rows(d: SqlDialect, since: float, key_name: str | None) -> Op[list[dict[str, Any]]]:
     if key_name is None:
         rows = yield Query(USAGE_ROWS[d], (since,))
     else:
@@ -139,7 +139,7 @@ def usage_rows(d: Dialect, since: float, key_name: str | None) -> Op[list[dict[s
     return found
 
 
-def hourly_usage(d: Dialect, since: float, key_name: str | None) -> Op[list[HourlyUsage]]:
+def hourly_usage(d: SqlDialect, since: float, key_name: str | None) -> Op[list[HourlyUsage]]:
     if key_name is None:
         rows = yield Query(HOURLY_USAGE[d], (hour_of(since),))
     else:
@@ -148,7 +148,7 @@ def hourly_usage(d: Dialect, since: float, key_name: str | None) -> Op[list[Hour
 
 
 def usage_totals(
-    d: Dialect, since: float, key_name: str | None
+    d: SqlDialect, since: float, key_name: str | None
 ) -> Op[tuple[list[UsageTotal], bool]]:
     """Totals per key and model since ``since``: exact from the per-turn rows while they are
     all kept from then (True), else from the hourly totals of the hour it falls in (False)."""
@@ -162,17 +162,17 @@ def usage_totals(
     return [UsageTotal(*row) for row in rows], exact
 
 
-def tokens_since(d: Dialect, key_id: str, hour: int) -> Op[int]:
+def tokens_since(d: SqlDialect, key_id: str, hour: int) -> Op[int]:
     rows = yield Query(TOKENS_SINCE[d], (key_id, hour))
     return int(rows[0][0])
 
 
-def cost_since(d: Dialect, key_id: str, hour: int) -> Op[float]:
+def cost_since(d: SqlDialect, key_id: str, hour: int) -> Op[float]:
     rows = yield Query(COST_SINCE[d], (key_id, hour))
     return float(rows[0][0])
 
 
-def throughput(d: Dialect, model: str, since: float) -> Op[tuple[float, float]]:
+def throughput(d: SqlDialect, model: str, since: float) -> Op[tuple[float, float]]:
     rows = yield Query(THROUGHPUT[d], (model, since))
     return rates(*rows[0])
 
@@ -198,25 +198,25 @@ SET_KEY_BUDGET = one(
 )
 
 
-def set_price(d: Dialect, price: Price) -> Op[None]:
+def set_price(d: SqlDialect, price: Price) -> Op[None]:
     yield Query(SET_PRICE[d], (*price_values(price), utc_now()))
 
 
-def delete_price(d: Dialect, model: str) -> Op[bool]:
+def delete_price(d: SqlDialect, model: str) -> Op[bool]:
     rows = yield Query(DELETE_PRICE[d], (model,))
     return bool(rows)
 
 
-def list_prices(d: Dialect) -> Op[list[Price]]:
+def list_prices(d: SqlDialect) -> Op[list[Price]]:
     rows = yield Query(PRICES[d])
     return [Price(*row) for row in rows]
 
 
-def key_budgets(d: Dialect) -> Op[dict[str, KeyBudget]]:
+def key_budgets(d: SqlDialect) -> Op[dict[str, KeyBudget]]:
     rows = yield Query(KEY_BUDGETS[d])
     return {r[0]: KeyBudget(*r[1:]) for r in rows}
 
 
-def set_key_budget(d: Dialect, name: str, budget: KeyBudget) -> Op[bool]:
+def set_key_budget(d: SqlDialect, name: str, budget: KeyBudget) -> Op[bool]:
     rows = yield Query(SET_KEY_BUDGET[d], (budget.daily, budget.monthly, budget.priority, name))
     return bool(rows)

@@ -1,4 +1,4 @@
-"""What a team of hubs keeps in its shared store (``TeamStore``, PostgreSQL's): the replicas and
+"""What a team of hubs keeps in its shared store (``ReplicaStore``, PostgreSQL's): the replicas and
 their heartbeats, jobs claimed and ended by conditional statements, where each job's channel
 is, the runners' presence, the sessions' jobs set by compare-and-set, each turn's admission and
 release, and the notifications that keep every replica's memory in step.
@@ -121,7 +121,7 @@ class Suspended:
     frames: int
 
 
-class TeamStore(abc.ABC):
+class ReplicaStore(abc.ABC):
     """The team's statements on the shared store (each one round trip unless said)."""
 
     replica: str = ""  # this replica's id (the jobs it makes are marked with it)

@@ -1,4 +1,4 @@
-"""The team's store on PostgreSQL (``TeamStore``): ``ops``' statements run on the store's
+"""The team's store on PostgreSQL (``ReplicaStore``): ``ops``' statements run on the store's
 pool, and the one listening connection of each replica (``LISTEN``, outside the pool) that
 hands every notification to the team as it comes, reconnecting on its own."""
 
@@ -19,16 +19,16 @@ from gateway.hub.replicas.store.base import (
     Presence,
     Release,
     ReplicaRow,
+    ReplicaStore,
     Suspended,
     TeamJob,
-    TeamStore,
 )
 from gateway.hub.store.postgres_io import PgFailure, TrioConnection
 from gateway.hub.store.postgres_ops import Op, Query
 from gateway.hub.store.records import StoredJob, StoredSession, UsageRecord
 
 
-class _Pool(Protocol):
+class _StorePool(Protocol):
     """What the team needs of ``PostgresStore``: its pool, and what its listener connects to."""
 
     where: str
@@ -53,10 +53,10 @@ KEEPALIVES = {
 }
 
 
-class PostgresTeam(TeamStore):
+class PostgresReplicaStore(ReplicaStore):
     """The team's statements on ``store``'s pool, as replica ``replica``."""
 
-    def __init__(self, store: _Pool, replica: str) -> None:
+    def __init__(self, store: _StorePool, replica: str) -> None:
         self.store = store
         self.replica = replica
 
