@@ -151,6 +151,9 @@ HUB_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
         "gateway/hub/frontdoor.py",
         None,
     ),
+    # modules named for what they hold (issue 38): the catalog, the routes' kit
+    ("key lookup", "gateway/hub/routekit.py", ("bearer", "header")),
+    ("model check", "gateway/hub/catalog.py", None),
     ("trio: tasks, scopes, scheduling", "trio/", None),
     ("trio: tasks, scopes, scheduling", "outcome/", None),
 ]

@@ -11,11 +11,11 @@ from urllib.parse import parse_qs
 
 from gateway.config import split_project
 from gateway.hub.board import JobsView
-from gateway.hub.http import HTTPError, Request, bearer, json_object
 from gateway.hub.hub import Hub
 from gateway.hub.metrics import CONTENT_TYPE
 from gateway.hub.money import KeyBudget, Price, budget_of, money
 from gateway.hub.people import ADMIN, person
+from gateway.hub.routekit import HTTPError, Request, bearer, json_object
 from gateway.hub.runners import RunnerNotFound
 from gateway.hub.snapshot import as_json
 from gateway.hub.store import DEFAULT_KEY_PROJECT, HourlyUsage

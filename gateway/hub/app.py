@@ -18,8 +18,8 @@ import trio
 
 from gateway.apis.dialects import anthropic_error_body
 from gateway.hub.admin import PAGE_SESSION, AdminApi
-from gateway.hub.http import ClientGone, HTTPError, Request
 from gateway.hub.hub import Hub
+from gateway.hub.routekit import ClientGone, HTTPError, Request
 from gateway.hub.runnerapi import CHANNEL_PATH, RunnerApi
 from gateway.hub.statuspage import StatusPage
 from gateway.hub.store import StoreUnavailable

@@ -1,5 +1,5 @@
 """The dispatcher: finds each turn its channel, at once when its session's channel is open and
-serves its model, else by the step of ``gateway.hub.dispatch`` (a function of the turns, the
+serves its model, else by the step of ``gateway.hub.dispatchplan`` (a function of the turns, the
 runners and the jobs), which it applies: jobs opened, retargeted and withdrawn on the board,
 sessions moved, turns woken or refused.
 
@@ -21,7 +21,7 @@ import trio
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
-from gateway.hub.dispatch import (
+from gateway.hub.dispatchplan import (
     RECENT_WAITS,
     Assign,
     DispatchLimits,

@@ -18,8 +18,8 @@ from gateway.apis.shapes import (
     no_runner_connected,
     parse_chat_request,
 )
+from gateway.hub.catalog import Catalog
 from gateway.hub.keys import Keys
-from gateway.hub.models import Catalog
 from gateway.hub.serving import Serving, server_url
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ADMIN_TOKEN_PREFIX, ApiKey

@@ -12,6 +12,7 @@ import trio
 
 from gateway.hub.accounting import Accounting
 from gateway.hub.board import Changes, Job, JobBoard
+from gateway.hub.catalog import Catalog
 from gateway.hub.channel import CLOSE_OFFLINE, Channels
 from gateway.hub.coordination import Alone, Coordination
 from gateway.hub.counters import HubCounters
@@ -19,7 +20,6 @@ from gateway.hub.dispatcher import Dispatcher
 from gateway.hub.frontdoor import FrontDoor
 from gateway.hub.keys import Keys
 from gateway.hub.metrics import HubMetrics
-from gateway.hub.models import Catalog
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
 from gateway.hub.replicas.coordination import replicated

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-from gateway.hub.http import HTTPError, Request, header
 from gateway.hub.oidc import LOGIN_TTL, Login, Oidc, OidcError, Person
+from gateway.hub.routekit import HTTPError, Request, header
 from gateway.hub.store import Store, token_hash
 from gateway.hub.store import people_ops as ops
 from gateway.hub.store.credentials import key_id_of

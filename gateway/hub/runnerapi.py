@@ -21,7 +21,8 @@ from gateway.hub.bounds import (
     too_long,
     too_many,
 )
-from gateway.hub.http import (
+from gateway.hub.hub import Hub
+from gateway.hub.routekit import (
     HTTPError,
     Request,
     bearer,
@@ -29,7 +30,6 @@ from gateway.hub.http import (
     string_list,
     wait_disconnect,
 )
-from gateway.hub.hub import Hub
 from gateway.hub.store import Enrollment, Registration
 from gateway.wire.server import WebSocketRequest
 

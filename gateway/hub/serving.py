@@ -31,8 +31,8 @@ from gateway.apis.shapes import (
 )
 from gateway.hub.accounting import Accounting, LimitExceeded
 from gateway.hub.channel import ServerChannel
-from gateway.hub.dispatch import Refusal, Refuse
 from gateway.hub.dispatcher import Dispatcher, Unplaced
+from gateway.hub.dispatchplan import Refusal, Refuse
 from gateway.hub.sessions import Session, Sessions, TooManySessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey

@@ -14,10 +14,10 @@ import trio
 
 from gateway.hub.accounting import Accounting
 from gateway.hub.board import JobBoard
+from gateway.hub.catalog import Catalog
 from gateway.hub.channel import Channels
 from gateway.hub.counters import HubCounters
 from gateway.hub.dispatcher import Dispatcher
-from gateway.hub.models import Catalog
 from gateway.hub.sessions import Sessions
 from gateway.wire.protocol import FALLBACK_TIER
 

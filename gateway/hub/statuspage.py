@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from gateway.hub.http import HTTPError, Request
+from gateway.hub.routekit import HTTPError, Request
 
 # file name -> content type; "/" is index.html
 FILES = {

@@ -39,8 +39,8 @@ from test_causes import ADMIN, GUARD, MESSAGES, OWNER, PROJECT, error_of, hub_of
 from test_key_limits import Ended
 
 from gateway.hub import Hub, open_hub
+from gateway.hub.catalog import MAX_LABEL, UNLISTED
 from gateway.hub.cli import main as hub_main
-from gateway.hub.models import MAX_LABEL, UNLISTED
 from gateway.wire import protocol
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ from test_causes import GUARD, NEVER, frontdoor_jobs
 from test_queue import DEPTH, busy_hub, depth, post, until
 from test_replicas import replicas
 
-from gateway.hub.dispatch import FairQueue, Waiter
+from gateway.hub.dispatchplan import FairQueue, Waiter
 from gateway.hub.money import KeyBudget
 
 

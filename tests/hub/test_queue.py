@@ -32,7 +32,7 @@ from test_causes import (
 )
 
 from gateway.hub import Hub, open_hub
-from gateway.hub.dispatch import FairQueue, Waiter
+from gateway.hub.dispatchplan import FairQueue, Waiter
 from gateway.wire import protocol
 
 DEPTH = f"{OWNER}/{PROJECT}"

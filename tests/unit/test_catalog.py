@@ -1,4 +1,4 @@
-"""The model catalog (``gateway.hub.models.Catalog``) in memory: a store in memory, the board,
+"""The model catalog (``gateway.hub.catalog.Catalog``) in memory: a store in memory, the board,
 and runners whose channels answer ``chat.models.request`` in the test (a WebSocket stand-in that
 hands the answer to the channel's reader), on trio's autojump clock. ``/v1/models`` is the union
 of the live runners' lists, a silent runner's list leaves it, a list past its bound keeps
@@ -16,9 +16,9 @@ import trio.testing
 
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.bounds import MAX_MODELS
+from gateway.hub.catalog import UNLISTED, Catalog
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
-from gateway.hub.models import UNLISTED, Catalog
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import open_store
 from gateway.wire.protocol import CAPABILITY, ModelsFrame, encode_frame

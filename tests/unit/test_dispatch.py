@@ -1,4 +1,4 @@
-"""The dispatcher's pure step (``gateway.hub.dispatch.plan``) driven in memory, as h11's tests
+"""The dispatcher's pure step (``gateway.hub.dispatchplan.plan``) driven in memory, as h11's tests
 drive a Connection: which waiting turn is served, which jobs are opened, retargeted or withdrawn,
 which session moves, who is refused and why, and when the next step falls due. No socket, no
 trio: a step is a function of the turns, the runners and the jobs."""
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.hub.dispatch import (
+from gateway.hub.dispatchplan import (
     Assign,
     DispatchLimits,
     FairQueue,

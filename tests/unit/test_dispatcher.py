@@ -1,5 +1,5 @@
 """The dispatcher's applying half (``gateway.hub.dispatcher.Dispatcher``) in memory: the plans of
-``gateway.hub.dispatch`` applied to a real board, channels and sessions over a store in memory,
+``gateway.hub.dispatchplan`` applied to a real board, channels and sessions over a store in memory,
 on trio's autojump clock, with no socket (a channel accepted without a WebSocket, a client's
 connection that only says when it leaves). ``tests/unit/test_dispatch.py`` holds the plans
 themselves; here: a job opened for a waiting turn and given to it once its channel is up (the
@@ -16,8 +16,8 @@ from gateway.apis.dialects import CHAT
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.channel import Channels
 from gateway.hub.counters import HubCounters
-from gateway.hub.dispatch import Refusal
 from gateway.hub.dispatcher import Dispatcher, Unplaced
+from gateway.hub.dispatchplan import Refusal
 from gateway.hub.sessions import Session, Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, KeyLimits, open_store

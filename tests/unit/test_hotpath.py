@@ -508,7 +508,7 @@ def _front_door_turn(
     from gateway.apis.dialects import CHAT
     from gateway.hub import Hub
     from gateway.hub.channel import ServerChannel
-    from gateway.hub.http import Response
+    from gateway.hub.routekit import Response
     from gateway.hub.turn import Turn
 
     ours, theirs = socket.socketpair()

@@ -22,10 +22,10 @@ from typing import Any
 import trio
 
 from gateway.hub.channel import Channels, Reply, ServerChannel
-from gateway.hub.http import HTTPError, Request, wait_disconnect
 from gateway.hub.replicas.framing import HEAD, record
 from gateway.hub.replicas.remote import ROUTE
 from gateway.hub.replicas.signing import BODY_DIGEST, SIGNATURE, Verifier, body_digest
+from gateway.hub.routekit import HTTPError, Request, wait_disconnect
 from gateway.hub.settings import HubSettings
 from gateway.wire import protocol
 from gateway.wire.errors import ClientGone

@@ -32,8 +32,8 @@ import trio
 from gateway import __version__
 from gateway.config import parse_team_secrets
 from gateway.hub.board import JobBoard
+from gateway.hub.catalog import Catalog
 from gateway.hub.channel import CLOSE_REPLACED, Channels, ServerChannel, Sink
-from gateway.hub.models import Catalog
 from gateway.hub.replicas.boardsync import BoardSync, apply, presence_of, seen_remote
 from gateway.hub.replicas.limits import ReplicaLimits
 from gateway.hub.replicas.relay import HolderRelay

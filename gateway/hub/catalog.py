@@ -22,7 +22,7 @@ from gateway.hub.store import ModelList, Store
 from gateway.wire import protocol
 from gateway.wire.protocol import ModelsFrame
 
-log = logging.getLogger("gateway.hub.models")
+log = logging.getLogger("gateway.hub.catalog")
 
 LISTING_DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY], "purpose": "models"}
 RETRY_LISTING = 300.0  # s: a runner that did not list its models is asked again after this
