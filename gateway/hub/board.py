@@ -316,7 +316,9 @@ class JobBoard:
         if first:
             self.changes.notify()
 
-    def polled(self, runner_id: str, owner: str, project: str, caps: set[str], stop: bool) -> None:
+    def polled(
+        self, runner_id: str, owner: str, project: str, caps: set[str], stop: bool = False
+    ) -> None:
         """Note what a runner's poll advertised (a change wakes whoever waits on the board);
         ``stop``: its last poll said it stops (a clean stop)."""
         state = self.runners.get(runner_id)
