@@ -51,7 +51,11 @@ WAIT = 20.0  # s: the client thread gives up on what never comes (the test fails
 # the end (money, 35), the prompt held to the model's context (37), the request's bytes held to
 # the channel's backlog (36), the team's settle check and record (36), the placement's runners
 # able to take a job (36, 37); the session's headers now read in one pass (37).
-MAX_CALLS = {"whole": 1200, "stream": 1300}
+# Issue 38 (the seam for replication, the turn's table, the names), 6 Dec, gateway's calls 346 /
+# 439; all calls varied by 20 between runs on the same code (whole 1,192-1,211, streamed
+# 1,292-1,311: trio's own, as the machine's load moves its scheduling), so the bounds on all
+# calls sit 40-50 over those, still below a task hop more.
+MAX_CALLS = {"whole": 1250, "stream": 1350}
 MAX_GATEWAY_CALLS = {"whole": 355, "stream": 445}
 
 
