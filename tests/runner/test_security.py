@@ -99,7 +99,7 @@ def test_redactor_masks_and_cuts() -> None:
 def test_state_file_readable_by_others_is_refused_at_start(tmp_path: Path) -> None:
     config = runner_config("http://127.0.0.1:9", "http://127.0.0.1:9/v1", tmp_path)
     Runner(config).store.save(
-        __import__("gateway.runner.state", fromlist=["Registration"]).Registration(
+        __import__("gateway.runner.state", fromlist=["SavedRegistration"]).SavedRegistration(
             "id", "n", "alpr_t", "http://127.0.0.1:9", "acme", "chat"
         )
     )
