@@ -118,7 +118,9 @@ def seen_remote(board: JobBoard, presence: Presence) -> None:
         polled = now - presence.polled_age
         if state.polled_at is None or polled > state.polled_at:
             changed = changed or state.capabilities != presence.capabilities
+            changed = changed or state.stopped != presence.stopped
             state.capabilities, state.polled_at = presence.capabilities, polled
+            state.stopped = presence.stopped
     if changed:
         board.changes.notify()
 
@@ -139,4 +141,5 @@ def presence_of(board: JobBoard, runner_id: str) -> Presence | None:
         max(0.0, now - seen),
         state.capabilities,
         None if state.polled_at is None else max(0.0, now - state.polled_at),
+        state.stopped,
     )

@@ -298,12 +298,10 @@ _CREATE_API_KEY = (
     " tpm = excluded.tpm, tokens_per_day = excluded.tokens_per_day,"
     " max_streams = excluded.max_streams%s WHERE api_keys.revoked <> 0 RETURNING name"
 )
-# one statement: a new name, or a revoked key's, is taken; an active key's is not. SQLite's
-# key starts without the revoked key's budgets and priority (as its INSERT OR REPLACE did);
-# PostgreSQL's keeps them (as it always has)
-CREATE_API_KEY = each(
-    sqlite=_CREATE_API_KEY % ", budget_daily = NULL, budget_monthly = NULL, priority = 'standard'",
-    postgres=_CREATE_API_KEY % "",
+# one statement: a new name, or a revoked key's, is taken; an active key's is not. The new key
+# starts as a new one does, on either database: without the revoked key's budgets and priority
+CREATE_API_KEY = one(
+    _CREATE_API_KEY % ", budget_daily = NULL, budget_monthly = NULL, priority = 'standard'"
 )
 API_KEYS = one(
     f"SELECT name, owner, project, created_at, revoked, {_KEY_LIMIT_COLUMNS}"

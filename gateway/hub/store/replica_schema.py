@@ -1,4 +1,4 @@
-"""The replicas' tables on one PostgreSQL store (migrations 5, 8 and 9, PostgreSQL only), kept
+"""The replicas' tables on one PostgreSQL store (migrations 5, 8, 9 and 10, PostgreSQL only), kept
 with the store's other migrations: the replicas and their heartbeats, where each job's channel is, the runners' presence, the turns in
 flight and of the last minute per API key (its limits), and the admission function.
 
@@ -320,3 +320,9 @@ def _admit_call(budget: bool, record: bool) -> str:
 
 # (budget given, record given) -> the statement
 ADMIT_CALLS = {(b, r): _admit_call(b, r) for b in (False, True) for r in (False, True)}
+
+# migration 10: a runner's clean stop (its last poll's ``stopping``) in its presence, so that
+# every replica counts it down at once, not only the one it polled
+STOPPED = (
+    "ALTER TABLE runner_presence ADD COLUMN IF NOT EXISTS stopped BOOLEAN NOT NULL DEFAULT false",
+)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from gateway.hub.store.replica_schema import BUDGET_STATEMENTS
 from gateway.hub.store.replica_schema import RECORDED as TEAM_RECORDED
 from gateway.hub.store.replica_schema import STATEMENTS as TEAM_STATEMENTS
+from gateway.hub.store.replica_schema import STOPPED as TEAM_STOPPED
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "a team's turns keep their usage row from admission: a replica lost for good loses none",
         (),
         postgres=TEAM_RECORDED,
+    ),
+    Migration(
+        10,
+        "a runner's clean stop is in its presence: every replica counts it down at once",
+        (),
+        postgres=TEAM_STOPPED,
     ),
 )
 LATEST = MIGRATIONS[-1].version

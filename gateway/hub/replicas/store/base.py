@@ -68,6 +68,7 @@ class Presence:
     seen_age: float  # s since its last sign of life
     capabilities: frozenset[str] | None  # None: it has not polled
     polled_age: float | None
+    stopped: bool = False  # its last poll said it stops (a clean stop: down at once everywhere)
 
 
 @dataclass(frozen=True, slots=True)

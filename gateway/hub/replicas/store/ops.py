@@ -310,7 +310,7 @@ def channel(job_id: str) -> Op[ChannelRow | None]:
 
 # -- runners' presence ----------------------------------------------------------------------
 
-_PRESENCE_TYPES = "text text text text text float8 text float8".split()
+_PRESENCE_TYPES = "text text text text text float8 text float8 bool".split()
 
 
 def write_presence(replica: str, seen: list[Presence], changed: bool) -> Op[None]:
@@ -318,14 +318,14 @@ def write_presence(replica: str, seen: list[Presence], changed: bool) -> Op[None
     for p in seen:
         caps = None if p.capabilities is None else json.dumps(sorted(p.capabilities))
         row = (p.runner_id, p.owner, p.project, p.name, json.dumps(list(p.labels)), p.seen_age)
-        for column, value in zip(columns, (*row, caps, p.polled_age), strict=True):
+        for column, value in zip(columns, (*row, caps, p.polled_age, p.stopped), strict=True):
             column.append(value)
     arrays = ", ".join(f"${n}::{kind}[]" for n, kind in enumerate(_PRESENCE_TYPES, 1))
     yield Query(
         "INSERT INTO runner_presence (runner_id, owner, project, name, labels, seen_at,"
-        f" capabilities, polled_at) SELECT r.id, r.owner, r.project, r.name, r.labels,"
-        f" {NOW} - r.seen, r.caps, {NOW} - r.polled FROM unnest({arrays})"
-        " AS r(id, owner, project, name, labels, seen, caps, polled)"
+        f" capabilities, polled_at, stopped) SELECT r.id, r.owner, r.project, r.name, r.labels,"
+        f" {NOW} - r.seen, r.caps, {NOW} - r.polled, r.stopped FROM unnest({arrays})"
+        " AS r(id, owner, project, name, labels, seen, caps, polled, stopped)"
         " ON CONFLICT (runner_id) DO UPDATE SET owner = excluded.owner,"
         " project = excluded.project, name = COALESCE(excluded.name, runner_presence.name),"
         " labels = excluded.labels,"
@@ -333,6 +333,9 @@ def write_presence(replica: str, seen: list[Presence], changed: bool) -> Op[None
         " capabilities = CASE WHEN excluded.polled_at IS NOT NULL AND"
         " (runner_presence.polled_at IS NULL OR excluded.polled_at >= runner_presence.polled_at)"
         " THEN excluded.capabilities ELSE runner_presence.capabilities END,"
+        " stopped = CASE WHEN excluded.polled_at IS NOT NULL AND"
+        " (runner_presence.polled_at IS NULL OR excluded.polled_at >= runner_presence.polled_at)"
+        " THEN excluded.stopped ELSE runner_presence.stopped END,"
         " polled_at = GREATEST(runner_presence.polled_at, excluded.polled_at)",
         tuple(columns),
     )
@@ -343,7 +346,7 @@ def write_presence(replica: str, seen: list[Presence], changed: bool) -> Op[None
 def read_presence(within: float) -> Op[list[Presence]]:
     rows = yield Query(
         "SELECT runner_id, owner, project, name, labels, now_ - seen_at, capabilities,"
-        f" now_ - polled_at FROM runner_presence, (SELECT {NOW} AS now_) n"
+        f" now_ - polled_at, stopped FROM runner_presence, (SELECT {NOW} AS now_) n"
         " WHERE seen_at > now_ - $1",
         (within,),
     )
@@ -357,6 +360,7 @@ def read_presence(within: float) -> Op[list[Presence]]:
             max(0.0, r[5]),
             None if r[6] is None else frozenset(json.loads(r[6])),
             None if r[7] is None else max(0.0, r[7]),
+            bool(r[8]),
         )
         for r in rows
     ]
