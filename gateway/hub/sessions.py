@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -62,6 +63,43 @@ class Session:
         return not self.key[0].startswith(LEGACY_KEY)
 
 
+class SessionTable(dict[SessionKey, Session]):
+    """The live sessions by key, and by API key (``of_key``): a new session's per-key cap is
+    checked on its key's sessions only, whatever the number of sessions (issue 39). Written only
+    by item (``table[k] = s``, ``del table[k]``, ``pop``), which keep the index."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_key: dict[str, dict[SessionKey, Session]] = {}
+
+    def __setitem__(self, key: SessionKey, session: Session) -> None:
+        super().__setitem__(key, session)
+        self._by_key.setdefault(key[0], {})[key] = session
+
+    def __delitem__(self, key: SessionKey) -> None:
+        super().__delitem__(key)
+        self._forget(key)
+
+    def pop(self, key: SessionKey, *default: Any) -> Any:  # type: ignore[override]
+        if key in self:
+            self._forget(key)
+        return super().pop(key, *default)
+
+    def _forget(self, key: SessionKey) -> None:
+        held = self._by_key.get(key[0])
+        if held is not None:
+            held.pop(key, None)
+            if not held:
+                del self._by_key[key[0]]
+
+    def of_key(self, key_id: str) -> list[Session]:
+        """The live sessions of one API key (by its id)."""
+        held = self._by_key.get(key_id)
+        return list(held.values()) if held else []
+
+
 class Sessions:
     """Every live session of one hub, and their background work (``run``): idle ones ended,
     those of revoked keys ended, finished ones forgotten."""
@@ -79,7 +117,7 @@ class Sessions:
     ) -> None:
         self.store = store
         self.coordination: Coordination = coordination or Alone(store)
-        self.live: dict[SessionKey, Session] = {}
+        self.live = SessionTable()
         self.idle_timeout = idle_timeout
         self._max_per_key = max_per_key
         self.key_check_interval = key_check_interval
@@ -121,7 +159,7 @@ class Sessions:
         if session is None:
             limit = self.coordination.session_cap(self._max_per_key())
             if limit > 0:
-                held = [s for k, s in self.live.items() if k[0] == skey[0]]
+                held = self.live.of_key(skey[0])
                 if len(held) >= limit:
                     idle = [s for s in held if not s.turns]
                     if not idle:
