@@ -32,7 +32,7 @@ import msgspec
 import trio
 
 from gateway.hub.coordination import Alone, Coordination
-from gateway.hub.money import KeyBudget, Price, derive, month_start, next_month, utc
+from gateway.hub.money import DAY, KeyBudget, Price, day_start, derive, month_start, next_month, utc
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
 from gateway.hub.store.journal import CUT
@@ -42,7 +42,6 @@ log = logging.getLogger("gateway.hub.accounting")
 
 WINDOW = 60.0  # s: the window of rpm and tpm (sliding)
 _encode_record = msgspec.json.Encoder().encode
-DAY = 86400
 
 
 class LimitExceeded(Exception):
@@ -227,7 +226,7 @@ class Accounting:
         """The key's cost of ended turns this UTC day and month, read from the store once a
         day and once a month."""
         now = self.clock()
-        day, month = int(now) // DAY * DAY, month_start(now)
+        day, month = day_start(now), month_start(now)
         if budget.daily is not None and state.cost_day != day:
             spent = await self.store.cost_since(key_id, day) if self.store else 0.0
             if state.cost_day != day:
@@ -239,7 +238,7 @@ class Accounting:
 
     async def _read_day(self, state: _KeyState, key_id: str) -> None:
         """The key's tokens of ended turns this UTC day, read from the store once a day."""
-        day = int(self.clock()) // DAY * DAY
+        day = day_start(self.clock())
         if state.day != day:
             used = await self.store.tokens_since(key_id, day) if self.store else 0
             if state.day != day:  # nobody read it meanwhile
@@ -402,7 +401,7 @@ class Accounting:
                 state.window_tokens += tokens
             wall = self.clock()
             self.coordination.turn_ended(self, turn, wall)  # a replica's: settled before its end
-            day = int(wall) // DAY * DAY
+            day = day_start(wall)
             if state.day != day and self.store is None:  # nowhere to read the day from
                 state.day, state.day_tokens = day, 0
             if state.day == day:  # else read from the store (this turn included) when needed

@@ -131,26 +131,6 @@ def add_key_owner(key_hash: str, key_id: str, name: str, sub: str, email: str | 
     )
 
 
-def owned_keys(sub: str) -> Op[list[dict[str, Any]]]:
-    """The keys ``sub`` owns (revoked ones too), oldest first."""
-    rows = yield Query(
-        "SELECT k.name, k.owner, k.project, k.created_at, k.revoked, o.key_id"
-        " FROM key_owners o JOIN api_keys k ON k.key_hash = o.key_hash"
-        " WHERE o.sub = $1 ORDER BY k.created_at, k.name",
-        (sub,),
-    )
-    return [
-        {
-            "name": r[0],
-            "project": f"{r[1]}/{r[2]}",
-            "createdAt": r[3],
-            "revoked": bool(r[4]),
-            "id": r[5],
-        }
-        for r in rows
-    ]
-
-
 def owner_of_active(name: str) -> Op[str | None]:
     """The ``sub`` owning the active key named ``name`` (None: no such key, or no owner)."""
     rows = yield Query(

@@ -65,11 +65,6 @@ def migrate(where: str) -> Op[int]:
     return current
 
 
-def schema_versions() -> Op[list[int]]:
-    rows = yield Query("SELECT version FROM schema_version ORDER BY version")
-    return [r[0] for r in rows]
-
-
 # -- the admin credential -------------------------------------------------------------------
 
 
