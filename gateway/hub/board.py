@@ -8,7 +8,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NoReturn
 
 import trio
@@ -67,10 +67,16 @@ class Changes:
         return self._event
 
 
+# a runner's fields the dispatcher's view of it reads: a change to one is a change of its project's
+# runners (``RunnerTable.version``)
+VIEWED = frozenset({"capabilities", "models", "listing"})
+
+
 @dataclass
 class RunnerState:
     """What the board knows of one runner since the hub started: its project, and what its last
-    poll advertised (None: it has not polled yet)."""
+    poll advertised (None: it has not polled yet). A change to a field the dispatcher views
+    (``VIEWED``) is told to the table that holds it, whoever makes it."""
 
     owner: str
     project: str
@@ -81,6 +87,68 @@ class RunnerState:
     name: str | None = None  # its registration's (known once it was seen with it)
     labels: tuple[str, ...] = ()
     stopped: bool = False  # its last poll said it stops: not ``up`` (placement still waits)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in VIEWED and getattr(self, name, value) != value:
+            table = self.__dict__.get("_table")
+            if table is not None:
+                table.touch(self.owner, self.project)
+        object.__setattr__(self, name, value)
+
+
+Project = tuple[str, str]
+
+
+class RunnerTable(dict[str, RunnerState]):
+    """The board's runners by id, and by project (``of``): a new session's placement looks at
+    its project's runners only, never at every runner of the hub. ``version`` counts the changes
+    to a project's runners (one added or gone, a viewed field, a held job), so whoever keeps a
+    view of them knows when it is stale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_project: dict[Project, dict[str, RunnerState]] = {}
+        self._versions: dict[Project, int] = {}
+
+    def of(self, owner: str, project: str) -> dict[str, RunnerState]:
+        """The runners of ``owner/project`` by id (the table's own: not to be changed)."""
+        return self._by_project.get((owner, project), {})
+
+    def version(self, owner: str, project: str) -> int:
+        return self._versions.get((owner, project), 0)
+
+    def touch(self, owner: str, project: str) -> None:
+        """Something the dispatcher views of a runner of ``owner/project`` changed."""
+        key = (owner, project)
+        self._versions[key] = self._versions.get(key, 0) + 1
+
+    def __setitem__(self, runner_id: str, state: RunnerState) -> None:
+        self._remove(runner_id)
+        super().__setitem__(runner_id, state)
+        object.__setattr__(state, "_table", self)
+        self._by_project.setdefault((state.owner, state.project), {})[runner_id] = state
+        self.touch(state.owner, state.project)
+
+    def __delitem__(self, runner_id: str) -> None:
+        self._remove(runner_id)
+        super().__delitem__(runner_id)
+
+    def pop(self, runner_id: str, *default: Any) -> Any:  # type: ignore[override]
+        self._remove(runner_id)
+        return super().pop(runner_id, *default)
+
+    def _remove(self, runner_id: str) -> None:
+        state = self.get(runner_id)
+        if state is None:
+            return
+        key = (state.owner, state.project)
+        of = self._by_project.get(key)
+        if of is not None and of.get(runner_id) is state:
+            del of[runner_id]
+            if not of:
+                del self._by_project[key]
+        object.__setattr__(state, "_table", None)
+        self.touch(*key)
 
 
 @dataclass(frozen=True)
@@ -144,7 +212,12 @@ class JobBoard:
         self.changes = changes
         self.jobs: dict[str, Job] = {}  # the live ones: ``load`` reads them back at start
         self.last_seen: dict[str, float] = {}  # runner id -> trio clock of its last sign of life
-        self.runners: dict[str, RunnerState] = {}  # runner id -> its project and last poll
+        self.runners = RunnerTable()  # runner id -> its project and last poll
+        # runner id -> the live jobs it holds (claimed, not over), kept by ``_count`` as a job's
+        # holder or over-ness changes (``hold``, ``set_status``, ``cancel``, ``drop``): nobody
+        # walks the jobs to count them
+        self._holds: dict[str, set[str]] = {}
+        self._holder: dict[str, str] = {}  # job id -> the runner it is counted for
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
@@ -173,6 +246,7 @@ class JobBoard:
         """A live job onto the board (and among its project's pending ones while a poll may
         still offer it)."""
         self.jobs[job.id] = job
+        self._count(job.id)
         if job.status == "queued" and not job.channel_opened:
             self._pending.setdefault((job.owner, job.project), {})[job.id] = job
 
@@ -193,12 +267,66 @@ class JobBoard:
     def forget_ended(self, job: Job) -> None:
         """An ended job out of the live ones (kept among the recent ones)."""
         if self.jobs.get(job.id) is job:
-            del self.jobs[job.id]
+            self.drop(job.id)
             self.recent[job.id] = job
             while len(self.recent) > RECENT_ENDED:
                 self.recent.popitem(last=False)
             for observe in self.on_forget:
                 observe(job.id)
+
+    # -- who holds what: the one place a live job's holder or over-ness changes ------------
+
+    def hold(self, job: Job, runner_id: str, name: str | None, run_id: str | None) -> None:
+        """The job is claimed by ``runner_id`` (its claim here, or another replica's)."""
+        job.claimed_by, job.runner_name, job.run_id = runner_id, name, run_id
+        job.claimed_at = trio.current_time()
+        job.claimed.set()
+        self._count(job.id)
+
+    def set_status(self, job: Job, status: str) -> None:
+        """The job's status (``completed``: it is over)."""
+        job.status = status
+        self._count(job.id)
+
+    def cancel(self, job: Job, reason: str | None) -> None:
+        """The job is cancelled (its first reason kept): over."""
+        job.cancelled = True
+        job.cancel_reason = job.cancel_reason or reason
+        self._count(job.id)
+
+    def drop(self, job_id: str) -> Job | None:
+        """The job out of the live ones (ended, withdrawn before a claim, gone elsewhere)."""
+        job = self.jobs.pop(job_id, None)
+        self._count(job_id)
+        return job
+
+    def held(self, runner_id: str) -> int:
+        """How many live jobs the runner holds (claimed, not completed nor withdrawn)."""
+        return len(self._holds.get(runner_id, ()))
+
+    def _count(self, job_id: str) -> None:
+        """The job counted for its holder as it is now: live, claimed and not over, or not."""
+        job = self.jobs.get(job_id)
+        holder = job.claimed_by if job is not None and not job.over else None
+        before = self._holder.get(job_id)
+        if holder == before:
+            return
+        for runner_id, delta in ((before, -1), (holder, 1)):
+            if runner_id is None:
+                continue
+            held = self._holds.setdefault(runner_id, set())
+            if delta > 0:
+                held.add(job_id)
+                self._holder[job_id] = runner_id
+            else:
+                held.discard(job_id)
+                if not held:
+                    del self._holds[runner_id]
+                if self._holder.get(job_id) == runner_id:
+                    del self._holder[job_id]
+            state = self.runners.get(runner_id)
+            if state is not None:  # the dispatcher's view of it (its ``held``) changed
+                self.runners.touch(state.owner, state.project)
 
     # -- jobs in ----------------------------------------------------------------
 
@@ -307,9 +435,12 @@ class JobBoard:
         self.last_seen[runner_id] = now
         if registration is not None:
             state = self.runners.get(runner_id)
+            project = (registration.owner, registration.project)
             if state is None:
-                state = self.runners[runner_id] = RunnerState(
-                    registration.owner, registration.project
+                state = self.runners[runner_id] = RunnerState(*project)
+            elif (state.owner, state.project) != project:  # moved: indexed under its new one
+                state = self.runners[runner_id] = replace(
+                    state, owner=project[0], project=project[1]
                 )
             state.name, state.labels = registration.name, registration.labels
         self.coordination.runner_seen(runner_id, first)  # a runner new here: told at once
@@ -341,18 +472,14 @@ class JobBoard:
         state = self.runners.get(runner_id)
         return self.alive(runner_id) and not (state is not None and state.stopped)
 
-    def held(self, runner_id: str) -> int:
-        """How many live jobs the runner holds (claimed, not completed nor withdrawn)."""
-        return sum(1 for job in self.jobs.values() if job.claimed_by == runner_id and not job.over)
-
     def availability(
         self, owner: str, project: str, capability: str, *, exclude: str | None = None
     ) -> Availability:
         """The live runners of ``owner/project`` (but ``exclude``), by whether they can take a
         job needing ``capability`` now."""
         counts = {"free": 0, "unknown": 0, "busy": 0, "down": 0}
-        for runner_id, state in self.runners.items():
-            if (state.owner, state.project) != (owner, project) or runner_id == exclude:
+        for runner_id, state in self.runners.of(owner, project).items():
+            if runner_id == exclude:
                 continue
             if not self.alive(runner_id):
                 continue
@@ -434,14 +561,10 @@ class JobBoard:
                 assert found.run_id is not None
                 return found.run_id
             raise BoardError("conflict", "this job is already claimed")
-        job.claimed_by = runner_id
-        job.runner_name = name
-        job.run_id = run_id
-        job.claimed_at = trio.current_time()
-        job.claimed.set()
+        self.hold(job, runner_id, name, run_id)
         await self.coordination.decided(job)
         self.changes.notify()
-        return job.run_id
+        return run_id
 
     async def own_job(
         self, runner_id: str, owner: str, project: str, run_id: str, job_id: str
@@ -471,7 +594,7 @@ class JobBoard:
             self._late()
         if status == "in_progress":
             if job.status != "in_progress":
-                job.status = "in_progress"
+                self.set_status(job, "in_progress")
                 await self._keep_report(job, report)
                 await self.save(job)
             return
@@ -487,7 +610,7 @@ class JobBoard:
             await self.coordination.reread_job(job.id, job)  # another replica ended it first
             self._late()
         await self._keep_report(job, report)
-        job.status = "completed"
+        self.set_status(job, "completed")
         job.conclusion = conclusion
         job.final_reported = True
         job.completed.set()
@@ -546,10 +669,9 @@ class JobBoard:
         if outcome is None:  # ended meanwhile, through another replica
             await self.coordination.reread_job(job_id, job)
             return
-        job.cancel_reason = job.cancel_reason or reason
-        job.cancelled = True
+        self.cancel(job, reason)
         if outcome == "deleted":
-            self.jobs.pop(job_id, None)
+            self.drop(job_id)
         await self.coordination.decided(job)
         self.changes.notify()
 

@@ -166,8 +166,8 @@ class Catalog:
             return cached[0]
         largest: int | None = None
         until = math.inf
-        for runner_id, state in board.runners.items():
-            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+        for runner_id in board.runners.of(owner, project):
+            if not board.alive(runner_id):
                 continue
             until = min(until, board.last_seen[runner_id] + self.settings.offline_after)
             if model not in self._lists.get(runner_id, ()):
@@ -205,8 +205,8 @@ class Catalog:
         models: dict[str, None] = {}
         unknown = 0
         until = math.inf  # the first of the counted runners to go silent goes then
-        for runner_id, state in board.runners.items():
-            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+        for runner_id, state in board.runners.of(owner, project).items():
+            if not board.alive(runner_id):
                 continue
             until = min(until, board.last_seen[runner_id] + self.settings.offline_after)
             found = self._lists.get(runner_id)
@@ -255,8 +255,8 @@ class Catalog:
         """Whether a live runner of the project whose list is not known is being asked for it
         (on its channel, or on a listing job offered to it)."""
         board = self.board
-        for runner_id, state in board.runners.items():
-            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+        for runner_id in board.runners.of(owner, project):
+            if not board.alive(runner_id):
                 continue
             if runner_id in self._lists:
                 continue
@@ -301,8 +301,8 @@ class Catalog:
         board = self.board
         with_channel = self.channels.runners()
         now = trio.current_time()
-        for runner_id, state in board.runners.items():
-            if (state.owner, state.project) != (owner, project) or not board.alive(runner_id):
+        for runner_id, state in list(board.runners.of(owner, project).items()):
+            if not board.alive(runner_id):
                 continue
             if runner_id in self._lists or runner_id in self._listing:
                 continue

@@ -5,6 +5,7 @@ of a runner silent for ``offline_after`` s, and those of a runner whose registra
 from __future__ import annotations
 
 import logging
+from collections.abc import MutableMapping
 from typing import Any, Protocol
 
 import trio
@@ -23,11 +24,16 @@ class ForcedBoard(Protocol):
     changes: Any  # board.Changes: ``notify``
     jobs: dict[str, Job]
     last_seen: dict[str, float]
-    runners: dict[str, Any]
+
+    @property
+    def runners(self) -> MutableMapping[str, Any]: ...  # board.RunnerTable
+
     generation: int
     coordination: Coordination  # where its decisions are made
 
     async def _keep_report(self, job: Job, report: dict[str, Any]) -> None: ...
+
+    def set_status(self, job: Job, status: str) -> None: ...
 
     async def _ended(self, job: Job) -> None: ...
 
@@ -80,7 +86,7 @@ async def force_end(board: ForcedBoard, job: Job, why: str) -> bool:
         await board.coordination.reread_job(job.id, job)  # another replica ended it
         return False
     await board._keep_report(job, report)
-    job.status = "completed"
+    board.set_status(job, "completed")
     job.conclusion = "failure"
     job.completed.set()
     await board._ended(job)

@@ -160,10 +160,6 @@ def take(
             )
         )
     turns.sort(key=lambda t: -t.age_seconds)
-    held: dict[str, int] = {}
-    for job in board.jobs.values():
-        if job.claimed_by is not None and not job.over:
-            held[job.claimed_by] = held.get(job.claimed_by, 0) + 1
     connected = channels.runners() | (connected or set())
     runners = []
     for runner_id, state in list(board.runners.items()):
@@ -184,7 +180,7 @@ def take(
                 board.up(runner_id),
                 runner_id in connected,
                 None if silent is None else round(silent, 1),
-                held.get(runner_id, 0),
+                board.held(runner_id),
                 sessions_by_runner.get(runner_id, 0),
                 in_flight.get(runner_id, 0),
                 "fallback"

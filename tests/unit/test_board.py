@@ -5,13 +5,19 @@ force-ended when their runner goes silent for ``offline_after``."""
 
 from __future__ import annotations
 
+import contextlib
+import random
+
 import pytest
 import trio
 import trio.testing
 
 from gateway.hub.board import BoardError, Changes, JobBoard
+from gateway.hub.job import Job
+from gateway.hub.replicas.boardsync import apply
+from gateway.hub.replicas.store.base import TeamJob
 from gateway.hub.settings import HubSettings
-from gateway.hub.store import open_store
+from gateway.hub.store import Registration, open_store
 
 CAP = "chat-llm:v1"
 
@@ -166,3 +172,115 @@ async def test_availability_counts_the_projects_live_runners_by_what_they_can_do
     found = b.availability("o", "p", CAP)
     assert (found.free, found.busy, found.down, found.unknown) == (1, 1, 1, 0)
     assert b.availability("o", "p", CAP, exclude="free").free == 0
+
+
+def _recount(b: JobBoard) -> dict[str, int]:
+    """Each runner's held jobs counted the slow way: a walk of every live job."""
+    held: dict[str, int] = {}
+    for job in b.jobs.values():
+        if job.claimed_by is not None and not job.over:
+            held[job.claimed_by] = held.get(job.claimed_by, 0) + 1
+    return held
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_the_held_counts_equal_a_recount_after_claims_ends_withdrawals_and_forced_ends(
+    seed: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The board keeps each runner's held jobs as jobs are claimed and end (a runner's final
+    report, a withdrawal, an end forced offline or at a revocation, another replica's word
+    read back), so no step of the dispatcher walks the jobs to count them: after every one of
+    a random sequence of those, the counts and the table's runners by project equal a
+    recount."""
+    rng = random.Random(seed)
+    b = board(offline_after=60.0)
+    projects = [("o", "p"), ("o", "q")]
+    runners = {f"r{i}": projects[i % 2] for i in range(6)}
+    for runner_id, (owner, project) in runners.items():
+        b.seen(runner_id, Registration(runner_id, runner_id, owner, project, (), "", ""))
+    checks = most = 0
+    for _ in range(300):
+        live = list(b.jobs.values())
+        op = rng.choice(
+            ["enqueue", "enqueue", "claim", "claim", "report", "withdraw", "sync"] * 2
+            + ["offline", "revoke", "reload"]
+        )
+        if op == "enqueue" or not live:
+            await b.enqueue(*rng.choice(projects), [CAP])
+        elif op == "claim":
+            job = rng.choice(live)
+            ours = [r for r, p in runners.items() if p == (job.owner, job.project)]
+            with contextlib.suppress(BoardError):
+                await b.claim(rng.choice(ours), job.owner, job.project, job.id, "box")
+        elif op == "report":
+            job = rng.choice(live)
+            status = rng.choice(["in_progress", "completed"])
+            with contextlib.suppress(BoardError):
+                await b.report_status(job, {"status": status, "conclusion": "success"})
+        elif op == "withdraw":
+            await b.withdraw(rng.choice(live).id, "queued behind another request")
+        elif op == "sync":  # another replica's word on a job, read back into this board
+            job = rng.choice(live)
+            stored = job.record()
+            change = rng.choice(["gone", "claimed", "cancelled", "completed"])
+            if change == "gone":
+                apply(b, job.id, None)
+            else:
+                if change == "claimed" and stored.claimed_by is None:
+                    stored.claimed_by = rng.choice(list(runners))
+                    stored.run_id, stored.runner_name = f"run-{job.id}", "box"
+                stored.cancelled = stored.cancelled or change == "cancelled"
+                stored.status = "completed" if change == "completed" else stored.status
+                apply(b, job.id, TeamJob(stored, None, "other"))
+        elif op == "offline":
+            await trio.sleep(rng.choice([1.0, 30.0, 61.0]))
+            for runner_id in rng.sample(list(runners), 3):
+                if runner_id in b.runners:
+                    b.seen(runner_id)
+            await b.check_offline()
+        elif op == "revoke":
+            runner_id = rng.choice(list(runners))
+            await b.revoked(runner_id)
+            owner, project = runners[runner_id]
+            b.seen(runner_id, Registration(runner_id, runner_id, owner, project, (), "", ""))
+        elif op == "reload":  # a claimed job read back from the store (as at a start)
+            job = rng.choice(live)
+            b.drop(job.id)
+            b.add(Job.from_record(job.record()))
+        expected = _recount(b)
+        assert {r: b.held(r) for r in runners} == {r: expected.get(r, 0) for r in runners}, op
+        assert set(b._holds) == set(expected)  # no runner kept with nothing held
+        for owner, project in projects:
+            ours = {r for r, s in b.runners.items() if (s.owner, s.project) == (owner, project)}
+            assert set(b.runners.of(owner, project)) == ours
+        checks += 1
+        most = max(most, sum(expected.values()))
+    assert checks == 300 and most > 2
+
+
+async def test_a_project_s_runners_version_moves_with_what_the_dispatcher_views_of_them() -> None:
+    """A change the dispatcher's view of a runner shows (capabilities, models, a job held, a
+    runner added or gone) moves its project's version and no other's; a poll that changes
+    nothing does not."""
+    b = board()
+    b.seen("r1", Registration("r1", "r1", "o", "p", (), "", ""))
+    b.polled("r1", "o", "p", {CAP})
+    b.seen("r2", Registration("r2", "r2", "o", "q", (), "", ""))
+    versions = lambda: (b.runners.version("o", "p"), b.runners.version("o", "q"))  # noqa: E731
+    before = versions()
+    b.polled("r1", "o", "p", {CAP})  # the same capabilities again
+    b.runners["r1"].models = None  # the same models
+    assert versions() == before
+    b.polled("r1", "o", "p", set())
+    assert versions()[0] > before[0] and versions()[1] == before[1]
+    before = versions()
+    b.runners["r1"].models = frozenset({"m"})
+    assert versions()[0] > before[0]
+    before = versions()
+    job = await b.enqueue("o", "p", [CAP])
+    assert versions() == before  # queued: nobody holds it
+    await b.claim("r1", "o", "p", job.id, "box")
+    assert versions()[0] > before[0] and b.held("r1") == 1
+    before = versions()
+    await b.revoked("r1")
+    assert versions()[0] > before[0] and b.runners.of("o", "p") == {} and b.held("r1") == 0

@@ -56,8 +56,8 @@ def apply(board: JobBoard, job_id: str, found: TeamJob | None) -> Job | None:
     job = board.jobs.get(job_id)
     if found is None:
         if job is not None:
-            job.cancelled = True
-            del board.jobs[job_id]
+            board.cancel(job, None)
+            board.drop(job_id)
             board.changes.notify()
         return None
     stored = found.job
@@ -73,18 +73,15 @@ def apply(board: JobBoard, job_id: str, found: TeamJob | None) -> Job | None:
         return job
     before = (job.claimed_by, job.status, job.cancelled, job.runners)
     if job.claimed_by is None and stored.claimed_by is not None:
-        job.claimed_by, job.runner_name = stored.claimed_by, stored.runner_name
-        job.run_id = stored.run_id
-        job.claimed_at = trio.current_time()
-        job.claimed.set()
+        board.hold(job, stored.claimed_by, stored.runner_name, stored.run_id)
     if job.claimed_by is None and job.runners != found.offered_to:
         job.runners = found.offered_to
         if not job.cancelled:  # offered to others now: those of them here are told
             board.announce(job)
     if stored.cancelled and not job.cancelled:
-        job.cancelled, job.cancel_reason = True, stored.cancel_reason
+        board.cancel(job, stored.cancel_reason)
     if job.status != "completed" and stored.status != job.status:
-        job.status = stored.status
+        board.set_status(job, stored.status)
     job.conclusion = job.conclusion or stored.conclusion
     job.final_reported = job.final_reported or stored.final_reported
     if len(stored.reports) > len(job.reports):
