@@ -26,6 +26,7 @@ from gateway.hub.dispatchplan import (
     Assign,
     DispatchLimits,
     FairQueue,
+    Fleet,
     JobView,
     Move,
     Open,
@@ -142,6 +143,10 @@ class Dispatcher:
         # a runner's models asked again on its channel (the catalog's; None: never)
         self.relist: Callable[[ServerChannel], Awaitable[object]] | None = None
         self._relisted: dict[str, float] = {}  # runner id -> when its list was last asked so
+        # per project, its runners as the last step saw them: kept while none of them changed
+        # (``RunnerTable.version``), none came back (``JobBoard.generation``) and none may have
+        # gone silent (until the first of them would): (version, generation), until, fleet
+        self._fleets: dict[Project, tuple[tuple[int, int], float, Fleet]] = {}
 
     # -- a turn's side -----------------------------------------------------------------
 
@@ -281,27 +286,38 @@ class Dispatcher:
             promote_after=s.priority_promote_after,
         )
 
-    def _runners(self, key: Project) -> dict[str, RunnerView]:
+    def _runners(self, key: Project) -> Fleet:
+        """The project's runners as the board knows them now: the fleet the last step saw when
+        nothing of them changed since, else built again from the project's runners (never
+        from every runner or job of the hub)."""
         board = self.board
-        held: dict[str, int] = {}
-        for job in board.jobs.values():
-            if job.claimed_by is not None and not job.over:
-                held[job.claimed_by] = held.get(job.claimed_by, 0) + 1
+        now = trio.current_time()
+        stamp = (board.runners.version(*key), board.generation)
+        kept = self._fleets.get(key)
+        if kept is not None and kept[0] == stamp and now <= kept[1]:
+            return kept[2]
+        offline_after = self.settings.offline_after
+        until = math.inf  # the first live runner to go silent goes then
         out = {}
-        for runner_id, state in board.runners.items():
-            if (state.owner, state.project) != key:
-                continue
+        for runner_id, state in board.runners.of(*key).items():
+            last = board.last_seen.get(runner_id)
+            alive = last is not None and now - last <= offline_after
+            if alive:
+                assert last is not None
+                until = min(until, last + offline_after)
             caps = state.capabilities
             out[runner_id] = RunnerView(
                 runner_id,
-                board.alive(runner_id),
+                alive,
                 None if caps is None else protocol.CAPABILITY in caps,
-                held.get(runner_id, 0),
+                board.held(runner_id),
                 state.models,
                 state.listing,
                 caps is not None and protocol.FALLBACK_TIER in caps,
             )
-        return out
+        fleet = Fleet(out)
+        self._fleets[key] = (stamp, until, fleet)
+        return fleet
 
     def _jobs(self, project: _Project) -> dict[str, JobView]:
         out = {}
@@ -370,7 +386,7 @@ class Dispatcher:
         self,
         job_id: str | None,
         targets: frozenset[str] | None,
-        runners: dict[str, RunnerView],
+        runners: Fleet,
     ) -> tuple[frozenset[str] | None, _Offer]:
         """Who a new job (``job_id``: None before it is opened) is offered to among the runners
         it may go to (``targets``, None: any): the runner chosen for it while it has time to
@@ -400,8 +416,8 @@ class Dispatcher:
         board = self.board
         best: tuple[bool, bool, int, float] | None = None
         chosen: str | None = None
-        for view in runners.values():
-            if not view.alive or view.capable is False or view.id in passed:
+        for view in runners.pool.free:  # alive, capable (or not polled yet)
+            if view.id in passed:
                 continue
             if targets is not None and view.id not in targets:
                 continue
@@ -426,7 +442,7 @@ class Dispatcher:
         project: _Project,
         by_view: dict[int, _Waiting],
         action: object,
-        runners: dict[str, RunnerView],
+        runners: Fleet,
     ) -> None:
         if isinstance(action, Retarget):
             job = self.board.jobs.get(action.job_id)

@@ -271,6 +271,78 @@ class _RunnerPool:
         return cls(free, busy, live)
 
 
+class Fleet:
+    """A project's runners as a step sees them, with what the plan derives from them (the pool,
+    the models listed, the runners a model's new job may go to) worked out once: a dispatcher
+    keeps one while its runners do not change, so a step costs what its waiting turns need, not
+    a walk of the runners."""
+
+    def __init__(self, runners: Mapping[str, RunnerView]) -> None:
+        self.runners = runners
+        self.pool = _RunnerPool.of(runners.values())
+        self._alive: list[RunnerView] | None = None
+        self._able: list[RunnerView] | None = None
+        self._listed: list[str] | None = None
+        self._all_known: bool | None = None
+        # (model, spilled) -> the runners its new job may go to, how many of them are free
+        self._targets: dict[tuple[str | None, bool], tuple[frozenset[str] | None, int]] = {}
+        # model -> the free runners a session that lost its channel could move to
+        self._movable: dict[str | None, frozenset[str]] = {}
+
+    def get(self, runner_id: str) -> RunnerView | None:
+        return self.runners.get(runner_id)
+
+    @property
+    def alive(self) -> list[RunnerView]:
+        if self._alive is None:
+            self._alive = [r for r in self.runners.values() if r.alive]
+        return self._alive
+
+    @property
+    def able(self) -> list[RunnerView]:
+        """The live runners that may take a new job: advertising chat-llm:v1 (or not polled
+        yet), or holding jobs (at capacity); one that withdrew it holding none does not."""
+        if self._able is None:
+            self._able = [r for r in self.alive if r.capable is not False or r.held]
+        return self._able
+
+    @property
+    def listed(self) -> list[str]:
+        """Every model a live runner lists, sorted."""
+        if self._listed is None:
+            self._listed = sorted({m for r in self.alive for m in r.models or ()})
+        return self._listed
+
+    @property
+    def all_known(self) -> bool:
+        """Every runner that may take a new job has listed its models."""
+        if self._all_known is None:
+            self._all_known = all(r.models is not None for r in self.able)
+        return self._all_known
+
+    def targets(self, model: str | None, spill: bool) -> tuple[frozenset[str] | None, int]:
+        """The runners a new job for ``model`` may go to (``eligible``), and how many are free."""
+        key = (model, spill)
+        found = self._targets.get(key)
+        if found is None:
+            targets = eligible(self.able, model, spill=spill)
+            found = self._targets[key] = (
+                targets,
+                sum(1 for r in self.pool.free if _in(r, targets)),
+            )
+        return found
+
+    def movable(self, model: str | None) -> frozenset[str]:
+        """The free runners a session whose channel is gone may move to for ``model``."""
+        found = self._movable.get(model)
+        if found is None:
+            targets = eligible(self.alive, model)
+            found = self._movable[model] = frozenset(
+                r.id for r in self.pool.free if _in(r, targets)
+            )
+        return found
+
+
 def serves(runner: RunnerView, model: str | None) -> bool:
     """Whether the runner is known to serve ``model`` (any runner serves None)."""
     return model is None or (runner.models is not None and model in runner.models)
@@ -303,7 +375,7 @@ def _can_serve(runner: RunnerView) -> bool:
 def plan(
     queue: FairQueue,
     waiters: list[Waiter],
-    runners: Mapping[str, RunnerView],
+    runners: Mapping[str, RunnerView] | Fleet,
     jobs: Mapping[str, JobView],
     limits: DispatchLimits,
     now: float,
@@ -311,23 +383,24 @@ def plan(
     """One step for one project: what happens to each of its waiting turns (``waiters``, in
     arrival order), given its runners and the turns' jobs now. The turns that need a new job
     join ``queue`` here and leave it when their job is claimed; everything else the caller
-    applies (``Plan.actions``) and then takes the served and refused turns out."""
+    applies (``Plan.actions``) and then takes the served and refused turns out. ``runners``:
+    the project's runners, or a ``Fleet`` of them kept from an earlier step."""
     out = Plan()
     queue.now, queue.promote_after = now, limits.promote_after
-    pool = _RunnerPool.of(runners.values())
+    fleet = runners if isinstance(runners, Fleet) else Fleet(runners)
     leaders: dict[Hashable, Waiter] = {}  # each session's turn that seeks its new job
     seeking: list[Waiter] = []
     for waiter in waiters:
         waiter.follows = None
         if waiter.job_id is not None and not waiter.opened:
-            if _session_job(waiter, jobs.get(waiter.job_id), runners, pool, limits, now, out):
+            if _session_job(waiter, jobs.get(waiter.job_id), fleet, limits, now, out):
                 continue
         elif waiter.job_id is not None:
             job = jobs.get(waiter.job_id)
             if job is None or job.over:  # withdrawn or ended before its channel came
                 waiter.job_id, waiter.opened, waiter.claimed_at = None, False, None
             elif job.claimed_by is not None:
-                if _dialling(waiter, job, queue, runners, limits, now, out):
+                if _dialling(waiter, job, queue, fleet, limits, now, out):
                     leaders.setdefault(waiter.session, waiter)  # its session's turns follow it
                     continue
         leader = leaders.get(waiter.session)
@@ -337,7 +410,7 @@ def plan(
         leaders[waiter.session] = waiter
         seeking.append(waiter)
     if seeking:
-        _queue(queue, seeking, runners, jobs, pool, limits, now, out)
+        _queue(queue, seeking, fleet, jobs, limits, now, out)
     return out
 
 
@@ -351,7 +424,7 @@ def _dialling(
     waiter: Waiter,
     job: JobView,
     queue: FairQueue,
-    runners: Mapping[str, RunnerView],
+    fleet: Fleet,
     limits: DispatchLimits,
     now: float,
     out: Plan,
@@ -360,7 +433,7 @@ def _dialling(
     ``dial_within``; True when decided here, False when the runner that took it turned out not
     to serve its model (a runner whose list was not known yet): the job is left, a new one is
     sought."""
-    holder = runners.get(job.claimed_by) if job.claimed_by else None
+    holder = fleet.get(job.claimed_by) if job.claimed_by else None
     if holder is not None and holder.models is not None and not serves(holder, waiter.model):
         out.actions.append(Move(waiter, job.id, f"its runner does not serve {waiter.model}"))
         waiter.job_id, waiter.opened, waiter.claimed_at = None, False, None
@@ -384,8 +457,7 @@ def _dialling(
 def _session_job(
     waiter: Waiter,
     job: JobView | None,
-    runners: Mapping[str, RunnerView],
-    pool: _RunnerPool,
+    fleet: Fleet,
     limits: DispatchLimits,
     now: float,
     out: Plan,
@@ -396,7 +468,7 @@ def _session_job(
     if job is None or job.over:
         waiter.job_id = None  # its runner ended it, or it was withdrawn: a new job
         return False
-    holder = runners.get(job.claimed_by) if job.claimed_by else None
+    holder = fleet.get(job.claimed_by) if job.claimed_by else None
     if holder is not None and holder.models is not None and not serves(holder, waiter.model):
         out.actions.append(Move(waiter, job.id, f"its runner does not serve {waiter.model}"))
         waiter.job_id = None
@@ -406,8 +478,8 @@ def _session_job(
             return True  # its models come in a moment (a change): served then, or moved
         out.actions.append(Assign(waiter, job.id))
         return True
-    targets = eligible([r for r in runners.values() if r.alive], waiter.model)
-    others = [r for r in pool.free if r.id != job.claimed_by and _in(r, targets)]
+    movable = fleet.movable(waiter.model)
+    others = len(movable) > (job.claimed_by in movable)  # a free runner besides its own
     if others and job.redial_by is not None and now < job.redial_by:
         out.wake = min(out.wake, job.redial_by)  # its runner's redial first (its KV cache)
         return True
@@ -433,14 +505,14 @@ def _in(runner: RunnerView, targets: frozenset[str] | None) -> bool:
 def _queue(
     queue: FairQueue,
     seeking: list[Waiter],
-    runners: Mapping[str, RunnerView],
+    fleet: Fleet,
     jobs: Mapping[str, JobView],
-    pool: _RunnerPool,
     limits: DispatchLimits,
     now: float,
     out: Plan,
 ) -> None:
     """The turns that need a new job (one per session), through the fair queue."""
+    pool = fleet.pool
     if not pool.live or (not pool.free and not pool.busy):
         why = Refusal.NO_RUNNER_CONNECTED if not pool.live else Refusal.NO_CAPABLE_RUNNER
         for waiter in seeking:
@@ -460,30 +532,17 @@ def _queue(
     # a runner that withdrew chat-llm:v1 and holds no job (one that stopped, whose last poll
     # withdrew it; or one whose backends are down) takes no new job: no turn waits for its
     # list (a model it listed waits for it to come back, as before; its models are still named)
-    alive = [r for r in runners.values() if r.alive]
-    able = [r for r in alive if r.capable is not False or r.held]
-    listed = sorted({m for r in alive for m in r.models or ()})
-    # (model, spilled) -> the runners its new job may go to, and how many of them are free
-    targets_of: dict[tuple[str | None, bool], frozenset[str] | None] = {}
-    free_of: dict[tuple[str | None, bool], int] = {}
 
     def targets_for(key: tuple[str | None, bool]) -> tuple[frozenset[str] | None, int]:
-        if key not in targets_of:
-            targets = targets_of[key] = eligible(able, key[0], spill=key[1])
-            free_of[key] = sum(1 for r in pool.free if _in(r, targets))
-        return targets_of[key], free_of[key]
+        return fleet.targets(*key)
 
     fresh: set[int] = set()  # the turns that join the queue now
     for waiter in seeking:  # newcomers: served at once, or waiting (within the queue's bound)
         if waiter in queue:
             continue
         targets, free = targets_for((waiter.model, False))
-        if (
-            targets == frozenset()
-            and all(r.models is not None for r in able)
-            and waiter.model not in listed
-        ):
-            out.actions.append(Refuse(waiter, Refusal.UNKNOWN_MODEL, models=tuple(listed)))
+        if targets == frozenset() and fleet.all_known and waiter.model not in fleet.listed:
+            out.actions.append(Refuse(waiter, Refusal.UNKNOWN_MODEL, models=tuple(fleet.listed)))
             continue
         ahead_hold = all(e.job_id is not None for e in queue.order() if e.model == waiter.model)
         if not (free and ahead_hold) and len(queue) >= limits.queue_length:
@@ -524,7 +583,7 @@ def _queue(
         all_hold[model] = before_hold and held
         # its model is listed only by runners that withdrew chat-llm:v1 (stopped): it waits for
         # one to come back (``dial_within``), not in the queue for a busy one
-        gone = _withdrawn(alive, model) if targets == frozenset() else ()
+        gone = _withdrawn(fleet.alive, model) if targets == frozenset() else ()
         if not waiter.queued and (not held or not free) and not gone:
             waiter.queued = True  # it waits with every runner that serves it at capacity
             out.newly_queued.append(waiter)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from gateway.hub.dispatchplan import (
     Assign,
     DispatchLimits,
     FairQueue,
+    Fleet,
     JobView,
     Move,
     Open,
@@ -346,3 +348,49 @@ def test_a_busy_primary_is_waited_for_not_spilled_to_the_fallback() -> None:
 def test_without_a_fallback_runner_targets_are_as_before() -> None:
     assert eligible([runner("a"), runner("b")], None) is None
     assert eligible([runner("a", models=["m"]), runner("b", models=["n"])], "m") == {"a"}
+
+
+# -- a fleet kept between steps ------------------------------------------------------------------
+
+
+class _Walked(dict[str, RunnerView]):
+    """A project's runners counting the walks over them."""
+
+    walks = 0
+
+    def values(self) -> Any:
+        self.walks += 1
+        return super().values()
+
+    def items(self) -> Any:
+        self.walks += 1
+        return super().items()
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_a_fleet_kept_between_steps_decides_as_its_runners_do_without_walking_them_again() -> None:
+    """The dispatcher keeps a project's ``Fleet`` while its runners do not change: a step with it
+    decides what a step with the runners themselves decides, and walks none of the 1,000 runners
+    (the pool, the models listed, a model's runners: worked out once, by the first step)."""
+    views = [
+        runner(f"r{i}", models=["m", "n"] if i % 2 else ["m"], held=i % 3) for i in range(1000)
+    ]
+    runners = _Walked({r.id: r for r in views})
+    fleet = Fleet(runners)
+    for n, model in enumerate(["m", "n", "m", "unknown", None]):
+        waiters = [waiter(model=model, session=f"s{n}"), waiter(model=model, session=f"t{n}")]
+        alike = [replace(w) for w in waiters]
+        by_fleet = plan(FairQueue(), waiters, fleet, {}, LIMITS, float(n))
+        walks = runners.walks
+        again = plan(FairQueue(), alike, {r.id: r for r in views}, {}, LIMITS, float(n))
+        assert kinds(by_fleet) == kinds(again) and by_fleet.wake == again.wake
+        for mine, theirs in zip(by_fleet.actions, again.actions, strict=True):
+            assert getattr(mine, "runners", None) == getattr(theirs, "runners", None)
+            assert getattr(mine, "why", None) == getattr(theirs, "why", None)
+        if n > 0:  # the first step with the fleet worked out what every later one needs...
+            assert runners.walks == walks, model  # ...or only what a new model needs
+    assert kinds(plan(FairQueue(), [waiter(model="m")], fleet, {}, LIMITS, 9.0)) == ["Open"]
+    assert runners.walks <= 6  # the pool once, and the runners of each model once

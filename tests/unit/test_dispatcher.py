@@ -9,15 +9,20 @@ channel at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import trio
 import trio.testing
 
 from gateway.apis.dialects import CHAT
+from gateway.hub import dispatcher
 from gateway.hub.board import Changes, JobBoard
 from gateway.hub.channel import Channels
 from gateway.hub.counters import HubCounters
 from gateway.hub.dispatcher import Dispatcher, Unplaced
 from gateway.hub.dispatchplan import Refusal
+from gateway.hub.job import Job
 from gateway.hub.sessions import Session, Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, KeyLimits, open_store
@@ -196,3 +201,86 @@ async def test_a_job_is_taken_back_when_its_turns_client_leaves_before_a_claim(
         assert hub.board.offered("r1", "o", "p", {CAPABILITY}) == []
         assert hub.dispatcher.depth() == {}
         nursery.cancel_scope.cancel()
+
+
+def counted(base: type[dict[str, Any]]) -> Any:
+    """``base`` (the board's table's own type) counting the walks over it."""
+
+    class Counted(base):  # type: ignore[misc, valid-type]
+        walks = 0
+
+        def __iter__(self) -> Any:
+            self.walks += 1
+            return super().__iter__()
+
+        def keys(self) -> Any:
+            self.walks += 1
+            return super().keys()
+
+        def values(self) -> Any:
+            self.walks += 1
+            return super().values()
+
+        def items(self) -> Any:
+            self.walks += 1
+            return super().items()
+
+    return Counted()
+
+
+async def test_a_new_sessions_dispatch_walks_neither_the_jobs_nor_the_runners(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: with 1,000 runners in the project and 5,000 live jobs, a new session's steps
+    (its job opened, claimed, its channel up) never walk the board's jobs nor its runners, and
+    the project's runners are viewed again only when one of them changed (here: the claim),
+    not at every step (main: every step walked both, and built a view of every runner)."""
+    hub = Parts()
+    board = hub.board
+    board.jobs = counted(type(board.jobs))
+    board.runners = counted(type(board.runners))
+    for i in range(1000):
+        hub.runner(f"r{i}")
+    for i in range(5000):  # the fleet's open sessions: five jobs held by each runner
+        held = Job(f"j{i}", "o", "p", [CAPABILITY], {}, claimed_by=f"r{i % 1000}")
+        held.status = "in_progress"
+        board.add(held)
+    built = 0
+    view = dispatcher.RunnerView
+
+    def counting_view(*args: Any) -> Any:
+        nonlocal built
+        built += 1
+        return view(*args)
+
+    monkeypatch.setattr(dispatcher, "RunnerView", counting_view)
+    await hub.store.create_api_key("k", "o/p", KeyLimits())
+    found = await hub.store.key_limits("k")
+    assert found is not None
+    key = ApiKey("k", "o", "p", found[0])
+    walks, views = [], []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.dispatcher.run)
+        with board.subscribe("o", "p") as offered:
+            for n in range(4):
+                session, _ = await hub.sessions.enter(key, f"s{n}")
+                jobs0, runners0, built0 = board.jobs.walks, board.runners.walks, built
+                got: list[object] = []
+
+                async def wait_for_channel(session: Session = session, got: list = got) -> None:
+                    got.append(await hub.dispatcher.channel_for(session, turn(session), Conn()))
+
+                nursery.start_soon(wait_for_channel)
+                job_id = await offered.receive()  # its job opened (nobody walked for it)
+                await board.claim(f"r{n}", "o", "p", job_id, "box")
+                await trio.testing.wait_all_tasks_blocked()
+                ch = hub.channels.accept(job_id, f"r{n}", None)
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == [(ch, True)]
+                walks.append((board.jobs.walks - jobs0, board.runners.walks - runners0))
+                views.append(built - built0)
+        nursery.cancel_scope.cancel()
+    assert walks == [(0, 0)] * 4, walks  # main: (a walk of the jobs, one of the runners) a step
+    # the first session views every runner; each later one once more after its claim (a
+    # runner's held jobs changed), never again at every step (main: 3,000-5,000 a session)
+    assert max(views[1:]) <= 1000, views
