@@ -92,7 +92,7 @@ class RunnerState:
         if name in VIEWED and getattr(self, name, value) != value:
             table = self.__dict__.get("_table")
             if table is not None:
-                table.touch(self.owner, self.project)
+                table.touch(self.owner, self.project, self.__dict__["_id"])
         object.__setattr__(self, name, value)
 
 
@@ -103,12 +103,15 @@ class RunnerTable(dict[str, RunnerState]):
     """The board's runners by id, and by project (``of``): a new session's placement looks at
     its project's runners only, never at every runner of the hub. ``version`` counts the changes
     to a project's runners (one added or gone, a viewed field, a held job), so whoever keeps a
-    view of them knows when it is stale."""
+    view of them knows when it is stale, and ``take_changed`` which of them changed (the
+    dispatcher views those again, not all)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._by_project: dict[Project, dict[str, RunnerState]] = {}
         self._versions: dict[Project, int] = {}
+        # per project, the runners changed since ``take_changed`` (None: added or gone)
+        self._changed: dict[Project, set[str] | None] = {}
 
     def of(self, owner: str, project: str) -> dict[str, RunnerState]:
         """The runners of ``owner/project`` by id (the table's own: not to be changed)."""
@@ -117,15 +120,28 @@ class RunnerTable(dict[str, RunnerState]):
     def version(self, owner: str, project: str) -> int:
         return self._versions.get((owner, project), 0)
 
-    def touch(self, owner: str, project: str) -> None:
-        """Something the dispatcher views of a runner of ``owner/project`` changed."""
+    def touch(self, owner: str, project: str, runner_id: str | None = None) -> None:
+        """Something the dispatcher views of ``runner_id`` of ``owner/project`` changed (None:
+        a runner was added or left)."""
         key = (owner, project)
         self._versions[key] = self._versions.get(key, 0) + 1
+        changed = self._changed.get(key, set())
+        if changed is not None and runner_id is not None:
+            changed.add(runner_id)
+            self._changed[key] = changed
+        else:
+            self._changed[key] = None
+
+    def take_changed(self, owner: str, project: str) -> set[str] | None:
+        """The runners of ``owner/project`` changed since the last call (None: some were added
+        or left, or their changes not kept), and forget them."""
+        return self._changed.pop((owner, project), set())
 
     def __setitem__(self, runner_id: str, state: RunnerState) -> None:
         self._remove(runner_id)
         super().__setitem__(runner_id, state)
         object.__setattr__(state, "_table", self)
+        object.__setattr__(state, "_id", runner_id)
         self._by_project.setdefault((state.owner, state.project), {})[runner_id] = state
         self.touch(state.owner, state.project)
 
@@ -326,7 +342,7 @@ class JobBoard:
                     del self._holder[job_id]
             state = self.runners.get(runner_id)
             if state is not None:  # the dispatcher's view of it (its ``held``) changed
-                self.runners.touch(state.owner, state.project)
+                self.runners.touch(state.owner, state.project, runner_id)
 
     # -- jobs in ----------------------------------------------------------------
 

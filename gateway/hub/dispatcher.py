@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
 
-from gateway.hub.board import Changes, JobBoard
+from gateway.hub.board import Changes, JobBoard, RunnerState
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.dispatchplan import (
@@ -136,7 +136,6 @@ class Dispatcher:
         self._projects: dict[Project, _Project] = {}
         self.waits = WaitStats()
         self._offers: dict[str, _Offer] = {}  # unclaimed new jobs by id: who they are offered to
-        self._offered_at: dict[str, float] = {}  # runner id -> when it was last chosen
         self._passed_at: dict[str, float] = {}  # runner id -> when it last let an offer pass
         # whether a job's channel went with a replica that is down, how jobs are offered
         self.coordination = board.coordination
@@ -147,6 +146,8 @@ class Dispatcher:
         # (``RunnerTable.version``), none came back (``JobBoard.generation``) and none may have
         # gone silent (until the first of them would): (version, generation), until, fleet
         self._fleets: dict[Project, tuple[tuple[int, int], float, Fleet]] = {}
+        # per project, its runners, the least recently chosen for an offer first (never: first)
+        self._chosen: dict[Project, OrderedDict[str, None]] = {}
 
     # -- a turn's side -----------------------------------------------------------------
 
@@ -288,36 +289,58 @@ class Dispatcher:
 
     def _runners(self, key: Project) -> Fleet:
         """The project's runners as the board knows them now: the fleet the last step saw when
-        nothing of them changed since, else built again from the project's runners (never
-        from every runner or job of the hub)."""
+        nothing of them changed since; when some did (a claim, a job's end, a poll that
+        advertised otherwise, a model list), that fleet with those runners viewed again; else
+        (one added or gone, or back from silence, or one may have gone silent) built again
+        from the project's runners. Never from every runner or job of the hub."""
         board = self.board
+        table = board.runners
         now = trio.current_time()
-        stamp = (board.runners.version(*key), board.generation)
+        stamp = (table.version(*key), board.generation)
         kept = self._fleets.get(key)
         if kept is not None and kept[0] == stamp and now <= kept[1]:
             return kept[2]
-        offline_after = self.settings.offline_after
-        until = math.inf  # the first live runner to go silent goes then
-        out = {}
-        for runner_id, state in board.runners.of(*key).items():
-            last = board.last_seen.get(runner_id)
-            alive = last is not None and now - last <= offline_after
-            if alive:
-                assert last is not None
-                until = min(until, last + offline_after)
-            caps = state.capabilities
-            out[runner_id] = RunnerView(
-                runner_id,
-                alive,
-                None if caps is None else protocol.CAPABILITY in caps,
-                board.held(runner_id),
-                state.models,
-                state.listing,
-                caps is not None and protocol.FALLBACK_TIER in caps,
-            )
-        fleet = Fleet(out)
+        changed = table.take_changed(*key)
+        runners = table.of(*key)
+        if kept is not None and kept[0][1] == stamp[1] and now <= kept[1] and changed is not None:
+            views = dict(kept[2].runners)  # the others as they were: only these changed
+            until = kept[1]
+            for runner_id in changed:
+                views.pop(runner_id, None)
+                until = min(until, self._view(runner_id, runners.get(runner_id), now, views))
+        else:
+            views, until = {}, math.inf
+            for runner_id, state in runners.items():
+                until = min(until, self._view(runner_id, state, now, views))
+        fleet = Fleet(views)
         self._fleets[key] = (stamp, until, fleet)
         return fleet
+
+    def _view(
+        self, runner_id: str, state: RunnerState | None, now: float, into: dict[str, RunnerView]
+    ) -> float:
+        """The runner as a step sees it now, into ``into`` (none when the board no longer has
+        it); until when it stays so (the first live runner to go silent goes then)."""
+        if state is None:
+            return math.inf
+        board = self.board
+        last = board.last_seen.get(runner_id)
+        alive = last is not None and now - last <= self.settings.offline_after
+        caps = state.capabilities
+        into[runner_id] = RunnerView(
+            runner_id,
+            alive,
+            None if caps is None else protocol.CAPABILITY in caps,
+            board.held(runner_id),
+            state.models,
+            state.listing,
+            caps is not None and protocol.FALLBACK_TIER in caps,
+        )
+        order = self._chosen.setdefault((state.owner, state.project), OrderedDict())
+        if runner_id not in order:  # never chosen: before every runner chosen since
+            order[runner_id] = None
+            order.move_to_end(runner_id, last=False)
+        return last + self.settings.offline_after if alive and last is not None else math.inf
 
     def _jobs(self, project: _Project) -> dict[str, JobView]:
         out = {}
@@ -384,6 +407,7 @@ class Dispatcher:
 
     def _offer(
         self,
+        key: Project,
         job_id: str | None,
         targets: frozenset[str] | None,
         runners: Fleet,
@@ -414,26 +438,32 @@ class Dispatcher:
         elif offer is not None:  # offered to every eligible runner already
             return targets, offer
         board = self.board
-        best: tuple[bool, bool, int, float] | None = None
+        best: tuple[bool, bool, int] | None = None
         chosen: str | None = None
-        for view in runners.pool.free:  # alive, capable (or not polled yet)
-            if view.id in passed:
+        # none can rank better than a capable runner holding the fewest jobs, not passed over:
+        # the first such in the order (the least recently chosen) is the one
+        floor = (False, False, runners.least_held)
+        order = self._chosen.setdefault(key, OrderedDict())
+        for runner_id in order:
+            view = runners.get(runner_id)
+            if view is None or not view.alive or view.capable is False or runner_id in passed:
                 continue
-            if targets is not None and view.id not in targets:
+            if targets is not None and runner_id not in targets:
                 continue
-            if not board.subscribed(view.id):
+            if not board.subscribed(runner_id):
                 continue
             rank = (
-                now - self._passed_at.get(view.id, -math.inf) < PASSED_FOR,  # others first
+                now - self._passed_at.get(runner_id, -math.inf) < PASSED_FOR,  # others first
                 view.capable is None,
                 view.held,
-                self._offered_at.get(view.id, -math.inf),
             )
             if best is None or rank < best:
-                best, chosen = rank, view.id
+                best, chosen = rank, runner_id
+                if rank == floor:
+                    break
         if chosen is None:  # nobody left that a push reaches: any eligible runner's poll
             return targets, _Offer(None, math.inf, passed)
-        self._offered_at[chosen] = now
+        order.move_to_end(chosen)
         return frozenset({chosen}), _Offer(chosen, now + OFFER_WITHIN, passed)
 
     async def _apply(
@@ -447,7 +477,7 @@ class Dispatcher:
         if isinstance(action, Retarget):
             job = self.board.jobs.get(action.job_id)
             if job is not None and job.claimed_by is None:
-                offered, offer = self._offer(job.id, action.runners, runners)
+                offered, offer = self._offer(key, job.id, action.runners, runners)
                 self._offers[job.id] = offer
                 before = job.runners
                 try:
@@ -480,7 +510,7 @@ class Dispatcher:
             definition = dict(CHAT_DEFINITION)
             if waiting.traceparent is not None:
                 definition["traceparent"] = waiting.traceparent
-            offered, offer = self._offer(None, action.runners, runners)
+            offered, offer = self._offer(key, None, action.runners, runners)
             job = await self.board.enqueue(
                 key[0],
                 key[1],

@@ -284,6 +284,7 @@ class Fleet:
         self._able: list[RunnerView] | None = None
         self._listed: list[str] | None = None
         self._all_known: bool | None = None
+        self._least_held: int | None = None
         # (model, spilled) -> the runners its new job may go to, how many of them are free
         self._targets: dict[tuple[str | None, bool], tuple[frozenset[str] | None, int]] = {}
         # model -> the free runners a session that lost its channel could move to
@@ -291,6 +292,13 @@ class Fleet:
 
     def get(self, runner_id: str) -> RunnerView | None:
         return self.runners.get(runner_id)
+
+    @property
+    def least_held(self) -> int:
+        """The fewest jobs a free runner holds (0 when none is free)."""
+        if self._least_held is None:
+            self._least_held = min((r.held for r in self.pool.free), default=0)
+        return self._least_held
 
     @property
     def alive(self) -> list[RunnerView]:
