@@ -153,6 +153,24 @@ class RunnerTable(dict[str, RunnerState]):
         self._remove(runner_id)
         return super().pop(runner_id, *default)
 
+    # the rest of a dict's writes, through the two above (nothing changes it behind the index)
+    def setdefault(self, runner_id: str, state: RunnerState) -> RunnerState:  # type: ignore[override]
+        if runner_id not in self:
+            self[runner_id] = state
+        return self[runner_id]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for runner_id, state in dict(*args, **kwargs).items():
+            self[runner_id] = state
+
+    def popitem(self) -> tuple[str, RunnerState]:
+        runner_id = next(reversed(self))
+        return runner_id, self.pop(runner_id)
+
+    def clear(self) -> None:
+        for runner_id in list(self):
+            del self[runner_id]
+
     def _remove(self, runner_id: str) -> None:
         state = self.get(runner_id)
         if state is None:

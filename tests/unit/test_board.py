@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from gateway.hub.board import BoardError, Changes, JobBoard
+from gateway.hub.board import BoardError, Changes, JobBoard, RunnerState
 from gateway.hub.job import Job
 from gateway.hub.replicas.boardsync import apply
 from gateway.hub.replicas.store.base import TeamJob
@@ -284,3 +284,10 @@ async def test_a_project_s_runners_version_moves_with_what_the_dispatcher_views_
     before = versions()
     await b.revoked("r1")
     assert versions()[0] > before[0] and b.runners.of("o", "p") == {} and b.held("r1") == 0
+    # every other way a dict is written goes through the index too
+    b.runners.update({"r9": RunnerState("o", "q")})
+    b.runners.setdefault("r8", RunnerState("o", "p"))
+    assert set(b.runners.of("o", "q")) == {"r2", "r9"} and set(b.runners.of("o", "p")) == {"r8"}
+    assert b.runners.popitem()[0] == "r8" and b.runners.of("o", "p") == {}
+    b.runners.clear()
+    assert b.runners.of("o", "q") == {} and not b.runners
