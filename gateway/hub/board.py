@@ -257,6 +257,7 @@ class JobBoard:
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
         # runner id -> its open push streams (a job offered to a few runners wakes only them)
         self._pushed: dict[str, set[trio.MemorySendChannel[str]]] = {}
+        self._pushed_in: dict[tuple[str, str], int] = {}  # per project: its runners' push streams
         # per project, the jobs a poll may offer (queued, or claimed and not started yet), in
         # order: an idle poll looks at these, never at every live job (pruned as it looks)
         self._pending: dict[tuple[str, str], dict[str, Job]] = {}
@@ -414,6 +415,10 @@ class JobBoard:
         """Whether the runner has a push stream open to this hub."""
         return bool(self._pushed.get(runner_id))
 
+    def any_subscribed(self, owner: str, project: str) -> bool:
+        """Whether any runner of ``owner/project`` has a push stream open to this hub."""
+        return bool(self._pushed_in.get((owner, project)))
+
     @contextmanager
     def subscribe(
         self, owner: str, project: str, runner_id: str | None = None
@@ -425,6 +430,7 @@ class JobBoard:
         subscribers.add(send_ch)
         if runner_id is not None:
             self._pushed.setdefault(runner_id, set()).add(send_ch)
+            self._pushed_in[(owner, project)] = self._pushed_in.get((owner, project), 0) + 1
         try:
             yield recv_ch
         finally:
@@ -432,6 +438,11 @@ class JobBoard:
             if not subscribers and self._subscribers.get((owner, project)) is subscribers:
                 del self._subscribers[(owner, project)]
             if runner_id is not None:
+                left = self._pushed_in[(owner, project)] - 1
+                if left:
+                    self._pushed_in[(owner, project)] = left
+                else:
+                    del self._pushed_in[(owner, project)]
                 own = self._pushed.get(runner_id)
                 if own is not None:
                     own.discard(send_ch)

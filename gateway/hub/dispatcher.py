@@ -302,17 +302,19 @@ class Dispatcher:
             return kept[2]
         changed = table.take_changed(*key)
         runners = table.of(*key)
+        fleet: Fleet | None = None
         if kept is not None and kept[0][1] == stamp[1] and now <= kept[1] and changed is not None:
-            views = dict(kept[2].runners)  # the others as they were: only these changed
+            views: dict[str, RunnerView] = {}  # the others as they were: only these changed
             until = kept[1]
             for runner_id in changed:
-                views.pop(runner_id, None)
                 until = min(until, self._view(runner_id, runners.get(runner_id), now, views))
-        else:
+            if len(views) == len(changed):  # (one gone: built anew)
+                fleet = kept[2].updated(views) or Fleet({**kept[2].runners, **views})
+        if fleet is None:
             views, until = {}, math.inf
             for runner_id, state in runners.items():
                 until = min(until, self._view(runner_id, state, now, views))
-        fleet = Fleet(views)
+            fleet = Fleet(views)
         self._fleets[key] = (stamp, until, fleet)
         return fleet
 
@@ -444,7 +446,8 @@ class Dispatcher:
         # the first such in the order (the least recently chosen) is the one
         floor = (False, False, runners.least_held)
         order = self._chosen.setdefault(key, OrderedDict())
-        for runner_id in order:
+        # no runner of the project hears a push: none to choose (and none walked)
+        for runner_id in order if board.any_subscribed(*key) else ():
             view = runners.get(runner_id)
             if view is None or not view.alive or view.capable is False or runner_id in passed:
                 continue

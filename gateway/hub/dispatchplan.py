@@ -24,11 +24,12 @@ ones only when none can, or when the primaries it was offered to did not take it
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 RECENT_WAITS = 256  # the last waits kept for the metrics (seconds each)
 
@@ -264,7 +265,7 @@ class _RunnerPool:
             if not runner.alive:
                 continue
             live += 1
-            if runner.capable is None or runner.capable:
+            if _free(runner):
                 free.append(runner)
             elif runner.held:
                 busy.append(runner)
@@ -285,6 +286,7 @@ class Fleet:
         self._listed: list[str] | None = None
         self._all_known: bool | None = None
         self._least_held: int | None = None
+        self._held_free: dict[int, int] | None = None  # held jobs -> free runners holding so many
         # (model, spilled) -> the runners its new job may go to, how many of them are free
         self._targets: dict[tuple[str | None, bool], tuple[frozenset[str] | None, int]] = {}
         # model -> the free runners a session that lost its channel could move to
@@ -297,8 +299,34 @@ class Fleet:
     def least_held(self) -> int:
         """The fewest jobs a free runner holds (0 when none is free)."""
         if self._least_held is None:
-            self._least_held = min((r.held for r in self.pool.free), default=0)
+            self._least_held = min(self._held_counts(), default=0)
         return self._least_held
+
+    def _held_counts(self) -> dict[int, int]:
+        if self._held_free is None:
+            self._held_free = {}
+            for r in self.pool.free:
+                self._held_free[r.held] = self._held_free.get(r.held, 0) + 1
+        return self._held_free
+
+    def updated(self, views: Mapping[str, RunnerView]) -> Fleet | None:
+        """This fleet with ``views`` (runners viewed again) in it, when all that changed is how
+        many jobs free runners hold (a claim, a job's end): what is derived from the runners
+        stays as it is (a free runner's held jobs change none of it), only the fewest held
+        moves. None when more changed: a fleet is built anew."""
+        counts = dict(self._held_counts())
+        for view in views.values():
+            old = self.runners.get(view.id)
+            if old is None or not _free(old) or replace(old, held=view.held) != view:
+                return None
+            counts[old.held] -= 1
+            if not counts[old.held]:
+                del counts[old.held]
+            counts[view.held] = counts.get(view.held, 0) + 1
+        fleet = copy.copy(self)  # the derived parts shared: they hold for both
+        fleet.runners = {**self.runners, **views}
+        fleet._held_free, fleet._least_held = counts, None
+        return fleet
 
     @property
     def alive(self) -> list[RunnerView]:
@@ -349,6 +377,11 @@ class Fleet:
                 r.id for r in self.pool.free if _in(r, targets)
             )
         return found
+
+
+def _free(runner: RunnerView) -> bool:
+    """Alive, advertising chat-llm:v1 or not polled yet (a new job's runner)."""
+    return runner.alive and (runner.capable is None or runner.capable)
 
 
 def serves(runner: RunnerView, model: str | None) -> bool:

@@ -394,3 +394,27 @@ def test_a_fleet_kept_between_steps_decides_as_its_runners_do_without_walking_th
             assert runners.walks == walks, model  # ...or only what a new model needs
     assert kinds(plan(FairQueue(), [waiter(model="m")], fleet, {}, LIMITS, 9.0)) == ["Open"]
     assert runners.walks <= 6  # the pool once, and the runners of each model once
+
+
+def test_a_fleet_updated_for_held_jobs_decides_as_one_built_anew() -> None:
+    """A claim or a job's end changes how many jobs a free runner holds, and nothing a step
+    derives from the runners but the fewest held: ``Fleet.updated`` keeps the rest and decides
+    as a fleet built anew; any other change (a runner that stops advertising chat-llm:v1, a
+    model list) is not an update (None: built anew)."""
+    views = {f"r{i}": runner(f"r{i}", models=["m"], held=1) for i in range(50)}
+    fleet = Fleet(views)
+    assert fleet.least_held == 1 and fleet.targets("m", False)[1] == 50
+    claimed = {"r7": replace(views["r7"], held=0), "r9": replace(views["r9"], held=3)}
+    updated = fleet.updated(claimed)
+    assert updated is not None and updated.least_held == 0 and updated.get("r9") == claimed["r9"]
+    anew = Fleet({**views, **claimed})
+    for model in ("m", None, "other"):
+        a = plan(FairQueue(), [waiter(model=model, session="a")], updated, {}, LIMITS, 0.0)
+        b = plan(FairQueue(), [waiter(model=model, session="a")], anew, {}, LIMITS, 0.0)
+        assert [(type(x), getattr(x, "runners", None)) for x in a.actions] == [
+            (type(x), getattr(x, "runners", None)) for x in b.actions
+        ]
+    assert fleet.least_held == 1  # the fleet it came from is as it was
+    assert fleet.updated({"r1": replace(views["r1"], capable=False)}) is None
+    assert fleet.updated({"r1": replace(views["r1"], models=frozenset({"n"}))}) is None
+    assert fleet.updated({"new": runner("new")}) is None

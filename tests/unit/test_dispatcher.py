@@ -9,6 +9,7 @@ channel at once."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -229,14 +230,16 @@ def counted(base: type[dict[str, Any]]) -> Any:
     return Counted()
 
 
+@pytest.mark.parametrize("push", [False, True])
 async def test_a_new_sessions_dispatch_walks_neither_the_jobs_nor_the_runners(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    push: bool, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 39: with 1,000 runners in the project and 5,000 live jobs, a new session's steps
-    (its job opened, claimed, its channel up) never walk the board's jobs nor its runners, and
-    only the runners that changed since the last step (here: the one whose claim it took) are
-    viewed again, not every runner at every step (main: every step walked both, and built a
-    view of every runner)."""
+    (its job opened, offered, claimed, its channel up) never walk the board's jobs nor its
+    runners; only the runners that changed since the last step (here: the one whose claim it
+    took) are viewed again and the project's fleet is not built anew; and with every runner on
+    a push stream, the one its job is offered to is found without asking after every runner
+    (main: every step walked both and viewed every runner, every offer looked at each)."""
     hub = Parts()
     board = hub.board
     board.jobs = counted(type(board.jobs))
@@ -247,46 +250,66 @@ async def test_a_new_sessions_dispatch_walks_neither_the_jobs_nor_the_runners(
         held = Job(f"j{i}", "o", "p", [CAPABILITY], {}, claimed_by=f"r{i % 1000}")
         held.status = "in_progress"
         board.add(held)
-    built = 0
-    view = dispatcher.RunnerView
+    calls = {"views": 0, "fleets": 0, "asked": 0}
 
-    def counting_view(*args: Any) -> Any:
-        nonlocal built
-        built += 1
-        return view(*args)
+    def counting(name: str, make: Any) -> Any:
+        def count(*args: Any) -> Any:
+            calls[name] += 1
+            return make(*args)
 
-    monkeypatch.setattr(dispatcher, "RunnerView", counting_view)
+        return count
+
+    monkeypatch.setattr(dispatcher, "RunnerView", counting("views", dispatcher.RunnerView))
+    if hasattr(dispatcher, "Fleet"):
+        monkeypatch.setattr(dispatcher, "Fleet", counting("fleets", dispatcher.Fleet))
+    monkeypatch.setattr(board, "subscribed", counting("asked", board.subscribed))
     await hub.store.create_api_key("k", "o/p", KeyLimits())
     found = await hub.store.key_limits("k")
     assert found is not None
     key = ApiKey("k", "o", "p", found[0])
-    walks, views = [], []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(hub.dispatcher.run)
-        with board.subscribe("o", "p") as offered:
+    spent: list[dict[str, int]] = []
+    walks = []
+    with contextlib.ExitStack() as streams:
+        pushed = {
+            f"r{i}": streams.enter_context(board.subscribe("o", "p", f"r{i}"))
+            for i in range(1000 if push else 0)
+        }
+        offered = streams.enter_context(board.subscribe("o", "p"))  # offered to any
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.dispatcher.run)
             for n in range(4):
                 session, _ = await hub.sessions.enter(key, f"s{n}")
-                jobs0, runners0, built0 = board.jobs.walks, board.runners.walks, built
+                jobs0, runners0, calls0 = board.jobs.walks, board.runners.walks, dict(calls)
                 got: list[object] = []
 
                 async def wait_for_channel(session: Session = session, got: list = got) -> None:
                     got.append(await hub.dispatcher.channel_for(session, turn(session), Conn()))
 
                 nursery.start_soon(wait_for_channel)
-                job_id = await offered.receive()  # its job opened (nobody walked for it)
-                await board.claim(f"r{n}", "o", "p", job_id, "box")
                 await trio.testing.wait_all_tasks_blocked()
-                ch = hub.channels.accept(job_id, f"r{n}", None)
+                woken = {}  # the runners its job was pushed to
+                for runner_id, stream in pushed.items():
+                    with contextlib.suppress(trio.WouldBlock):
+                        woken[runner_id] = stream.receive_nowait()
+                if push:
+                    ((who, job_id),) = woken.items()  # one runner woken, not the fleet
+                else:
+                    who, job_id = f"r{n}", offered.receive_nowait()
+                await board.claim(who, "o", "p", job_id, "box")
+                await trio.testing.wait_all_tasks_blocked()
+                ch = hub.channels.accept(job_id, who, None)
                 await trio.testing.wait_all_tasks_blocked()
                 assert got == [(ch, True)]
                 walks.append((board.jobs.walks - jobs0, board.runners.walks - runners0))
-                views.append(built - built0)
-        nursery.cancel_scope.cancel()
+                spent.append({k: calls[k] - calls0[k] for k in calls})
+            nursery.cancel_scope.cancel()
     assert walks == [(0, 0)] * 4, walks  # main: (a walk of the jobs, one of the runners) a step
     # the first session views every runner once; a later one views again only the runner
-    # whose held jobs changed (the last one's claim), never every runner at every step (main:
-    # 6,000 views a session)
-    assert views[0] <= 1001 and max(views[1:]) <= 2, views
+    # whose held jobs changed (the last one's claim), and builds no fleet (main: 6,000 views)
+    assert spent[0]["views"] <= 1001 and max(s["views"] for s in spent[1:]) <= 2, spent
+    assert max(s["fleets"] for s in spent[1:]) == 0, spent
+    # the runner chosen among 1,000 on push streams: the first asked (main: each of them)
+    assert max(s["asked"] for s in spent) <= 2, spent
 
 
 @pytest.mark.parametrize("seed", range(6))
