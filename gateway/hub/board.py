@@ -17,6 +17,7 @@ from gateway.hub import forced
 from gateway.hub.bounds import MAX_LOGS, MAX_MESSAGE, MAX_REASON, too_long
 from gateway.hub.coordination import Alone, Coordination
 from gateway.hub.job import Job
+from gateway.hub.runnertable import RunnerState, RunnerTable
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Registration, Store
 
@@ -65,124 +66,6 @@ class Changes:
         """The event the next ``notify`` sets (take it before looking, wait on it after: a
         change in between is not missed)."""
         return self._event
-
-
-# a runner's fields the dispatcher's view of it reads: a change to one is a change of its project's
-# runners (``RunnerTable.version``)
-VIEWED = frozenset({"capabilities", "models", "listing"})
-
-
-@dataclass
-class RunnerState:
-    """What the board knows of one runner since the hub started: its project, and what its last
-    poll advertised (None: it has not polled yet). A change to a field the dispatcher views
-    (``VIEWED``) is told to the table that holds it, whoever makes it."""
-
-    owner: str
-    project: str
-    capabilities: frozenset[str] | None = None
-    polled_at: float | None = None  # trio clock
-    models: frozenset[str] | None = None  # the models it listed last (None: not known yet)
-    listing: bool = False  # asked for its models on a channel it opened; no answer yet
-    name: str | None = None  # its registration's (known once it was seen with it)
-    labels: tuple[str, ...] = ()
-    stopped: bool = False  # its last poll said it stops: not ``up`` (placement still waits)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in VIEWED and getattr(self, name, value) != value:
-            table = self.__dict__.get("_table")
-            if table is not None:
-                table.touch(self.owner, self.project, self.__dict__["_id"])
-        object.__setattr__(self, name, value)
-
-
-Project = tuple[str, str]
-
-
-class RunnerTable(dict[str, RunnerState]):
-    """The board's runners by id, and by project (``of``): a new session's placement looks at
-    its project's runners only, never at every runner of the hub. ``version`` counts the changes
-    to a project's runners (one added or gone, a viewed field, a held job), so whoever keeps a
-    view of them knows when it is stale, and ``take_changed`` which of them changed (the
-    dispatcher views those again, not all)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._by_project: dict[Project, dict[str, RunnerState]] = {}
-        self._versions: dict[Project, int] = {}
-        # per project, the runners changed since ``take_changed`` (None: added or gone)
-        self._changed: dict[Project, set[str] | None] = {}
-
-    def of(self, owner: str, project: str) -> dict[str, RunnerState]:
-        """The runners of ``owner/project`` by id (the table's own: not to be changed)."""
-        return self._by_project.get((owner, project), {})
-
-    def version(self, owner: str, project: str) -> int:
-        return self._versions.get((owner, project), 0)
-
-    def touch(self, owner: str, project: str, runner_id: str | None = None) -> None:
-        """Something the dispatcher views of ``runner_id`` of ``owner/project`` changed (None:
-        a runner was added or left)."""
-        key = (owner, project)
-        self._versions[key] = self._versions.get(key, 0) + 1
-        changed = self._changed.get(key, set())
-        if changed is not None and runner_id is not None:
-            changed.add(runner_id)
-            self._changed[key] = changed
-        else:
-            self._changed[key] = None
-
-    def take_changed(self, owner: str, project: str) -> set[str] | None:
-        """The runners of ``owner/project`` changed since the last call (None: some were added
-        or left, or their changes not kept), and forget them."""
-        return self._changed.pop((owner, project), set())
-
-    def __setitem__(self, runner_id: str, state: RunnerState) -> None:
-        self._remove(runner_id)
-        super().__setitem__(runner_id, state)
-        object.__setattr__(state, "_table", self)
-        object.__setattr__(state, "_id", runner_id)
-        self._by_project.setdefault((state.owner, state.project), {})[runner_id] = state
-        self.touch(state.owner, state.project)
-
-    def __delitem__(self, runner_id: str) -> None:
-        self._remove(runner_id)
-        super().__delitem__(runner_id)
-
-    def pop(self, runner_id: str, *default: Any) -> Any:  # type: ignore[override]
-        self._remove(runner_id)
-        return super().pop(runner_id, *default)
-
-    # the rest of a dict's writes, through the two above (nothing changes it behind the index)
-    def setdefault(self, runner_id: str, state: RunnerState) -> RunnerState:  # type: ignore[override]
-        if runner_id not in self:
-            self[runner_id] = state
-        return self[runner_id]
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for runner_id, state in dict(*args, **kwargs).items():
-            self[runner_id] = state
-
-    def popitem(self) -> tuple[str, RunnerState]:
-        runner_id = next(reversed(self))
-        return runner_id, self.pop(runner_id)
-
-    def clear(self) -> None:
-        for runner_id in list(self):
-            del self[runner_id]
-
-    def _remove(self, runner_id: str) -> None:
-        state = self.get(runner_id)
-        if state is None:
-            return
-        key = (state.owner, state.project)
-        of = self._by_project.get(key)
-        if of is not None and of.get(runner_id) is state:
-            del of[runner_id]
-            if not of:
-                del self._by_project[key]
-        object.__setattr__(state, "_table", None)
-        self.touch(*key)
 
 
 @dataclass(frozen=True)
@@ -246,12 +129,10 @@ class JobBoard:
         self.changes = changes
         self.jobs: dict[str, Job] = {}  # the live ones: ``load`` reads them back at start
         self.last_seen: dict[str, float] = {}  # runner id -> trio clock of its last sign of life
-        self.runners = RunnerTable()  # runner id -> its project and last poll
-        # runner id -> the live jobs it holds (claimed, not over), kept by ``_count`` as a job's
-        # holder or over-ness changes (``hold``, ``set_status``, ``cancel``, ``drop``): nobody
-        # walks the jobs to count them
-        self._holds: dict[str, set[str]] = {}
-        self._holder: dict[str, str] = {}  # job id -> the runner it is counted for
+        # runner id -> its project and last poll, and the live jobs it holds (claimed, not over),
+        # counted by ``_count`` as a job's holder or over-ness changes (``hold``, ``set_status``,
+        # ``cancel``, ``drop``): nobody walks the jobs to count them
+        self.runners = RunnerTable()
         self.recent: OrderedDict[str, Job] = OrderedDict()  # the last ended jobs, oldest first
         self.late_reports = 0  # reports dropped: they came after their job's final report
         self._subscribers: dict[tuple[str, str], set[trio.MemorySendChannel[str]]] = {}
@@ -337,31 +218,12 @@ class JobBoard:
 
     def held(self, runner_id: str) -> int:
         """How many live jobs the runner holds (claimed, not completed nor withdrawn)."""
-        return len(self._holds.get(runner_id, ()))
+        return self.runners.held(runner_id)
 
     def _count(self, job_id: str) -> None:
         """The job counted for its holder as it is now: live, claimed and not over, or not."""
         job = self.jobs.get(job_id)
-        holder = job.claimed_by if job is not None and not job.over else None
-        before = self._holder.get(job_id)
-        if holder == before:
-            return
-        for runner_id, delta in ((before, -1), (holder, 1)):
-            if runner_id is None:
-                continue
-            held = self._holds.setdefault(runner_id, set())
-            if delta > 0:
-                held.add(job_id)
-                self._holder[job_id] = runner_id
-            else:
-                held.discard(job_id)
-                if not held:
-                    del self._holds[runner_id]
-                if self._holder.get(job_id) == runner_id:
-                    del self._holder[job_id]
-            state = self.runners.get(runner_id)
-            if state is not None:  # the dispatcher's view of it (its ``held``) changed
-                self.runners.touch(state.owner, state.project, runner_id)
+        self.runners.count(job_id, job.claimed_by if job is not None and not job.over else None)
 
     # -- jobs in ----------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from gateway.hub.board import Changes, JobBoard, RunnerState
+from gateway.hub.board import Changes, JobBoard
 from gateway.hub.channel import Channels, ServerChannel
 from gateway.hub.counters import HubCounters
 from gateway.hub.dispatchplan import (
@@ -38,6 +38,7 @@ from gateway.hub.dispatchplan import (
     Withdraw,
     plan,
 )
+from gateway.hub.runnertable import RunnerState
 from gateway.hub.sessions import Session, Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import StoreUnavailable
@@ -142,9 +143,8 @@ class Dispatcher:
         # a runner's models asked again on its channel (the catalog's; None: never)
         self.relist: Callable[[ServerChannel], Awaitable[object]] | None = None
         self._relisted: dict[str, float] = {}  # runner id -> when its list was last asked so
-        # per project, its runners as the last step saw them: kept while none of them changed
-        # (``RunnerTable.version``), none came back (``JobBoard.generation``) and none may have
-        # gone silent (until the first of them would): (version, generation), until, fleet
+        # per project, its runners as the last step saw them while none changed (version), came
+        # back (generation) or may have gone silent (until): (version, generation), until, fleet
         self._fleets: dict[Project, tuple[tuple[int, int], float, Fleet]] = {}
         # per project, its runners, the least recently chosen for an offer first (never: first)
         self._chosen: dict[Project, OrderedDict[str, None]] = {}
@@ -288,11 +288,9 @@ class Dispatcher:
         )
 
     def _runners(self, key: Project) -> Fleet:
-        """The project's runners as the board knows them now: the fleet the last step saw when
-        nothing of them changed since; when some did (a claim, a job's end, a poll that
-        advertised otherwise, a model list), that fleet with those runners viewed again; else
-        (one added or gone, or back from silence, or one may have gone silent) built again
-        from the project's runners. Never from every runner or job of the hub."""
+        """The project's runners now: the fleet the last step saw if none changed since, with
+        those that did viewed again (a claim, a poll, a model list), or built anew (one added,
+        gone, back or maybe silent). Never from every runner or job of the hub."""
         board = self.board
         table = board.runners
         now = trio.current_time()
@@ -321,8 +319,8 @@ class Dispatcher:
     def _view(
         self, runner_id: str, state: RunnerState | None, now: float, into: dict[str, RunnerView]
     ) -> float:
-        """The runner as a step sees it now, into ``into`` (none when the board no longer has
-        it); until when it stays so (the first live runner to go silent goes then)."""
+        """The runner as a step sees it now, into ``into`` (none when the board has it no more);
+        until when it stays so (when it may go silent)."""
         if state is None:
             return math.inf
         board = self.board
@@ -442,12 +440,10 @@ class Dispatcher:
         board = self.board
         best: tuple[bool, bool, int] | None = None
         chosen: str | None = None
-        # none can rank better than a capable runner holding the fewest jobs, not passed over:
-        # the first such in the order (the least recently chosen) is the one
+        # none beats a capable runner holding the fewest jobs, not passed over: the first such
         floor = (False, False, runners.least_held)
         order = self._chosen.setdefault(key, OrderedDict())
-        # no runner of the project hears a push: none to choose (and none walked)
-        for runner_id in order if board.any_subscribed(*key) else ():
+        for runner_id in order if board.any_subscribed(*key) else ():  # (none hears a push)
             view = runners.get(runner_id)
             if view is None or not view.alive or view.capable is False or runner_id in passed:
                 continue

@@ -12,10 +12,11 @@ import pytest
 import trio
 import trio.testing
 
-from gateway.hub.board import BoardError, Changes, JobBoard, RunnerState
+from gateway.hub.board import BoardError, Changes, JobBoard
 from gateway.hub.job import Job
 from gateway.hub.replicas.boardsync import apply
 from gateway.hub.replicas.store.base import TeamJob
+from gateway.hub.runnertable import RunnerState
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import Registration, open_store
 
@@ -249,7 +250,7 @@ async def test_the_held_counts_equal_a_recount_after_claims_ends_withdrawals_and
             b.add(Job.from_record(job.record()))
         expected = _recount(b)
         assert {r: b.held(r) for r in runners} == {r: expected.get(r, 0) for r in runners}, op
-        assert set(b._holds) == set(expected)  # no runner kept with nothing held
+        assert b.runners.holding() == set(expected)  # no runner kept with nothing held
         for owner, project in projects:
             ours = {r for r, s in b.runners.items() if (s.owner, s.project) == (owner, project)}
             assert set(b.runners.of(owner, project)) == ours

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import trio
 
-from gateway.hub.board import JobBoard, RunnerState
+from gateway.hub.board import JobBoard
 from gateway.hub.job import Job
 from gateway.hub.replicas.store.base import Presence, ReplicaStore, TeamJob
+from gateway.hub.runnertable import RunnerState
 
 
 class BoardSync:
