@@ -510,8 +510,9 @@ class Config:
         20.0,
         env="ALP_GATEWAY_PING_INTERVAL",
         parse=_non_negative_float,
-        help="seconds between WebSocket pings on each chat channel, which keep NAT mappings "
-        "alive and find a dead path (0: off)",
+        help="seconds a chat channel may be quiet before it is pinged (the Server's messages "
+        "and pings count: a busy channel sends none), which keeps NAT mappings alive and finds "
+        "a dead path (0: off)",
         group="sessions",
         metavar="S",
     )
@@ -939,7 +940,8 @@ class HubSettings:
         20.0,
         env="ALP_GATEWAY_HUB_PING_INTERVAL",
         parse=_non_negative_float,
-        help="seconds between WebSocket pings on every Chat Channel (0: off)",
+        help="seconds a Chat Channel may be quiet before it is pinged (the runner's messages "
+        "and pings count: a busy channel sends none) (0: off)",
         group="hub-runners",
         metavar="S",
     )
