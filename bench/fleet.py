@@ -38,6 +38,7 @@ import trio
 import trio_websocket
 
 from bench.common import cpu_seconds, percentile, rss_bytes
+from bench.lighthttp import LightHttp
 from gateway.wire import protocol
 
 HERE = Path(__file__).resolve().parent
@@ -97,6 +98,8 @@ class FakeRunner:
         self.token = ""
         self.auth: dict[str, str] = {}
         self.wake = trio.Event()
+        netloc = urllib.parse.urlsplit(fleet.base)
+        self.light = LightHttp(netloc.hostname or "127.0.0.1", netloc.port or 80)
 
     async def register(self) -> None:
         f = self.fleet
@@ -112,6 +115,10 @@ class FakeRunner:
     def url(self, tail: str) -> str:
         return f"{self.fleet.base}/api/owners/{OWNER}/projects/{PROJECT}/{tail}"
 
+    @staticmethod
+    def path(tail: str) -> str:
+        return f"/api/owners/{OWNER}/projects/{PROJECT}/{tail}"
+
     async def run(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._events)
         await trio.sleep(random.uniform(0, self.fleet.poll_every))  # the timers spread
@@ -124,23 +131,23 @@ class FakeRunner:
     async def poll(self, nursery: trio.Nursery | None) -> None:
         f = self.fleet
         f.polls += 1
-        reply = await f.http.post(
-            self.url("runners/jobs"),
-            json={"capabilities": [protocol.CAPABILITY]},
-            headers=self.auth,
+        light, token = self.light, self.token
+        reply = await light.request(
+            "POST", self.path("runners/jobs"), token, {"capabilities": [protocol.CAPABILITY]}
         )
-        if reply.status_code != 200 or nursery is None:
+        if reply.status != 200 or nursery is None:
             return
         for job in reply.json().get("jobs") or []:
             if job["id"] in f.taken:
                 continue
-            claim = await f.http.post(
-                self.url("runners/generate-jitconfig"),
-                json={"jobId": job["id"], "name": self.name},
-                headers=self.auth,
+            claim = await light.request(
+                "POST",
+                self.path("runners/generate-jitconfig"),
+                token,
+                {"jobId": job["id"], "name": self.name},
             )
             f.claims += 1
-            if claim.status_code != 200:
+            if claim.status != 200:
                 f.lost_claims += 1
                 continue
             f.taken.add(job["id"])
@@ -150,23 +157,26 @@ class FakeRunner:
         f = self.fleet
         while True:
             try:
-                async with f.http.stream(
-                    "GET", self.url("runners/events"), headers=self.auth, timeout=None
-                ) as resp:
-                    async for line in resp.aiter_lines():
-                        if line.startswith("event: job_available"):
-                            f.pushes += 1
-                            self.wake.set()
-                        elif line.startswith(":"):
-                            f.keepalives += 1
-            except httpx.HTTPError:
-                f.errors += 1
-                await trio.sleep(1.0)
+                stream = await self.light.events(self.path("runners/events"), self.token)
+                async with stream:
+                    rest = b""
+                    while data := await stream.receive_some(65536):
+                        *events, rest = (rest + data).split(b"\n\n")  # whole events only
+                        for event in events:
+                            if b"event: job_available" in event:
+                                f.pushes += 1
+                                self.wake.set()
+                            elif b": keepalive" in event:
+                                f.keepalives += 1
+            except OSError:
+                pass
+            f.errors += 1  # the stream ended
+            await trio.sleep(1.0)
 
     async def _session(self, job_id: str, run_id: str) -> None:
         f = self.fleet
-        report = self.url(f"runs/{run_id}/jobs/{job_id}")
-        await f.http.patch(report, json={"status": "in_progress"}, headers=self.auth)
+        report = self.path(f"runs/{run_id}/jobs/{job_id}")
+        await self.light.request("PATCH", report, self.token, {"status": "in_progress"})
         f.sessions += 1
         authority = urllib.parse.urlsplit(f.base).netloc
         query = urllib.parse.urlencode({"jobId": job_id, "token": self.token})
@@ -189,15 +199,13 @@ class FakeRunner:
             nursery.cancel_scope.cancel()
         f.sessions -= 1
         body = {"status": "completed", "conclusion": "success", "logs": "", "completionReason": ""}
-        await f.http.patch(report, json=body, headers=self.auth)
+        await self.light.request("PATCH", report, self.token, body)
 
     async def _heartbeats(self, url: str) -> None:
         every = self.fleet.heartbeat
         await trio.sleep(random.uniform(0, every))
         while True:
-            await self.fleet.http.post(
-                url, json={"stage": "serving", "message": None}, headers=self.auth
-            )
+            await self.light.request("POST", url, self.token, {"stage": "serving", "message": None})
             self.fleet.heartbeats += 1
             await trio.sleep(every)
 

@@ -1140,7 +1140,16 @@ class HubSettings:
         env="ALP_GATEWAY_HUB_HEAD_TIMEOUT",
         parse=_positive_float,
         help="seconds for a request head (or a TLS handshake) to arrive, else the connection is "
-        "closed; also how long a kept-alive connection waits for its next request",
+        "closed (on a kept-alive connection, from its first byte)",
+        group="hub-bounds",
+        metavar="S",
+    )
+    keepalive_timeout: float = setting(
+        30.0,
+        env="ALP_GATEWAY_HUB_KEEPALIVE_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a kept-alive connection waits for its next request (longer than a runner's "
+        "poll interval, so that a fleet's polls reuse their connections), else it is closed",
         group="hub-bounds",
         metavar="S",
     )
