@@ -829,6 +829,10 @@ async def test_300000_pings_never_read_keep_one_pong_and_fail_the_channel_with_1
             # 300,000; with a large one it takes more pings, with the same outcome
             job_id, conn = await open_channel(hub, url, rcvbuf=4096)
             ch = hub.channels.get(job_id)
+            # and the hub's send buffer small too: the pongs fill both within about a hundred
+            # reads, whatever the kernel's autotuning made of it (left to it, how many reads a
+            # full buffer took varied from run to run, and the flood could end first: a flake)
+            ch._ws.transport.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # type: ignore[union-attr]
             before = rss()
             batch = ws_frame(PING, b"p" * 125) * 1000  # 131 KB
             sent = await flood(conn, batch, 300)
