@@ -33,6 +33,10 @@ class RunnerAdmin:
         self.board = board
         self.channels = channels
         self.cut: set[str] = set()  # runners whose revocation this hub applied
+        # revoked runners this hub did not know when it saw their revocation: they cannot come
+        # back (their token is refused), so they are looked for again every ``SEEN_EVERY`` s
+        # only (a job restored after a start may name one), not at every check
+        self._unknown: set[str] = set()
         self._by_token: dict[str, Registration] = {}  # a runner token -> its registration
         self._token_of: dict[str, str] = {}  # a registration's id -> its token kept above
 
@@ -108,12 +112,17 @@ class RunnerAdmin:
         while True:
             await trio.sleep(REVOCATION_CHECK)
             try:
-                known = self.known() - self.cut
-                if known:
-                    for runner_id in (await self.store.revoked_runners()) & known:
-                        await self.apply(runner_id)
+                fresh = await self.store.revoked_runners() - self.cut - self._unknown
+                if fresh:  # the walk over what this hub knows: only for a new revocation
+                    known = self.known()
+                    for runner_id in fresh:
+                        if runner_id in known:
+                            await self.apply(runner_id)
+                        else:
+                            self._unknown.add(runner_id)
                 if trio.current_time() >= next_seen:
                     next_seen = trio.current_time() + SEEN_EVERY
+                    self._unknown.clear()
                     alive = [rid for rid in self.board.last_seen if self.board.alive(rid)]
                     if alive:
                         await self.store.runners_seen(alive, time.time())

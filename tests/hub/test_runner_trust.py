@@ -284,6 +284,37 @@ async def test_a_runner_token_is_read_once_and_forgotten_when_another_process_re
             assert await hub.runner_admin.by_token(runner_token) is None  # not kept
 
 
+async def test_the_revocation_check_walks_the_hubs_jobs_only_for_a_new_revocation(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 39: every ``REVOCATION_CHECK`` (0.5 s) the hub built the set of every runner it
+    knew, a walk over every live job, to intersect it with the store's revocations. It now
+    walks only when the store names a revocation it has not looked at yet."""
+    from gateway.hub.runners import REVOCATION_CHECK, SEEN_EVERY
+
+    walks = 0
+
+    async with open_hub(hub_of()) as (hub, url):
+        admin = hub.runner_admin
+        known = admin.known
+
+        def counted() -> set[str]:  # what it knows: a walk over every live job
+            nonlocal walks
+            walks += 1
+            return known()
+
+        admin.known = counted  # type: ignore[method-assign]
+        _, token = await admin.enroll(f"{OWNER}/{PROJECT}", None, 1)
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+            r = await http.post(f"{BASE}/runners", json={"name": "gone"}, headers=bearer(token))
+            runner_id = r.json()["id"]
+        await trio.sleep(SEEN_EVERY)  # settled: nothing revoked, nothing walked
+        before = walks
+        await hub.store.revoke_runner(runner_id)  # by another process
+        await trio.sleep(REVOCATION_CHECK * 40)  # 40 checks (20 s) after it
+        assert walks - before == 1 and runner_id in admin.cut  # found, applied, and settled
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_the_store_keeps_enrollment_tokens_and_revocations(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
