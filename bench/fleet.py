@@ -255,12 +255,12 @@ async def turn(http: httpx.AsyncClient, base: str, key: str, session: str) -> fl
     return first
 
 
-async def _profile_idle(pid: int, seconds: float, name: str) -> None:
-    """``py-spy record`` on the hub for the idle window: the collapsed stacks and the functions
-    with the most samples (inclusive, the epoll wait left out) in ``bench/profiles/``."""
+async def _profile(pid: int, seconds: float, name: str) -> None:
+    """``py-spy record`` on the hub for a phase: the collapsed stacks and the functions with the
+    most samples (inclusive, the epoll wait left out) in ``bench/profiles/fleet-<name>.*``."""
     out = HERE / "profiles"
     out.mkdir(exist_ok=True)
-    raw = out / f"fleet-idle-{name}.collapsed"
+    raw = out / f"fleet-{name}.collapsed"
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
     argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250", "-f", "raw"]
     await trio.run_process([*argv, "-o", str(raw), "--nonblocking"], capture_stdout=True)
@@ -276,7 +276,7 @@ async def _profile_idle(pid: int, seconds: float, name: str) -> None:
             inclusive[frame] += int(count)
     lines = [f"{total} samples on CPU (epoll's wait left out)"]
     lines += [f"{100 * n / max(total, 1):5.1f}%  {f}" for f, n in inclusive.most_common(60)]
-    (out / f"fleet-idle-{name}.txt").write_text("\n".join(lines) + "\n")
+    (out / f"fleet-{name}.txt").write_text("\n".join(lines) + "\n")
 
 
 def _hub(hub_path: Path, data_dir: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -348,8 +348,8 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             # idle
             seen0 = fleet.polls + fleet.heartbeats + fleet.pings + fleet.keepalives
             c0, t0 = cpu_seconds(pid), time.perf_counter()
-            if args.profile_idle:
-                await _profile_idle(pid, args.idle, f"{runners}-{sessions}")
+            if args.profile:
+                await _profile(pid, args.idle, f"idle-{runners}-{sessions}")
             else:
                 await trio.sleep(args.idle)
             idle_rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
@@ -396,6 +396,8 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             async with trio.open_nursery() as clients:
                 for name in names[: args.clients]:
                     clients.start_soon(client, name)
+                if args.profile:
+                    clients.start_soon(_profile, pid, args.turns_for, f"turns-{runners}-{sessions}")
             cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
             out["turns_s"] = round(count / took)
             out["turn_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / max(count, 1), 2)
@@ -442,9 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="s an HTTP request may take")
     p.add_argument("--json", help="append each point's figures to this file")
     p.add_argument(
-        "--profile-idle",
+        "--profile",
         action="store_true",
-        help="py-spy the hub through the idle window: bench/profiles/fleet-idle-R-S.txt",
+        help="py-spy the hub through the idle window and the short turns: "
+        "bench/profiles/fleet-{idle,turns}-R-S.txt",
     )
     args = p.parse_args(argv)
     print(HEAD.format(c=args.clients))
