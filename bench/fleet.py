@@ -123,7 +123,10 @@ class FakeRunner:
         nursery.start_soon(self._events)
         await trio.sleep(random.uniform(0, self.fleet.poll_every))  # the timers spread
         while True:
-            await self.poll(nursery)
+            try:
+                await self.poll(nursery)
+            except (OSError, EOFError, ValueError):  # counted, and polled again as a runner does
+                self.fleet.errors += 1
             with trio.move_on_after(self.fleet.poll_every):
                 await self.wake.wait()
             self.wake = trio.Event()
@@ -174,6 +177,12 @@ class FakeRunner:
             await trio.sleep(1.0)
 
     async def _session(self, job_id: str, run_id: str) -> None:
+        try:
+            await self._serve_session(job_id, run_id)
+        except (OSError, EOFError, ValueError, trio_websocket.ConnectionClosed):
+            self.fleet.errors += 1  # counted: the fleet goes on
+
+    async def _serve_session(self, job_id: str, run_id: str) -> None:
         f = self.fleet
         report = self.path(f"runs/{run_id}/jobs/{job_id}")
         await self.light.request("PATCH", report, self.token, {"status": "in_progress"})
@@ -214,7 +223,10 @@ class FakeRunner:
         (these channels are quiet between turns)."""
         await trio.sleep(random.uniform(0, PING_EVERY))
         while True:
-            await ws.ping()
+            try:
+                await ws.ping()
+            except trio_websocket.ConnectionClosed:
+                return  # the session's reader sees it end
             self.fleet.pings += 1
             await trio.sleep(PING_EVERY)
 
