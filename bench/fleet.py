@@ -21,12 +21,14 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ import trio
 import trio_websocket
 
 from bench.common import cpu_seconds, percentile, rss_bytes
+from bench.lighthttp import LightHttp
 from gateway.wire import protocol
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +46,7 @@ ROOT = HERE.parent
 OWNER, PROJECT = "local", "chat"
 MODEL = "fleet-model"
 SIZES = "10/100,100/1000,100/5000,1000/5000,1000/10000"
+PING_EVERY = 20.0  # s: a runner's ping on a quiet channel (``ping_interval``, both ends' default)
 CHUNK = json.dumps(
     {
         "id": "chatcmpl-fleet",
@@ -78,6 +82,10 @@ class Fleet:
     lost_claims: int = 0
     sessions: int = 0
     errors: int = 0
+    heartbeats: int = 0
+    pings: int = 0
+    keepalives: int = 0  # the push streams' keepalive comments
+    liveness: bool = False  # the hub's hello named it: the channel stands for the heartbeats
     taken: set[str] = field(default_factory=set)
 
 
@@ -90,6 +98,8 @@ class FakeRunner:
         self.token = ""
         self.auth: dict[str, str] = {}
         self.wake = trio.Event()
+        netloc = urllib.parse.urlsplit(fleet.base)
+        self.light = LightHttp(netloc.hostname or "127.0.0.1", netloc.port or 80)
 
     async def register(self) -> None:
         f = self.fleet
@@ -105,11 +115,18 @@ class FakeRunner:
     def url(self, tail: str) -> str:
         return f"{self.fleet.base}/api/owners/{OWNER}/projects/{PROJECT}/{tail}"
 
+    @staticmethod
+    def path(tail: str) -> str:
+        return f"/api/owners/{OWNER}/projects/{PROJECT}/{tail}"
+
     async def run(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._events)
         await trio.sleep(random.uniform(0, self.fleet.poll_every))  # the timers spread
         while True:
-            await self.poll(nursery)
+            try:
+                await self.poll(nursery)
+            except (OSError, EOFError, ValueError):  # counted, and polled again as a runner does
+                self.fleet.errors += 1
             with trio.move_on_after(self.fleet.poll_every):
                 await self.wake.wait()
             self.wake = trio.Event()
@@ -117,23 +134,23 @@ class FakeRunner:
     async def poll(self, nursery: trio.Nursery | None) -> None:
         f = self.fleet
         f.polls += 1
-        reply = await f.http.post(
-            self.url("runners/jobs"),
-            json={"capabilities": [protocol.CAPABILITY]},
-            headers=self.auth,
+        light, token = self.light, self.token
+        reply = await light.request(
+            "POST", self.path("runners/jobs"), token, {"capabilities": [protocol.CAPABILITY]}
         )
-        if reply.status_code != 200 or nursery is None:
+        if reply.status != 200 or nursery is None:
             return
         for job in reply.json().get("jobs") or []:
             if job["id"] in f.taken:
                 continue
-            claim = await f.http.post(
-                self.url("runners/generate-jitconfig"),
-                json={"jobId": job["id"], "name": self.name},
-                headers=self.auth,
+            claim = await light.request(
+                "POST",
+                self.path("runners/generate-jitconfig"),
+                token,
+                {"jobId": job["id"], "name": self.name},
             )
             f.claims += 1
-            if claim.status_code != 200:
+            if claim.status != 200:
                 f.lost_claims += 1
                 continue
             f.taken.add(job["id"])
@@ -143,47 +160,75 @@ class FakeRunner:
         f = self.fleet
         while True:
             try:
-                async with f.http.stream(
-                    "GET", self.url("runners/events"), headers=self.auth, timeout=None
-                ) as resp:
-                    async for line in resp.aiter_lines():
-                        if line.startswith("event: job_available"):
-                            f.pushes += 1
-                            self.wake.set()
-            except httpx.HTTPError:
-                f.errors += 1
-                await trio.sleep(1.0)
+                stream = await self.light.events(self.path("runners/events"), self.token)
+                async with stream:
+                    rest = b""
+                    while data := await stream.receive_some(65536):
+                        *events, rest = (rest + data).split(b"\n\n")  # whole events only
+                        for event in events:
+                            if b"event: job_available" in event:
+                                f.pushes += 1
+                                self.wake.set()
+                            elif b": keepalive" in event:
+                                f.keepalives += 1
+            except OSError:
+                pass
+            f.errors += 1  # the stream ended
+            await trio.sleep(1.0)
 
     async def _session(self, job_id: str, run_id: str) -> None:
+        try:
+            await self._serve_session(job_id, run_id)
+        except (OSError, EOFError, ValueError, trio_websocket.ConnectionClosed):
+            self.fleet.errors += 1  # counted: the fleet goes on
+
+    async def _serve_session(self, job_id: str, run_id: str) -> None:
         f = self.fleet
-        report = self.url(f"runs/{run_id}/jobs/{job_id}")
-        await f.http.patch(report, json={"status": "in_progress"}, headers=self.auth)
+        report = self.path(f"runs/{run_id}/jobs/{job_id}")
+        await self.light.request("PATCH", report, self.token, {"status": "in_progress"})
         f.sessions += 1
         authority = urllib.parse.urlsplit(f.base).netloc
         query = urllib.parse.urlencode({"jobId": job_id, "token": self.token})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats, report + "/progress")
             try:
                 async with trio_websocket.open_websocket_url(
                     f"ws://{authority}/api/lives/chat/channel/ws?{query}",
                     max_message_size=1 << 24,
                 ) as ws:
+                    hello = json.loads(await ws.get_message())
+                    extensions = hello.get("extensions") or []
+                    if protocol.LIVENESS in extensions:
+                        f.liveness = True
+                    else:  # a hub without it wants a heartbeat every --heartbeat s
+                        nursery.start_soon(self._heartbeats, report + "/progress")
+                    nursery.start_soon(self._pings, ws)
                     await self._serve(ws, job_id)
             except (trio_websocket.ConnectionClosed, trio_websocket.HandshakeError, OSError):
                 f.errors += 1
             nursery.cancel_scope.cancel()
         f.sessions -= 1
         body = {"status": "completed", "conclusion": "success", "logs": "", "completionReason": ""}
-        await f.http.patch(report, json=body, headers=self.auth)
+        await self.light.request("PATCH", report, self.token, body)
 
     async def _heartbeats(self, url: str) -> None:
         every = self.fleet.heartbeat
         await trio.sleep(random.uniform(0, every))
         while True:
-            await self.fleet.http.post(
-                url, json={"stage": "serving", "message": None}, headers=self.auth
-            )
+            await self.light.request("POST", url, self.token, {"stage": "serving", "message": None})
+            self.fleet.heartbeats += 1
             await trio.sleep(every)
+
+    async def _pings(self, ws: trio_websocket.WebSocketConnection) -> None:
+        """A ping every ``PING_EVERY`` s, as our runner's keepalive sends one on a quiet channel
+        (these channels are quiet between turns)."""
+        await trio.sleep(random.uniform(0, PING_EVERY))
+        while True:
+            try:
+                await ws.ping()
+            except trio_websocket.ConnectionClosed:
+                return  # the session's reader sees it end
+            self.fleet.pings += 1
+            await trio.sleep(PING_EVERY)
 
     async def _serve(self, ws: trio_websocket.WebSocketConnection, job_id: str) -> None:
         while True:
@@ -220,6 +265,30 @@ async def turn(http: httpx.AsyncClient, base: str, key: str, session: str) -> fl
                 first = time.perf_counter() - start
     assert first is not None, "no chunk"
     return first
+
+
+async def _profile(pid: int, seconds: float, name: str) -> None:
+    """``py-spy record`` on the hub for a phase: the collapsed stacks and the functions with the
+    most samples (inclusive, the epoll wait left out) in ``bench/profiles/fleet-<name>.*``."""
+    out = HERE / "profiles"
+    out.mkdir(exist_ok=True)
+    raw = out / f"fleet-{name}.collapsed"
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250", "-f", "raw"]
+    await trio.run_process([*argv, "-o", str(raw), "--nonblocking"], capture_stdout=True)
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if "get_events" in frames[-1]:
+            continue
+        total += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+    lines = [f"{total} samples on CPU (epoll's wait left out)"]
+    lines += [f"{100 * n / max(total, 1):5.1f}%  {f}" for f, n in inclusive.most_common(60)]
+    (out / f"fleet-{name}.txt").write_text("\n".join(lines) + "\n")
 
 
 def _hub(hub_path: Path, data_dir: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -289,15 +358,22 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             await trio.sleep(2.0)
             out["rss_mb"] = round(rss_bytes(pid) / 1e6)
             # idle
+            seen0 = fleet.polls + fleet.heartbeats + fleet.pings + fleet.keepalives
             c0, t0 = cpu_seconds(pid), time.perf_counter()
-            await trio.sleep(args.idle)
+            if args.profile:
+                await _profile(pid, args.idle, f"idle-{runners}-{sessions}")
+            else:
+                await trio.sleep(args.idle)
             idle_rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
             out["idle_pct"] = round(100 * idle_rate, 1)
-            # the idle events a second: polls and push keepalives (the hub's events stream is
-            # quiet at most min(keepalive 15 s, ping 20 s / 2) = 10 s) per runner, pings and
-            # heartbeats per session
-            events = runners / args.poll + runners / 10.0 + sessions / 20.0
-            events += sessions / args.heartbeat
+            # the idle events a second, as counted by the fleet: polls, push keepalives,
+            # heartbeats, the runners' pings; and the hub's own pings, which the fleet's
+            # WebSockets answer unseen: one a channel every 20 s from a hub that pings on a
+            # schedule (one without the liveness extension), none from one that pings a quiet
+            # channel only (ours are pinged by their runners)
+            seen = fleet.polls + fleet.heartbeats + fleet.pings + fleet.keepalives - seen0
+            events = seen / args.idle + (0.0 if fleet.liveness else sessions / PING_EVERY)
+            out["idle_events_s"] = round(events)
             out["idle_event_us"] = round(1e6 * idle_rate / events)
             # a poll's marginal cost: one more runner, polling in a loop
             probe = FakeRunner(fleet, runners)
@@ -332,6 +408,8 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             async with trio.open_nursery() as clients:
                 for name in names[: args.clients]:
                     clients.start_soon(client, name)
+                if args.profile:
+                    clients.start_soon(_profile, pid, args.turns_for, f"turns-{runners}-{sessions}")
             cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
             out["turns_s"] = round(count / took)
             out["turn_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / max(count, 1), 2)
@@ -347,17 +425,18 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
 HEAD = (
     "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll (µs, marginal) "
     "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn "
-    "| idle: µs an event |"
+    "| idle: events/s, µs an event |"
 )
 
 
 def row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | | |"
+    events = f"{r['idle_events_s']:,}, {r['idle_event_us']}" if "idle_events_s" in r else ""
     return (
         f"| {r['runners']:,} | {r['sessions']:,} | {r['rss_mb']} MB | {r['idle_pct']} "
         f"| {r['poll_us']} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
-        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms | {r.get('idle_event_us', '')} |"
+        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms | {events} |"
     )
 
 
@@ -376,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setup-timeout", type=float, default=900.0, help="s for a point's setup")
     p.add_argument("--timeout", type=float, default=60.0, help="s an HTTP request may take")
     p.add_argument("--json", help="append each point's figures to this file")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the hub through the idle window and the short turns: "
+        "bench/profiles/fleet-{idle,turns}-R-S.txt",
+    )
     args = p.parse_args(argv)
     print(HEAD.format(c=args.clients))
     print("|---|---|---|---|---|---|---|---|---|")

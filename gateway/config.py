@@ -510,8 +510,9 @@ class Config:
         20.0,
         env="ALP_GATEWAY_PING_INTERVAL",
         parse=_non_negative_float,
-        help="seconds between WebSocket pings on each chat channel, which keep NAT mappings "
-        "alive and find a dead path (0: off)",
+        help="seconds a chat channel may be quiet before it is pinged (the Server's messages "
+        "and pings count: a busy channel sends none), which keeps NAT mappings alive and finds "
+        "a dead path (0: off)",
         group="sessions",
         metavar="S",
     )
@@ -939,7 +940,8 @@ class HubSettings:
         20.0,
         env="ALP_GATEWAY_HUB_PING_INTERVAL",
         parse=_non_negative_float,
-        help="seconds between WebSocket pings on every Chat Channel (0: off)",
+        help="seconds a Chat Channel may be quiet before it is pinged (the runner's messages "
+        "and pings count: a busy channel sends none) (0: off)",
         group="hub-runners",
         metavar="S",
     )
@@ -1138,7 +1140,16 @@ class HubSettings:
         env="ALP_GATEWAY_HUB_HEAD_TIMEOUT",
         parse=_positive_float,
         help="seconds for a request head (or a TLS handshake) to arrive, else the connection is "
-        "closed; also how long a kept-alive connection waits for its next request",
+        "closed (on a kept-alive connection, from its first byte)",
+        group="hub-bounds",
+        metavar="S",
+    )
+    keepalive_timeout: float = setting(
+        30.0,
+        env="ALP_GATEWAY_HUB_KEEPALIVE_TIMEOUT",
+        parse=_positive_float,
+        help="seconds a kept-alive connection waits for its next request (longer than a runner's "
+        "poll interval, so that a fleet's polls reuse their connections), else it is closed",
         group="hub-bounds",
         metavar="S",
     )

@@ -14,6 +14,7 @@ from helpers import ADMIN, BACKEND_KEY, LogCapture, runner_config, running
 from gateway.hub import Hub, open_hub
 from gateway.runner.supervisor import Runner
 from gateway.sim import Simulator, open_sim
+from gateway.wire import protocol
 
 
 @pytest.fixture
@@ -26,6 +27,16 @@ async def sim() -> AsyncIterator[Simulator]:
 async def hub() -> AsyncIterator[tuple[Hub, str]]:
     async with open_hub(Hub(admin_token=ADMIN)) as pair:
         yield pair
+
+
+@pytest.fixture
+def heartbeats_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub's hello without the ``liveness`` extension, as a Server that does not know it
+    (agentics.dk) sends it: its runners send every progress heartbeat (docs/protocol.md §3)."""
+    import gateway.hub.channel
+
+    offered = [e for e in gateway.hub.channel.EXTENSIONS if e != protocol.LIVENESS]
+    monkeypatch.setattr(gateway.hub.channel, "EXTENSIONS", offered)
 
 
 @pytest.fixture

@@ -396,6 +396,7 @@ async def serve_hub(
         counters=hub.counters,
         limits=ConnectionLimits(
             head_timeout=settings.head_timeout,
+            keepalive_timeout=settings.keepalive_timeout,
             body_timeout=settings.body_timeout,
             max_connections=holds,
             max_message=settings.max_body,

@@ -27,6 +27,7 @@ from gateway.wire.errors import ClientGone
 from gateway.wire.protocol import (
     CONTINUE,
     EMBEDDINGS,
+    LIVENESS,
     RESUME,
     ChunkFrame,
     DoneFrame,
@@ -43,7 +44,8 @@ CLOSE_REPLACED = 4000  # an old channel replaced by a new connection for the sam
 CLOSE_OFFLINE = 1001  # the runner was declared offline
 # ended with no close handshake, failed for a protocol violation, or silent past the ping timeout
 DEAD_CODES = (1002, 1006, 1007, 1008, 1009, 1011)
-EXTENSIONS = [RESUME, CONTINUE, EMBEDDINGS]  # docs/protocol.md §6: what this Server's hello offers
+# docs/protocol.md §6: what this Server's hello offers
+EXTENSIONS = [RESUME, CONTINUE, EMBEDDINGS, LIVENESS]
 CLOSE_WAIT = 5.0  # s: ``close`` waits this long for the reader to end
 
 RunnerFrame = ChunkFrame | DoneFrame | ErrorFrame | ModelsFrame | EndFrame

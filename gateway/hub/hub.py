@@ -86,6 +86,7 @@ class Hub:
             end_job=channels.cancel_job,
             coordination=self.coordination,
         )
+        board.on_forget.append(sessions.job_ended)  # its session looked at by the next walk
         self.runner_admin = RunnerAdmin(store, board, channels)
         self.dispatcher = dispatcher = Dispatcher(settings, board, channels, sessions, counters)
         self.catalog = catalog = Catalog(store, settings, board, channels)

@@ -69,7 +69,7 @@ class RunnerApi:
     async def _runner(self, req: Request) -> Registration:
         """The registration of the runner token presented, in the route's project."""
         token = bearer(req.scope)
-        runner = await self.hub.store.registration_by_token(token) if token else None
+        runner = await self.hub.runner_admin.by_token(token) if token else None
         if runner is None:
             message = "a runner token is required" if token is None else "unknown runner token"
             raise HTTPError(401, message, "invalid_runner_token")
@@ -259,7 +259,7 @@ class RunnerApi:
         query = urllib.parse.parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         job_id = (query.get("jobId") or [""])[0]
         token = (query.get("token") or [""])[0]
-        runner = await self.hub.store.registration_by_token(token) if token else None
+        runner = await self.hub.runner_admin.by_token(token) if token else None
         if runner is not None:
             self.board.seen(runner.id, runner)
         job = await self.board.channel_job(runner.id, job_id) if runner is not None else None

@@ -1,6 +1,7 @@
 """The hub's runners as the admin manages them: enrollment tokens made and revoked, runner
 registrations listed and revoked (refused at once, their jobs ended, their channels closed, their
-sessions free to move), and the revocations another process made applied within a second."""
+sessions free to move), the revocations another process made applied within a second, and the
+registration each runner token presented is (kept once found, until its revocation)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import trio
 
 from gateway.hub.board import JobBoard
 from gateway.hub.channel import CLOSE_OFFLINE, Channels
-from gateway.hub.store import Enrollment, RunnerRecord, Store, StoreError
+from gateway.hub.store import Enrollment, Registration, RunnerRecord, Store, StoreError
 
 log = logging.getLogger("gateway.hub")
 
 REVOCATION_CHECK = 0.5  # s: a revocation made by another process (the CLI, a replica) applies
 SEEN_EVERY = 30.0  # s: how often the runners seen are written down (``hub runners list``)
+TOKEN_CACHE = 100_000  # registrations kept by token at most (only tokens the store knew)
 
 
 class RunnerNotFound(ValueError):
@@ -31,6 +33,30 @@ class RunnerAdmin:
         self.board = board
         self.channels = channels
         self.cut: set[str] = set()  # runners whose revocation this hub applied
+        # revoked runners this hub did not know when it saw their revocation: they cannot come
+        # back (their token is refused), so they are looked for again every ``SEEN_EVERY`` s
+        # only (a job restored after a start may name one), not at every check
+        self._unknown: set[str] = set()
+        self._by_token: dict[str, Registration] = {}  # a runner token -> its registration
+        self._token_of: dict[str, str] = {}  # a registration's id -> its token kept above
+
+    async def by_token(self, token: str) -> Registration | None:
+        """The active registration runner token ``token`` is, or None. Found in the store
+        once, then kept until the runner's revocation is applied here (``apply``: at once for
+        one made here, within ``REVOCATION_CHECK`` for one another process made): a fleet's
+        polls, reports and channels ask for it thousands of times a minute. A token the store
+        does not know is asked again each time (a runner registered meanwhile is found)."""
+        kept = self._by_token.get(token)
+        if kept is not None:
+            return kept
+        found = await self.store.registration_by_token(token)
+        if found is not None and found.id not in self.cut:
+            if len(self._by_token) >= TOKEN_CACHE:
+                self._by_token.clear()
+                self._token_of.clear()
+            self._by_token[token] = found
+            self._token_of[found.id] = token
+        return found
 
     async def enroll(
         self, project: str, expires_in: float | None, uses: int | None
@@ -57,7 +83,11 @@ class RunnerAdmin:
         return found
 
     async def apply(self, runner_id: str) -> None:
-        """A revoked runner's jobs ended and its channels closed on this hub (once)."""
+        """A revoked runner's token forgotten, its jobs ended and its channels closed on this
+        hub (once)."""
+        token = self._token_of.pop(runner_id, None)
+        if token is not None:
+            self._by_token.pop(token, None)
         if runner_id in self.cut:
             return
         self.cut.add(runner_id)
@@ -68,10 +98,11 @@ class RunnerAdmin:
         )
 
     def known(self) -> set[str]:
-        """The runners this hub knows now: seen, holding a job or a channel."""
+        """The runners this hub knows now: seen, holding a job or a channel, or their token
+        kept."""
         board = self.board
         held = {job.claimed_by for job in board.jobs.values() if job.claimed_by and not job.over}
-        return set(board.last_seen) | self.channels.runners() | held
+        return set(board.last_seen) | self.channels.runners() | held | set(self._token_of)
 
     async def run(self) -> None:
         """Until cancelled: every ``REVOCATION_CHECK`` s the revocations of the store applied to
@@ -81,12 +112,17 @@ class RunnerAdmin:
         while True:
             await trio.sleep(REVOCATION_CHECK)
             try:
-                known = self.known() - self.cut
-                if known:
-                    for runner_id in (await self.store.revoked_runners()) & known:
-                        await self.apply(runner_id)
+                fresh = await self.store.revoked_runners() - self.cut - self._unknown
+                if fresh:  # the walk over what this hub knows: only for a new revocation
+                    known = self.known()
+                    for runner_id in fresh:
+                        if runner_id in known:
+                            await self.apply(runner_id)
+                        else:
+                            self._unknown.add(runner_id)
                 if trio.current_time() >= next_seen:
                     next_seen = trio.current_time() + SEEN_EVERY
+                    self._unknown.clear()
                     alive = [rid for rid in self.board.last_seen if self.board.alive(rid)]
                     if alive:
                         await self.store.runners_seen(alive, time.time())

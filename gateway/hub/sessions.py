@@ -99,6 +99,10 @@ class SessionTable(dict[SessionKey, Session]):
         held = self._by_key.get(key_id)
         return list(held.values()) if held else []
 
+    def key_ids(self) -> list[str]:
+        """The API key ids (or legacy names) that hold live sessions."""
+        return list(self._by_key)
+
 
 class Sessions:
     """Every live session of one hub, and their background work (``run``): idle ones ended,
@@ -128,6 +132,10 @@ class Sessions:
         self._uses = 0  # sessions left so far (their ``used`` order)
         self.next_key_check = -math.inf  # trio clock: when the sessions' keys are checked next
         self._next_due = -math.inf  # trio clock: when ``run`` looks next (-inf: it is looking)
+        # the walk over every session (idle ones ended, finished ones forgotten) is due: at the
+        # first idle due among them, or once a job ended (not at every key check)
+        self._idle_due = math.inf
+        self._walk_wanted = True
         # told the active key ids at each check (the front door drops what it kept of others)
         self.on_key_check: list[Callable[[set[str]], None]] = []
 
@@ -138,6 +146,11 @@ class Sessions:
     def poke(self) -> None:
         """Wake ``run``: a session changed."""
         self._changed.set()
+
+    def job_ended(self, job_id: str) -> None:
+        """A job left the board: its session, if one is bound to it, is looked at soon (by
+        the next walk, at most a key check away)."""
+        self._walk_wanted = True
 
     def check_keys(self) -> None:
         """Check the live sessions' API keys now (one was revoked in this process), or after the
@@ -201,8 +214,10 @@ class Sessions:
         # ``run`` is woken only when this session falls idle before it would look anyway (a
         # wake per turn was a task step and a walk over every session, per turn)
         idle = self.idle_timeout()
-        if idle and idle > 0 and now + idle < self._next_due:
-            self.poke()
+        if idle and idle > 0:
+            self._idle_due = min(self._idle_due, now + idle)
+            if now + idle < self._next_due:
+                self.poke()
 
     async def bind(self, session: Session, job_id: str | None) -> str | None:
         """Point the session at ``job_id`` (None: at no job), in memory and in the store; the
@@ -266,6 +281,7 @@ class Sessions:
             kept.add(stored.job_id)
         if self.live:
             log.info("restored %d chat session(s)", len(self.live))
+        self._walk_wanted = True
         return kept
 
     # -- background work ----------------------------------------------------------------
@@ -289,8 +305,10 @@ class Sessions:
         active = await self.store.active_key_ids()
         for observe in self.on_key_check:
             observe(active)
-        for key, session in list(self.live.items()):
-            if self.live.get(key) is not session or not session.key_checked or key[0] in active:
+        gone = [k for k in self.live.key_ids() if k not in active and not k.startswith(LEGACY_KEY)]
+        for session in [s for key_id in gone for s in self.live.of_key(key_id)]:
+            key = session.key
+            if self.live.get(key) is not session:
                 continue
             await self.forget(session)
             log.info(
@@ -314,6 +332,19 @@ class Sessions:
             await self._end_revoked()
         if self.live:
             next_due = self.next_key_check
+        if not (self._walk_wanted or now >= self._idle_due):
+            return min(next_due, self._idle_due)  # a key check only: no walk over the sessions
+        self._walk_wanted = False
+        self._idle_due = math.inf
+        try:
+            next_due = await self._walk(idle, now, next_due)
+        except BaseException:  # the store failed it (or a cancel): walked again at the next look
+            self._walk_wanted = True
+            raise
+        return next_due
+
+    async def _walk(self, idle: float, now: float, next_due: float) -> float:
+        """The walk over every session: finished ones forgotten, idle ones ended."""
         for key, session in list(self.live.items()):
             if self.live.get(key) is not session or session.turns:
                 continue  # replaced while we awaited, or busy
@@ -326,6 +357,7 @@ class Sessions:
             due = session.last_used + idle if idle and idle > 0 else math.inf
             if due > now:
                 next_due = min(next_due, due)
+                self._idle_due = min(self._idle_due, due)
                 continue
             await self.forget(session)
             if session.job_id is None:

@@ -87,6 +87,9 @@ class Channel:
         # the Server's hello offered embeddings (docs/protocol.md §6): taken up in the models
         # answer, and chat.embeddings.request served
         self.embeddings = False
+        # the Server's hello said this channel is its job's sign of life (§6): no heartbeat
+        # while it is up
+        self.liveness = False
 
     @property
     def relay(self) -> Relay:
@@ -178,6 +181,7 @@ class Channel:
         if first:  # a Server with extensions says so first (docs/protocol.md §6)
             if isinstance(frame, protocol.Hello) and frame.jobId in (None, self.job_id):
                 self.embeddings = protocol.EMBEDDINGS in frame.extensions
+                self.liveness = protocol.LIVENESS in frame.extensions
                 turns.hello(self.out, frame)
                 return
             turns.no_hello(self.out)

@@ -48,6 +48,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "polls": ("polls", "Polls for jobs, successful or not."),
     "poll_errors": ("poll_errors", "Polls that failed (Server unreachable, timed out or 5xx)."),
     "heartbeats": ("heartbeats", "Progress heartbeats the Server accepted."),
+    "heartbeats_spared": (
+        "heartbeats_spared",
+        "Progress heartbeats not sent: the Server's hello made the open channel the job's sign "
+        "of life.",
+    ),
     "pings_sent": ("pings_sent", "WebSocket pings sent on the Chat Channels (keepalive)."),
     "pong_timeouts": (
         "pong_timeouts",

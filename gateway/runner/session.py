@@ -221,9 +221,16 @@ class ClaimedJob:
             log.warning("job %s: in_progress not recorded: %s", job.id, exc)
 
     async def _heartbeat(self) -> None:
+        """A progress heartbeat every ``heartbeat_interval``, but while the channel served is
+        one whose Server said in its hello that the channel is the job's sign of life
+        (docs/protocol.md §6, ``liveness``): one liveness signal per session, not two."""
         job, kit = self.job, self.kit
         while True:
             await trio.sleep(kit.config.heartbeat_interval)
+            channel = self._channel
+            if channel is not None and channel.liveness:
+                kit.counters.inc("heartbeats_spared")
+                continue
             try:
                 await kit.alp.progress(job.run_id, job.id, PROGRESS_STAGE)
                 kit.counters.inc("heartbeats")

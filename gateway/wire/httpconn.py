@@ -57,8 +57,11 @@ class ConnectionLimits:
     """The bounds of every connection (the hub's settings of the same names)."""
 
     # s: a request head (and a TLS handshake) must arrive within this of the connection's start
-    # or, kept alive, of the previous response's end
+    # or, kept alive, of its first byte
     head_timeout: float = 10.0
+    # s: a kept-alive connection waits this long for its next request's first byte (longer than a
+    # runner's 10 s poll interval: a fleet's polls reuse their connections)
+    keepalive_timeout: float = 30.0
     body_timeout: float = 60.0  # s: a request body must arrive within, from the end of its head
     max_head: int = 64 * 1024  # bytes: a longer request head is refused (431)
     max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
@@ -161,6 +164,7 @@ class HTTPConnection:
         self.body_deadline = math.inf
         self.upgraded = False
         self.keep_alive = True  # the request being served lets another follow it
+        self._kept = False  # a request was served: the next waits ``keepalive_timeout``
         self._now: Callable[[], float] = trio.lowlevel.current_clock().current_time
         self._parser = RequestParser()
         self._req: RequestHead | None = None  # the request being served
@@ -268,9 +272,17 @@ class HTTPConnection:
         if not heads:
             self._head_bytes = 0
             limits = self.limits
-            with trio.move_on_at(self._now() + limits.head_timeout) as waited:
+            now = self._now()
+            idle = self._kept and not self._unfed  # kept alive, nothing of the next one yet
+            wait = max(limits.keepalive_timeout, limits.head_timeout) if idle else 0.0
+            with trio.move_on_at(now + (wait or limits.head_timeout)) as waited:
                 try:
                     while not heads:
+                        if idle and self._head_bytes:  # its first bytes: the head's own deadline
+                            idle = False
+                            waited.deadline = min(
+                                waited.deadline, self._now() + limits.head_timeout
+                            )
                         if self._unfed:
                             data, self._unfed = self._unfed, b""
                             self._head_bytes += len(data)
@@ -345,6 +357,7 @@ class HTTPConnection:
                 return
             if not await self._request(msg):
                 return
+            self._kept = True
 
     @property
     def _declared_length(self) -> int | None:

@@ -37,6 +37,8 @@ CANCELLED = "cancelled"
 RESUME = "resume"  # a dropped channel's turns go on on its redial, from the counts named
 CONTINUE = "continue"  # ``continuation: true`` on a request: continue its final assistant message
 EMBEDDINGS = "embeddings"  # ``chat.embeddings.request``: a /v1/embeddings body for the backend
+# the channel (its frames, pings and pongs) is its job's sign of life: no heartbeat while it is up
+LIVENESS = "liveness"
 RESUME_UNAVAILABLE = "resume_unavailable"  # a named turn's frames from its count are not kept
 CONTINUATION_UNSUPPORTED = "continuation_unsupported"  # no backend can continue a message
 

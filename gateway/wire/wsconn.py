@@ -71,7 +71,9 @@ class Tick(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Keepalive:
-    """A ping every ``interval`` s (0: none); the peer is dead when nothing at all arrives
+    """A ping once the peer has been silent for ``interval`` s (0: none): its messages, its
+    pings and its pongs all count, so a busy connection sends none and two ends that both ping
+    take turns, one ping a round between them; the peer is dead when nothing at all arrives
     ``timeout`` s after one."""
 
     interval: float = 20.0
@@ -254,6 +256,12 @@ class WebSocketConnection:
             self.fail(*reader.violation)
         return messages
 
+    def unread(self) -> None:
+        """The server's reader waits for a slow consumer of the peer's messages: the peer counts
+        as having answered (the path is not the slow part), and pings go on at the interval
+        (the peer, unread meanwhile, still hears from us)."""
+        self._awaiting = None
+
     def heard(self, now: float) -> None:
         """Count the peer as heard from at ``now`` without a read (the server: its reader
         waits for a slow consumer of the peer's messages, so the path is not the slow part)."""
@@ -319,9 +327,10 @@ class WebSocketConnection:
         if self.state is not WsState.OPEN or self.keepalive is None:
             return math.inf
         awaiting = self._awaiting
+        ping_at = max(self._ping_at, self.heard_at + self.keepalive.interval)
         if awaiting is None or self.heard_at >= awaiting:  # answered: the next ping is next
-            return self._ping_at
-        return min(self._ping_at, awaiting + self.keepalive.timeout)
+            return ping_at
+        return min(ping_at, awaiting + self.keepalive.timeout)
 
     def tick(self, now: float) -> Tick | None:
         """What is due at ``now``: a ping (it waits in ``data_to_send``), the peer found dead
@@ -335,8 +344,8 @@ class WebSocketConnection:
             awaiting = self._awaiting = None  # a pong, or anything else, came
         if awaiting is not None and now >= awaiting + keepalive.timeout:
             return Tick.DEAD
-        if now < self._ping_at:
-            return None
+        if now < self._ping_at or now < self.heard_at + keepalive.interval:
+            return None  # not yet, or the peer was heard from lately: no ping needed
         self._ping_at = now + keepalive.interval
         if awaiting is None:
             self._awaiting = now

@@ -235,24 +235,29 @@ class ServerWebSocket:
     # -- keeping alive ---------------------------------------------------------------------
 
     async def _keepalive(self) -> None:
-        """The keepalive clock's I/O: a ping when due; the WebSocket failed (1011) when the
-        peer stays silent. A reader waiting for a slow consumer counts as alive (the consumer
+        """The keepalive clock's I/O: a ping when due (the peer silent for an interval); the
+        peer's sign of life (``on_alive``) at each wake while it is heard from; the WebSocket
+        failed (1011) when the peer stays silent. A reader waiting for a slow consumer counts as alive (the consumer
         is slow, not the path)."""
         conn = self.conn
         counters = self.counters
         while True:
             await trio.sleep_until(conn.next_tick())
             now = trio.current_time()
-            if self.app_blocked:
-                conn.heard(now)
+            blocked = self.app_blocked
+            if blocked:
+                conn.unread()
             tick = conn.tick(now)
+            alive = self.on_alive  # at each wake (about once an interval): the peer's pings,
+            if alive is not None and conn.keepalive is not None:  # pongs or messages lately
+                if (
+                    blocked
+                    or now - conn.heard_at <= conn.keepalive.interval + conn.keepalive.timeout
+                ):
+                    alive()
             if tick is Tick.PING:
                 counters.pings_sent += 1
                 self._send_controls()
-                alive = self.on_alive
-                if alive is not None and conn.keepalive is not None:
-                    if now - conn.heard_at <= conn.keepalive.interval + conn.keepalive.timeout:
-                        alive()
             elif tick is Tick.DEAD:
                 counters.pong_timeouts += 1
                 reason = conn.silence()

@@ -237,6 +237,39 @@ async def test_a_head_not_complete_within_head_timeout_is_closed(
     assert rest == b"" or rest.startswith(b"HTTP/1.1 408 "), rest[:100]
 
 
+async def test_a_kept_alive_connection_waits_keepalive_timeout_then_its_head_has_head_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 39: a runner polls every 10 s; a kept-alive connection that waited only the head's
+    10 s for its next request was closed just as the next poll came, and every poll paid a new
+    connection. It now waits ``keepalive_timeout`` (30 s) for the next request's first byte;
+    from that byte the head has its ``head_timeout`` (a trickled head is still closed then)."""
+    models = b"GET /v1/models HTTP/1.1\r\nHost: hub\r\n\r\n"
+    partial = b"GET /v1/models HTTP/1.1\r\nHost: hub\r\nX-Slow: "
+    async with open_hub(_hub()) as (_hub_, url):
+        with trio.fail_after(600):
+            conn = await RawConn.open(url)
+            for _ in range(3):  # polls 20 s apart reuse the one connection
+                assert await conn.send(models)
+                resp = await conn.response()
+                assert resp is not None and resp.status == 401, resp
+                await trio.sleep(20.0)
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.trickle, partial + b"a" * 1000, 1.0)
+                rest = await conn.closed()
+                closed_after = trio.current_time() - start
+                nursery.cancel_scope.cancel()
+            assert 10.0 - 0.01 <= closed_after <= 10.0 + 1.5, closed_after
+            assert rest == b"" or rest.startswith(b"HTTP/1.1 408 "), rest[:100]
+            idle = await RawConn.open(url)
+            assert await idle.send(models)
+            assert (await idle.response()) is not None
+            start = trio.current_time()
+            assert await idle.closed() == b""
+            assert 30.0 - 0.01 <= trio.current_time() - start <= 30.0 + 1.5
+
+
 @pytest.mark.parametrize("ended", [True, False])
 async def test_a_head_over_64_kib_is_refused_431_and_closed(
     autojump_clock: trio.testing.MockClock, ended: bool
@@ -796,6 +829,10 @@ async def test_300000_pings_never_read_keep_one_pong_and_fail_the_channel_with_1
             # 300,000; with a large one it takes more pings, with the same outcome
             job_id, conn = await open_channel(hub, url, rcvbuf=4096)
             ch = hub.channels.get(job_id)
+            # and the hub's send buffer small too: the pongs fill both within about a hundred
+            # reads, whatever the kernel's autotuning made of it (left to it, how many reads a
+            # full buffer took varied from run to run, and the flood could end first: a flake)
+            ch._ws.transport.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # type: ignore[union-attr]
             before = rss()
             batch = ws_frame(PING, b"p" * 125) * 1000  # 131 KB
             sent = await flood(conn, batch, 300)

@@ -366,7 +366,7 @@ async def test_channel_routing_send_and_close(served: tuple[Hub, httpx.AsyncClie
             assert hello == {
                 "type": protocol.HELLO,
                 "jobId": job_id,
-                "extensions": ["resume", "continue", "embeddings"],
+                "extensions": ["resume", "continue", "embeddings", "liveness"],
             }
             asked = json.loads(await ws.get_message())  # then its runner's models
             assert asked["type"] == protocol.MODELS_REQUEST and asked["jobId"] == job_id

@@ -248,6 +248,73 @@ async def test_a_runner_revoked_by_the_cli_is_cut_within_a_second(
     print(f"OBSERVED runner revoked by the CLI: its channel closed after {cut_after} s")
 
 
+async def test_a_runner_token_is_read_once_and_forgotten_when_another_process_revokes_it(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Issue 39: a fleet's polls, heartbeats and reports each presented a runner token the hub
+    looked up in its store. It is found once and kept; a revocation made by another process
+    (the CLI on the same store) still refuses the token within a second."""
+    data = tmp_path / "hub"
+    async with open_hub(hub_of(data)) as (hub, url):
+        _, token = await hub.runner_admin.enroll(f"{OWNER}/{PROJECT}", None, 1)
+        asked: list[str] = []
+        lookup = hub.store.registration_by_token
+
+        async def counted(presented: str) -> Any:
+            asked.append(presented)
+            return await lookup(presented)
+
+        hub.store.registration_by_token = counted  # type: ignore[method-assign]
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+            r = await http.post(f"{BASE}/runners", json={"name": "box"}, headers=bearer(token))
+            runner_token = r.json()["token"]
+
+            async def poll() -> int:
+                reply = await http.post(
+                    f"{BASE}/runners/jobs", json={"capabilities": []}, headers=bearer(runner_token)
+                )
+                return reply.status_code
+
+            assert [await poll() for _ in range(20)] == [204] * 20
+            assert asked.count(runner_token) == 1  # the store asked once, not 20 times
+            revoke = ["runners", "revoke", "box", "--data", str(data)]
+            assert await hub_command(autojump_clock, revoke) == 0
+            await trio.sleep(1.0)  # virtual time: the bound the revocation is applied within
+            assert await poll() == 401
+            assert await hub.runner_admin.by_token(runner_token) is None  # not kept
+
+
+async def test_the_revocation_check_walks_the_hubs_jobs_only_for_a_new_revocation(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 39: every ``REVOCATION_CHECK`` (0.5 s) the hub built the set of every runner it
+    knew, a walk over every live job, to intersect it with the store's revocations. It now
+    walks only when the store names a revocation it has not looked at yet."""
+    from gateway.hub.runners import REVOCATION_CHECK, SEEN_EVERY
+
+    walks = 0
+
+    async with open_hub(hub_of()) as (hub, url):
+        admin = hub.runner_admin
+        known = admin.known
+
+        def counted() -> set[str]:  # what it knows: a walk over every live job
+            nonlocal walks
+            walks += 1
+            return known()
+
+        admin.known = counted  # type: ignore[method-assign]
+        _, token = await admin.enroll(f"{OWNER}/{PROJECT}", None, 1)
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+            r = await http.post(f"{BASE}/runners", json={"name": "gone"}, headers=bearer(token))
+            runner_id = r.json()["id"]
+        await trio.sleep(SEEN_EVERY)  # settled: nothing revoked, nothing walked
+        before = walks
+        await hub.store.revoke_runner(runner_id)  # by another process
+        await trio.sleep(REVOCATION_CHECK * 40)  # 40 checks (20 s) after it
+        assert walks - before == 1 and runner_id in admin.cut  # found, applied, and settled
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_the_store_keeps_enrollment_tokens_and_revocations(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest

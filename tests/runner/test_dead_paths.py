@@ -327,7 +327,7 @@ NAT_IDLE = 1.0  # s: T, the NAT's idle limit (a ping may come 2/3 T late before 
 
 @pytest.mark.parametrize("ping", [NAT_IDLE / 3, 0.0], ids=["pings-at-T/3", "pings-off"])
 async def test_nat_forgets_an_idle_channel_unless_pinged(
-    ping: float, hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+    ping: float, heartbeats_wanted: None, hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
     """The channel goes through a NAT that forgets a path idle for T. Pinged at T/3, a session
     idle for 10 T serves its next turn on the same connection. With pings off the path is

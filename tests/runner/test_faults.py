@@ -158,6 +158,7 @@ async def test_lost_claim_answer_on_a_server_that_never_reoffers(
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
 async def test_status_and_progress_faults_are_logged_and_the_session_goes_on(
+    heartbeats_wanted: None,
     hub: tuple[Hub, str],
     proxy: FaultProxy,
     sim: Simulator,

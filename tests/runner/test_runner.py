@@ -291,13 +291,32 @@ async def test_max_sessions_stops_advertising(
         assert ch2 is not None
 
 
-async def test_heartbeat_progress(hub: tuple[Hub, str], sim: Simulator, tmp_path: Path) -> None:
+async def test_heartbeat_progress(
+    heartbeats_wanted: None, hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
     async with running(runner_config(hub[1], sim.url, tmp_path, heartbeat_interval=0.1)) as r:
         job, _ = await open_chat(hub[0])
         with trio.fail_after(5):
             await r.counters.wait("heartbeats", 2)
         assert job.heartbeats >= 2
         assert job.last_progress == {"stage": "chat_llm_active", "message": None}
+
+
+async def test_a_channel_whose_hello_names_liveness_is_the_jobs_heartbeat(
+    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+) -> None:
+    """Issue 39: one liveness signal per session. Our hub's hello says a channel is its job's
+    sign of life: while it is up the runner sends no heartbeat, and its session goes on
+    (``heartbeats_wanted`` above: a Server whose hello does not say so gets every one)."""
+    server = hub[0]
+    config = runner_config(hub[1], sim.url, tmp_path, heartbeat_interval=0.1, poll_interval=3600)
+    async with running(config) as r:
+        job, ch = await open_chat(server)
+        with trio.fail_after(5):
+            await r.counters.wait("heartbeats_spared", 5)
+        assert r.counters.get("heartbeats") == 0 and job.heartbeats == 0
+        assert server.board.alive(job.claimed_by or "") and not ch.closed.is_set()
+        assert list(r.sessions) == [job.id]
 
 
 async def test_graceful_shutdown_lets_turns_finish(

@@ -30,7 +30,7 @@ from gateway.sim import Simulator
 
 
 async def test_no_secret_reaches_the_server_or_a_log_line(
-    hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
+    heartbeats_wanted: None, hub: tuple[Hub, str], sim: Simulator, tmp_path: Path
 ) -> None:
     out = io.StringIO()
     root = logging.getLogger()

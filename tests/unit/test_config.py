@@ -260,6 +260,7 @@ HUB_VALUES: dict[str, tuple[str, Any, Any]] = {
     "channel_backlog": ("65536", 65536, 65536),
     "client_backlog": ("4096", 4096, 4096),
     "head_timeout": ("4", 4, 4.0),
+    "keepalive_timeout": ("45", 45, 45.0),
     "body_timeout": ("8", 8, 8.0),
     "max_body": ("2048", 2048, 2048),
     "max_connections": ("5", 5, 5),

@@ -92,3 +92,44 @@ async def test_the_index_by_key_follows_every_write() -> None:
     with pytest.raises(KeyError):
         del table[a2]
     assert [s.key for s in table.of_key("b")] == [b1] and list(table) == [b1]
+
+
+async def test_an_idle_hub_walks_its_sessions_only_when_one_falls_due_or_a_job_ends(
+    autojump_clock: Any,
+) -> None:
+    """Issue 39: the key check every ``key_check_interval`` looks at the keys that hold sessions,
+    not at every session; the walk over them all (idle ones ended, finished ones forgotten) comes
+    at the first idle due, or after a job ended."""
+    import trio
+
+    ended: list[str] = []
+
+    async def end_job(job_id: str, reason: str) -> None:
+        ended.append(job_id)
+
+    sessions = Sessions(
+        open_store(None),
+        idle_timeout=lambda: 3600.0,
+        max_per_key=lambda: 0,
+        key_check_interval=lambda: 60.0,
+        job_over=lambda job_id: False,
+        end_job=end_job,
+    )
+    table = sessions.live = _Unwalkable()
+    for n in range(1000):
+        key = ApiKey(f"k{n % 50}", "o", "p", "")  # by name: never revoked in this store
+        session, _ = await sessions.enter(key, f"s{n}")
+        session.job_id = f"job-{n}"
+        sessions.leave(session)
+    assert await sessions.reap_here() == 60.0 + trio.current_time()  # the first walk
+    table.armed = True
+    for _ in range(50):  # 50 key checks in 3,000 s: none walks the sessions
+        await trio.sleep(60.0)
+        await sessions.reap_here()
+    sessions.job_ended("job-7")
+    with pytest.raises(AssertionError, match="walked"):
+        await sessions.reap_here()
+    table.armed = False
+    await trio.sleep(3600.0)  # every session idle: the walk ends them all
+    await sessions.reap_here()
+    assert len(ended) == 1000 and not table

@@ -330,16 +330,42 @@ def test_no_keepalive_never_ticks() -> None:
     assert conn.next_tick() == float("inf") and conn.tick(1e9) is None
 
 
-def test_pings_every_interval_while_the_peer_answers() -> None:
+def test_pings_an_interval_after_the_peer_was_last_heard() -> None:
     conn = server(keepalive=Keepalive(20, 10), now=100.0)
     assert conn.next_tick() == 120.0 and conn.tick(110.0) is None
     for n in range(5):
         now = conn.next_tick()
-        assert now == 120.0 + 20 * n
+        assert now == 120.0 + 21 * n  # the pong came 1 s after each ping
         assert conn.tick(now) is Tick.PING
         assert frames_of(conn.data_to_send(), True) == [(OP_PING, wsconn.PING_PAYLOAD)]
         conn.receive(from_client(OP_PONG, wsconn.PING_PAYLOAD), now + 1)  # answered
     assert conn.state is WsState.OPEN
+
+
+def test_a_peer_heard_from_within_each_interval_is_never_pinged() -> None:
+    """Issue 39: a busy channel (or one whose peer pings) costs no keepalive of its own."""
+    conn = server(keepalive=Keepalive(20, 10), now=0.0)
+    for second in range(1, 200):
+        if second % 15 == 0:
+            conn.receive(from_client(OP_TEXT, b"{}"), float(second))
+        assert conn.tick(float(second)) is None
+    assert conn.next_tick() == 195.0 + 20
+
+
+def test_two_ends_that_both_ping_take_turns_one_ping_a_round() -> None:
+    """Issue 39: a runner and the hub each keep a keepalive, yet each round has one ping and
+    its pong, not one from each end: each end's clock starts again at what it hears."""
+    hub, runner = server(keepalive=Keepalive(20, 20)), client(keepalive=Keepalive(20, 20))
+    delay, now, pings = 0.5, 0.0, 0
+    while now < 400.0:
+        now = min(hub.next_tick(), runner.next_tick())
+        for end, other in ((hub, runner), (runner, hub)):
+            if end.tick(now) is Tick.PING:
+                pings += 1
+                other.receive(end.data_to_send(), now + delay)  # the ping arrives
+                end.receive(other.data_to_send(), now + 2 * delay)  # its pong comes back
+    assert hub.state is WsState.OPEN and runner.state is WsState.OPEN
+    assert 400.0 / 21.0 - 1 <= pings <= 400.0 / 20.0 + 1  # about one a round: not two
 
 
 def test_a_silent_peer_is_dead_timeout_after_a_ping() -> None:
@@ -356,9 +382,9 @@ def test_anything_heard_after_a_ping_counts_as_its_answer() -> None:
     conn.tick(20.0)
     conn.heard(25.0)  # the server's reader waited for a slow consumer: alive
     assert conn.tick(30.0) is None
-    assert conn.tick(40.0) is Tick.PING
-    conn.receive(from_client(OP_TEXT, b"{}"), 41.0)  # a message is an answer too
-    assert conn.tick(50.0) is None and conn.next_tick() == 60.0
+    assert conn.tick(44.9) is None and conn.tick(45.0) is Tick.PING
+    conn.receive(from_client(OP_TEXT, b"{}"), 46.0)  # a message is an answer too
+    assert conn.tick(56.0) is None and conn.next_tick() == 66.0
 
 
 def test_a_closing_connection_has_no_keepalive() -> None:
@@ -371,3 +397,19 @@ def test_text_frames_built_by_either_end_are_read_by_the_other() -> None:
     """Data frames are built by each end's I/O; this object reads them."""
     assert client().receive(text_frame(b"hi"), 0.0) == [(OP_TEXT, b"hi")]
     assert server().receive(_framer.frame(b"hi"), 0.0) == [(OP_TEXT, b"hi")]
+
+
+def test_a_reader_waiting_on_its_consumer_pings_on_and_never_finds_the_peer_dead() -> None:
+    """The server's reader held up by a slow consumer reads no pong: the peer is not dead for
+    that, and it still hears a ping every interval (else its own keepalive, unanswered, would
+    find the path dead)."""
+    conn = server(keepalive=Keepalive(20, 10))
+    pings = []
+    for second in range(1, 200):
+        conn.unread()
+        tick = conn.tick(float(second))
+        assert tick is not Tick.DEAD
+        if tick is Tick.PING:
+            pings.append(second)
+            conn.data_to_send()
+    assert pings == list(range(20, 200, 20))
