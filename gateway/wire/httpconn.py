@@ -35,7 +35,7 @@ import trio
 from gateway.wire.errors import ClientGone, HTTPError, error_envelope
 from gateway.wire.http import STATUS_LINES, Request, Response
 from gateway.wire.httpparse import RequestHead, RequestParser
-from gateway.wire.netio import NET_ERRORS, TLSTransport, Transport
+from gateway.wire.netio import NET_ERRORS, RECV_SIZE, TLSTransport, Transport
 from gateway.wire.wsconn import (
     Keepalive,
     WebSocketConnection,
@@ -167,6 +167,10 @@ class HTTPConnection:
         self._method = b""  # the request being served's (a refusal leaves out HEAD's body)
         self._unfed = b""  # bytes read while a response was on its way, parsed next
         self._head_bytes = 0  # bytes read while waiting for the next head
+        # the last read took all the socket had (less than it asked for): the next one waits
+        # for readability first instead of trying a read that finds nothing (a syscall and an
+        # exception per request: the client's next request, or its leaving, comes later)
+        self._drained = False
 
     @property
     def body_pending(self) -> bool:
@@ -180,7 +184,11 @@ class HTTPConnection:
 
     async def _fill(self) -> None:
         """Read what arrived and parse it (waiting for it); the end of the stream noted."""
-        data = await self.transport.receive()
+        transport = self.transport
+        if self._drained:
+            await transport.wait_readable()
+        data = await transport.receive()
+        self._drained = len(data) < RECV_SIZE
         if data:
             self._head_bytes += len(data)
             self._parser.feed(data)
@@ -249,10 +257,14 @@ class HTTPConnection:
         while not self.eof:
             if len(self._unfed) > self.limits.max_head:
                 await trio.sleep_forever()  # it floods while it waits: stop reading it
+            transport = self.transport
             try:
-                data = await self.transport.receive()
+                if self._drained:
+                    await transport.wait_readable()
+                data = await transport.receive()
             except NET_ERRORS:
                 data = b""
+            self._drained = len(data) < RECV_SIZE
             if not data:
                 self.eof = True
                 return
