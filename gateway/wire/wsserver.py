@@ -187,15 +187,8 @@ class ServerWebSocket:
         data: bytes | None = self._leftover or None
         self._leftover = b""
         found = 0
-        drained = False  # the last read took all the socket had: wait before the next
         while True:
             if data is None:
-                if drained:  # no read that would find nothing (a syscall and an exception)
-                    drained, found = False, 0
-                    try:
-                        await transport.wait_readable()
-                    except NET_ERRORS:
-                        return
                 try:
                     data = recv(RECV_SIZE)
                 except BlockingIOError:
@@ -209,7 +202,6 @@ class ServerWebSocket:
                     return
                 if not data:
                     return  # the end of the stream
-            drained = len(data) < RECV_SIZE
             messages = receive(data, trio.current_time())
             if conn.pending:
                 self._send_controls()
