@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -64,10 +63,10 @@ class Dialect(Protocol):
         """The prompt's tokens, estimated (when the backend did not say)."""
 
 
-@dataclass(frozen=True, slots=True)
-class TurnSpec:
+class TurnSpec(msgspec.Struct, frozen=True):
     """A client's request as one chat turn: the chat body for the channel, whether it streams,
-    the model asked of the runner, and its dialect."""
+    the model asked of the runner, and its dialect. (A frozen Struct, as ``ChatBody``: one is
+    built per turn, and a frozen dataclass sets each field through ``object.__setattr__``.)"""
 
     body: bytes  # the chat-completions body sent down the channel
     stream: bool

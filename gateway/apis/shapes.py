@@ -6,7 +6,6 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -191,9 +190,10 @@ class _ChatFields(msgspec.Struct):
 _chat_fields_decoder = msgspec.json.Decoder(_ChatFields)
 
 
-@dataclass(frozen=True, slots=True)
-class ChatBody:
-    """A valid chat-completions body as the front door read it (one decode)."""
+class ChatBody(msgspec.Struct, frozen=True):
+    """A valid chat-completions body as the front door read it (one decode). A frozen Struct,
+    not a frozen dataclass: one is built per turn, and a frozen dataclass sets each field
+    through ``object.__setattr__`` in Python."""
 
     body: bytes  # as the client sent it
     stream: bool

@@ -32,7 +32,17 @@ import msgspec
 import trio
 
 from gateway.hub.coordination import Alone, Coordination
-from gateway.hub.money import DAY, KeyBudget, Price, day_start, derive, month_start, next_month, utc
+from gateway.hub.money import (
+    DAY,
+    NO_BUDGET,
+    KeyBudget,
+    Price,
+    day_start,
+    derive,
+    month_start,
+    next_month,
+    utc,
+)
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import HourlyUsage, KeyLimits, Store, UsageRecord
 from gateway.hub.store.journal import CUT
@@ -170,7 +180,7 @@ class Accounting:
         if until <= now and self.store is not None:
             kept = await self.store.key_budgets()
             self._budgets = (kept, now + self.settings.key_check_interval)
-        return kept.get(key_name) or KeyBudget()
+        return kept.get(key_name) or NO_BUDGET
 
     async def prices(self) -> dict[str, Price]:
         """Every model's price by the ledger's name of it, kept ``key_check_interval`` s; a
@@ -255,10 +265,24 @@ class Accounting:
         store has is read first; the check and the count then run with no await between, so
         they are exact under any number of concurrent turns. On replicas the check and the
         count are the store's, in one transaction (the ``coordination``'s)."""
-        limits = await self.limits(turn.key_id, turn.key_name)
-        budget = await self.budget(turn.key_name)
+        # what is kept is taken here without a call to ``limits``, ``budget`` or ``prices``
+        # (three coroutines a turn); they read the store when it is not
+        now = trio.current_time()
+        kept = self._limits.get(turn.key_id)
+        if kept is not None and kept[1] > now:
+            limits = kept[0]
+        else:
+            limits = await self.limits(turn.key_id, turn.key_name)
+            now = trio.current_time()
+        budgets, until = self._budgets
+        if until > now:
+            budget = budgets.get(turn.key_name) or NO_BUDGET
+        else:
+            budget = await self.budget(turn.key_name)
+            now = trio.current_time()
         state = self._state(turn.key_id)
-        prices = await self.prices()  # read here, so the turn's end finds them kept
+        # read here, so the turn's end finds them kept
+        prices = self._prices[0] if self._prices[1] > now else await self.prices()
         funded = budget.daily is not None or budget.monthly is not None
         price: Price | None = None
         if funded:  # the client's name too: its runner may not have been asked yet

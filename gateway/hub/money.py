@@ -124,6 +124,9 @@ class KeyBudget:
         return {"budgetDaily": self.daily, "budgetMonthly": self.monthly, "priority": self.priority}
 
 
+NO_BUDGET = KeyBudget()  # a key without budgets, of the standard class (frozen: one for all)
+
+
 def budget_of(
     daily: str | float | None = None,
     monthly: str | float | None = None,

@@ -55,8 +55,11 @@ WAIT = 20.0  # s: the client thread gives up on what never comes (the test fails
 # 439; all calls varied by 20 between runs on the same code (whole 1,192-1,211, streamed
 # 1,292-1,311: trio's own, as the machine's load moves its scheduling), so the bounds on all
 # calls sit 40-50 over those, still below a task hop more.
-MAX_CALLS = {"whole": 1250, "stream": 1350}
-MAX_GATEWAY_CALLS = {"whole": 355, "stream": 445}
+# Issue 38 point 7, 6 Dec: one cancel scope a connection for its heads' deadline instead of one
+# a request, the key's kept limits, budgets and prices taken without three coroutines: whole
+# 1,156-1,173 / 340, streamed 1,255-1,257 / 433 (three runs); bounds lowered to hold it.
+MAX_CALLS = {"whole": 1205, "stream": 1300}
+MAX_GATEWAY_CALLS = {"whole": 350, "stream": 445}
 
 
 class Client(threading.Thread):

@@ -11,7 +11,6 @@ import json
 import sqlite3
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -365,7 +364,9 @@ def test_hub_usage_prints_per_key_and_model(
         await store.add_usage(_record("alice", "m1"), now - 10)
         await store.add_usage(_record("alice", "m1", "error"), now - 20)
         # a turn that ended before its backend said its usage: its tokens the hub's estimate
-        await store.add_usage(replace(_record("alice", "m1"), estimated=True), now - 25)
+        await store.add_usage(
+            msgspec.structs.replace(_record("alice", "m1"), estimated=True), now - 25
+        )
         await store.add_usage(_record("alice", None), now - 30)
         await store.add_usage(_record("bob", "m2"), now - 2 * 3600)
         await store.add_usage(_record("carol", "m1"), now - 3 * DAY)

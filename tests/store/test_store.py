@@ -15,7 +15,6 @@ the database answers. They wait for the writer's rows by its counter (``rows_wri
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sqlite3
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -373,8 +373,8 @@ async def test_prices_budgets_cost_throughput_and_a_journal_s_mark(store: Store)
     assert not await store.set_key_budget("nobody", KeyBudget(1.0))
     assert await store.key_budgets() == {"alice": KeyBudget(2.0, None, "background")}
 
-    priced = dataclasses.replace(_record("alice", "m1"), cost=0.5, ref_cost=1.0)
-    estimated = dataclasses.replace(priced, estimated=True, ttft=0.1)
+    priced = msgspec.structs.replace(_record("alice", "m1"), cost=0.5, ref_cost=1.0)
+    estimated = msgspec.structs.replace(priced, estimated=True, ttft=0.1)
     assert await store.journal_mark("journal-a") == 0
     await store._write_usage([(priced, hour + 1.0), (estimated, hour + 3601.0)], ("journal-a", 7))
     assert await store.journal_mark("journal-a") == 7

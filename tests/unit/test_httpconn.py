@@ -192,3 +192,28 @@ async def test_an_upgrade_not_taken_is_answered_and_the_connection_closed() -> N
     assert resp is not None and resp.status == 200 and resp.body == b"GET /up "
     assert resp.headers[b"connection"] == b"close"
     assert rest == b"" and echo.seen == [b""]
+
+
+async def test_a_head_that_comes_as_its_deadline_passes_is_served(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The connection's requests share one cancel scope whose deadline is set while a head is
+    awaited: a head read in the same turn of the run loop as that deadline passes is served
+    whole (as a head a moment earlier is), not cancelled under its handler."""
+    near, far = socket.socketpair()
+    echo = Echo()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_connection, Server(echo), near, ("127.0.0.1", 1), None)
+        await trio.testing.wait_all_tasks_blocked()  # it waits for the first head
+        far.sendall(b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\nhi")
+        mock_clock.jump(10.0)  # head_timeout (10 s) passes as the head is there
+        conn = RawConn(trio.SocketStream(trio.socket.from_stdlib_socket(far)))
+        resp = await conn.response()
+        assert resp is not None and resp.status == 200, resp
+        assert resp.body == b"POST /x hi"
+        assert echo.seen == [b"hi"]
+        await conn.send(b"GET /y HTTP/1.1\r\nHost: h\r\n\r\n")  # kept alive, still served
+        resp = await conn.response()
+        assert resp is not None and resp.status == 200 and resp.body == b"GET /y ", resp
+        await conn.aclose()
+        nursery.cancel_scope.cancel()

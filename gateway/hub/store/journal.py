@@ -21,7 +21,6 @@ Pure: files and bytes, no trio.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pathlib
@@ -105,7 +104,7 @@ class Journal:
                 elif line.turn not in ended:
                     started[line.turn] = (line.record, line.at)
         rows = list(ended.values())
-        rows += [(dataclasses.replace(r, outcome=CUT), at) for r, at in started.values()]
+        rows += [(msgspec.structs.replace(r, outcome=CUT), at) for r, at in started.values()]
         rows.sort(key=lambda row: row[1])
         self.seq = max(last, self.seq)
         self._start_segment()

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from gateway.hub.money import Price
 
 HOUR = 3600
@@ -161,14 +163,18 @@ class HourlyUsage:
     unpriced: int = 0  # turns whose model had no price (they cost 0)
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRecord:
+class UsageRecord(msgspec.Struct, frozen=True):
     """One ended front-door turn as the usage ledger keeps it (a row; its key's hourly totals).
 
     ``model`` is the ledger's name of the model (``""``: the runner's default); ``estimated``:
     the tokens are the hub's estimate (the turn ended before the backend said its usage);
     ``continued``: another runner or backend finished the answer after a fault (the tokens are
-    both parts', the continuation's prompt counted)."""
+    both parts', the continuation's prompt counted).
+
+    A frozen ``msgspec.Struct``, not a frozen dataclass: every turn builds two (its journal's
+    start and end lines), and a frozen dataclass's ``__init__`` sets each of its 17 fields
+    through ``object.__setattr__`` (some 16× the Struct's, ~4.7 against 0.29 µs); JSON of it is
+    the same object, field for field (``msgspec.structs.replace`` for a changed copy)."""
 
     key_id: str
     key_name: str
