@@ -62,9 +62,10 @@ class ServerWebSocket:
         self.path = path
         self._leftover = leftover  # frames that came with the handshake
         self.app_blocked = False  # the reader waits for a slow consumer of its messages
-        # told at each ping whose peer was heard within the last interval (its pongs): the
-        # hub's channel makes it its runner's sign of life, in place of a heartbeat's
+        # told at each of the peer's pings, and at each keepalive wake while the peer was heard
+        # from: the hub's channel makes it its runner's sign of life, in place of a heartbeat's
         self.on_alive: Callable[[], None] | None = None
+        self._asleep: trio.CancelScope | None = None  # the keepalive's wait, while it waits
         self._flush_lock = trio.Lock()
         self._wake = trio.Event()  # the flusher has control frames to write once there is room
         self._scope = trio.CancelScope()  # the reader's: its deadline set once we close
@@ -203,8 +204,9 @@ class ServerWebSocket:
                 if not data:
                     return  # the end of the stream
             messages = receive(data, trio.current_time())
-            if conn.pending:
+            if conn.pending:  # a ping came (or a close): answered
                 self._send_controls()
+                self._pinged()
             if messages:
                 texts = [payload for op, payload in messages if op == OP_TEXT]
                 if texts:
@@ -234,6 +236,17 @@ class ServerWebSocket:
 
     # -- keeping alive ---------------------------------------------------------------------
 
+    def _pinged(self) -> None:
+        """The peer pinged: its sign of life, and our keepalive's wake moved to when it is due
+        now (a peer that pings every interval is never pinged back, and our keepalive sleeps
+        through: a timer that fires costs trio a cancellation, a deadline moved does not)."""
+        asleep = self._asleep
+        if asleep is not None:
+            asleep.deadline = self.conn.next_tick()
+        alive = self.on_alive
+        if alive is not None:
+            alive()
+
     async def _keepalive(self) -> None:
         """The keepalive clock's I/O: a ping when due (the peer silent for an interval); the
         peer's sign of life (``on_alive``) at each wake while it is heard from; the WebSocket
@@ -242,7 +255,10 @@ class ServerWebSocket:
         conn = self.conn
         counters = self.counters
         while True:
-            await trio.sleep_until(conn.next_tick())
+            with trio.CancelScope(deadline=conn.next_tick()) as asleep:
+                self._asleep = asleep
+                await trio.sleep_forever()
+            self._asleep = None
             now = trio.current_time()
             blocked = self.app_blocked
             if blocked:

@@ -16,6 +16,7 @@ from wsproto.events import (
     AcceptConnection,
     CloseConnection,
     Ping,
+    Pong,
     Request,
     TextMessage,
 )
@@ -36,6 +37,7 @@ class RawChannel:
     ws: WSConnection
     answer_pings: bool
     pings: int = 0
+    pongs: int = 0
     texts: list[str] = field(default_factory=list)
     close: CloseConnection | None = None
     changed: trio.Event = field(default_factory=trio.Event)
@@ -53,6 +55,8 @@ class RawChannel:
                     self.pings += 1
                     if self.answer_pings:
                         await self.stream.send_all(self.ws.send(event.response()))
+                elif isinstance(event, Pong):
+                    self.pongs += 1
                 elif isinstance(event, TextMessage):
                     self.texts.append(event.data)
                 elif isinstance(event, CloseConnection):
@@ -137,6 +141,40 @@ async def test_live_idle_channel_stays_open_through_many_pings() -> None:
     # besides what the hub asks of every new channel (its models; its hello)
     said = [t for t in ch.texts if "chat.models.request" not in t and "channel.hello" not in t]
     assert said == ['{"type":"chat.end","reason":"done"}']
+
+
+async def test_a_runner_that_pings_is_not_pinged_and_wakes_no_keepalive_timer(
+    autojump_clock: Any,
+) -> None:
+    """Issue 39: one keepalive per channel, not one from each end. A runner that pings every
+    15 s gets its pongs; the hub, hearing from it within its 20 s interval, sends no ping of its
+    own, its keepalive's timer never fires (the wait is moved at each of the runner's pings, the
+    same one waiting throughout), and the runner stays alive on the board."""
+    async with open_hub(Hub(admin_token=ADMIN, ping_interval=20.0, offline_after=60.0)) as (
+        hub,
+        url,
+    ):
+        async with httpx.AsyncClient(base_url=url) as client:
+            job_id, token = await claimed(hub, client)
+        with trio.fail_after(1000):
+            ch = await dial(url, job_id, token, answer_pings=True)
+            opened = await hub.channels.wait(job_id, 10)
+            assert opened is not None
+            server_ws = opened._ws  # the hub's end of the channel
+            assert server_ws is not None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ch.read)
+                await trio.sleep(1.0)  # the hub's keepalive waiting
+                waiting = server_ws._asleep
+                for n in range(20):  # 300 s of pings, 15 s apart
+                    await ch.stream.send_all(ch.ws.send(Ping(payload=b"r")))
+                    await ch.wait_until(lambda n=n: ch.pongs > n)
+                    await trio.sleep(15.0)
+                still = server_ws._asleep
+                nursery.cancel_scope.cancel()
+    assert ch.pongs == 20 and ch.pings == 0 and hub.counters.pings_sent == 0
+    assert waiting is not None and still is waiting  # the one wait, never woken
+    assert hub.board.alive(opened.runner_id)
 
 
 async def test_no_pings_when_off() -> None:
