@@ -940,8 +940,8 @@ class HubSettings:
         20.0,
         env="ALP_GATEWAY_HUB_PING_INTERVAL",
         parse=_non_negative_float,
-        help="seconds a Chat Channel may be quiet before it is pinged (the runner's messages "
-        "and pings count: a busy channel sends none) (0: off)",
+        help="a Chat Channel quiet for 1.5 times this many seconds is pinged (the runner's "
+        "messages and pings count: a runner that pings every interval is not pinged back) (0: off)",
         group="hub-runners",
         metavar="S",
     )

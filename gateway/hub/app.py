@@ -28,6 +28,9 @@ from gateway.wire.server import ConnectionLimits, Keepalive, Server, WebSocketRe
 from gateway.wire.server import Handler as ServerHandler
 
 log = logging.getLogger("gateway.hub")
+# a channel quiet for PATIENCE ping intervals is pinged: a runner that pings its channel every
+# interval (ours does, on a quiet channel) is never pinged back, nor wakes the hub's timer
+PATIENCE = 1.5
 
 Handler = Callable[[Request], Awaitable[None]]
 _STORE_UNAVAILABLE = "the hub's store is unavailable: retry shortly"
@@ -392,7 +395,7 @@ async def serve_hub(
     )
     server = Server(
         app if app is not None else App(hub),
-        keepalive=Keepalive(settings.ping_interval, settings.pong_timeout),
+        keepalive=Keepalive(settings.ping_interval, settings.pong_timeout, patience=PATIENCE),
         counters=hub.counters,
         limits=ConnectionLimits(
             head_timeout=settings.head_timeout,

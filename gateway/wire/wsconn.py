@@ -71,13 +71,21 @@ class Tick(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Keepalive:
-    """A ping once the peer has been silent for ``interval`` s (0: none): its messages, its
-    pings and its pongs all count, so a busy connection sends none and two ends that both ping
-    take turns, one ping a round between them; the peer is dead when nothing at all arrives
-    ``timeout`` s after one."""
+    """A ping once the peer has been silent for ``interval`` × ``patience`` s (0: none): its
+    messages, its pings and its pongs all count, so a busy connection sends none and two ends
+    that both ping take turns, one ping a round between them; the peer is dead when nothing at
+    all arrives ``timeout`` s after one. An end with ``patience`` over 1 (the hub's channels)
+    leaves the pinging to a peer that pings every ``interval`` (the runner, which dialled
+    through the NAT that the pings keep): it is then never the one that pings."""
 
     interval: float = 20.0
     timeout: float = 20.0
+    patience: float = 1.0
+
+    @property
+    def quiet(self) -> float:
+        """The silence after which this end pings."""
+        return self.interval * self.patience
 
 
 # -- the opening handshake (RFC 6455 §4) -------------------------------------------------------
@@ -214,7 +222,7 @@ class WebSocketConnection:
         self._close: bytes | None = None  # our close frame, not written yet
         self._pings_unanswered = 0  # pings that came while a pong from an earlier read waited
         self.keepalive = keepalive if keepalive is not None and keepalive.interval > 0 else None
-        self._ping_at = now + self.keepalive.interval if self.keepalive is not None else math.inf
+        self._ping_at = now + self.keepalive.quiet if self.keepalive is not None else math.inf
         self._awaiting: float | None = None  # when the ping with nothing heard after it went
 
     # -- reading ---------------------------------------------------------------------------
@@ -327,7 +335,7 @@ class WebSocketConnection:
         if self.state is not WsState.OPEN or self.keepalive is None:
             return math.inf
         awaiting = self._awaiting
-        ping_at = max(self._ping_at, self.heard_at + self.keepalive.interval)
+        ping_at = max(self._ping_at, self.heard_at + self.keepalive.quiet)
         if awaiting is None or self.heard_at >= awaiting:  # answered: the next ping is next
             return ping_at
         return min(ping_at, awaiting + self.keepalive.timeout)
@@ -344,7 +352,7 @@ class WebSocketConnection:
             awaiting = self._awaiting = None  # a pong, or anything else, came
         if awaiting is not None and now >= awaiting + keepalive.timeout:
             return Tick.DEAD
-        if now < self._ping_at or now < self.heard_at + keepalive.interval:
+        if now < self._ping_at or now < self.heard_at + keepalive.quiet:
             return None  # not yet, or the peer was heard from lately: no ping needed
         self._ping_at = now + keepalive.interval
         if awaiting is None:

@@ -266,10 +266,7 @@ class ServerWebSocket:
             tick = conn.tick(now)
             alive = self.on_alive  # at each wake (about once an interval): the peer's pings,
             if alive is not None and conn.keepalive is not None:  # pongs or messages lately
-                if (
-                    blocked
-                    or now - conn.heard_at <= conn.keepalive.interval + conn.keepalive.timeout
-                ):
+                if blocked or now - conn.heard_at <= conn.keepalive.quiet + conn.keepalive.timeout:
                     alive()
             if tick is Tick.PING:
                 counters.pings_sent += 1

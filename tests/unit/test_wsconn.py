@@ -413,3 +413,17 @@ def test_a_reader_waiting_on_its_consumer_pings_on_and_never_finds_the_peer_dead
             pings.append(second)
             conn.data_to_send()
     assert pings == list(range(20, 200, 20))
+
+
+def test_an_end_with_patience_leaves_the_pinging_to_a_peer_that_pings_every_interval() -> None:
+    """Issue 39: the hub (patience 1.5) facing a runner that pings every interval (its pings a
+    little late or early, as a loaded path delivers them) is never due to ping: its keepalive
+    sleeps through (with patience 1 it would be due before every late ping)."""
+    hub = server(keepalive=Keepalive(20, 20, patience=1.5))
+    for n in range(1, 40):
+        arrives = 20.0 * n + (0.5 if n % 2 else 0.01)  # the runner's schedule, jittered
+        assert hub.next_tick() > arrives  # not due before the runner's ping
+        assert hub.tick(arrives) is None
+        hub.receive(from_client(OP_PING, b"r"), arrives)
+        assert frames_of(hub.data_to_send(), True) == [(OP_PONG, b"r")]  # only the pong
+    assert hub.state is WsState.OPEN
