@@ -364,9 +364,12 @@ class Channels:
             ws.on_alive = partial(self.board.seen, runner_id)
         self.awaited.discard(job_id)
         old = self._open.get(job_id)
-        self._open[job_id] = ch
-        if old is not None:
+        moved: set[str] = set()
+        if old is not None:  # its runner redialled, so it is dead to it (found before the hub's
+            moved = set(old._sinks)  # keepalive did): its turns suspended now, resumed below
+            old._finish()
             old.request_close(CLOSE_REPLACED, "replaced by a new connection")
+        self._open[job_id] = ch
         counts: dict[str, int] = {}
         for rid, sink in self.suspended.pop(job_id, {}).items():
             count = sink.resume_count()
@@ -374,6 +377,8 @@ class Channels:
                 counts[rid] = count
                 ch.open(rid, sink)
                 sink.resumed()
+                if rid in moved:  # resumed before its turn saw it lost (else its turn counts it)
+                    self.counters.turns_resumed += 1
         ch.hello = protocol.encode_frame(HelloFrame(job_id, EXTENSIONS, counts or None))
         self.changes.notify()
         for observe in self.on_open:
