@@ -291,12 +291,19 @@ async def _profile(pid: int, seconds: float, name: str) -> None:
     (out / f"fleet-{name}.txt").write_text("\n".join(lines) + "\n")
 
 
+def _hub_log() -> Any:
+    """Where the hub's stderr goes: ``FLEET_HUB_LOG``'s file, else nowhere."""
+    where = os.environ.get("FLEET_HUB_LOG")
+    return open(where, "a") if where else subprocess.DEVNULL  # noqa: SIM115 (the hub's, for its life)
+
+
 def _hub(hub_path: Path, data_dir: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(hub_path))
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "fleethub.py"), data_dir],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        # FLEET_HUB_LOG=FILE: the hub's log there (FLEET_HUB_GC=1: its full collections too)
+        stderr=_hub_log(),
         text=True,
         env=env,
         cwd=str(hub_path),

@@ -7,14 +7,34 @@ whose hub is measured: it imports nothing of ``bench``, so another checkout's hu
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
+import time
 
 import trio
 
 from gateway.hub import Hub, serve_hub
 
 ADMIN = "alpa_bench_fleet_admin_credential"
+
+
+def _log_full_collections() -> None:
+    """With ``FLEET_HUB_GC`` set: one stderr line per full collection (its time), to tell a
+    phase's CPU that a garbage collection of the grown heap took from the phase's own."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            took = 1e3 * (time.perf_counter() - started[0])
+            print(f"gc full {took:.1f} ms, {info.get('collected', 0)} collected", file=sys.stderr)
+
+    gc.callbacks.append(callback)
 
 
 async def main() -> None:
@@ -28,4 +48,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("FLEET_HUB_GC"):
+        _log_full_collections()
     trio.run(main)
