@@ -33,9 +33,7 @@ from gateway.wire.sse import SSESplitter
 log = logging.getLogger("gateway.alp")
 
 CHAT_JOB_TYPE = "chat_llm"
-# s: a connection to the Server kept idle this long (below the hub's 30 s keepalive_timeout,
-# above the 10 s poll interval: a runner's polls share one connection)
-KEEPALIVE_EXPIRY = 25.0
+KEEPALIVE_EXPIRY = 25.0  # s kept idle: past the 10 s polls, within the hub's 30 s keepalive
 
 
 class ServerUnavailable(Exception):
@@ -340,9 +338,7 @@ class AlpClient:
             verify=self._ssl_context if self._ssl_context is not None else True,
             timeout=httpx.Timeout(self.deadlines.request, connect=self._connect_timeout),
             headers={"user-agent": "alp-gateway"},
-            # kept between polls (10 s apart; httpx's 5 s would open one a poll, and a TLS
-            # handshake with it); a connection the Server closed meanwhile is not reused
-            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),  # httpx's 5 s: one a poll
         )
 
     async def aclose(self) -> None:

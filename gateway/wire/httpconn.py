@@ -1,11 +1,8 @@
 """One accepted connection of the server core: HTTP/1.1 requests in turn (httptools), or a WebSocket.
 
-httptools (llhttp, in C) parses each request head and body (``gateway.wire.httpparse``); the
-server core writes every response head itself (``gateway.wire.http.Response``), the 100 and the 101. Why not h11, which
-did both before: its state machine, header validation and event objects cost ~47 µs of Python
-per short request in process (head, small body, answer) against ~2 µs here, and 918 Python
-calls per request through the whole core (``tests/runner/test_turncalls.py``; bench/README.md,
-issue 29). A request goes to the handler as a ``Request`` (``gateway.wire.http``) with the head
+httptools (llhttp, in C) parses each head and body (``gateway.wire.httpparse``); the core writes
+every response head itself (``gateway.wire.http.Response``). Not h11, which did both before:
+~47 µs of Python a short request in process against ~2 µs here (bench/README.md, issue 29). A request goes to the handler as a ``Request`` (``gateway.wire.http``) with the head
 already checked: size, deadline, ``Host``, ``Content-Length`` with ``Transfer-Encoding``
 refused (llhttp refuses it, and every other framing it cannot read unambiguously: duplicate
 lengths, a transfer coding but chunked, a malformed chunk). Requests pipelined behind one are
@@ -56,12 +53,8 @@ MAX_CHUNK_LINE = 16 * 1024  # bytes: a chunked body's size line (with its extens
 class ConnectionLimits:
     """The bounds of every connection (the hub's settings of the same names)."""
 
-    # s: a request head (and a TLS handshake) must arrive within this of the connection's start
-    # or, kept alive, of its first byte
-    head_timeout: float = 10.0
-    # s: a kept-alive connection waits this long for its next request's first byte (longer than a
-    # runner's 10 s poll interval: a fleet's polls reuse their connections)
-    keepalive_timeout: float = 30.0
+    head_timeout: float = 10.0  # s: a head (and TLS) within this of the start, or of its 1st byte
+    keepalive_timeout: float = 30.0  # s: a kept-alive connection's wait for its next request
     body_timeout: float = 60.0  # s: a request body must arrive within, from the end of its head
     max_head: int = 64 * 1024  # bytes: a longer request head is refused (431)
     max_connections: int = 1024  # open connections; past it new ones get a 503 and are closed
@@ -171,9 +164,8 @@ class HTTPConnection:
         self._method = b""  # the request being served's (a refusal leaves out HEAD's body)
         self._unfed = b""  # bytes read while a response was on its way, parsed next
         self._head_bytes = 0  # bytes read while waiting for the next head
-        # the last read took all the socket had (less than it asked for): the next one waits
-        # for readability first instead of trying a read that finds nothing (a syscall and an
-        # exception per request: the client's next request, or its leaving, comes later)
+        # the last read took all the socket had: the next waits for readability first, not a
+        # read that finds nothing (a syscall and an exception a request)
         self._drained = False
         self._waiting = trio.CancelScope()  # where heads are awaited (``serve``)
 
@@ -278,10 +270,9 @@ class HTTPConnection:
     # -- serving ---------------------------------------------------------------------------
 
     async def _next_head(self) -> RequestHead | None:
-        """The next request's head, read within ``head_timeout`` (the deadline of the
-        connection's ``_waiting`` scope, set while it waits: ``serve`` answers 408 when it
-        passes); None when the connection is to end (the client closed it, or it was refused:
-        answered here)."""
+        """The next request's head, within ``head_timeout`` (kept alive: ``keepalive_timeout``
+        for its first byte), the deadline of ``_waiting`` (``serve`` answers 408 past it); None
+        when the connection is to end (the client closed it, or it was refused: answered)."""
         parser = self._parser
         heads = parser.heads
         if heads:
@@ -338,10 +329,9 @@ class HTTPConnection:
         await self.refuse(400, text, "invalid_request")
 
     async def serve(self) -> None:
-        """The connection's requests in turn, each head within ``head_timeout``: one cancel
-        scope for them all (``_waiting``), its deadline set only while a head is awaited
-        (``_next_head``), not a scope of its own per request (some 5 µs a request). A head that
-        came just as its deadline passed is served all the same, under a new scope."""
+        """The connection's requests in turn, each head in time: one cancel scope for them all
+        (``_waiting``, its deadline set while a head is awaited), not one a request (5 µs); a
+        head that came as its deadline passed is served all the same, under a new scope."""
         msg: RequestHead | None = None
         while True:
             with trio.CancelScope() as waiting:
