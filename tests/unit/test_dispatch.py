@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import Any
 
 import pytest
+from walks import walk_counting
 
 from gateway.hub.dispatchplan import (
     Assign,
@@ -353,22 +353,7 @@ def test_without_a_fallback_runner_targets_are_as_before() -> None:
 # -- a fleet kept between steps ------------------------------------------------------------------
 
 
-class _Walked(dict[str, RunnerView]):
-    """A project's runners counting the walks over them."""
-
-    walks = 0
-
-    def values(self) -> Any:
-        self.walks += 1
-        return super().values()
-
-    def items(self) -> Any:
-        self.walks += 1
-        return super().items()
-
-    def __iter__(self) -> Any:
-        self.walks += 1
-        return super().__iter__()
+_Walked = walk_counting(dict)  # a project's runners counting the walks over them
 
 
 def test_a_fleet_kept_between_steps_decides_as_its_runners_do_without_walking_them_again() -> None:

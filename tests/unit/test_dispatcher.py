@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from walks import walk_counting
 
 from gateway.apis.dialects import CHAT
 from gateway.hub import dispatcher
@@ -206,28 +207,8 @@ async def test_a_job_is_taken_back_when_its_turns_client_leaves_before_a_claim(
 
 
 def counted(base: type[dict[str, Any]]) -> Any:
-    """``base`` (the board's table's own type) counting the walks over it."""
-
-    class Counted(base):  # type: ignore[misc, valid-type]
-        walks = 0
-
-        def __iter__(self) -> Any:
-            self.walks += 1
-            return super().__iter__()
-
-        def keys(self) -> Any:
-            self.walks += 1
-            return super().keys()
-
-        def values(self) -> Any:
-            self.walks += 1
-            return super().values()
-
-        def items(self) -> Any:
-            self.walks += 1
-            return super().items()
-
-    return Counted()
+    """``base`` (the board's table's own type), empty, counting the walks over it."""
+    return walk_counting(base)()
 
 
 @pytest.mark.parametrize("push", [False, True])
