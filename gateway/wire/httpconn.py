@@ -574,11 +574,12 @@ async def _plain_http(sock: socket.socket) -> bool:
         try:
             first = sock.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
-            continue
+            first = None  # waited for outside the handler (which would keep the error alive)
         except OSError:
             return False
-        return bool(first) and first[0] in HTTP_METHOD_START
+        if first is not None:
+            return bool(first) and first[0] in HTTP_METHOD_START
+        await trio.lowlevel.wait_readable(sock)
 
 
 async def _linger(transport: Transport) -> None:

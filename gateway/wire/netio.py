@@ -249,7 +249,8 @@ async def _receive_raw(sock: socket.socket) -> bytes:
         try:
             return sock.recv(RECV_SIZE)
         except BlockingIOError:
-            await _wait_readable(sock)
+            pass  # waited for outside the handler (which would keep the exception alive)
+        await _wait_readable(sock)
 
 
 def take_socket(stream: trio.SocketStream) -> socket.socket:

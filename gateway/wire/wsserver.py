@@ -193,14 +193,17 @@ class ServerWebSocket:
                 try:
                     data = recv(RECV_SIZE)
                 except BlockingIOError:
+                    pass  # waited for below, outside the handler: a wait inside it would keep
+                    # the exception and its traceback alive for as long as the channel is quiet
+                except NET_ERRORS:
+                    return
+                if data is None:
                     found = 0
                     try:
                         await transport.wait_readable()
                     except NET_ERRORS:
                         return
                     continue
-                except NET_ERRORS:
-                    return
                 if not data:
                     return  # the end of the stream
             messages = receive(data, trio.current_time())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import urllib.parse
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from helpers import ADMIN, OWNER, PROJECT, register_runner, send
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
@@ -313,3 +315,36 @@ async def test_an_app_slow_to_read_is_not_a_dead_path() -> None:
     assert counters.pong_timeouts == 0 and counters.pings_sent >= 5
     assert got == [f"m{n}" for n in range(total)]
     assert ch.close is not None and ch.close.code == 1000
+
+
+def _errors_kept_by(module: str) -> list[BaseException]:
+    """The BlockingIOErrors alive whose traceback passes through ``module``."""
+    kept = []
+    for obj in gc.get_objects():
+        if isinstance(obj, BlockingIOError):
+            tb = obj.__traceback__
+            while tb is not None:
+                if tb.tb_frame.f_code.co_filename.endswith(module):
+                    kept.append(obj)
+                    break
+                tb = tb.tb_next
+    return kept
+
+
+async def test_a_quiet_channel_keeps_no_exception_alive() -> None:
+    """The channel's reader waits for the next bytes outside the handler of the read that found
+    none: a wait inside it kept that BlockingIOError and its traceback alive for as long as the
+    channel was quiet (one a session, walked by every garbage collection)."""
+    async with open_hub(Hub(admin_token=ADMIN, ping_interval=0)) as (hub, url):
+        async with httpx.AsyncClient(base_url=url) as client:
+            job_id, token = await claimed(hub, client)
+            with trio.fail_after(30):  # a hang guard only
+                ch = await dial(url, job_id, token, answer_pings=True)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ch.read)
+                    opened = await hub.channels.wait(job_id, 10)
+                    assert opened is not None
+                    await trio.testing.wait_all_tasks_blocked()  # the reader waits: quiet
+                    kept = _errors_kept_by("gateway/wire/wsserver.py")
+                    nursery.cancel_scope.cancel()
+    assert kept == []
