@@ -99,6 +99,11 @@ class SessionTable(dict[SessionKey, Session]):
         held = self._by_key.get(key_id)
         return list(held.values()) if held else []
 
+    def count_of_key(self, key_id: str) -> int:
+        """How many live sessions one API key (by its id) holds, without listing them."""
+        held = self._by_key.get(key_id)
+        return len(held) if held else 0
+
     def key_ids(self) -> list[str]:
         """The API key ids (or legacy names) that hold live sessions."""
         return list(self._by_key)
@@ -171,26 +176,25 @@ class Sessions:
         evicted: Session | None = None
         if session is None:
             limit = self.coordination.session_cap(self._max_per_key())
-            if limit > 0:
-                held = self.live.of_key(skey[0])
-                if len(held) >= limit:
-                    idle = [s for s in held if not s.turns]
-                    if not idle:
-                        log.warning(
-                            "API key %s holds %d busy sessions: session %s refused",
-                            key.name,
-                            len(held),
-                            session_id,
-                        )
-                        raise TooManySessions(limit)
-                    evicted = min(idle, key=lambda s: (s.last_used, s.used))
-                    del self.live[evicted.key]  # out of the table at once (no await before)
-                    log.info(
-                        "API key %s at %d sessions: ending its least recently used session %s",
+            if limit > 0 and self.live.count_of_key(skey[0]) >= limit:
+                held = self.live.of_key(skey[0])  # listed only at the cap: O(1) below it
+                idle = [s for s in held if not s.turns]
+                if not idle:
+                    log.warning(
+                        "API key %s holds %d busy sessions: session %s refused",
                         key.name,
-                        limit,
-                        evicted.name,
+                        len(held),
+                        session_id,
                     )
+                    raise TooManySessions(limit)
+                evicted = min(idle, key=lambda s: (s.last_used, s.used))
+                del self.live[evicted.key]  # out of the table at once (no await before)
+                log.info(
+                    "API key %s at %d sessions: ending its least recently used session %s",
+                    key.name,
+                    limit,
+                    evicted.name,
+                )
             session = self.live[skey] = Session(skey, key.owner, key.project, key.name)
             self.poke()  # ``run`` checks its key from now on
         # a replica's: the store's word as the turn was admitted, unless it has turns of it now
