@@ -437,29 +437,15 @@ class Dispatcher:
             log.info("job %s: runner %s did not take it in time: passed over", job_id, offer.runner)
         elif offer is not None:  # offered to every eligible runner already
             return targets, offer
-        board = self.board
-        best: tuple[bool, bool, int] | None = None
-        chosen: str | None = None
-        # none beats a capable runner holding the fewest jobs, not passed over: the first such
-        floor = (False, False, runners.least_held)
         order = self._chosen.setdefault(key, OrderedDict())
-        for runner_id in order if board.any_subscribed(*key) else ():  # (none hears a push)
-            view = runners.get(runner_id)
-            if view is None or not view.alive or view.capable is False or runner_id in passed:
-                continue
-            if targets is not None and runner_id not in targets:
-                continue
-            if not board.subscribed(runner_id):
-                continue
-            rank = (
-                now - self._passed_at.get(runner_id, -math.inf) < PASSED_FOR,  # others first
-                view.capable is None,
-                view.held,
-            )
-            if best is None or rank < best:
-                best, chosen = rank, runner_id
-                if rank == floor:
-                    break
+        passed_at = self._passed_at
+        chosen = runners.choose(
+            order if self.board.any_subscribed(*key) else {},  # (none hears a push)
+            self.board.subscribed,
+            passed,
+            lambda runner_id: now - passed_at.get(runner_id, -math.inf) < PASSED_FOR,
+            targets,
+        )
         if chosen is None:  # nobody left that a push reaches: any eligible runner's poll
             return targets, _Offer(None, math.inf, passed)
         order.move_to_end(chosen)

@@ -6,8 +6,13 @@ trio, no I/O (``gateway.hub.dispatchplan`` plans with them)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
+
+# a new job's runner is the best of this many that may take it, the longest unchosen first
+CANDIDATES = 16
+# runners looked at for a new job, at most (when few of the fleet may take it: a rare model)
+WALK_AT_MOST = 128
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,50 @@ class Fleet:
 
     def get(self, runner_id: str) -> RunnerView | None:
         return self.runners.get(runner_id)
+
+    def choose(
+        self,
+        order: MutableMapping[str, None],
+        reachable: Callable[[str], bool],
+        passed: Container[str],
+        passed_lately: Callable[[str], bool],
+        targets: Container[str] | None,
+    ) -> str | None:
+        """The runner a new job is offered to: of those a push reaches (``reachable``), alive,
+        not at capacity, not ``passed`` over for it and among ``targets`` (None: any), the best
+        of the first ``CANDIDATES`` in ``order`` (the longest unchosen first): not passed over
+        lately, then known capable, then the fewest jobs held; None when there is none.
+
+        The walk is bounded, so a new session costs the same in a fleet of any size: it stops
+        at a runner no other can beat, after ``CANDIDATES`` that may take the job, or after
+        ``WALK_AT_MOST`` runners. One that cannot take any job now (gone, silent, at capacity,
+        polling only) goes to the back of ``order``, so that the next walk starts past it."""
+        best: tuple[bool, bool, int] | None = None
+        chosen: str | None = None
+        floor = (False, False, self.least_held)  # none beats it: the first such is taken
+        unable: list[str] = []
+        found = steps = 0
+        for runner_id in order:
+            steps += 1
+            if steps > WALK_AT_MOST:
+                break
+            view = self.runners.get(runner_id)
+            if view is None or not view.alive or view.capable is False or not reachable(runner_id):
+                unable.append(runner_id)
+                continue
+            if runner_id in passed or (targets is not None and runner_id not in targets):
+                continue
+            rank = (passed_lately(runner_id), view.capable is None, view.held)
+            if best is None or rank < best:
+                best, chosen = rank, runner_id
+                if rank == floor:
+                    break
+            found += 1
+            if found >= CANDIDATES:
+                break
+        for runner_id in unable:
+            order[runner_id] = order.pop(runner_id)  # to the back
+        return chosen
 
     @property
     def least_held(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from walks import walk_counting
 
+from gateway.hub.dispatchfleet import CANDIDATES, WALK_AT_MOST
 from gateway.hub.dispatchplan import (
     Assign,
     DispatchLimits,
@@ -403,3 +404,43 @@ def test_a_fleet_updated_for_held_jobs_decides_as_one_built_anew() -> None:
     assert fleet.updated({"r1": replace(views["r1"], capable=False)}) is None
     assert fleet.updated({"r1": replace(views["r1"], models=frozenset({"n"}))}) is None
     assert fleet.updated({"new": runner("new")}) is None
+
+
+def test_a_new_jobs_runner_is_chosen_in_a_bounded_walk_that_starts_past_the_unreachable() -> None:
+    """``Fleet.choose``: the fewest held of the first ``CANDIDATES`` that may take the job, the
+    longest unchosen first, in a walk of at most ``WALK_AT_MOST`` runners whatever the fleet's
+    size; runners no push reaches, or at capacity, go to the back, so the next walk starts past
+    them. A runner that only polls and holds nothing (the fleet's fewest held, never chosen by a
+    push) no longer makes every new session walk the whole fleet."""
+    views = {f"r{i}": runner(f"r{i}", models=["m"], held=5) for i in range(1000)}
+    views["poller"] = runner("poller", models=["m"], held=0)  # the fewest held: polls only
+    views["full"] = runner("full", models=["m"], held=9, free=False)
+    views["r500"] = replace(views["r500"], held=4)  # far back: not looked at
+    views["r7"] = replace(views["r7"], held=4)
+    fleet = Fleet(views)
+    order = dict.fromkeys(["poller", "full", *(f"r{i}" for i in range(1000))])
+    looked: list[str] = []
+
+    def reachable(runner_id: str) -> bool:
+        looked.append(runner_id)
+        return runner_id != "poller"
+
+    never = lambda runner_id: False  # noqa: E731
+    assert fleet.choose(order, reachable, set(), never, None) == "r7"  # best of the first 16
+    assert len(looked) == 1 + CANDIDATES  # stopped after 16 that may take it ("full" not asked)
+    assert list(order)[-2:] == ["poller", "full"]  # behind the others now
+    looked.clear()
+    # the floor (nothing holds fewer than the poller's 0) is never met, and still bounded
+    assert fleet.choose(order, reachable, {"r0", "r1"}, never, None) == "r7"
+    assert len(looked) == CANDIDATES + 2
+    looked.clear()
+    # a rare model: its only runner far back is not found, the walk stops at its bound
+    assert fleet.choose(order, reachable, set(), never, frozenset({"r900"})) is None
+    assert len(looked) == WALK_AT_MOST
+    # a runner passed over lately comes after the rest: the next fewest held of the window
+    assert fleet.choose(order, lambda r: True, set(), lambda r: r == "r7", None) != "r7"
+    # with every runner equal the first is no worse than any: taken at once
+    even = Fleet({f"e{i}": runner(f"e{i}", models=["m"], held=2) for i in range(100)})
+    looked.clear()
+    assert even.choose(dict.fromkeys(even.runners), reachable, set(), never, None) == "e0"
+    assert looked == ["e0"]
