@@ -11,8 +11,10 @@ answered with a few chunk frames. The hub runs in its own process (``bench/fleet
 
 Figures per point (runners/sessions): the hub's RSS; idle CPU (% of a core, nothing asked);
 a poll's marginal CPU (µs: ``--polls`` polls of one more runner, the idle rate taken out); a new
-session's TTFT p50 and hub CPU (``--new`` sessions one after another); short turns a second with
-``--clients`` clients on open sessions, and the hub's CPU a turn.
+session's TTFT p50 and hub CPU (``--new`` sessions one after another: enough that the full
+garbage collections they cause weigh in at their rate, not by luck); short turns a second with
+``--clients`` clients on open sessions, and the hub's CPU a turn. ``--profile`` samples the hub
+(py-spy) in the idle, new-session (for ``--idle`` s, at least ``--new``) and turns phases.
 """
 
 from __future__ import annotations
@@ -394,12 +396,24 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             # new sessions, one after another
             ttfts = []
             lost0 = fleet.lost_claims
+            profiled = trio.Event()
+
+            async def profile_new() -> None:
+                await _profile(pid, args.idle, f"new-{runners}-{sessions}")
+                profiled.set()
+
+            if args.profile:
+                # the profile's phase: new sessions for as long as it records (at least --new)
+                nursery.start_soon(profile_new)
+            else:
+                profiled.set()
             c0, t0 = cpu_seconds(pid), time.perf_counter()
-            for n in range(args.new):
-                ttfts.append(await turn(http, base, key, f"new{n}-{uuid.uuid4().hex[:8]}"))
+            while len(ttfts) < args.new or not profiled.is_set():
+                name = f"new{len(ttfts)}-{uuid.uuid4().hex[:8]}"
+                ttfts.append(await turn(http, base, key, name))
             cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
             out["new_ttft_ms"] = round(1e3 * (percentile(ttfts, 50) or 0.0), 1)
-            out["new_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / args.new, 1)
+            out["new_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / len(ttfts), 1)
             out["new_lost_claims"] = fleet.lost_claims - lost0
             # short turns on open sessions
             count = 0
@@ -455,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat", type=float, default=20.0, help="s between heartbeats")
     p.add_argument("--idle", type=float, default=20.0, help="s of idle measured")
     p.add_argument("--polls", type=int, default=300, help="polls of the probe runner")
-    p.add_argument("--new", type=int, default=10, help="new sessions opened one by one")
+    p.add_argument("--new", type=int, default=100, help="new sessions opened one by one")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--turns-for", type=float, default=10.0, help="s of short turns")
     p.add_argument("--open-parallel", type=int, default=16, help="sessions opened at once")
