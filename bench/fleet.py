@@ -479,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="py-spy the hub through the idle window and the short turns: "
-        "bench/profiles/fleet-{idle,turns}-R-S.txt",
+        help="py-spy the hub through the idle window, the new sessions and the short turns: "
+        "bench/profiles/fleet-{idle,new,turns}-R-S.txt",
     )
     args = p.parse_args(argv)
     print(HEAD.format(c=args.clients))
