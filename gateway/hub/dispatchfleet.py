@@ -6,13 +6,16 @@ trio, no I/O (``gateway.hub.dispatchplan`` plans with them)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Container, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 
 # a new job's runner is the best of this many that may take it, the longest unchosen first
 CANDIDATES = 16
-# runners looked at for a new job, at most (when few of the fleet may take it: a rare model)
-WALK_AT_MOST = 128
+# runners looked at for a new job, at most (those that can take no job go to the back as they
+# are passed, so a walk is this long only once after many went silent or full at once)
+WALK_AT_MOST = 2048
+# a model is rare when fewer than one runner in this many serves it: its runners are walked
+RARE = 8
 
 
 @dataclass(frozen=True)
@@ -79,23 +82,27 @@ class Fleet:
         reachable: Callable[[str], bool],
         passed: Container[str],
         passed_lately: Callable[[str], bool],
-        targets: Container[str] | None,
+        targets: Collection[str] | None,
     ) -> str | None:
         """The runner a new job is offered to: of those a push reaches (``reachable``), alive,
         not at capacity, not ``passed`` over for it and among ``targets`` (None: any), the best
         of the first ``CANDIDATES`` in ``order`` (the longest unchosen first): not passed over
         lately, then known capable, then the fewest jobs held; None when there is none.
 
-        The walk is bounded, so a new session costs the same in a fleet of any size: it stops
-        at a runner no other can beat, after ``CANDIDATES`` that may take the job, or after
-        ``WALK_AT_MOST`` runners. One that cannot take any job now (gone, silent, at capacity,
-        polling only) goes to the back of ``order``, so that the next walk starts past it."""
+        The walk is short whatever the fleet's size: it stops at a runner no other can beat or
+        after ``CANDIDATES`` that may take the job. A runner that can take no job now (gone,
+        silent, at capacity, polling only) goes to the back of ``order``, so that later walks
+        start past it; a model few runners serve is looked for among them, not the fleet; and
+        no walk goes past ``WALK_AT_MOST`` runners."""
+        walk: Iterable[str] = order
+        if targets is not None and len(targets) * RARE < len(order):
+            walk = [r for r in targets if r in order]  # a model few serve: its runners only
         best: tuple[bool, bool, int] | None = None
         chosen: str | None = None
         floor = (False, False, self.least_held)  # none beats it: the first such is taken
         unable: list[str] = []
         found = steps = 0
-        for runner_id in order:
+        for runner_id in walk:
             steps += 1
             if steps > WALK_AT_MOST:
                 break

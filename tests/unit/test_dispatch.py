@@ -406,19 +406,20 @@ def test_a_fleet_updated_for_held_jobs_decides_as_one_built_anew() -> None:
     assert fleet.updated({"new": runner("new")}) is None
 
 
-def test_a_new_jobs_runner_is_chosen_in_a_bounded_walk_that_starts_past_the_unreachable() -> None:
+def test_a_new_jobs_runner_is_chosen_in_a_short_walk_that_starts_past_the_unable() -> None:
     """``Fleet.choose``: the fewest held of the first ``CANDIDATES`` that may take the job, the
-    longest unchosen first, in a walk of at most ``WALK_AT_MOST`` runners whatever the fleet's
-    size; runners no push reaches, or at capacity, go to the back, so the next walk starts past
-    them. A runner that only polls and holds nothing (the fleet's fewest held, never chosen by a
-    push) no longer makes every new session walk the whole fleet."""
+    longest unchosen first, whatever the fleet's size; runners no push reaches, or at capacity,
+    go to the back as the walk passes them, so later walks start past them; a model few serve
+    is looked for among its runners. A runner that only polls and holds nothing (the fleet's
+    fewest held, never chosen by a push) no longer makes every new session walk the fleet."""
     views = {f"r{i}": runner(f"r{i}", models=["m"], held=5) for i in range(1000)}
     views["poller"] = runner("poller", models=["m"], held=0)  # the fewest held: polls only
     views["full"] = runner("full", models=["m"], held=9, free=False)
     views["r500"] = replace(views["r500"], held=4)  # far back: not looked at
     views["r7"] = replace(views["r7"], held=4)
-    fleet = Fleet(views)
-    order = dict.fromkeys(["poller", "full", *(f"r{i}" for i in range(1000))])
+    silent = {f"s{i}": runner(f"s{i}", models=["m"], alive=False) for i in range(300)}
+    fleet = Fleet({**views, **silent})
+    order = dict.fromkeys(["poller", "full", *silent, *(f"r{i}" for i in range(1000))])
     looked: list[str] = []
 
     def reachable(runner_id: str) -> bool:
@@ -427,16 +428,16 @@ def test_a_new_jobs_runner_is_chosen_in_a_bounded_walk_that_starts_past_the_unre
 
     never = lambda runner_id: False  # noqa: E731
     assert fleet.choose(order, reachable, set(), never, None) == "r7"  # best of the first 16
-    assert len(looked) == 1 + CANDIDATES  # stopped after 16 that may take it ("full" not asked)
-    assert list(order)[-2:] == ["poller", "full"]  # behind the others now
+    assert looked == ["poller", *(f"r{i}" for i in range(CANDIDATES))]  # (the rest not asked)
+    assert list(order)[-302:] == ["poller", "full", *silent]  # behind the others now
     looked.clear()
-    # the floor (nothing holds fewer than the poller's 0) is never met, and still bounded
+    # the next walk starts past them; the floor (the poller's 0) is never met, and still short
     assert fleet.choose(order, reachable, {"r0", "r1"}, never, None) == "r7"
-    assert len(looked) == CANDIDATES + 2
+    assert looked == [f"r{i}" for i in range(CANDIDATES + 2)]
     looked.clear()
-    # a rare model: its only runner far back is not found, the walk stops at its bound
-    assert fleet.choose(order, reachable, set(), never, frozenset({"r900"})) is None
-    assert len(looked) == WALK_AT_MOST
+    # a model few runners serve: looked for among them, not the fleet
+    assert fleet.choose(order, reachable, set(), never, frozenset({"r900", "gone"})) == "r900"
+    assert looked == ["r900"]
     # a runner passed over lately comes after the rest: the next fewest held of the window
     assert fleet.choose(order, lambda r: True, set(), lambda r: r == "r7", None) != "r7"
     # with every runner equal the first is no worse than any: taken at once
@@ -444,3 +445,8 @@ def test_a_new_jobs_runner_is_chosen_in_a_bounded_walk_that_starts_past_the_unre
     looked.clear()
     assert even.choose(dict.fromkeys(even.runners), reachable, set(), never, None) == "e0"
     assert looked == ["e0"]
+    # none can take it: None (the job then goes to every eligible runner's poll), walk bounded
+    assert Fleet(silent).choose(dict.fromkeys(silent), reachable, set(), never, None) is None
+    big = {f"x{i}": runner(f"x{i}", free=False) for i in range(WALK_AT_MOST + 10)}
+    looked.clear()
+    assert Fleet(big).choose(dict.fromkeys(big), reachable, set(), never, None) is None
