@@ -22,6 +22,7 @@ from gateway.hub.keys import Keys
 from gateway.hub.metrics import HubMetrics
 from gateway.hub.oidc import Oidc
 from gateway.hub.people import People
+from gateway.hub.pushstreams import PushStreams
 from gateway.hub.replicas.coordination import replicated
 from gateway.hub.replicas.replica import Replication
 from gateway.hub.runners import REVOCATION_CHECK, RunnerAdmin
@@ -101,6 +102,8 @@ class Hub:
             Serving(settings, accounting, sessions, dispatcher, catalog.embeds),
         )
         self.metrics = HubMetrics()
+        # the runners' push streams, kept alive by one ticker (started by ``run``)
+        self.push_streams = PushStreams(self._events_quiet)
         accounting.observers.append(self.metrics.observe)
         keys.on_revoked.append(sessions.check_keys)
         keys.on_revoked_key.append(self._revoked)  # its turns in flight end at once
@@ -111,6 +114,16 @@ class Hub:
         self.team: Replication | None = self.coordination.join(
             hub_store=store, board=board, channels=channels, sessions=sessions, catalog=catalog
         )
+
+    def _events_quiet(self) -> float:
+        """The longest a runner's events stream stays quiet: ``keepalive_interval``, and at most
+        half the ping interval (a runner reads a stream silent past its ping interval and
+        timeout as a dead path: docs/protocol.md §2)."""
+        s = self.settings
+        quiet = s.keepalive_interval
+        if s.ping_interval > 0:
+            quiet = min(quiet, s.ping_interval / 2)
+        return quiet
 
     def _revoked(self, key_id: str) -> None:
         """A key revoked here (or, on a team, by another replica): its turns in flight end."""
@@ -184,6 +197,7 @@ class Hub:
                 nursery.start_soon(self._watch_offline)
                 nursery.start_soon(self.runner_admin.run)
                 nursery.start_soon(self._watch_revoked_keys)
+                nursery.start_soon(self.push_streams.run)
         finally:
             log.info(
                 "hub stopped; counters: %s",

@@ -217,38 +217,25 @@ class RunnerApi:
 
     async def events(self, req: Request) -> None:
         """``job_available`` events for the runner's project until it disconnects; a keepalive
-        comment after each quiet ``keepalive_interval``."""
+        comment after each quiet interval, from the hub's one ticker (``hub.push_streams``)."""
         runner = await self._runner(req)
         resp = req.resp
         p = req.params
+        streams = self.hub.push_streams
         with self.board.subscribe(p["owner"], p["project"], runner.id) as queued:
             await resp.start(200, list(SSE_HEADERS))
-            async with trio.open_nursery() as nursery:
+            with streams.kept(resp):
+                async with trio.open_nursery() as nursery:
 
-                async def until_disconnect() -> None:
-                    await wait_disconnect(req.receive)
-                    nursery.cancel_scope.cancel()
+                    async def until_disconnect() -> None:
+                        await wait_disconnect(req.receive)
+                        nursery.cancel_scope.cancel()
 
-                nursery.start_soon(until_disconnect)
-                while True:
-                    job_id: str | None = None
-                    with trio.move_on_after(self._events_quiet()):
-                        job_id = await queued.receive()
-                    if job_id is None:
-                        await resp.body(b": keepalive\n\n")
-                    else:
+                    nursery.start_soon(until_disconnect)
+                    async for job_id in queued:  # no timer: the ticker writes the keepalives
                         data = _encoder.encode({"jobId": job_id})
                         await resp.body(b"event: job_available\ndata: " + data + b"\n\n")
-
-    def _events_quiet(self) -> float:
-        """The longest the events stream stays quiet: ``keepalive_interval``, and at most half
-        the ping interval (a runner reads a stream silent past its ping interval and timeout as
-        a dead path: docs/protocol.md §2)."""
-        s = self.hub.settings
-        quiet = s.keepalive_interval
-        if s.ping_interval > 0:
-            quiet = min(quiet, s.ping_interval / 2)
-        return quiet
+                        streams.wrote(resp)
 
     async def channel(self, req: WebSocketRequest) -> None:
         """The Chat Channel handshake (``?jobId=&token=``), then the channel until it closes.
