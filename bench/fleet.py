@@ -10,7 +10,8 @@ answered with a few chunk frames. The hub runs in its own process (``bench/fleet
 ``--hub-path``'s checkout: ``before`` and ``after`` side by side), measured from ``/proc``.
 
 Figures per point (runners/sessions): the hub's RSS; idle CPU (% of a core, nothing asked);
-a poll's marginal CPU (µs: ``--polls`` polls of one more runner, the idle rate taken out); a new
+a poll's and a ping's marginal CPU (µs: ``--polls`` polls of one more runner, as many pings on one
+channel, each answered before the next, the idle rate taken out); a new
 session's TTFT p50 and hub CPU (``--new`` sessions one after another: enough that the full
 garbage collections they cause weigh in at their rate, not by luck); short turns a second with
 ``--clients`` clients on open sessions, and the hub's CPU a turn. ``--profile`` samples the hub
@@ -88,6 +89,7 @@ class Fleet:
     pings: int = 0
     keepalives: int = 0  # the push streams' keepalive comments
     liveness: bool = False  # the hub's hello named it: the channel stands for the heartbeats
+    channels: list[trio_websocket.WebSocketConnection] = field(default_factory=list)
     taken: set[str] = field(default_factory=set)
 
 
@@ -204,7 +206,11 @@ class FakeRunner:
                     else:  # a hub without it wants a heartbeat every --heartbeat s
                         nursery.start_soon(self._heartbeats, report + "/progress")
                     nursery.start_soon(self._pings, ws)
-                    await self._serve(ws, job_id)
+                    f.channels.append(ws)
+                    try:
+                        await self._serve(ws, job_id)
+                    finally:
+                        f.channels.remove(ws)
             except (trio_websocket.ConnectionClosed, trio_websocket.HandshakeError, OSError):
                 f.errors += 1
             nursery.cancel_scope.cancel()
@@ -320,6 +326,7 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
     pid, base, key = proc.pid, hello["url"], hello["key"]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     out: dict[str, Any] = {"runners": runners, "sessions": sessions}
+    windows: dict[str, list[float]] = {}  # each phase's start and end (the monotonic clock)
     try:
         async with (
             httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http,
@@ -369,11 +376,13 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             # idle
             seen0 = fleet.polls + fleet.heartbeats + fleet.pings + fleet.keepalives
             c0, t0 = cpu_seconds(pid), time.perf_counter()
+            windows["idle"] = [time.monotonic()]
             if args.profile:
                 await _profile(pid, args.idle, f"idle-{runners}-{sessions}")
             else:
                 await trio.sleep(args.idle)
             idle_rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
+            windows["idle"].append(time.monotonic())
             out["idle_pct"] = round(100 * idle_rate, 1)
             # the idle events a second, as counted by the fleet: polls, push keepalives,
             # heartbeats, the runners' pings; and the hub's own pings, which the fleet's
@@ -393,6 +402,13 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
                 await probe.poll(None)
             cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
             out["poll_us"] = round(1e6 * max(0.0, cpu - idle_rate * took) / args.polls)
+            # a ping's marginal cost: one channel's runner pinging in a loop (each pong awaited)
+            ws = fleet.channels[0]
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            for _ in range(args.polls):
+                await ws.ping()
+            cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+            out["ping_us"] = round(1e6 * max(0.0, cpu - idle_rate * took) / args.polls)
             # new sessions, one after another
             ttfts = []
             lost0 = fleet.lost_claims
@@ -408,10 +424,13 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             else:
                 profiled.set()
             c0, t0 = cpu_seconds(pid), time.perf_counter()
+            windows["new"] = [time.monotonic()]
             while len(ttfts) < args.new or not profiled.is_set():
                 name = f"new{len(ttfts)}-{uuid.uuid4().hex[:8]}"
                 ttfts.append(await turn(http, base, key, name))
             cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+            windows["new"].append(time.monotonic())
+            out["new_sessions"] = len(ttfts)
             out["new_ttft_ms"] = round(1e3 * (percentile(ttfts, 50) or 0.0), 1)
             out["new_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / len(ttfts), 1)
             out["new_lost_claims"] = fleet.lost_claims - lost0
@@ -426,12 +445,14 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
                     count += 1
 
             c0, t0 = cpu_seconds(pid), time.perf_counter()
+            windows["turns"] = [time.monotonic()]
             async with trio.open_nursery() as clients:
                 for name in names[: args.clients]:
                     clients.start_soon(client, name)
                 if args.profile:
                     clients.start_soon(_profile, pid, args.turns_for, f"turns-{runners}-{sessions}")
             cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+            windows["turns"].append(time.monotonic())
             out["turns_s"] = round(count / took)
             out["turn_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / max(count, 1), 2)
             out["lost_claims"] = fleet.lost_claims
@@ -440,11 +461,31 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
     finally:
         proc.kill()
         proc.wait()
+    collections = _full_collections(windows)
+    if collections:
+        out["full_gc_ms"] = collections
     return out
 
 
+def _full_collections(windows: dict[str, list[float]]) -> dict[str, float]:
+    """With ``FLEET_HUB_GC`` and ``FLEET_HUB_LOG`` set: the hub's CPU ms in full garbage
+    collections in each phase (from the ``gc full`` lines of ``bench/fleethub.py``)."""
+    where = os.environ.get("FLEET_HUB_LOG")
+    if not (os.environ.get("FLEET_HUB_GC") and where):
+        return {}
+    out = dict.fromkeys(windows, 0.0)
+    for line in Path(where).read_text().splitlines():
+        if not line.startswith("gc full "):
+            continue
+        ended, cpu = (float(x) for x in line.split()[2:4])
+        for phase, (start, end) in ((k, w) for k, w in windows.items() if len(w) == 2):
+            if start <= ended <= end:
+                out[phase] += cpu
+    return {k: round(v, 1) for k, v in out.items()}
+
+
 HEAD = (
-    "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll (µs, marginal) "
+    "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll / a ping (µs, marginal) "
     "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn "
     "| idle: events/s, µs an event |"
 )
@@ -453,10 +494,11 @@ HEAD = (
 def row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | | |"
+    ping = f" / {r['ping_us']}" if "ping_us" in r else ""
     events = f"{r['idle_events_s']:,}, {r['idle_event_us']}" if "idle_events_s" in r else ""
     return (
         f"| {r['runners']:,} | {r['sessions']:,} | {r['rss_mb']} MB | {r['idle_pct']} "
-        f"| {r['poll_us']} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
+        f"| {r['poll_us']}{ping} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
         f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms | {events} |"
     )
 
@@ -492,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a point that fails is said in its row; the next one runs
             result = {"runners": runners, "sessions": sessions, "error": repr(exc)[:120]}
         print(row(result), flush=True)
+        if "full_gc_ms" in result:
+            print(f"  of which full collections (hub CPU ms): {result['full_gc_ms']}", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"hub": args.hub_path, **result}) + "\n")

@@ -21,18 +21,24 @@ ADMIN = "alpa_bench_fleet_admin_credential"
 
 
 def _log_full_collections() -> None:
-    """With ``FLEET_HUB_GC`` set: one stderr line per full collection (its time), to tell a
-    phase's CPU that a garbage collection of the grown heap took from the phase's own."""
+    """With ``FLEET_HUB_GC`` set: one stderr line per full collection (``gc full`` when it ended
+    on the system's monotonic clock, its CPU and wall ms, what it collected), so that the bench
+    tells a phase's CPU that a collection of the grown heap took from the phase's own."""
     started: list[float] = []
 
     def callback(phase: str, info: dict[str, int]) -> None:
         if info.get("generation") != 2:
             return
         if phase == "start":
-            started[:] = [time.perf_counter()]
+            started[:] = [time.thread_time(), time.perf_counter()]
         elif started:
-            took = 1e3 * (time.perf_counter() - started[0])
-            print(f"gc full {took:.1f} ms, {info.get('collected', 0)} collected", file=sys.stderr)
+            cpu = 1e3 * (time.thread_time() - started[0])
+            wall = 1e3 * (time.perf_counter() - started[1])
+            print(
+                f"gc full {time.monotonic():.3f} {cpu:.1f} {wall:.1f} {info.get('collected', 0)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     gc.callbacks.append(callback)
 
