@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.parse
 import uuid
 from collections import Counter
@@ -532,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = trio.run(point, args, runners, sessions)
         except Exception as exc:  # a point that fails is said in its row; the next one runs
+            traceback.print_exc()  # whole, on stderr
             result = {"runners": runners, "sessions": sessions, "error": repr(exc)[:120]}
         print(row(result), flush=True)
         if "full_gc_ms" in result:

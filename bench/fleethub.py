@@ -56,8 +56,13 @@ async def main() -> None:
 if __name__ == "__main__":
     if os.environ.get("FLEET_HUB_GC"):
         _log_full_collections()
-    # as ``alp-gateway hub`` does before it serves (gateway/hub/cli.py): what lives as long as
-    # the process goes to the permanent generation, so the bench's hub collects as the shipped one
-    gc.collect()
-    gc.freeze()
+    # as ``alp-gateway hub`` does before it serves (gateway/hub/cli.py), so that the bench's hub
+    # collects its garbage as the shipped one does (a checkout without gateway/heap.py: as its did)
+    try:
+        from gateway.heap import HUB_YOUNG, settle
+    except ImportError:
+        gc.collect()
+        gc.freeze()
+    else:
+        settle(HUB_YOUNG)
     trio.run(main)

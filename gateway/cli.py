@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -15,6 +14,7 @@ import trio
 
 from gateway import __version__, logsafe
 from gateway.config import SETTINGS, Config, ConfigError, add_flags, load_config, setting_flags
+from gateway.heap import settle
 from gateway.observe import setup_logging
 from gateway.runner.state import StateError
 
@@ -197,14 +197,9 @@ def _run(config: Config) -> int:
             nursery.start_soon(serve)
         return 130 if stop.cancel_called or runner.stopped_now else 0
 
-    # The latency tail (issue 21, point 7): a full garbage collection walks every tracked object,
-    # and the ~40,000 of the imported modules are most of them: 15-20 ms of CPU here, 70 ms and
-    # more of wall time on a busy machine, paid by every chunk in flight (bench/profiles/
-    # tail-gc.txt). Objects that live as long as the process go to the permanent generation now,
-    # once, after the imports (garbage first): a full collection then walks only what the
-    # runner made since (its sessions and turns), well under a millisecond.
-    gc.collect()
-    gc.freeze()
+    # the latency tail (issue 21, point 7): what lives as long as the process set aside, so a
+    # full collection walks only the sessions and turns made since (gateway/heap.py)
+    settle()
     code = trio.run(main_task)
     if fatal:
         exc = fatal[0]

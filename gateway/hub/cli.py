@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import logging
 import os
 import pathlib
@@ -36,6 +35,7 @@ from gateway.config import (
     parse_duration,
     setting_flags,
 )
+from gateway.heap import HUB_YOUNG, settle
 from gateway.hub import pricing
 from gateway.hub.app import serve_hub
 from gateway.hub.cliparse import Parser, UsageError, parse
@@ -465,11 +465,9 @@ def _serve(settings: HubSettings) -> int:
         )
         print(f"  {hub.admin_token}", flush=True)
     host, port = settings.listen
-    # as the runner does (gateway/cli.py): what lives as long as the process (the imported
-    # modules, the hub's parts) goes to the permanent generation, so a full collection walks
-    # only the sessions and turns made since, and no longer pauses every turn in flight
-    gc.collect()
-    gc.freeze()
+    # what lives as long as the process set aside, and a young generation for a server whose
+    # heap holds thousands of sessions: rare full collections (gateway/heap.py)
+    settle(HUB_YOUNG)
     try:
         trio.run(_run, hub, settings)
     except KeyboardInterrupt:
