@@ -154,6 +154,8 @@ HUB_PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
     # modules named for what they hold (issue 38): the catalog, the routes' kit
     ("key lookup", "gateway/hub/routekit.py", ("bearer", "header")),
     ("model check", "gateway/hub/catalog.py", None),
+    # the turn's task parked while the runner answers (a wake: a reschedule, no cancel scope)
+    ("turn scaffolding (_serve, _turn, _attempt: nursery, scopes)", "gateway/wire/park.py", None),
     ("trio: tasks, scopes, scheduling", "trio/", None),
     ("trio: tasks, scopes, scheduling", "outcome/", None),
 ]

@@ -29,6 +29,7 @@ from gateway.apis.shapes import SSE_HEADERS, Code, upstream_error
 from gateway.hub.turnstate import State, TurnLost, TurnState, TurnSuspended
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.http import Connection, Response
+from gateway.wire.park import Park
 from gateway.wire.protocol import RESUME_UNAVAILABLE, DoneFrame, ErrorFrame, ModelsFrame
 
 log = logging.getLogger("gateway.hub.turn")
@@ -129,7 +130,7 @@ class Turn(TurnState):
         # how this turn's frames open a non-empty choices, and where (``choices_mark``)
         self._choices = b""
         self._choices_at = _NOWHERE
-        self._waker: trio.CancelScope | None = None  # the turn's task sleeping (``sleep``)
+        self._waker: Park | None = None  # the turn's task asleep (``sleep``)
         self._flushing: trio.CancelScope | None = None  # the turn's task flushing the backlog
         self.request_id: str | None = None  # the request id of the current attempt
         self.on_end = on_end  # told once, at the end (ended or refused)
@@ -410,39 +411,31 @@ class Turn(TurnState):
         if self.translation is None:
             self._answer_whole()
             return
-        self.pending.append(self.translation.done())
-        data = b"".join(self.pending)
-        self.pending = []
-        self._write(data, end=True)  # the last chunks and the end, in one write
+        pending, self.pending = self.pending, []
+        pending.append(self.translation.done())
+        self._write(b"".join(pending), end=True)  # the last chunks and the end, in one write
         if not self._state.final:
             self._end(State.DONE)
 
     def _answer_whole(self) -> None:
         """A non-streamed turn's one answer: its chunks folded in the client's API."""
-        chunks = self.gathered
-        self.gathered = []
+        chunks, self.gathered = self.gathered, []
         if not chunks:
-            self._refuse_late(
-                upstream_error(
-                    "the runner finished the turn without a completion", "empty_completion"
-                ),
-                State.FAILED,
-            )
+            why = "the runner finished the turn without a completion"
+            self._refuse_late(upstream_error(why, "empty_completion"), State.FAILED)
             return
-        self.first_token = trio.current_time()
+        self.first_token = now = trio.current_time()  # (and its end's: one clock read)
         try:
             body = self.dialect.fold(chunks)
         except Exception as exc:  # a runner's answer the fold cannot read: the client is told
             log.warning("turn %s: the runner's answer could not be folded: %r", self.id, exc)
-            self._refuse_late(
-                upstream_error("the runner's answer could not be read", "bad_completion"),
-                State.FAILED,
-            )
+            why = "the runner's answer could not be read"
+            self._refuse_late(upstream_error(why, "bad_completion"), State.FAILED)
             return
         headers = [(b"content-type", b"application/json"), (b"x-request-id", self.id.encode())]
         self._whole(200, body, headers)
         if not self._state.final:
-            self._end(State.DONE)
+            self._end(State.DONE, now)
 
     def _failed(self, message: str) -> None:
         self.error = message
@@ -455,10 +448,9 @@ class Turn(TurnState):
     def _cut(self, state: State, message: str, code: str) -> None:
         """End a stream the client has part of with an error event in its API."""
         if self.translation is not None and not self.resp.finished:
-            self.pending.append(self.translation.error(message, code))
-            data = b"".join(self.pending)
-            self.pending = []
-            self._write(data, end=True)
+            pending, self.pending = self.pending, []
+            pending.append(self.translation.error(message, code))
+            self._write(b"".join(pending), end=True)
         else:  # a non-streamed turn: nothing went out yet
             self._whole_error(upstream_error(message, code))
         self._end(state)
@@ -490,9 +482,8 @@ class Turn(TurnState):
         resp = self.resp
         if resp.started:
             return
-        length = (b"content-length", b"%d" % len(body))
         try:
-            head = resp.head(status, [*headers, length])
+            head = resp.head(status, [*headers, (b"content-length", b"%d" % len(body))])
             done = resp.write_nowait(body, head, True)
         except ClientGone:
             self._end(State.CLIENT_GONE)
@@ -548,13 +539,19 @@ class Turn(TurnState):
 
     async def sleep(self, conn: Connection, deadline: float = math.inf) -> None:
         """Wait until something happens to the turn (``wake``), ``deadline`` (trio clock) or
-        the client leaves (then the turn ends ``CLIENT_GONE``)."""
-        with trio.CancelScope(deadline=deadline) as scope:
-            self._waker = scope
-            try:
-                await conn.wait_disconnect()
-            finally:
-                self._waker = None
+        the client leaves (then the turn ends ``CLIENT_GONE``). Parked: a wake is a reschedule,
+        not a cancel scope's ``Cancelled`` (``gateway.wire.park``); a scope for a deadline."""
+        self._waker = park = Park()
+        try:
+            if deadline == math.inf:
+                gone = await conn.wait_disconnect(park)
+            else:
+                gone = False
+                with trio.CancelScope(deadline=deadline):
+                    gone = await conn.wait_disconnect(park)
+        finally:
+            self._waker = None
+        if gone:
             self.client_left()
 
     async def flush_backlog(self) -> None:

@@ -9,12 +9,15 @@ import re
 import socket
 import struct
 from collections.abc import MutableMapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from gateway.wire.errors import ClientGone, Headers, HTTPError
 from gateway.wire.netio import NET_ERRORS, Transport
+
+if TYPE_CHECKING:
+    from gateway.wire.park import Park
 
 log = logging.getLogger("gateway.wire")
 
@@ -49,7 +52,9 @@ class Connection(Protocol):
 
     async def read_body(self, limit: int, resp: Response) -> bytes: ...
 
-    async def wait_disconnect(self) -> None: ...
+    async def wait_disconnect(self, park: Park | None = None) -> bool:
+        """True once the client has gone; with ``park``, False once it is woken."""
+        ...
 
 
 class Exchange(Protocol):

@@ -33,6 +33,7 @@ from gateway.wire.errors import ClientGone, HTTPError, error_envelope
 from gateway.wire.http import STATUS_LINES, Request, Response
 from gateway.wire.httpparse import RequestHead, RequestParser
 from gateway.wire.netio import NET_ERRORS, RECV_SIZE, TLSTransport, Transport
+from gateway.wire.park import Park
 from gateway.wire.wsconn import (
     Keepalive,
     WebSocketConnection,
@@ -46,6 +47,7 @@ log = logging.getLogger("gateway.wire.server")
 LINGER = 2.0  # s: a connection closed with unread input is drained this long (lingering close)
 LINGER_BYTES = 1 << 20  # bytes drained at most in that time
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+BAD_HANDSHAKE = "bad WebSocket handshake (GET, Connection: Upgrade, Sec-WebSocket-Key, version 13)"
 MAX_CHUNK_LINE = 16 * 1024  # bytes: a chunked body's size line (with its extension), or trailers
 
 
@@ -249,23 +251,25 @@ class HTTPConnection:
             "request_timeout",
         )
 
-    async def wait_disconnect(self) -> None:
-        """Return once the client has gone (bytes it pipelines meanwhile are kept, bounded)."""
+    async def wait_disconnect(self, park: Park | None = None) -> bool:
+        """True once the client has gone (bytes it pipelines meanwhile are kept, bounded); with
+        ``park``, False once it is woken (``Park.cancel``)."""
+        park = park or Park()  # (without one, a park nobody wakes: until the client leaves)
         while not self.eof:
-            if len(self._unfed) > self.limits.max_head:
-                await trio.sleep_forever()  # it floods while it waits: stop reading it
-            transport = self.transport
+            if len(self._unfed) > self.limits.max_head:  # it floods while it waits: not read
+                return await park.wait(None)
             try:
-                if self._drained:
-                    await transport.wait_readable()
-                data = await transport.receive()
+                if self._drained and not await park.wait(self.transport.sock):
+                    return False
+                data = await self.transport.receive()
             except NET_ERRORS:
                 data = b""
             self._drained = len(data) < RECV_SIZE
             if not data:
                 self.eof = True
-                return
+                return True
             self._unfed += data
+        return True
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -456,11 +460,7 @@ class HTTPConnection:
             return
         key = upgrade_key(msg.method, msg.headers)
         if key is None or not msg.switched:
-            await self.refuse(
-                400,
-                "bad WebSocket handshake (GET, Connection: Upgrade, Sec-WebSocket-Key, version 13)",
-                "bad_handshake",
-            )
+            await self.refuse(400, BAD_HANDSHAKE, "bad_handshake")
             return
         websocket = getattr(self.serving.handler, "websocket", None)
         if websocket is None:  # a plain HTTP handler

@@ -188,24 +188,24 @@ class ServerWebSocket:
         data: bytes | None = self._leftover or None
         self._leftover = b""
         found = 0
+        # the last read took all the socket had: wait for readability before the next, not a
+        # read that finds nothing (a syscall and an exception per read of a turn's frames)
+        drained = False
         while True:
             if data is None:
                 try:
+                    if drained:
+                        drained, found = False, 0
+                        await transport.wait_readable()
                     data = recv(RECV_SIZE)
                 except BlockingIOError:
-                    pass  # waited for below, outside the handler: a wait inside it would keep
-                    # the exception and its traceback alive for as long as the channel is quiet
+                    drained = True
+                    continue
                 except NET_ERRORS:
                     return
-                if data is None:
-                    found = 0
-                    try:
-                        await transport.wait_readable()
-                    except NET_ERRORS:
-                        return
-                    continue
                 if not data:
                     return  # the end of the stream
+                drained = len(data) < RECV_SIZE
             messages = receive(data, trio.current_time())
             if conn.pending:  # a ping came (or a close): answered
                 self._send_controls()

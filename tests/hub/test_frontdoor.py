@@ -382,6 +382,26 @@ async def test_client_disconnect_cancels_the_turn(env: Env) -> None:
     assert turn.cancelled.is_set() and turn.sent_chunks < SLOW.chunks
 
 
+async def test_a_non_streamed_turns_client_leaving_cancels_the_turn(env: Env) -> None:
+    # a non-streamed turn's task is parked (``gateway.wire.park``) while the runner answers:
+    # its client's socket is still watched, and its leaving ends the turn and cancels it
+    async with env.client() as client:
+
+        async def ask() -> None:
+            await client.chat.completions.create(model="fake-slow", messages=MESSAGES)
+
+        with trio.fail_after(LIMIT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await env.runner.wait_until(lambda: bool(env.runner.turns))
+                nursery.cancel_scope.cancel()  # the client closes its connection
+            await env.runner.wait_until(lambda: bool(env.runner.cancels))
+            (turn,) = env.runner.turns.values()
+            await turn.finished.wait()
+    assert env.runner.cancels == [turn.request_id]
+    assert turn.cancelled.is_set() and turn.sent_chunks < SLOW.chunks
+
+
 async def test_no_runner_is_503(env: Env) -> None:
     # no runner of the key's project at all: answered at once (tests/hub/test_causes.py has the rest)
     env.hub.settings.runner_wait_timeout = 30

@@ -30,6 +30,7 @@ from gateway.hub.sessions import Session, Sessions
 from gateway.hub.settings import HubSettings
 from gateway.hub.store import ApiKey, KeyLimits, open_store
 from gateway.hub.turn import Turn
+from gateway.wire.park import Park
 from gateway.wire.protocol import CAPABILITY
 
 
@@ -46,8 +47,23 @@ class Conn:
     def __init__(self) -> None:
         self.left = trio.Event()
 
-    async def wait_disconnect(self) -> None:
-        await self.left.wait()
+    async def wait_disconnect(self, park: Park | None = None) -> bool:
+        if park is None:
+            await self.left.wait()
+            return True
+        gone = False
+
+        async def leave() -> None:
+            nonlocal gone
+            await self.left.wait()
+            gone = True
+            park.cancel()
+
+        async with trio.open_nursery() as nursery:  # the turn's wake or its client's leave
+            nursery.start_soon(leave)
+            await park.wait(None)
+            nursery.cancel_scope.cancel()
+        return gone
 
 
 class Parts:

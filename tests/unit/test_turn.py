@@ -23,6 +23,7 @@ from gateway.hub.turnstate import NEXT, BadMove, State, TurnLost, TurnState, Tur
 from gateway.wire import netio, protocol
 from gateway.wire.errors import HTTPError
 from gateway.wire.http import Response
+from gateway.wire.park import Park
 
 JOB, RID = "job-1", "req-1"
 
@@ -43,8 +44,11 @@ def chunk(i: int, text: str | None = None) -> bytes:
 class _Conn:
     """What a turn needs of its client's connection: a wait for it to leave (never, here)."""
 
-    async def wait_disconnect(self) -> None:
-        await trio.sleep_forever()
+    async def wait_disconnect(self, park: Park | None = None) -> bool:
+        if park is None:
+            await trio.sleep_forever()
+        await park.wait(None)  # until woken
+        return False
 
 
 class Rig:
