@@ -15,7 +15,13 @@ channel, each answered before the next, the idle rate taken out); a new
 session's TTFT p50 and hub CPU (``--new`` sessions one after another: enough that the full
 garbage collections they cause weigh in at their rate, not by luck); short turns a second with
 ``--clients`` clients on open sessions, and the hub's CPU a turn. ``--profile`` samples the hub
-(py-spy) in the idle, new-session (for ``--idle`` s, at least ``--new``) and turns phases.
+(py-spy) in the idle, new-session (for ``--idle`` s, at least ``--new``) and turns phases;
+``--perf`` records the idle window with ``perf`` (the kernel's part too).
+
+An idle event is read against a baseline measured in the same point, right after the idle
+window: what a bare trio loop spends to answer pings as far apart as the idle events were
+(``bench/wakefloor.py``; a bare epoll loop's is kept in the JSON). On a virtual machine an event
+that finds a process asleep costs several times what the same work costs back to back.
 """
 
 from __future__ import annotations
@@ -300,6 +306,42 @@ async def _profile(pid: int, seconds: float, name: str) -> None:
     (out / f"fleet-{name}.txt").write_text("\n".join(lines) + "\n")
 
 
+def _user_system(pid: int) -> tuple[int, int]:
+    """The hub's user and system CPU so far, in clock ticks (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return int(fields[11]), int(fields[12])
+
+
+async def _perf(pid: int, seconds: float, name: str) -> None:
+    """``perf record -g`` on the hub for a phase (the kernel's part too): the functions with the
+    most samples, self and with their callees, in ``bench/profiles/fleet-<name>.perf.txt``."""
+    out = HERE / "profiles"
+    out.mkdir(exist_ok=True)
+    data = Path(tempfile.mkdtemp(prefix="fleet-perf-")) / "perf.data"  # large: not kept
+    argv = ["perf", "record", "-g", "-F", "499", "-p", str(pid), "-o", str(data)]
+    await trio.run_process(
+        [*argv, "--", "sleep", str(int(seconds))], capture_stdout=True, capture_stderr=True
+    )
+    report = [
+        "perf",
+        "report",
+        "-i",
+        str(data),
+        "--stdio",
+        "--no-children",
+        "--percent-limit",
+        "0.5",
+        "-g",
+        "none",
+        "--sort",
+        "sym",
+    ]
+    done = await trio.run_process(report, capture_stdout=True, capture_stderr=True)
+    (out / f"fleet-{name}.perf.txt").write_bytes(done.stdout)
+    shutil.rmtree(data.parent, ignore_errors=True)
+
+
 def _hub_log() -> Any:
     """Where the hub's stderr goes: ``FLEET_HUB_LOG``'s file, else nowhere."""
     where = os.environ.get("FLEET_HUB_LOG")
@@ -376,15 +418,21 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             out["rss_mb"] = round(rss_bytes(pid) / 1e6)
             # idle
             seen0 = fleet.polls + fleet.heartbeats + fleet.pings + fleet.keepalives
-            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            fds0 = len(os.listdir(f"/proc/{pid}/fd"))
+            c0, t0, ticks0 = cpu_seconds(pid), time.perf_counter(), _user_system(pid)
             windows["idle"] = [time.monotonic()]
             if args.profile:
                 await _profile(pid, args.idle, f"idle-{runners}-{sessions}")
+            elif args.perf:
+                await _perf(pid, args.idle, f"idle-{runners}-{sessions}")
             else:
                 await trio.sleep(args.idle)
             idle_rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
             windows["idle"].append(time.monotonic())
             out["idle_pct"] = round(100 * idle_rate, 1)
+            user, system = (b - a for a, b in zip(ticks0, _user_system(pid), strict=True))
+            out["idle_fds"] = [fds0, len(os.listdir(f"/proc/{pid}/fd"))]
+            out["idle_system_share"] = round(system / max(user + system, 1), 2)
             # the idle events a second, as counted by the fleet: polls, push keepalives,
             # heartbeats, the runners' pings; and the hub's own pings, which the fleet's
             # WebSockets answer unseen: one a channel every 20 s from a hub that pings on a
@@ -394,6 +442,15 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             events = seen / args.idle + (0.0 if fleet.liveness else sessions / PING_EVERY)
             out["idle_events_s"] = round(events)
             out["idle_event_us"] = round(1e6 * idle_rate / events)
+            # the least an idle event costs a server on this machine now: a bare loop's answer to
+            # pings as far apart as the idle events were (bench/wakefloor.py)
+            floor = await trio.run_process(
+                [sys.executable, "-m", "bench.wakefloor", "--gap", f"{1 / events:.5f}"],
+                capture_stdout=True,
+                cwd=str(ROOT),
+            )
+            wake = json.loads(floor.stdout)
+            out["floor_trio_us"], out["floor_epoll_us"] = wake["trio_us"], wake["epoll_us"]
             # a poll's marginal cost: one more runner, polling in a loop
             probe = FakeRunner(fleet, runners)
             await probe.register()
@@ -488,7 +545,7 @@ def _full_collections(windows: dict[str, list[float]]) -> dict[str, float]:
 HEAD = (
     "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll / a ping (µs, marginal) "
     "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn "
-    "| idle: events/s, µs an event |"
+    "| idle: events/s, µs an event (a bare trio loop's) |"
 )
 
 
@@ -497,6 +554,8 @@ def row(r: dict[str, Any]) -> str:
         return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | | |"
     ping = f" / {r['ping_us']}" if "ping_us" in r else ""
     events = f"{r['idle_events_s']:,}, {r['idle_event_us']}" if "idle_events_s" in r else ""
+    if "floor_trio_us" in r:
+        events += f" ({r['floor_trio_us']:g})"
     return (
         f"| {r['runners']:,} | {r['sessions']:,} | {r['rss_mb']} MB | {r['idle_pct']} "
         f"| {r['poll_us']}{ping} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
@@ -524,6 +583,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="py-spy the hub through the idle window, the new sessions and the short turns: "
         "bench/profiles/fleet-{idle,new,turns}-R-S.txt",
+    )
+    p.add_argument(
+        "--perf",
+        action="store_true",
+        help="perf record the hub through the idle window (the kernel's part too): "
+        "bench/profiles/fleet-idle-R-S.perf.txt",
     )
     args = p.parse_args(argv)
     print(HEAD.format(c=args.clients))
