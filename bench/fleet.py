@@ -445,7 +445,10 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             # the least an idle event costs a server on this machine now: a bare loop's answer to
             # pings as far apart as the idle events were (bench/wakefloor.py)
             floor = await trio.run_process(
-                [sys.executable, "-m", "bench.wakefloor", "--gap", f"{1 / events:.5f}"],
+                [
+                    *(sys.executable, "-m", "bench.wakefloor", "--gap", f"{1 / events:.5f}"),
+                    *("--events", str(max(50, min(2000, round(5 * events))))),  # ~5 s a loop
+                ],
                 capture_stdout=True,
                 cwd=str(ROOT),
             )
