@@ -4,10 +4,17 @@ last batch (what SIGKILL leaves: the journal's appends, the ledger's committed b
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from gateway.hub.store import UsageRecord, open_store
-from gateway.hub.store.journal import CUT, Journal
+from gateway.hub.store.journal import CUT, MAPPED, Journal
 
 
 def record(session: str, outcome: str = "ok", tokens: int = 3) -> UsageRecord:
@@ -104,3 +111,76 @@ def test_a_line_a_kill_cut_short_is_skipped(tmp_path: Path) -> None:
     rows, last = Journal(tmp_path).recover(0)
     assert [(r.session, r.outcome) for r, _ in rows] == [("s1", CUT)] and last == journal.seq
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+KILLED = """
+import sys
+from pathlib import Path
+from gateway.hub.store import UsageRecord
+from gateway.hub.store.journal import CUT, MAPPED, Journal
+
+journal = Journal(Path(sys.argv[1]))
+journal.recover(0)
+n = 0
+def rec(session, outcome):
+    return UsageRecord("kid", "alice", session, "chat", "m", True, outcome, "r", "j", 2, 3)
+while journal._at < 2 * MAPPED:  # past the first map's end: the map grew
+    journal.started(f"t{n}", rec(f"s{n}", CUT), 100.0 + n)
+    if n % 2 == 0:
+        journal.ended(f"t{n}", rec(f"s{n}", "ok"), 100.5 + n)
+    n += 1
+print(n, flush=True)
+sys.stdin.read()  # killed here: the segment never closed, its map never let go
+"""
+
+
+def test_a_hub_killed_with_its_segment_mapped_loses_no_line(tmp_path: Path) -> None:
+    """The appends are copies into a shared map of the segment, no write: a process SIGKILLed
+    after them leaves every line in the file (the kernel's page cache keeps the map's pages),
+    the map's grown part included, and its unused tail of NUL bytes is no line."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert child.stdout is not None
+        turns = int(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    (seq,) = Journal(tmp_path).segments()
+    assert (tmp_path / f"usage-journal.{seq}").read_bytes().endswith(b"\0")  # left mapped
+    rows, last = Journal(tmp_path).recover(0)
+    assert last == seq and len(rows) == turns > 1000
+    outcomes = {r.session: r.outcome for r, _ in rows}
+    assert outcomes == {f"s{n}": "ok" if n % 2 == 0 else CUT for n in range(turns)}
+
+
+def test_a_full_disk_stops_the_segment_not_the_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A segment whose map cannot grow (its blocks not allocated: the disk is full) keeps what
+    it holds, cut to it, and takes no more lines; the next seal opens a new one that does."""
+    journal = Journal(tmp_path)
+    journal.recover(0)
+    journal.started("t1", record("s1", CUT), 100.0)
+    full = journal.seq
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    big = record("s2" + "x" * MAPPED, CUT)
+    journal.started("t2", big, 101.0)  # past the map's end: it cannot grow
+    assert "could not be written" in caplog.text
+    assert (tmp_path / f"usage-journal.{full}").stat().st_size < 1000  # cut to its one line
+    journal.ended("t1", record("s1"), 102.0)  # dropped: the segment is closed
+    monkeypatch.undo()
+    journal.seal()  # a new segment, carrying both starts
+    journal.ended("t1", record("s1"), 103.0)
+    journal.close()
+    rows, _ = Journal(tmp_path).recover(0)
+    assert sorted((r.session[:2], r.outcome) for r, _ in rows) == [("s1", "ok"), ("s2", CUT)]

@@ -3,10 +3,14 @@ directory as it happens, so that a hub killed mid-flight loses no turn (issue 27
 
 The ledger's rows are written in batches, off the turn's path (``Store.queue_usage``): a hub
 killed between a turn's end and its batch would lose that row, and a turn cut by the kill would
-leave none. So each turn also costs two appends here (one ``write`` each, no fsync: what a
-killed process wrote is in the kernel's page cache and survives it; only the machine's own
-crash can lose the last of them): its start (its row as a cut turn would have it) and its end
-(its row). Nothing here runs per chunk.
+leave none. So each turn also costs two appends here: its start (its row as a cut turn would
+have it) and its end (its row). An append is a copy into the segment's shared memory map, no
+system call, no fsync: the map's pages are the file's in the kernel's page cache, so what a
+killed process copied there survives it, as a ``write`` would have; only the machine's own
+crash can lose the last of them, as it could before. The segment's blocks are allocated before
+it is mapped (a full disk is an error then, never a SIGBUS on a copy); the unused tail reads
+as NUL bytes, which ``recover`` stops at, and a segment closed is cut to what it holds.
+Nothing here runs per chunk.
 
 The journal is a run of segment files, ``usage-journal.<seq>``; the batch writer ``seal``s the
 current one as it takes a batch (a new segment opens, carrying the starts of the turns still in
@@ -22,6 +26,7 @@ Pure: files and bytes, no trio.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import pathlib
 import uuid
@@ -36,6 +41,7 @@ log = logging.getLogger("gateway.hub.store")
 PREFIX = "usage-journal."
 ID_FILE = "usage-journal.id"
 CUT = "cut"  # the outcome of a turn the hub's end cut (as ``State.CUT`` says it)
+MAPPED = 1 << 18  # bytes a segment's map holds at first (doubled while it is too small)
 
 
 class _Line(msgspec.Struct, array_like=True):
@@ -67,8 +73,11 @@ class Journal:
             self.id = uuid.uuid4().hex
             _write_private(id_file, self.id.encode())
         self._open: dict[str, bytes] = {}  # turns in flight: their start lines
-        self.seq = max(self.segments(), default=0)
+        self._files = self.segments()  # the segment files there, made since included
+        self.seq = max(self._files, default=0)
         self._fd = -1
+        self._map: mmap.mmap | None = None  # the current segment's, ``_at`` bytes written
+        self._at = 0
 
     def segments(self) -> list[int]:
         """The numbers of the segment files there, in order."""
@@ -93,7 +102,9 @@ class Journal:
             if seq <= committed:
                 continue
             last = seq
-            for raw in self._path(seq).read_bytes().splitlines():
+            data = self._path(seq).read_bytes()
+            end = data.find(b"\0")  # the map's unused tail (a segment a kill left open)
+            for raw in (data if end < 0 else data[:end]).splitlines():
                 try:
                     line = _decode(raw)
                 except msgspec.DecodeError:
@@ -112,14 +123,18 @@ class Journal:
 
     def _start_segment(self) -> None:
         """A new segment, beginning with the starts of the turns in flight."""
-        if self._fd >= 0:
-            os.close(self._fd)
+        self.close()
         self.seq += 1
-        self._fd = os.open(
-            self._path(self.seq), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600
-        )
+        self._files.append(self.seq)
+        try:
+            self._fd = os.open(self._path(self.seq), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            _allocate(self._fd, 0, MAPPED)
+            self._map = mmap.mmap(self._fd, MAPPED)
+        except OSError as exc:
+            self._failed(exc)
+            return
         if self._open:
-            os.write(self._fd, b"".join(self._open.values()))
+            self._append(b"".join(self._open.values()))
 
     def started(self, turn: str, record: UsageRecord, at: float) -> None:
         """A turn began (``record``: its row were it cut now)."""
@@ -133,14 +148,27 @@ class Journal:
         self._append(_encode(_Line(turn, True, at, record)) + b"\n")
 
     def _append(self, line: bytes) -> None:
-        if self._fd < 0:
+        mapped = self._map
+        if mapped is None:
             return
-        try:
-            os.write(self._fd, line)
-        except OSError as exc:  # a full disk: the ledger's batches still go on
-            log.warning("the usage journal %s could not be written: %s", self.directory, exc)
-            os.close(self._fd)
-            self._fd = -1
+        at = self._at
+        end = at + len(line)
+        if end > len(mapped):  # the map grows: its new blocks allocated first
+            size = max(2 * len(mapped), end)
+            try:
+                _allocate(self._fd, len(mapped), size - len(mapped))
+                mapped.resize(size)
+            except OSError as exc:
+                self._failed(exc)
+                return
+        mapped[at:end] = line
+        self._at = end
+
+    def _failed(self, exc: OSError) -> None:
+        """A full disk: this segment written no more (the next seal tries a new one); the
+        ledger's batches still go on."""
+        log.warning("the usage journal %s could not be written: %s", self.directory, exc)
+        self.close()
 
     def seal(self) -> int:
         """The current segment is closed (what the batch now taken was journalled in, and
@@ -151,17 +179,34 @@ class Journal:
 
     def committed(self, sealed: int) -> None:
         """The rows of every segment up to ``sealed`` are in the ledger: those files go."""
-        for seq in self.segments():
-            if seq <= sealed:
-                try:
-                    self._path(seq).unlink()
-                except FileNotFoundError:
-                    pass
+        files = self._files
+        while files and files[0] <= sealed:
+            try:
+                self._path(files.pop(0)).unlink()
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """The current segment closed, cut to the lines it holds."""
+        mapped, fd, at = self._map, self._fd, self._at
+        self._map, self._fd, self._at = None, -1, 0
+        if mapped is not None:
+            mapped.close()
+        if fd >= 0:
+            try:
+                if mapped is not None:
+                    os.ftruncate(fd, at)
+            except OSError:
+                pass  # its tail of NUL bytes stays: ``recover`` stops at it
+            os.close(fd)
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """The file's blocks from ``offset`` allocated (OSError when the disk is full)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, offset, length)
+    else:  # (macOS) the file extended, its blocks allocated as they are written
+        os.ftruncate(fd, offset + length)
 
 
 def _write_private(path: pathlib.Path, data: bytes) -> None:
