@@ -1,8 +1,9 @@
-"""``gateway.wire.park``: a task parked until woken or until its socket is readable, over a real
-socket pair."""
+"""``gateway.wire.park``: a task parked until woken or until its socket's peer ends the
+connection (without epoll: until it is readable), over real socket pairs."""
 
 from __future__ import annotations
 
+import select
 import socket
 
 import pytest
@@ -19,7 +20,7 @@ def epoll(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(park_module, "_EPOLL", request.param)
 
 
-async def test_a_wake_returns_false_and_a_readable_socket_true() -> None:
+async def test_a_wake_returns_false_and_the_peers_end_true() -> None:
     ours, peer = socket.socketpair()
     with ours, peer:
         ours.setblocking(False)
@@ -37,15 +38,68 @@ async def test_a_wake_returns_false_and_a_readable_socket_true() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
             await trio.testing.wait_all_tasks_blocked()
-            peer.send(b"x")  # pipelined bytes
+            peer.send(b"x")  # pipelined bytes: they wait in the socket (with epoll)
+            await trio.testing.wait_all_tasks_blocked()
+            if park_module._EPOLL:
+                assert results == [False]
+                park.cancel()
         park = Park()
-        ours.recv(1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
             await trio.testing.wait_all_tasks_blocked()
             peer.shutdown(socket.SHUT_WR)  # the client leaves
-        assert results == [False, True, True]
+        assert results == [False, not park_module._EPOLL, True]
+        assert ours.recv(2) == b"x"  # not read by the park
         park.cancel()  # none parked: nothing happens
+
+
+async def test_a_socket_stays_watched_from_park_to_park() -> None:
+    """A socket is put in the watch's epoll at its first park and left there: the next parks
+    on it cost no system call, and still see its peer leave, also while none was parked."""
+    if not park_module._EPOLL:
+        pytest.skip("the watch's epoll only")
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setblocking(False)
+        park = Park()
+        with trio.move_on_after(0):
+            await park.wait(ours)
+        watch = park_module._watch()
+        assert watch.watched[ours.fileno()] is ours  # still in the epoll, nobody parked
+        with pytest.raises(FileExistsError):
+            watch.epoll.register(ours.fileno(), select.EPOLLIN)
+        peer.shutdown(socket.SHUT_WR)  # the client leaves while no task is parked
+        await trio.testing.wait_all_tasks_blocked()
+        assert ours.fileno() not in watch.watched  # taken out when the watch saw it
+        with trio.fail_after(5):
+            assert await Park().wait(ours) is True  # the next park: at once
+
+
+async def test_a_closed_sockets_number_used_again_is_watched_anew() -> None:
+    """A socket closed while in the epoll leaves it (the kernel's doing) but not the watch's
+    table: a new socket given the same number is put in the epoll at its first park."""
+    if not park_module._EPOLL:
+        pytest.skip("the watch's epoll only")
+    ours, peer = socket.socketpair()
+    number = ours.fileno()
+    with peer:
+        with ours:
+            with trio.move_on_after(0):
+                await Park().wait(ours)
+        again, other = socket.socketpair()
+        with again, other:
+            assert again.fileno() == number  # the lowest free number: the closed one's
+            again.setblocking(False)
+            woke: list[bool] = []
+
+            async def wait() -> None:
+                woke.append(await Park().wait(again))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait)
+                await trio.testing.wait_all_tasks_blocked()
+                other.shutdown(socket.SHUT_WR)
+            assert woke == [True]
 
 
 async def test_a_cancelled_park_lets_its_socket_go() -> None:
@@ -56,7 +110,7 @@ async def test_a_cancelled_park_lets_its_socket_go() -> None:
         with trio.move_on_after(0) as scope:
             await park.wait(ours)
         assert scope.cancelled_caught
-        # parked again on the same socket (it left the epoll): the wake still comes
+        # parked again on the same socket: the wake still comes
         again = Park()
         woke: list[bool] = []
 
@@ -66,7 +120,7 @@ async def test_a_cancelled_park_lets_its_socket_go() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
             await trio.testing.wait_all_tasks_blocked()
-            peer.send(b"x")
+            peer.shutdown(socket.SHUT_WR)
         assert woke == [True]
         park.cancel()  # a cancelled park's wake: nothing happens
 
