@@ -414,7 +414,9 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
                             each.start_soon(open_one, name)
                     opening.cancel_scope.cancel()
                 out["setup_s"] = round(time.perf_counter() - started, 1)
-            await trio.sleep(2.0)
+            # idle once every channel's runner has pinged since its session's first turn: the
+            # hub at rest, not the tail of the setting up (the last turns' channels and requests)
+            await trio.sleep(PING_EVERY + 2.0)
             out["rss_mb"] = round(rss_bytes(pid) / 1e6)
             # idle
             seen0 = fleet.polls + fleet.heartbeats + fleet.pings + fleet.keepalives
