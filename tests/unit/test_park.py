@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import select
 import socket
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -18,6 +19,23 @@ from gateway.wire.park import Park
 def epoll(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test with the module's epoll and with its fallback (trio's ``wait_readable``)."""
     monkeypatch.setattr(park_module, "_EPOLL", request.param)
+
+
+async def _parked(
+    park: Park, sock: socket.socket | None, then: Callable[[list[bool]], None]
+) -> list[bool]:
+    """``park`` waiting on ``sock`` in a task of its own; ``then`` called with what its wait has
+    returned so far once it waits; what it returned in the end."""
+    woke: list[bool] = []
+
+    async def wait() -> None:
+        woke.append(await park.wait(sock))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        then(woke)
+    return woke
 
 
 async def test_a_wake_returns_false_and_the_peers_end_true() -> None:
@@ -90,15 +108,7 @@ async def test_a_closed_sockets_number_used_again_is_watched_anew() -> None:
         with again, other:
             assert again.fileno() == number  # the lowest free number: the closed one's
             again.setblocking(False)
-            woke: list[bool] = []
-
-            async def wait() -> None:
-                woke.append(await Park().wait(again))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wait)
-                await trio.testing.wait_all_tasks_blocked()
-                other.shutdown(socket.SHUT_WR)
+            woke = await _parked(Park(), again, lambda _: other.shutdown(socket.SHUT_WR))
             assert woke == [True]
 
 
@@ -111,30 +121,16 @@ async def test_a_cancelled_park_lets_its_socket_go() -> None:
             await park.wait(ours)
         assert scope.cancelled_caught
         # parked again on the same socket: the wake still comes
-        again = Park()
-        woke: list[bool] = []
-
-        async def wait() -> None:
-            woke.append(await again.wait(ours))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait)
-            await trio.testing.wait_all_tasks_blocked()
-            peer.shutdown(socket.SHUT_WR)
+        woke = await _parked(Park(), ours, lambda _: peer.shutdown(socket.SHUT_WR))
         assert woke == [True]
         park.cancel()  # a cancelled park's wake: nothing happens
 
 
 async def test_a_park_without_a_socket_waits_for_its_wake_only() -> None:
     park = Park()
-    woke: list[bool] = []
 
-    async def wait() -> None:
-        woke.append(await park.wait(None))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(wait)
-        await trio.testing.wait_all_tasks_blocked()
+    def then(woke: list[bool]) -> None:
         assert woke == []
         park.cancel()
-    assert woke == [False]
+
+    assert await _parked(park, None, then) == [False]
