@@ -507,7 +507,7 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
                     await turn(http, base, key, name)
                     count += 1
 
-            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            c0, t0, b0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
             windows["turns"] = [time.monotonic()]
             async with trio.open_nursery() as clients:
                 for name in names[: args.clients]:
@@ -518,6 +518,11 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
             windows["turns"].append(time.monotonic())
             out["turns_s"] = round(count / took)
             out["turn_cpu_ms"] = round(1e3 * max(0.0, cpu - idle_rate * took) / max(count, 1), 2)
+            out["turns_bench_pct"] = round(100 * (time.process_time() - b0) / took)
+            # the same turns at one fixed rate at every point (open loop): what a turn costs the
+            # hub as the fleet grows, its rate (and so what a wake of the hub serves) held equal
+            if args.turn_rate > 0:
+                out.update(await _paced_turns(args, http, base, key, names, pid, idle_rate))
             out["lost_claims"] = fleet.lost_claims
             out["errors"] = fleet.errors
             nursery.cancel_scope.cancel()
@@ -528,6 +533,53 @@ async def point(args: argparse.Namespace, runners: int, sessions: int) -> dict[s
     if collections:
         out["full_gc_ms"] = collections
     return out
+
+
+async def _paced_turns(
+    args: argparse.Namespace,
+    http: httpx.AsyncClient,
+    base: str,
+    key: str,
+    names: list[str],
+    pid: int,
+    idle_rate: float,
+) -> dict[str, Any]:
+    """``--turn-rate`` short turns a second for ``--turns-for`` s on the first ``--clients``
+    sessions in turn, each started on its tick (one a session at a time; a tick whose session
+    is still busy is missed and counted): the hub's CPU a turn, the idle rate taken out."""
+    gap = 1.0 / args.turn_rate
+    sessions = names[: args.clients]
+    busy: set[str] = set()
+    done = missed = 0
+
+    async def one(name: str) -> None:
+        nonlocal done
+        try:
+            await turn(http, base, key, name)
+            done += 1
+        finally:
+            busy.discard(name)
+
+    c0, t0, b0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
+    async with trio.open_nursery() as nursery:
+        for n in range(round(args.turns_for * args.turn_rate)):
+            await trio.sleep_until(
+                trio.current_time() + max(0.0, t0 + n * gap - time.perf_counter())
+            )
+            name = sessions[n % len(sessions)]
+            if name in busy:
+                missed += 1
+                continue
+            busy.add(name)
+            nursery.start_soon(one, name)
+    cpu, took = cpu_seconds(pid) - c0, time.perf_counter() - t0
+    return {
+        "paced_rate": args.turn_rate,
+        "paced_turns": done,
+        "paced_missed": missed,
+        "paced_turn_cpu_ms": round(1e3 * max(0.0, cpu - idle_rate * took) / max(done, 1), 2),
+        "paced_bench_pct": round(100 * (time.process_time() - b0) / took),
+    }
 
 
 def _full_collections(windows: dict[str, list[float]]) -> dict[str, float]:
@@ -549,8 +601,8 @@ def _full_collections(windows: dict[str, list[float]]) -> dict[str, float]:
 
 HEAD = (
     "| runners | open sessions | hub RSS | idle CPU (% of a core) | a poll / a ping (µs, marginal) "
-    "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) | hub CPU a turn "
-    "| idle: events/s, µs an event (a bare trio loop's) |"
+    "| a new session: TTFT p50 / hub CPU | short turns/s ({c} clients) "
+    "| hub CPU a turn (closed loop; paced) | idle: events/s, µs an event (a bare trio loop's) |"
 )
 
 
@@ -559,12 +611,15 @@ def row(r: dict[str, Any]) -> str:
         return f"| {r['runners']:,} | {r['sessions']:,} | {r['error']} | | | | | | |"
     ping = f" / {r['ping_us']}" if "ping_us" in r else ""
     events = f"{r['idle_events_s']:,}, {r['idle_event_us']}" if "idle_events_s" in r else ""
+    paced = ""
+    if "paced_turn_cpu_ms" in r:
+        paced = f"; {r['paced_turn_cpu_ms']} ms at {r['paced_rate']:g}/s"
     if "floor_trio_us" in r:
         events += f" ({r['floor_trio_us']:g})"
     return (
         f"| {r['runners']:,} | {r['sessions']:,} | {r['rss_mb']} MB | {r['idle_pct']} "
         f"| {r['poll_us']}{ping} | {r['new_ttft_ms']} ms / {r['new_cpu_ms']} ms "
-        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms | {events} |"
+        f"| {r['turns_s']:,} | {r['turn_cpu_ms']} ms{paced} | {events} |"
     )
 
 
@@ -579,6 +634,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=100, help="new sessions opened one by one")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--turns-for", type=float, default=10.0, help="s of short turns")
+    p.add_argument(
+        "--turn-rate",
+        type=float,
+        default=100.0,
+        help="short turns a second in the paced phase, the same at every point (0: none)",
+    )
     p.add_argument("--open-parallel", type=int, default=16, help="sessions opened at once")
     p.add_argument("--setup-timeout", type=float, default=900.0, help="s for a point's setup")
     p.add_argument("--timeout", type=float, default=60.0, help="s an HTTP request may take")
