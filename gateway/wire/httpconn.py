@@ -31,9 +31,10 @@ import trio
 
 from gateway.wire.errors import ClientGone, HTTPError, error_envelope
 from gateway.wire.http import STATUS_LINES, Request, Response
-from gateway.wire.httpparse import RequestHead, RequestParser
+from gateway.wire.httpparse import RequestHead, RequestParser, origin_form
 from gateway.wire.netio import NET_ERRORS, RECV_SIZE, TLSTransport, Transport
 from gateway.wire.park import Park
+from gateway.wire.sweeper import Sweeper
 from gateway.wire.wsconn import (
     Keepalive,
     WebSocketConnection,
@@ -86,6 +87,8 @@ class ConnectionHost(Protocol):
     def keepalive(self) -> Keepalive: ...
     @property
     def counters(self) -> WebSocketCounters: ...
+    @property
+    def sweeper(self) -> Sweeper: ...
 
 
 def error_response(
@@ -123,20 +126,6 @@ def _take_body(req: RequestHead, limit: int) -> bytes:
         raise _too_large(limit)
     req.body = b""
     return body
-
-
-def _target(target: bytes) -> tuple[bytes, bytes | None]:
-    """A request target in origin form (path and query) and the authority an absolute-form one
-    named (RFC 9112 §3.2.2: ``http://host:port/path?query``), or None."""
-    if target[:1] == b"/":
-        return target, None
-    scheme, sep, rest = target.partition(b"://")
-    if not sep or not scheme.isalpha():
-        return target, None  # authority-form, asterisk-form: as they are
-    end = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
-    authority = rest[:end].rpartition(b"@")[2]  # userinfo dropped (RFC 9110 §4.2.4)
-    path = rest[end:]
-    return (path if path[:1] == b"/" else b"/" + path), authority
 
 
 class HTTPConnection:
@@ -275,7 +264,7 @@ class HTTPConnection:
 
     async def _next_head(self) -> RequestHead | None:
         """The next request's head, within ``head_timeout`` (kept alive: ``keepalive_timeout``
-        for its first byte), the deadline of ``_waiting`` (``serve`` answers 408 past it); None
+        for its first byte), ``_waiting``'s deadline (``serve`` answers 408 past it); None
         when the connection is to end (the client closed it, or it was refused: answered)."""
         parser = self._parser
         heads = parser.heads
@@ -284,14 +273,15 @@ class HTTPConnection:
         self._head_bytes = 0
         limits = self.limits
         waiting = self._waiting
+        sweeper = self.serving.sweeper  # the deadline: filed there, not trio's heap (4.6 µs)
         idle = self._kept and not self._unfed  # kept alive, nothing of the next one yet
         wait = max(limits.keepalive_timeout, limits.head_timeout) if idle else limits.head_timeout
-        waiting.deadline = self._now() + wait
+        slot = sweeper.file(waiting, self._now() + wait)
         try:
             while not heads:
                 if idle and self._head_bytes:  # its first bytes: the head's own deadline
                     idle = False
-                    waiting.deadline = min(waiting.deadline, self._now() + limits.head_timeout)
+                    slot = sweeper.sooner(waiting, slot, self._now() + limits.head_timeout)
                 if self._unfed:
                     data, self._unfed = self._unfed, b""
                     self._head_bytes += len(data)
@@ -311,7 +301,7 @@ class HTTPConnection:
         except NET_ERRORS:
             return None
         finally:
-            waiting.deadline = math.inf
+            sweeper.unfile(waiting, slot)
         msg = heads.popleft()
         if self._head_bytes > limits.max_head and msg.head_size() > limits.max_head:
             await self._too_big()  # the whole head came at once, over the bound
@@ -334,7 +324,7 @@ class HTTPConnection:
 
     async def serve(self) -> None:
         """The connection's requests in turn, each head in time: one cancel scope for them all
-        (``_waiting``, its deadline set while a head is awaited), not one a request (5 µs); a
+        (``_waiting``, filed with the sweeper while a head is awaited), not one a request; a
         head that came as its deadline passed is served all the same, under a new scope."""
         msg: RequestHead | None = None
         while True:
@@ -405,7 +395,7 @@ class HTTPConnection:
         target = msg.url
         headers = msg.headers
         if target[:1] != b"/":
-            target, authority = _target(target)
+            target, authority = origin_form(target)
             if authority is not None:  # the target's authority, not Host (RFC 9112 §3.2.2)
                 headers = [(k, v) for k, v in headers if k != b"host"] + [(b"host", authority)]
         raw_path, _, query = target.partition(b"?")
@@ -501,6 +491,7 @@ class WebSocketRequest:
             ),
             serving.counters,
             self.scope["path"],
+            serving.sweeper,
         )
         try:
             await conn.transport.send_all(head)

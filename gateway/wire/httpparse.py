@@ -8,6 +8,7 @@ the request is whole, then it holds them joined. Requests pipelined behind one a
 ahead and queued. Where llhttp stops is kept: an error (``broken``: a malformed head or chunk,
 Content-Length with Transfer-Encoding, ...) after the requests before it, or an upgrade it took
 (the request is ``switched``; the bytes after its head are ``rest``, the new protocol's).
+An absolute-form target is read as its path and authority (``origin_form``).
 """
 
 from __future__ import annotations
@@ -149,3 +150,17 @@ class RequestParser:
         body = self.body
         current.body = b"".join(body)
         body.clear()
+
+
+def origin_form(target: bytes) -> tuple[bytes, bytes | None]:
+    """A request target in origin form (path and query) and the authority an absolute-form one
+    named (RFC 9112 §3.2.2: ``http://host:port/path?query``), or None."""
+    if target[:1] == b"/":
+        return target, None
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or not scheme.isalpha():
+        return target, None  # authority-form, asterisk-form: as they are
+    end = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+    authority = rest[:end].rpartition(b"@")[2]  # userinfo dropped (RFC 9110 §4.2.4)
+    path = rest[end:]
+    return (path if path[:1] == b"/" else b"/" + path), authority

@@ -10,7 +10,8 @@ its WebSocket (``gateway.wire.wsserver`` over ``gateway.wire.wsconn``, which doe
 A handler gets ``http(Request)`` (``gateway.wire.http``: the head, ``body(limit)`` read on demand
 so credentials are checked first, the ``Response``) and ``websocket(WebSocketRequest)`` (accept
 it, or refuse it with an HTTP status). Every bound a network server needs is kept: a head
-deadline and size cap, a body deadline, keep-alive idle time (``ConnectionLimits``, in the connection);
+deadline and size cap, a body deadline, keep-alive idle time (``ConnectionLimits``, in the
+connection; the head waits' deadlines swept by one task, ``gateway.wire.sweeper``);
 here, a cap on open connections: past it a new one gets a 503 written at once and is closed (one
 warning a minute), and past ``MAX_REFUSING`` refusals at once it is just closed; an accept that
 fails for lack of descriptors gives up a spare one kept for this, accepts the waiting connection
@@ -40,6 +41,7 @@ from gateway.wire.httpconn import (
     serve_connection,
 )
 from gateway.wire.netio import take_socket
+from gateway.wire.sweeper import Sweeper, grain_for
 from gateway.wire.wsconn import CLOSE_ABNORMAL, CLOSE_NO_PONG, Keepalive
 from gateway.wire.wsserver import ServerWebSocket, WebSocketCounters
 
@@ -97,6 +99,11 @@ class Server:
         # a descriptor kept in reserve: out of them, it is given up to accept and refuse one
         self._spare: int | None = None  # opened while serving
         self._warned_at = -math.inf
+        # the connections' head deadlines and their WebSockets' keepalives (run while serving)
+        limits, keepalive = self.limits, self.keepalive
+        self.sweeper = Sweeper(
+            grain_for(limits.head_timeout, keepalive.interval, keepalive.timeout)
+        )
 
     async def serve(
         self, host: str, port: int, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -118,6 +125,7 @@ class Server:
         self._spare = _spare()
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.sweeper.run)
                 for listener in listeners:
                     nursery.start_soon(self._accept, listener, nursery)
                 task_status.started(f"{scheme}://{shown_host}:{bound[1]}")

@@ -19,6 +19,7 @@ import trio
 
 from gateway.wire.errors import ClientGone
 from gateway.wire.netio import NET_ERRORS, RECV_SIZE, Transport
+from gateway.wire.sweeper import Sweeper
 from gateway.wire.wsconn import (
     CLOSE_ABNORMAL,
     CLOSE_NO_PONG,
@@ -55,6 +56,7 @@ class ServerWebSocket:
         conn: WebSocketConnection,
         counters: WebSocketCounters,
         path: str,
+        sweeper: Sweeper,
     ) -> None:
         self.transport = transport
         self.conn = conn
@@ -66,6 +68,8 @@ class ServerWebSocket:
         # from: the hub's channel makes it its runner's sign of life, in place of a heartbeat's
         self.on_alive: Callable[[], None] | None = None
         self._asleep: trio.CancelScope | None = None  # the keepalive's wait, while it waits
+        self._sweeper = sweeper  # its deadline (the server's: not trio's heap, moved a ping)
+        self._slot = -1  # where it is filed there
         self._flush_lock = trio.Lock()
         self._wake = trio.Event()  # the flusher has control frames to write once there is room
         self._scope = trio.CancelScope()  # the reader's: its deadline set once we close
@@ -242,10 +246,11 @@ class ServerWebSocket:
     def _pinged(self) -> None:
         """The peer pinged: its sign of life, and our keepalive's wake moved to when it is due
         now (a peer that pings every interval is never pinged back, and our keepalive sleeps
-        through: a timer that fires costs trio a cancellation, a deadline moved does not)."""
+        through: a timer that fires costs trio a cancellation, a deadline moved does not; moved
+        on the server's sweeper, not trio's deadline heap)."""
         asleep = self._asleep
         if asleep is not None:
-            asleep.deadline = self.conn.next_tick()
+            self._slot = self._sweeper.move(asleep, self._slot, self.conn.next_tick())
         alive = self.on_alive
         if alive is not None:
             alive()
@@ -257,10 +262,15 @@ class ServerWebSocket:
         is slow, not the path)."""
         conn = self.conn
         counters = self.counters
+        sweeper = self._sweeper
         while True:
-            with trio.CancelScope(deadline=conn.next_tick()) as asleep:
+            with trio.CancelScope() as asleep:
                 self._asleep = asleep
-                await trio.sleep_forever()
+                self._slot = sweeper.file(asleep, conn.next_tick())
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    sweeper.unfile(asleep, self._slot)
             self._asleep = None
             now = trio.current_time()
             blocked = self.app_blocked

@@ -20,6 +20,7 @@ from gateway.wire.errors import HTTPError
 from gateway.wire.http import Request, header
 from gateway.wire.httpconn import serve_connection
 from gateway.wire.server import Server
+from gateway.wire.sweeper import GRAIN
 
 
 class Echo:
@@ -55,15 +56,18 @@ async def connected(
     raised goes to ``fails`` (the listener logs it and closes the connection)."""
     near, far = socket.socketpair()
 
+    server = Server(handler)
+
     async def serve() -> None:
         try:
-            await serve_connection(Server(handler), near, ("127.0.0.1", 1), None)
+            await serve_connection(server, near, ("127.0.0.1", 1), None)
         except Exception as exc:
             if fails is None:
                 raise
             fails.append(exc)
 
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.sweeper.run)  # the head deadlines (the listener runs it)
         nursery.start_soon(serve)
         conn = RawConn(trio.SocketStream(trio.socket.from_stdlib_socket(far)))
         try:
@@ -202,11 +206,13 @@ async def test_a_head_that_comes_as_its_deadline_passes_is_served(
     whole (as a head a moment earlier is), not cancelled under its handler."""
     near, far = socket.socketpair()
     echo = Echo()
+    server = Server(echo)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_connection, Server(echo), near, ("127.0.0.1", 1), None)
+        nursery.start_soon(server.sweeper.run)
+        nursery.start_soon(serve_connection, server, near, ("127.0.0.1", 1), None)
         await trio.testing.wait_all_tasks_blocked()  # it waits for the first head
         far.sendall(b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\nhi")
-        mock_clock.jump(10.0)  # head_timeout (10 s) passes as the head is there
+        mock_clock.jump(10.0 + GRAIN)  # head_timeout (10 s) passes as the head is there
         conn = RawConn(trio.SocketStream(trio.socket.from_stdlib_socket(far)))
         resp = await conn.response()
         assert resp is not None and resp.status == 200, resp
