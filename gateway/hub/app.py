@@ -61,6 +61,7 @@ class Route:
 
 
 _LITERALS = 64  # (method, path) pairs memoised at most (a pattern without groups may match many)
+_MATCHED = 256  # paths of routes with params memoised at most
 
 
 def _route(method: str, path: str, handler: Handler) -> Route:
@@ -83,6 +84,9 @@ class App:
         # (method, path) → the handler of a route without params that matched it (memoised: the
         # routes are fixed, so it resolves the same each time; a front-door turn tried 18 patterns)
         self._literal: dict[tuple[str, str], Handler] = {}
+        # (method, path) → the route with params that matched it and its params: a project's
+        # runners poll one path (the routes before it not tried again); bounded, begun again
+        self._matched: dict[tuple[str, str], tuple[Handler, dict[str, str]]] = {}
         self.routes: list[Route] = [
             *(
                 _route("POST", _BASE + re.escape(path), runners.register)
@@ -200,6 +204,10 @@ class App:
         if known is not None:  # a route without params, found before (no pattern tried)
             req.params = {}
             return known
+        matched = self._matched.get((method, path))
+        if matched is not None:  # a route with params, this path found before (a poll)
+            req.params = dict(matched[1])
+            return matched[0]
         allowed: list[str] = []
         for route in self.routes:
             m = route.pattern.match(path)
@@ -211,6 +219,10 @@ class App:
             if not route.pattern.groups and len(self._literal) < _LITERALS:  # always so
                 self._literal[method, path] = route.handler
             req.params = {k: v for k, v in m.groupdict().items() if v is not None}
+            if route.pattern.groups:
+                if len(self._matched) >= _MATCHED:  # paths of many jobs: begun again
+                    self._matched.clear()
+                self._matched[method, path] = (route.handler, dict(req.params))
             return route.handler
         if allowed:
             allow = ", ".join(dict.fromkeys(allowed))

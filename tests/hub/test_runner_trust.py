@@ -351,3 +351,41 @@ async def test_the_store_keeps_enrollment_tokens_and_revocations(
         assert listed.revoked_at is not None
     finally:
         await store.close()
+
+
+async def test_a_polled_path_is_routed_with_its_own_project_each_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The hub keeps the route each path with params resolved to (a project's runners poll one
+    path): a path is still routed with its own owner and project, the first time, the next
+    times and after more paths than it keeps (it begins again)."""
+    async with open_hub(hub_of()) as (hub, url):
+        tokens = {}
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD) as http:
+            for project in ("chat", "other"):
+                _, enroll = await hub.runner_admin.enroll(f"{OWNER}/{project}", None, 1)
+                r = await http.post(
+                    f"/api/owners/{OWNER}/projects/{project}/runners",
+                    json={"name": project, "labels": []},
+                    headers=bearer(enroll),
+                )
+                assert r.status_code == 201
+                tokens[project] = r.json()["token"]
+
+            async def poll(project: str, token: str) -> httpx.Response:
+                return await http.post(
+                    f"/api/owners/{OWNER}/projects/{project}/runners/jobs",
+                    json={"capabilities": []},
+                    headers=bearer(token),
+                )
+
+            for n in range(300):  # past the paths kept, and again after
+                for own, other in (("chat", "other"), ("other", "chat")):
+                    if n % 100 == 0:
+                        assert (await poll(own, tokens[own])).status_code == 204
+                        wrong = await poll(other, tokens[own])
+                        assert wrong.status_code == 403
+                        assert f"registered to {OWNER}/{own}" in wrong.text
+                elsewhere = await poll(f"p{n}", tokens["chat"])
+                assert elsewhere.status_code == 403
+                assert f"registered to {OWNER}/chat" in elsewhere.text
