@@ -310,6 +310,61 @@ async def test_a_restarted_server_between_calls_costs_no_call(
     await store.close()
 
 
+async def test_a_connection_lent_when_the_database_went_is_closed_not_trusted(
+    pg_url: str, store_logs: list[logging.LogRecord]
+) -> None:
+    """A server shutting down ends its connections one by one: a call that still succeeds on
+    one lent before the database was found gone proves nothing (it said "back" before, then
+    "unavailable" again: two lines each way for one stop). Such a connection is closed when
+    given back; the next call connects anew, and that one says the database is back."""
+    store = PostgresStore(pg_url, pool_size=2)
+    await store.save_session(StoredSession("k", "s", "acme", "chat", "j-1"))
+    ours = "SELECT pid, wait_event_type FROM pg_stat_activity WHERE application_name = %s"
+    locker = await trio.to_thread.run_sync(lambda: psycopg.connect(pg_url))
+    killed = trio.Event()
+    try:  # each of two calls waits on a lock of its own, on its own connection
+        await trio.to_thread.run_sync(
+            locker.execute, "LOCK TABLE jobs, sessions IN ACCESS EXCLUSIVE MODE"
+        )
+
+        async def two_wait() -> bool:
+            found = await trio.to_thread.run_sync(_sql, pg_url, ours, APPLICATION)
+            return sum(1 for _pid, wait in found if wait == "Lock") == 2
+
+        async def failing() -> None:  # its connection is ended under it
+            with pytest.raises(StoreUnavailable):
+                await store.load_sessions()
+            killed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.count_jobs)  # on the connection lent as the other fails
+            nursery.start_soon(failing)
+            await _until(two_wait, "two calls waiting on the locks")
+            lent = {
+                pid for pid, _wait in await trio.to_thread.run_sync(_sql, pg_url, ours, APPLICATION)
+            }
+            sessions_reader = _sql(
+                pg_url,
+                "SELECT pid FROM pg_locks WHERE relation = 'sessions'::regclass AND NOT granted",
+            )
+            (victim,) = {pid for (pid,) in sessions_reader} & lent
+            _sql(pg_url, "SELECT pg_terminate_backend(%s)", victim)
+            await killed.wait()
+            assert not store.available
+            await trio.to_thread.run_sync(locker.commit)  # the other call goes on, and succeeds
+    finally:
+        await trio.to_thread.run_sync(locker.close)
+    assert not store.available  # its success on a connection lent before is no proof
+    assert store.connections == 0  # that connection closed when given back
+    assert len(await store.load_sessions()) == 1  # on a new connection: back
+    assert store.available
+    (now,) = {pid for pid, _wait in _sql(pg_url, ours, APPLICATION)}
+    assert now not in lent
+    assert len([r for r in store_logs if "is unavailable" in r.getMessage()]) == 1
+    assert len([r for r in store_logs if "is back after" in r.getMessage()]) == 1
+    await store.close()
+
+
 async def test_usage_rows_wait_for_a_database_that_comes_back(
     pg_server: pgserver.PgServer, pg_url: str, store_logs: list[logging.LogRecord]
 ) -> None:

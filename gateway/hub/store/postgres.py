@@ -104,6 +104,11 @@ class PostgresStore(SqlStore):
         self.pool_size = pool_size
         self._slots = trio.Semaphore(pool_size)  # connections lent at most
         self._idle: list[_Conn] = []
+        # lent now; and those lent when the database was found gone: a call that succeeds on
+        # one proves nothing (a server shutting down ends its connections one by one), so each
+        # is closed when given back, and the next call connects anew
+        self._lent: set[_Conn] = set()
+        self._stale: set[_Conn] = set()
         self.connections = 0  # open now, lent or idle (never more than pool_size)
         self._connect: Any = ThreadConnection.connect if in_thread else TrioConnection.connect
         self._retry_at = -math.inf  # trio clock: while unavailable, no connect before this
@@ -161,6 +166,7 @@ class PostgresStore(SqlStore):
         started = time.monotonic()
         async with self._slots:
             conn = await self._borrow(op)
+            self._lent.add(conn)
             try:
                 with trio.fail_after(CALL_TIMEOUT):
                     result = await conn.run(op)
@@ -177,8 +183,9 @@ class PostgresStore(SqlStore):
             except BaseException:
                 self._give_back(conn)
                 raise
+            proof = conn not in self._stale  # (a stale one's success proves nothing)
             self._give_back(conn)
-        if not self.available:
+        if not self.available and proof:
             self._available(started)
         return result
 
@@ -209,22 +216,27 @@ class PostgresStore(SqlStore):
         return conn
 
     def _give_back(self, conn: _Conn) -> None:
-        if conn.reusable() and not self._closed:
+        self._lent.discard(conn)
+        if conn.reusable() and not self._closed and conn not in self._stale:
             self._idle.append(conn)
         else:
             self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
+        self._lent.discard(conn)
+        self._stale.discard(conn)
         self.connections -= 1
         conn.close()
 
     def _gone(self, detail: str, *, retry_now: bool = False) -> StoreUnavailable:
-        """The database (or a connection to it) is gone: the idle connections go too; the next
-        try to connect is at once after a call's failure (it may have been that connection's
-        alone), ``RETRY_AFTER`` s after a failed connect."""
+        """The database (or a connection to it) is gone: the idle connections go too, the lent
+        ones when given back (``_stale``); the next try to connect is at once after a call's
+        failure (it may have been that connection's alone), ``RETRY_AFTER`` s after a failed
+        connect."""
         self._detail = detail
         if retry_now:
             self._retry_at = -math.inf
+        self._stale |= self._lent
         while self._idle:
             self._drop(self._idle.pop())
         return self._unavailable(detail)
