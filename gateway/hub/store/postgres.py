@@ -104,9 +104,9 @@ class PostgresStore(SqlStore):
         self.pool_size = pool_size
         self._slots = trio.Semaphore(pool_size)  # connections lent at most
         self._idle: list[_Conn] = []
-        # lent now; and those lent when the database was found gone: a call that succeeds on
+        # lent now; and those lent when a call's connection was lost: a call that succeeds on
         # one proves nothing (a server shutting down ends its connections one by one), so each
-        # is closed when given back, and the next call connects anew
+        # is closed when given back, and the next call connects anew (at once)
         self._lent: set[_Conn] = set()
         self._stale: set[_Conn] = set()
         self.connections = 0  # open now, lent or idle (never more than pool_size)
@@ -175,7 +175,8 @@ class PostgresStore(SqlStore):
                 raise self._gone(f"no answer within {CALL_TIMEOUT:g} s", retry_now=True) from None
             except PgFailure as exc:
                 self._give_back(conn)
-                if exc.kind == DOWN:
+                if exc.kind == DOWN:  # the lent ones may be ending too: not trusted after
+                    self._stale |= self._lent
                     raise self._gone(exc.detail, retry_now=True) from None
                 if exc.kind == RETRY:
                     raise StoreUnavailable(f"the hub store {self.where}: {exc.detail}") from None
@@ -229,14 +230,12 @@ class PostgresStore(SqlStore):
         conn.close()
 
     def _gone(self, detail: str, *, retry_now: bool = False) -> StoreUnavailable:
-        """The database (or a connection to it) is gone: the idle connections go too, the lent
-        ones when given back (``_stale``); the next try to connect is at once after a call's
-        failure (it may have been that connection's alone), ``RETRY_AFTER`` s after a failed
-        connect."""
+        """The database (or a connection to it) is gone: the idle connections go too; the next
+        try to connect is at once after a call's failure (it may have been that connection's
+        alone), ``RETRY_AFTER`` s after a failed connect."""
         self._detail = detail
         if retry_now:
             self._retry_at = -math.inf
-        self._stale |= self._lent
         while self._idle:
             self._drop(self._idle.pop())
         return self._unavailable(detail)
