@@ -39,6 +39,7 @@ from gateway.hub.store.schema import LATEST
 from gateway.sim import Simulator
 
 BASE = f"/api/owners/{OWNER}/projects/{PROJECT}"
+GUARD = 60.0  # s: how long ``until`` waits before it calls a state never reached (a hang guard)
 
 
 @dataclass
@@ -52,9 +53,10 @@ class Replica:
         self.scope.cancel()
 
 
-async def until(check: Callable[[], bool], *among: Replica, within: float = 10) -> None:
+async def until(check: Callable[[], bool], *among: Replica, within: float = GUARD) -> None:
     """Until ``check()`` holds, looked at again on every change of the replicas' boards (a
-    runner seen, a job or a channel changed, a replica up or down)."""
+    runner seen, a job or a channel changed, a replica up or down). ``within``: a hang guard,
+    not a timing (replicas on a loaded 2-core machine took over 10 s to see each other up)."""
     with trio.fail_after(within):
         while not check():
             async with trio.open_nursery() as nursery:
