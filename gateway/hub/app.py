@@ -60,8 +60,8 @@ class Route:
     handler: Handler
 
 
-_LITERALS = 64  # (method, path) pairs memoised at most (a pattern without groups may match many)
-_MATCHED = 256  # paths of routes with params memoised at most
+_MATCHED = 256  # (method, path) pairs memoised at most (then begun again)
+_MATCHED_PATH = 512  # characters: a longer path is resolved each time, never memoised
 
 
 def _route(method: str, path: str, handler: Handler) -> Route:
@@ -81,11 +81,9 @@ class App:
         self.runners = runners
         self.runner_budget = Budget("runners'", settings.max_runner_connections)
         self.client_budget = Budget("clients'", settings.max_client_connections)
-        # (method, path) → the handler of a route without params that matched it (memoised: the
-        # routes are fixed, so it resolves the same each time; a front-door turn tried 18 patterns)
-        self._literal: dict[tuple[str, str], Handler] = {}
-        # (method, path) → the route with params that matched it and its params: a project's
-        # runners poll one path (the routes before it not tried again); bounded, begun again
+        # (method, path) → the handler of the route that matched it and its params (memoised:
+        # the routes are fixed, so a path resolves the same each time; a front-door turn tried
+        # 18 patterns, a project's runners poll one path); bounded in count and length
         self._matched: dict[tuple[str, str], tuple[Handler, dict[str, str]]] = {}
         self.routes: list[Route] = [
             *(
@@ -200,12 +198,8 @@ class App:
         for prefix, guard in self._guards:
             if path.startswith(prefix):
                 guard(req)
-        known = self._literal.get((method, path))
-        if known is not None:  # a route without params, found before (no pattern tried)
-            req.params = {}
-            return known
         matched = self._matched.get((method, path))
-        if matched is not None:  # a route with params, this path found before (a poll)
+        if matched is not None:  # found before: no pattern tried
             req.params = dict(matched[1])
             return matched[0]
         allowed: list[str] = []
@@ -216,10 +210,8 @@ class App:
             if route.method != method:
                 allowed.append(route.method)
                 continue
-            if not route.pattern.groups and len(self._literal) < _LITERALS:  # always so
-                self._literal[method, path] = route.handler
             req.params = {k: v for k, v in m.groupdict().items() if v is not None}
-            if route.pattern.groups:
+            if len(path) <= _MATCHED_PATH:
                 if len(self._matched) >= _MATCHED:  # paths of many jobs: begun again
                     self._matched.clear()
                 self._matched[method, path] = (route.handler, dict(req.params))

@@ -57,8 +57,7 @@ class Sweeper:
         slot now."""
         if at == math.inf or math.ceil(at / self.grain) >= slot >= 0:
             return slot
-        self.unfile(scope, slot)
-        return self.file(scope, at)
+        return self.move(scope, slot, at)
 
     def move(self, scope: trio.CancelScope, slot: int, at: float) -> int:
         """``scope``, filed in ``slot``, cancelled at ``at`` instead; its slot now."""
