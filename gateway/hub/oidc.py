@@ -8,7 +8,12 @@ with PyJWT (pure Python: ``jwt.decode`` once the signature holds); neither bring
 crypto library into the one-file binary. RS256, RS384 and RS512 only: what OpenID Connect
 requires issuers to offer (RS256) and what they sign ID tokens with by default. The HTTP calls
 are httpx's, each bounded in time and size. Nothing here logs a secret: the client
-secret, the code, the tokens and the verifier never reach a log line or an error message."""
+secret, the code, the tokens and the verifier never reach a log line or an error message.
+
+httpx, PyJWT and rsa are imported where they are first used, not with this module: every hub
+imports it (``people``), and a hub that signs nobody in would carry them for nothing (with
+the cryptography package PyJWT takes in when it is there: some 12 MB of a hub's memory and a
+tenth of a second of its start)."""
 
 from __future__ import annotations
 
@@ -20,14 +25,14 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-import httpx
-import jwt
-import rsa
-
 from gateway.config import HubSettings
+
+if TYPE_CHECKING:
+    import httpx
+    import rsa
 
 log = logging.getLogger("gateway.hub.oidc")
 
@@ -124,6 +129,8 @@ class Oidc:
     # -- the issuer's documents -------------------------------------------------------------
 
     async def _get_json(self, url: str, what: str) -> dict[str, Any]:
+        import httpx  # (the module's docstring: here, not with the module)
+
         try:
             async with (
                 httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False) as client,
@@ -233,6 +240,8 @@ class Oidc:
             auth = (self.client_id, self._secret)
         else:
             form["client_id"] = self.client_id
+        import httpx
+
         try:
             async with (
                 httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False) as client,
@@ -258,6 +267,9 @@ class Oidc:
 
     async def verify(self, id_token: str, nonce: str, disco: Discovery) -> dict[str, Any]:
         """The claims of ``id_token`` once verified; OidcError saying what failed."""
+        import jwt
+        import rsa
+
         try:
             header = jwt.get_unverified_header(id_token)
         except jwt.PyJWTError:
@@ -324,6 +336,8 @@ def _b64(text: str) -> bytes:
 
 def _rsa_keys(doc: dict[str, Any]) -> dict[str | None, rsa.PublicKey]:
     """The RSA signing keys of a JWKS (RFC 7517), by key id; others are passed over."""
+    import rsa
+
     keys: dict[str | None, rsa.PublicKey] = {}
     found = doc.get("keys")
     for jwk in found[:MAX_KEYS] if isinstance(found, list) else []:

@@ -4,7 +4,10 @@ files and environment), printed or written with a backup of every file it change
 The hub's URL is ``--hub`` or the local hub's (its ``listen`` and ``tls_cert`` settings); an API
 key is ``--key`` or one made with the admin API (the admin credential from ``--admin-token`` or
 the hub's data directory); the model is ``--model`` or the first of ``/v1/models``. What each agent gets is ``gateway.ops.agents``'s (pure); this module does the
-I/O around it.
+I/O around it. httpx is imported when ``connect`` runs, not with this module: every command
+builds the command line, ``connect``'s arguments included (``add_arguments``), and ``run`` and
+``hub`` would carry httpx for nothing (with click, rich and pygments, which it takes in when
+they are there: 60 ms of every start).
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from gateway import logsafe
 from gateway.config import ConfigError, load_hub_settings
@@ -34,6 +35,9 @@ from gateway.ops.agents import (
     opencode_config,
     recipe,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 TIMEOUT = 15.0  # seconds for each call to the hub (its /v1/models may wait for runners' lists)
 
@@ -131,6 +135,8 @@ def _target(args: argparse.Namespace) -> Target:
     if ca is not None:  # added to the system's CAs (create_default_context(cafile=) replaces)
         verify = ssl.create_default_context()
         verify.load_verify_locations(cafile=str(ca))
+    import httpx  # (the module's docstring: here, not with the module)
+
     with httpx.Client(base_url=hub, timeout=TIMEOUT, verify=verify, trust_env=False) as http:
         key = args.key or _make_key(http, args, settings, env)
         model = _model(http, key, args.model)
@@ -204,6 +210,8 @@ def _model(http: httpx.Client, key: str, wanted: str | None) -> str:
 def _call(
     http: httpx.Client, method: str, path: str, token: str, *, what: str, **kwargs: Any
 ) -> httpx.Response:
+    import httpx
+
     try:
         return http.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kwargs)
     except httpx.ConnectError as exc:
