@@ -170,6 +170,10 @@ class HTTPConnection:
         """After an upgrade's head: the bytes that came after it (the new protocol's)."""
         return self._parser.take_rest()
 
+    def parser_done(self) -> None:
+        """The connection has ended: its parser let go at once (``RequestParser.close``)."""
+        self._parser.close()
+
     async def _fill(self) -> None:
         """Read what arrived and parse it (waiting for it); the end of the stream noted."""
         transport = self.transport
@@ -541,6 +545,8 @@ async def serve_connection(
             await conn.serve()
         except NET_ERRORS as exc:
             log.debug("connection from %s ended: %r", client, exc)
+        finally:
+            conn.parser_done()
         if not conn.upgraded and not conn.eof:
             await _linger(transport)
     finally:

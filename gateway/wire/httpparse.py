@@ -76,7 +76,11 @@ class RequestParser:
         self.broken: httptools.HttpParserError | None = None  # where llhttp stopped, failing
         self.rest = b""  # after an upgrade: the bytes that came after its head
         self.stopped = False  # llhttp stopped: an upgrade, or an error (``broken``)
-        self._parser = httptools.HttpRequestParser(self)
+        # llhttp's parser holds this one (its callbacks) and this one holds it: ``close``
+        # breaks the pair, else only the cyclic garbage collector frees them (a hub's full
+        # collections are rare: a connection's last read, a refused body's first 64 KiB
+        # included, stayed in memory until one)
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
 
     def feed(self, data: bytes) -> None:
         """Parse what was read (after an upgrade, it is kept in ``rest``)."""
@@ -84,8 +88,11 @@ class RequestParser:
             if self.broken is None:
                 self.rest += data
             return
+        parser = self._parser
+        if parser is None:  # closed: the connection has ended
+            return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
             assert self.current is not None
             self.current.switched = self.stopped = True
@@ -93,6 +100,15 @@ class RequestParser:
         except httptools.HttpParserError as exc:
             self.broken = exc
             self.stopped = True
+
+    def close(self) -> None:
+        """The connection has ended: llhttp's parser let go, and what was parsed."""
+        self._parser = None
+        self.stopped = True
+        self.heads.clear()
+        self.body.clear()
+        self.current = None
+        self.rest = b""
 
     def take_rest(self) -> bytes:
         """After an upgrade: the bytes that came after its head (the new protocol's)."""
@@ -135,8 +151,8 @@ class RequestParser:
 
     def on_headers_complete(self) -> None:
         current = self.current
-        assert current is not None
         parser = self._parser
+        assert current is not None and parser is not None
         current.method = parser.get_method()
         current.version = parser.get_http_version()
         current.keep_alive = parser.should_keep_alive()

@@ -7,7 +7,9 @@ requests pipelined with bodies (chunked among them), HTTP/1.0, ``Connection: clo
 
 from __future__ import annotations
 
+import gc
 import socket
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +21,7 @@ from rawclient import RawConn
 from gateway.wire.errors import HTTPError
 from gateway.wire.http import Request, header
 from gateway.wire.httpconn import serve_connection
+from gateway.wire.httpparse import RequestParser
 from gateway.wire.server import Server
 from gateway.wire.sweeper import GRAIN
 
@@ -223,3 +226,21 @@ async def test_a_head_that_comes_as_its_deadline_passes_is_served(
         assert resp is not None and resp.status == 200 and resp.body == b"GET /y ", resp
         await conn.aclose()
         nursery.cancel_scope.cancel()
+
+
+def test_a_closed_request_parser_is_freed_at_once_not_by_the_cyclic_collector() -> None:
+    """llhttp's parser and ours hold each other; ``close`` (a connection's end) breaks the pair,
+    so a refused body's first piece goes with the connection, not at the next full collection."""
+    parser = RequestParser()
+    parser.feed(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n" + b"x" * 60_000)
+    assert len(parser.heads) == 1 and sum(map(len, parser.body)) == 60_000
+    gone = weakref.ref(parser)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        parser.close()
+        del parser
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
