@@ -84,12 +84,12 @@ class RequestParser:
 
     def feed(self, data: bytes) -> None:
         """Parse what was read (after an upgrade, it is kept in ``rest``)."""
+        parser = self._parser
+        if parser is None:  # closed: the connection has ended
+            return
         if self.stopped:
             if self.broken is None:
                 self.rest += data
-            return
-        parser = self._parser
-        if parser is None:  # closed: the connection has ended
             return
         try:
             parser.feed_data(data)
@@ -102,13 +102,9 @@ class RequestParser:
             self.stopped = True
 
     def close(self) -> None:
-        """The connection has ended: llhttp's parser let go, and what was parsed."""
+        """The connection has ended: llhttp's parser let go (the pair then goes with the
+        connection); what is fed after is dropped."""
         self._parser = None
-        self.stopped = True
-        self.heads.clear()
-        self.body.clear()
-        self.current = None
-        self.rest = b""
 
     def take_rest(self) -> bytes:
         """After an upgrade: the bytes that came after its head (the new protocol's)."""
