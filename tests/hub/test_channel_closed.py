@@ -62,8 +62,11 @@ class StuckRunner:
 
     async def claim(self, hub: Hub) -> str:
         """The next job offered, claimed (waits on the board for one to be queued)."""
-        while not (jobs := await self.poll()):
-            await hub.board.changes.wait()
+        while True:
+            change = hub.board.changes.event  # taken before the poll: one during it is not missed
+            if jobs := await self.poll():
+                break
+            await change.wait()
         job_id: str = jobs[0]["id"]
         reply = await self.rest(
             "POST", f"{BASE}/runners/generate-jitconfig", {"jobId": job_id, "name": "stuck"}

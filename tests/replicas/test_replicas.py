@@ -58,12 +58,17 @@ async def until(check: Callable[[], bool], *among: Replica, within: float = GUAR
     runner seen, a job or a channel changed, a replica up or down). ``within``: a hang guard,
     not a timing (replicas on a loaded 2-core machine took over 10 s to see each other up)."""
     with trio.fail_after(within):
-        while not check():
+        while True:
+            # each board's next change taken before looking: one made between the look and the
+            # waiters' start (the nursery's tasks start after a checkpoint) is not missed
+            events = [replica.hub.board.changes.event for replica in among]
+            if check():
+                return
             async with trio.open_nursery() as nursery:
-                for replica in among:
+                for event in events:
 
-                    async def changed(r: Replica = replica) -> None:
-                        await r.hub.board.changes.wait()
+                    async def changed(e: trio.Event = event) -> None:
+                        await e.wait()
                         nursery.cancel_scope.cancel()
 
                     nursery.start_soon(changed)

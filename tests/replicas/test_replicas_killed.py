@@ -219,10 +219,13 @@ class Load:
 
 
 async def until(check: Callable[[], Awaitable[bool]], *events: Callable[[], trio.Event]) -> None:
-    """Until ``check()`` holds, looked at again whenever one of ``events`` is set."""
+    """Until ``check()`` holds, looked at again whenever one of ``events`` is set (each taken
+    before looking: a change while ``check`` awaits is not missed)."""
     with trio.fail_after(GUARD):
-        while not await check():
+        while True:
             waited = [get() for get in events]
+            if await check():
+                return
             async with trio.open_nursery() as nursery:
                 for event in waited:
 
