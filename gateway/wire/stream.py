@@ -81,14 +81,19 @@ class ResponseParser:
         self.started = False
         self._sized = False  # the body has a length or is chunked (else: until the close)
         self._keep_alive = False
-        self._parser = httptools.HttpResponseParser(self)
+        # llhttp's parser holds this one (its callbacks) and this one holds it: let go once
+        # the message is whole (``on_message_complete``), else every response of a runner's
+        # turns was cyclic garbage, freed only by the collector (most of its collections' work)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     # httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
+        parser = self._parser
+        assert parser is not None  # (called by it)
+        status = parser.get_status_code()
         if status < 200:  # an informational answer: the real one follows
             self.headers = []
             return
@@ -101,9 +106,11 @@ class ResponseParser:
             self._sized = True
 
     def on_message_complete(self) -> None:
-        if self.head_done:
+        parser = self._parser
+        if self.head_done and parser is not None:
             self.complete = True
-            self._keep_alive = self._parser.should_keep_alive()
+            self._keep_alive = parser.should_keep_alive()
+            self._parser = None  # whole: nothing more is parsed (``feed`` drops what follows)
 
     # what the reader asks
     def header(self, name: bytes) -> bytes | None:
@@ -127,8 +134,10 @@ class ResponseParser:
         if self.complete:  # bytes after the whole message: not a connection to keep
             self._keep_alive = False
             return
+        parser = self._parser
+        assert parser is not None  # (let go only once complete)
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             raise _malformed(exc) from None
 
@@ -161,7 +170,8 @@ class EventStream:
         self.done = False  # [DONE] came
         self.ended = http.complete  # the HTTP message ended (with [DONE] or without)
         self._http = http
-        self._parse = http._parser.feed_data
+        parser = http._parser  # (None once the message is whole: nothing more is parsed)
+        self._parse = parser.feed_data if parser is not None else http.feed
         self._splitter = SSESplitter()
         self._split = self._splitter.feed
 
@@ -172,10 +182,13 @@ class EventStream:
         broken: the stream is over then."""
         http = self._http
         if data:
-            try:
-                self._parse(data)
-            except httptools.HttpParserError as exc:
-                raise _malformed(exc) from None
+            if http.complete:  # bytes after the whole message: not a connection to keep
+                http.feed(data)
+            else:
+                try:
+                    self._parse(data)
+                except httptools.HttpParserError as exc:
+                    raise _malformed(exc) from None
         elif data is not None:
             http.end_of_stream()
         pieces = http.body

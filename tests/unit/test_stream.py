@@ -9,7 +9,9 @@ into a frame ``BadPayload``; and never any other error.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -207,3 +209,42 @@ def test_the_head_and_its_keep_alive() -> None:
     assert parser.complete and parser.keep_alive and parser.take_body() == b"hi"
     parser.feed(b"more")  # bytes after the whole message: the connection is not kept
     assert not parser.keep_alive
+
+
+class _Watched(ResponseParser):
+    __slots__ = ("__weakref__",)  # (the parser has none: a turn makes one)
+
+
+def test_a_whole_response_is_freed_at_once_not_by_the_cyclic_collector() -> None:
+    """llhttp's parser and ours hold each other while a response is read; once it is whole the
+    pair is broken, so a runner's every backend answer is freed as its turn lets it go, not
+    by the cyclic collector (which then had most of the runner's collections' work)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for framing in ("chunked", "length"):
+            parser = _Watched()
+            parser.feed(_answer(b'data: {"a":1}\n\n', framing))
+            assert parser.complete and parser.keep_alive
+            gone = weakref.ref(parser)
+            del parser
+            assert gone() is None, framing
+        parser = _Watched()  # read through the relay's stream, head and body apart
+        parser.feed(b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n")
+        stream = EventStream(parser)
+        assert stream.feed(b'data: {"a":1}\n\n') == [b'{"a":1}'] and stream.ended
+        gone = weakref.ref(parser)
+        del parser, stream
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_bytes_after_a_whole_streamed_answer_are_not_parsed_and_the_connection_not_kept() -> None:
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n")
+    stream = EventStream(parser)
+    assert stream.feed(b'data: {"a":1}\n\n') == [b'{"a":1}'] and parser.keep_alive
+    assert stream.feed(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n") == []
+    assert stream.ended and not parser.keep_alive and parser.status == 200
