@@ -10,7 +10,6 @@ to it), else in memory.
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 import uuid
@@ -20,6 +19,7 @@ import msgspec
 import trio
 
 from bench.common import reply_line, serve_commands
+from gateway.heap import HUB_YOUNG, settle
 from gateway.hub import Hub, serve_hub
 from gateway.hub.store import DEFAULT_KEY_PROJECT
 from gateway.wire import protocol
@@ -134,7 +134,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    # as ``alp-gateway hub`` does before it serves (gateway/hub/cli.py): the start-up heap frozen
-    gc.collect()
-    gc.freeze()
+    # as ``alp-gateway hub`` does before it serves (gateway/hub/cli.py): the start-up heap
+    # frozen, the young generation sized for a server (gateway/heap.py)
+    settle(HUB_YOUNG)
     trio.run(main)
