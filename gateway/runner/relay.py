@@ -3,7 +3,7 @@
 ``Relay.answer`` relays one backend answer to its turn's frames: a streamed one
 (``text/event-stream``) read by read by a ``Pump``, a whole JSON one as one chunk; then the
 done frame. ``Pump.pump`` is the whole per-read path and never waits: one ``recv`` of what has
-arrived, one ``feed`` of it to the turn's ``EventStream`` (no I/O there: the HTTP parse, the SSE
+arrived, one ``feed`` of it to its ``EventStream`` (no I/O there: the HTTP parse, the SSE
 split, each payload checked, never re-encoded) and one offer of the chunk frames to the
 channel, which writes them at once when no write is in progress (``WebSocket.offer``). The
 runner's ``Poller`` calls it for every streaming turn whose socket is ready; ``Pump.run`` is
@@ -110,8 +110,11 @@ class Relay:
                 turn.span.first_token()
             await self.last(turn, [payload], stitch)
             return
-        turn.stream = stream = EventStream(response.parser)
-        await Pump(turn, response, self, stitch).run()
+        # the decoder is the pump's and this call's, never the turn's: a turn that ended is
+        # kept a while for a resume (``linger``), and with its decoder it kept the answer's
+        # parser and buffers, most of what the collector walked under load
+        stream = EventStream(response.parser)
+        await Pump(turn, stream, response, self, stitch).run()
         if stream.done:  # the rest of the response is read (briefly), so the connection is reused
             if response.complete:  # it came with [DONE]: the usual case
                 return
@@ -217,17 +220,17 @@ class Pump:
     def __init__(
         self,
         turn: Turn,
+        stream: EventStream,
         response: http1.ClientResponse,
         relay: Relay,
         stitch: StitchPayloads | None = None,
     ) -> None:
-        assert turn.stream is not None
         self.fd = response.fileno()
         self.handback: trio.Event | None = None  # set by the poller when it gives the turn back
         self.state = IDLE
         self.error: Exception | None = None
         self._turn = turn
-        self._stream = turn.stream
+        self._stream = stream
         self._response = response
         self._recv = response.recv
         self._template = turn.frames.template

@@ -18,7 +18,6 @@ if (
     TYPE_CHECKING
 ):  # imported only when tracing is on (Runner.run: gateway.runner.otel.Tracing.start)
     from gateway.runner.otel import TurnTrace
-    from gateway.wire.stream import EventStream
 
 
 class Ending(enum.Enum):
@@ -59,7 +58,6 @@ class Turn:
     span: TurnTrace | None = None  # its trace span (tracing on)
     # why it was stopped; set, it is its cancel flag: nothing more is sent for it
     stopped: TurnEnd | None = None
-    stream: EventStream | None = None  # its decoder, once its backend's answer streams
     first_token: float | None = None  # trio clock: when its first chunk was read (None: not yet)
     chunks: int = 0  # chunk frames offered
     last_payload: bytes = b""  # the last of them (the usage chunk, if any)

@@ -11,6 +11,7 @@ for a hello) runs on trio's autojump clock.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from gateway.runner.turn import Ending, Turn
 from gateway.runner.turns import HELLO_WAIT, Turns
 from gateway.sim import Simulator, open_sim
 from gateway.wire import protocol
+from gateway.wire.stream import EventStream, ResponseParser
 
 GUARD = 30  # s: a never-hangs guard; nothing is expected to come near it
 LONG = {"chunks": 100_000, "interval": 0.01}  # a turn that streams until it is stopped
@@ -193,6 +195,26 @@ async def test_turns_not_named_are_cancelled_and_unknown_ones_unavailable(tmp_pa
         a_chunks = r.server.chunks("a")
         assert a_chunks == [p for p in a_stream.payloads if p != b"[DONE]"][: len(a_chunks)]
         assert r.runner.counters.get("turns_resumed") == 1
+
+
+async def test_a_turn_kept_for_a_resume_keeps_its_frames_not_its_answers_decoder(
+    tmp_path: Path,
+) -> None:
+    """A streamed turn that ends while its channel is up is kept a while (``linger``: the time a
+    dead path takes to be found) in case the Server did not get all of it: its frames, by
+    reference, and nothing of its backend answer's decoding (under load a runner keeps
+    thousands such turns, and every full collection walked their decoders and parsers)."""
+    async with rig(tmp_path) as r:
+        for n in range(3):
+            await r.server.request(r.conn, r.job, f"t{n}", body(chunks=5))
+        with trio.fail_after(GUARD):
+            await r.runner.counters.wait("turns_done", 3)  # each kept as its task ends
+        assert {"t0", "t1", "t2"} <= set(r.turns._kept())  # ended, kept
+        got = sorted(r.server.chunks(f"t{n}") for n in range(3))  # (the backend's order)
+        assert got == sorted(r.sent(n) for n in (1, 2, 3))
+        gc.collect()
+        kept = [o for o in gc.get_objects() if isinstance(o, (EventStream, ResponseParser))]
+        assert kept == []
 
 
 async def test_frames_no_longer_kept_get_resume_unavailable(tmp_path: Path) -> None:
