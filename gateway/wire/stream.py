@@ -49,6 +49,10 @@ def _malformed(exc: Exception) -> ProtocolError:
     return ProtocolError(f"sent a malformed HTTP response ({exc})")
 
 
+class _AfterWhole(Exception):
+    """Raised in llhttp's callback when a message begins after the whole one: it stops there."""
+
+
 class ResponseParser:
     """One HTTP/1.1 response as its bytes are fed; httptools' callbacks fill it in.
 
@@ -87,6 +91,10 @@ class ResponseParser:
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     # httptools' callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes after the whole message, in its last read: parsed no further
+            raise _AfterWhole
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
@@ -139,7 +147,14 @@ class ResponseParser:
         try:
             parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self.stopped(exc)
+
+    def stopped(self, exc: httptools.HttpParserError) -> None:
+        """llhttp stopped: at bytes after the whole message (the connection is then not kept),
+        else ``ProtocolError``."""
+        if not isinstance(exc.__context__, _AfterWhole):
             raise _malformed(exc) from None
+        self._keep_alive = False
 
     def end_of_stream(self) -> None:
         """The peer closed its side: the end of a body that runs until the close, else a loss."""
@@ -188,7 +203,7 @@ class EventStream:
                 try:
                     self._parse(data)
                 except httptools.HttpParserError as exc:
-                    raise _malformed(exc) from None
+                    http.stopped(exc)
         elif data is not None:
             http.end_of_stream()
         pieces = http.body

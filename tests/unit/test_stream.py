@@ -248,3 +248,19 @@ def test_bytes_after_a_whole_streamed_answer_are_not_parsed_and_the_connection_n
     assert stream.feed(b'data: {"a":1}\n\n') == [b'{"a":1}'] and parser.keep_alive
     assert stream.feed(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n") == []
     assert stream.ended and not parser.keep_alive and parser.status == 200
+
+
+def test_a_second_message_in_the_last_read_is_not_parsed_and_the_connection_not_kept() -> None:
+    """What a broken backend sends after its whole answer, in the same read, is not taken for
+    the answer (its status, headers or body) nor an error: the answer stands, the connection
+    goes."""
+    extra = b"HTTP/1.1 201 Created\r\nx-extra: 1\r\ncontent-length: 3\r\n\r\nbad"
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi" + extra)
+    assert parser.complete and not parser.keep_alive and parser.status == 200
+    assert parser.header(b"x-extra") is None and parser.take_body() == b"hi"
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\n\r\n")
+    stream = EventStream(parser)
+    assert stream.feed(b'data: {"a":1}\n\n' + extra) == [b'{"a":1}']
+    assert stream.ended and not parser.keep_alive and parser.status == 200
