@@ -6,10 +6,16 @@ through a channel that ends in this hub, read by the hub's own receive path: how
 hub take frames?), ``jobs`` (how many jobs are in each state). With a directory as its argument
 the hub keeps its store there (a file, as a deployed hub does: each turn's usage row is a write
 to it), else in memory.
+
+``BENCH_HUB_WITHOUT`` (``ledger``, ``metrics`` or both, comma-separated) serves turns without
+that part of the hub's per-turn bookkeeping, to measure what it costs (``python -m
+bench.turnprofile --hub-without``): ``ledger`` is the usage journal's two lines and the row
+queued for the store, ``metrics`` the turn's counters and histograms. Never a way to run a hub.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -27,6 +33,21 @@ from gateway.wire import protocol
 ADMIN = "alpa_bench_admin_credential"
 OWNER, PROJECT = DEFAULT_KEY_PROJECT.split("/")
 DEFINITION = {"jobType": "chat_llm", "needs": [protocol.CAPABILITY]}
+
+
+WITHOUT = ("ledger", "metrics")
+
+
+def without(hub: Hub, parts: str) -> None:
+    """``hub`` (started: its journal taken on) without the bookkeeping ``parts`` names."""
+    for part in filter(None, (p.strip() for p in parts.split(","))):
+        if part == "ledger":
+            hub.store.journal = None  # no start and end lines (the batch writer seals none)
+            hub.accounting.write_row = lambda turn, wall: None  # type: ignore[method-assign]
+        elif part == "metrics":
+            hub.accounting.observers.remove(hub.metrics.observe)
+        else:
+            raise SystemExit(f"BENCH_HUB_WITHOUT: {part!r} is none of {', '.join(WITHOUT)}")
 
 
 class _Count:
@@ -100,6 +121,7 @@ async def main() -> None:
 
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve_hub, hub)
+        without(hub, os.environ.get("BENCH_HUB_WITHOUT", ""))
         reply_line({"url": url, "admin": ADMIN, "project": DEFAULT_KEY_PROJECT})
 
         async def handle(cmd: dict[str, Any]) -> dict[str, Any]:

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from bench import reqload
+from bench import hubproc, reqload
 from bench.profile import _name
 from bench.run import Bench, parse_args
 
@@ -277,6 +279,23 @@ def report(
     return "\n".join(lines)
 
 
+def cpu_line(
+    args: argparse.Namespace,
+    kind: str,
+    done: int,
+    procs: dict[str, Any],
+    cpu0: dict[str, float],
+    cpu1: dict[str, float],
+) -> str:
+    """``--cpu-only``'s one line: each process's CPU per turn over the window, hub/runner."""
+    per = {p: (cpu1[p] - cpu0[p]) / max(done, 1) * 1e6 for p in procs}
+    parts = [f"{p} {us:.1f} µs" for p, us in per.items()]
+    if per.get("runner"):
+        parts.append(f"hub/runner {per['hub'] / per['runner']:.3f}")
+    without = f", the hub without its {args.hub_without}" if args.hub_without else ""
+    return f"{kind}: {done} turns at {args.rate:g}/s{without}: " + ", ".join(parts)
+
+
 async def main(args: argparse.Namespace) -> None:
     extra = ["--base-tree", args.base_tree] if args.base_tree else []
     bench_args = parse_args(["--quick", "--no-scale", "--paths", args.path, *extra])
@@ -295,6 +314,8 @@ async def main(args: argparse.Namespace) -> None:
                 raws = {p: OUT / f"turn-{p}-{kind}{args.suffix}.collapsed" for p in procs}
                 spies = []
                 for proc, child in procs.items():
+                    if args.cpu_only:
+                        break
                     spies.append(
                         await trio.lowlevel.open_process(
                             [
@@ -316,7 +337,8 @@ async def main(args: argparse.Namespace) -> None:
                             stderr=subprocess.DEVNULL,
                         )
                     )
-                await trio.sleep(1.0)  # py-spy attached
+                if spies:
+                    await trio.sleep(1.0)  # py-spy attached
                 cpu0 = {p: c.cpu() for p, c in procs.items()}
 
                 async def run(j: int, due: float, kind: str = kind) -> reqload.Shot:
@@ -332,6 +354,9 @@ async def main(args: argparse.Namespace) -> None:
                 if len(done) < len(shots):
                     bad = next(s for s in shots if s.error is not None)
                     print(f"  {len(shots) - len(done)} turns failed, e.g. {bad.error}")
+                if args.cpu_only:
+                    print(cpu_line(args, kind, len(done), procs, cpu0, cpu1))
+                    continue
                 for proc in procs:
                     cpu_us = (cpu1[proc] - cpu0[proc]) / max(len(done), 1) * 1e6
                     figures = [proc, kind, cpu_us, len(done), args.rate, args.seconds - 2.0]
@@ -339,6 +364,8 @@ async def main(args: argparse.Namespace) -> None:
                     text = report(proc, kind, raws[proc], *figures[2:])
                     if args.base_tree:
                         text = f"(the hub and runner of {args.base_tree})\n" + text
+                    if args.hub_without:
+                        text = f"(the hub without its {args.hub_without})\n" + text
                     name = f"turn-{proc}-{kind}{args.suffix}.txt"
                     (OUT / name).write_text(text + "\n")
                     print(text.split("\n\n")[0] + "\n" + text.split("\n\n")[1] + "\n")
@@ -371,7 +398,26 @@ if __name__ == "__main__":
         action="store_true",
         help="no run: rebuild the summaries of --suffix from the stacks and figures kept",
     )
+    parser.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="no py-spy: each process's CPU per turn only, on one line per kind",
+    )
+    parser.add_argument(
+        "--hub-without",
+        default="",
+        help="the hub serves without this per-turn bookkeeping (ledger, metrics or both, "
+        "comma-separated: bench/hubproc.py), to measure what it costs",
+    )
     cli = parser.parse_args()
+    if cli.hub_without:
+        unknown = set(cli.hub_without.split(",")) - set(hubproc.WITHOUT)
+        if unknown:
+            parser.error(
+                f"--hub-without: {', '.join(sorted(unknown))} is none of "
+                f"{', '.join(hubproc.WITHOUT)}"
+            )
+        os.environ["BENCH_HUB_WITHOUT"] = cli.hub_without
     if cli.again:
         again(cli.suffix)
     else:
