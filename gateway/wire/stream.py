@@ -50,7 +50,8 @@ def _malformed(exc: Exception) -> ProtocolError:
 
 
 class _AfterWhole(Exception):
-    """Raised in llhttp's callback when a message begins after the whole one: it stops there."""
+    """Raised in llhttp's callback when a message begins after the whole one: it stops there
+    (``ResponseParser.stopped``)."""
 
 
 class ResponseParser:
@@ -150,9 +151,10 @@ class ResponseParser:
             self.stopped(exc)
 
     def stopped(self, exc: httptools.HttpParserError) -> None:
-        """llhttp stopped: at bytes after the whole message (the connection is then not kept),
-        else ``ProtocolError``."""
-        if not isinstance(exc.__context__, _AfterWhole):
+        """llhttp stopped: once the message is whole, at whatever came after it in the same
+        read (a message ``on_message_begin`` stops, or bytes after ``Connection: close``) the
+        answer stands and the connection is not kept; before, ``ProtocolError``."""
+        if not self.complete:
             raise _malformed(exc) from None
         self._keep_alive = False
 

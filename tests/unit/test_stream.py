@@ -264,3 +264,18 @@ def test_a_second_message_in_the_last_read_is_not_parsed_and_the_connection_not_
     stream = EventStream(parser)
     assert stream.feed(b'data: {"a":1}\n\n' + extra) == [b'{"a":1}']
     assert stream.ended and not parser.keep_alive and parser.status == 200
+
+
+def test_bytes_after_a_whole_answer_that_closes_in_the_same_read_are_not_an_error() -> None:
+    """A backend that says ``Connection: close`` and sends anything after its whole answer, in
+    the same read: the answer stands (llhttp's "data after close" is not a malformed answer)."""
+    head = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nhi"
+    for extra in (b"garbage", b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n"):
+        parser = ResponseParser()
+        parser.feed(head + extra)
+        assert parser.complete and not parser.keep_alive and parser.take_body() == b"hi"
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 15\r\n\r\n")
+    stream = EventStream(parser)
+    assert stream.feed(b'data: {"a":1}\n\ngarbage') == [b'{"a":1}']
+    assert stream.ended and not parser.keep_alive
